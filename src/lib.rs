@@ -1,0 +1,12 @@
+//! compactor: a transparent OpenAI-compatible reverse proxy that compacts
+//! long conversations in flight.
+//!
+//! - [`compaction`]: the pure, synchronous compaction engine (no I/O).
+//! - [`proxy`], [`config`], [`server`]…: the async proxy around it.
+//! - [`session`], [`usage`], [`window`]: per-conversation state, the usage tap
+//!   and context-window resolution.
+
+pub mod compaction;
+pub mod session;
+pub mod usage;
+pub mod window;
