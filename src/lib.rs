@@ -6,6 +6,7 @@
 //! - [`session`], [`usage`], [`window`]: per-conversation state, the usage tap
 //!   and context-window resolution.
 
+pub mod chat;
 pub mod compaction;
 pub mod session;
 pub mod usage;

@@ -1,0 +1,250 @@
+//! Compaction records: the stable prefixes that make compaction a substitution
+//! rather than a one-time rewrite (design §2).
+//!
+//! Chat APIs are stateless: the client re-sends its full, uncompacted history
+//! on every turn. A record says "the first `k` original messages, whose chained
+//! hash is `prefix_hash`, are sent upstream as `replacement`". Because the
+//! replacement bytes never change, upstream prompt caches keep hitting between
+//! compactions.
+//!
+//! Records are content-addressed by (credential fingerprint, prefix hash), so a
+//! conversation that forks, retries or arrives without a session header still
+//! finds the compaction made for the history it shares.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use dashmap::DashMap;
+use serde_json::value::RawValue;
+use tokio::time::Instant;
+
+/// One compaction's substitution.
+#[derive(Debug)]
+pub struct Record {
+    /// How many leading original messages the replacement stands for.
+    pub k: usize,
+    /// Chained hash of those `k` original messages.
+    pub prefix_hash: u128,
+    /// The messages sent upstream instead, byte-identical every time.
+    pub replacement: Vec<Box<RawValue>>,
+    /// Rough token estimate of the replacement (saves re-estimating it).
+    pub replacement_tokens: u64,
+    /// Rough token estimate of the `k` originals it replaced.
+    pub original_tokens: u64,
+    last_used: AtomicU64,
+}
+
+impl Record {
+    pub fn new(
+        k: usize,
+        prefix_hash: u128,
+        replacement: Vec<Box<RawValue>>,
+        original_tokens: u64,
+        replacement_tokens: u64,
+    ) -> Self {
+        Self {
+            k,
+            prefix_hash,
+            replacement,
+            replacement_tokens,
+            original_tokens,
+            last_used: AtomicU64::new(0),
+        }
+    }
+
+    /// Total bytes held by the replacement (what a record costs in memory).
+    pub fn bytes(&self) -> usize {
+        self.replacement.iter().map(|m| m.get().len()).sum()
+    }
+}
+
+/// Key of a record: (credential fingerprint, prefix hash).
+pub type RecordKey = (u128, u128);
+
+/// Bounded, content-addressed store of compaction records.
+pub struct RecordStore {
+    map: DashMap<RecordKey, Arc<Record>>,
+    epoch: Instant,
+    ttl: Duration,
+    max: usize,
+}
+
+impl RecordStore {
+    pub fn new(ttl: Duration, max: usize) -> Self {
+        Self {
+            map: DashMap::new(),
+            epoch: Instant::now(),
+            ttl,
+            max: max.max(1),
+        }
+    }
+
+    fn tick(&self) -> u64 {
+        self.epoch.elapsed().as_millis() as u64
+    }
+
+    pub fn len(&self) -> usize {
+        self.map.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.map.is_empty()
+    }
+
+    /// Store a record; evicts the least recently used one when full.
+    pub fn insert(&self, cred: u128, record: Record) -> Arc<Record> {
+        record.last_used.store(self.tick(), Ordering::Relaxed);
+        let record = Arc::new(record);
+        self.map
+            .insert((cred, record.prefix_hash), Arc::clone(&record));
+        if self.map.len() > self.max {
+            self.evict_lru();
+        }
+        record
+    }
+
+    /// The longest prefix of `hashes` (element i = chained hash of messages
+    /// 0..=i) that has a record for this credential. `hint` is the session's
+    /// newest record, checked first so the common case is one lookup.
+    pub fn lookup(
+        &self,
+        cred: u128,
+        hashes: &[u128],
+        hint: Option<&Arc<Record>>,
+    ) -> Option<Arc<Record>> {
+        if let Some(rec) = hint {
+            if rec.k > 0 && rec.k <= hashes.len() && hashes[rec.k - 1] == rec.prefix_hash {
+                if let Some(found) = self.touch(cred, rec.prefix_hash, rec.k) {
+                    return Some(found);
+                }
+            }
+        }
+        // Longest first: a later compaction covers more of the history.
+        for (i, h) in hashes.iter().enumerate().rev() {
+            if let Some(found) = self.touch(cred, *h, i + 1) {
+                return Some(found);
+            }
+        }
+        None
+    }
+
+    fn touch(&self, cred: u128, hash: u128, k: usize) -> Option<Arc<Record>> {
+        let rec = self.map.get(&(cred, hash)).map(|r| Arc::clone(r.value()))?;
+        if rec.k != k {
+            return None;
+        }
+        let now = self.tick();
+        if now.saturating_sub(rec.last_used.load(Ordering::Relaxed)) > self.ttl.as_millis() as u64 {
+            self.map.remove(&(cred, hash));
+            return None;
+        }
+        rec.last_used.store(now, Ordering::Relaxed);
+        Some(rec)
+    }
+
+    /// Drop records idle longer than the TTL.
+    pub fn sweep(&self) {
+        let now = self.tick();
+        let ttl = self.ttl.as_millis() as u64;
+        self.map
+            .retain(|_, r| now.saturating_sub(r.last_used.load(Ordering::Relaxed)) <= ttl);
+    }
+
+    fn evict_lru(&self) {
+        while self.map.len() > self.max {
+            let oldest = self
+                .map
+                .iter()
+                .min_by_key(|e| e.value().last_used.load(Ordering::Relaxed))
+                .map(|e| *e.key());
+            match oldest {
+                Some(k) => {
+                    self.map.remove(&k);
+                }
+                None => break,
+            }
+        }
+    }
+}
+
+/// Given the original history and the compacted one, find how many leading
+/// original messages the compaction replaced: the compacted list ends with an
+/// untouched suffix of the original. Returns `(k, j)` where
+/// `compacted[j..] == original[k..]` and the suffix is the longest possible.
+pub fn split_replacement(
+    original: &[serde_json::Value],
+    compacted: &[serde_json::Value],
+) -> (usize, usize) {
+    let mut common = 0;
+    while common < original.len()
+        && common < compacted.len()
+        && original[original.len() - 1 - common] == compacted[compacted.len() - 1 - common]
+    {
+        common += 1;
+    }
+    (original.len() - common, compacted.len() - common)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    fn raw(s: &str) -> Box<RawValue> {
+        RawValue::from_string(s.to_string()).unwrap()
+    }
+
+    #[test]
+    fn lookup_finds_longest_matching_prefix() {
+        let store = RecordStore::new(Duration::from_secs(60), 10);
+        let hashes = [11u128, 22, 33, 44, 55];
+        store.insert(1, Record::new(2, 22, vec![raw("{\"a\":1}")], 10, 2));
+        store.insert(1, Record::new(4, 44, vec![raw("{\"b\":2}")], 20, 2));
+        let hit = store.lookup(1, &hashes, None).unwrap();
+        assert_eq!(hit.k, 4);
+        // A forked history sharing only the first two messages finds the older record.
+        let fork = [11u128, 22, 99, 98];
+        assert_eq!(store.lookup(1, &fork, None).unwrap().k, 2);
+        // Other credentials never see it.
+        assert!(store.lookup(2, &hashes, None).is_none());
+    }
+
+    #[test]
+    fn hint_must_still_match_the_history() {
+        let store = RecordStore::new(Duration::from_secs(60), 10);
+        let rec = store.insert(1, Record::new(2, 22, vec![raw("1")], 1, 1));
+        assert!(store.lookup(1, &[11, 23, 33], Some(&rec)).is_none());
+        assert_eq!(store.lookup(1, &[11, 22, 33], Some(&rec)).unwrap().k, 2);
+    }
+
+    #[test]
+    fn lru_eviction_bounds_the_store() {
+        let store = RecordStore::new(Duration::from_secs(60), 2);
+        store.insert(1, Record::new(1, 1, vec![], 0, 0));
+        store.insert(1, Record::new(1, 2, vec![], 0, 0));
+        store.insert(1, Record::new(1, 3, vec![], 0, 0));
+        assert_eq!(store.len(), 2);
+    }
+
+    #[test]
+    fn split_replacement_finds_untouched_suffix() {
+        let orig = vec![
+            json!({"r":"s"}),
+            json!({"r":1}),
+            json!({"r":2}),
+            json!({"r":3}),
+            json!({"r":4}),
+        ];
+        let comp = vec![
+            json!({"r":"s"}),
+            json!({"r":"summary"}),
+            json!({"r":3}),
+            json!({"r":4}),
+        ];
+        assert_eq!(split_replacement(&orig, &comp), (3, 2));
+        // Nothing in common: everything is replacement.
+        let comp2 = vec![json!({"x":1})];
+        assert_eq!(split_replacement(&orig, &comp2), (5, 1));
+    }
+}
