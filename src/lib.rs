@@ -7,6 +7,7 @@
 //!   and context-window resolution.
 
 pub mod compaction;
+pub mod request;
 pub mod session;
 pub mod usage;
 pub mod window;
