@@ -10,9 +10,11 @@
 //!   before the first content delta.
 //! - [`hide`]: removes the forced `include_usage` output from a stream.
 //! - [`inject`]: the request side (forcing `include_usage`).
+//! - [`peek`]: holding a stream's start until content or an error shows.
 
 pub mod hide;
 pub mod inject;
+pub mod peek;
 pub mod sse;
 pub mod tap;
 

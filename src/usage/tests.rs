@@ -425,3 +425,31 @@ proptest! {
         prop_assert_eq!(whole, split);
     }
 }
+
+#[test]
+fn llamacpp_timings_keep_upstream_separators() {
+    // Found by the property test: a spaced JSON style must be reproduced
+    // when `timings` moves from the usage chunk to the finish chunk.
+    let g = Gen {
+        vendor: Vendor::LlamaCpp,
+        eol: "\n",
+        pieces: vec![],
+        ping_every: 0,
+        spaced: true,
+        prompt: 1,
+    };
+    assert_eq!(hide(&[&render(&g, true)]), render(&g, false));
+}
+
+#[test]
+fn comment_between_finish_and_usage_chunk_stays_in_place() {
+    let g = Gen {
+        vendor: Vendor::LlamaCpp,
+        eol: "\n",
+        pieces: vec![],
+        ping_every: 1,
+        spaced: false,
+        prompt: 1,
+    };
+    assert_eq!(hide(&[&render(&g, true)]), render(&g, false));
+}
