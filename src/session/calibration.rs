@@ -79,6 +79,19 @@ pub struct Estimate {
     pub sent: Arc<SentRequest>,
 }
 
+/// Content-free view for the admin endpoint.
+#[derive(Debug, Clone, Copy, PartialEq, serde::Serialize)]
+pub struct CalibrationSnapshot {
+    /// Real `prompt_tokens` of the last observed request.
+    pub last_real_prompt_tokens: Option<u64>,
+    /// Current real/rough ratio.
+    pub ratio: Option<f64>,
+    /// estimate/real − 1 of the last observed request.
+    pub last_estimate_error: Option<f64>,
+    /// Real usage reports taken.
+    pub observations: u64,
+}
+
 #[derive(Debug, Clone)]
 struct Observation {
     sent: Arc<SentRequest>,
@@ -140,6 +153,16 @@ impl Calibration {
     /// Number of real usage reports taken.
     pub fn observations(&self) -> u64 {
         self.observations
+    }
+
+    /// Content-free summary (admin endpoint).
+    pub fn snapshot(&self) -> CalibrationSnapshot {
+        CalibrationSnapshot {
+            last_real_prompt_tokens: self.last_real_prompt(),
+            ratio: self.ratio,
+            last_estimate_error: self.last_error,
+            observations: self.observations,
+        }
     }
 
     /// Forgets everything (model switch: old calibration must not suppress
@@ -335,6 +358,9 @@ mod tests {
         assert_eq!(c.observations(), 0);
         c.observe(e.sent, 8);
         assert_eq!(c.ratio(), Some(2.0));
+        let snap = serde_json::to_value(c.snapshot()).unwrap();
+        assert_eq!(snap["last_real_prompt_tokens"], 8);
+        assert_eq!(snap["observations"], 1);
         c.reset();
         assert_eq!((c.ratio(), c.last_real_prompt()), (None, None));
     }

@@ -394,16 +394,17 @@ fn skip_value(s: &[u8], i: usize) -> Option<usize> {
 pin_project! {
     /// Body wrapper applying [`UsageHider`] to every data frame. Trailers
     /// pass through after the flushed remainder.
-    pub struct HideUsageBody<B> {
+    pub struct HideUsageBody<B, E = <B as Body>::Error> {
         #[pin]
         inner: B,
         hider: UsageHider,
         done: bool,
         trailers: Option<http::HeaderMap>,
+        error: Option<E>,
     }
 }
 
-impl<B> HideUsageBody<B> {
+impl<B: Body> HideUsageBody<B> {
     /// Wraps `inner`.
     pub fn new(inner: B) -> Self {
         Self {
@@ -411,6 +412,7 @@ impl<B> HideUsageBody<B> {
             hider: UsageHider::new(),
             done: false,
             trailers: None,
+            error: None,
         }
     }
 }
@@ -430,6 +432,9 @@ where
         let mut this = self.project();
         loop {
             if *this.done {
+                if let Some(e) = this.error.take() {
+                    return Poll::Ready(Some(Err(e)));
+                }
                 return Poll::Ready(this.trailers.take().map(|t| Ok(Frame::trailers(t))));
             }
             let polled = match this.inner.as_mut().poll_frame(cx) {
@@ -458,10 +463,11 @@ where
                     }
                 },
                 Some(Err(e)) => {
-                    // Whatever was held back is lost with the stream; the
-                    // client sees the same error the upstream produced.
+                    // Release what was held back first, then the error, as
+                    // the client would have seen it without compactor.
                     *this.done = true;
-                    return Poll::Ready(Some(Err(e)));
+                    this.hider.finish(&mut out);
+                    *this.error = Some(e);
                 }
                 None => {
                     *this.done = true;
@@ -475,7 +481,7 @@ where
     }
 
     fn is_end_stream(&self) -> bool {
-        self.done && self.trailers.is_none()
+        self.done && self.trailers.is_none() && self.error.is_none()
     }
 
     fn size_hint(&self) -> SizeHint {

@@ -453,3 +453,20 @@ fn comment_between_finish_and_usage_chunk_stays_in_place() {
     };
     assert_eq!(hide(&[&render(&g, true)]), render(&g, false));
 }
+
+#[tokio::test]
+async fn held_bytes_are_released_before_an_upstream_error() {
+    let finish: &[u8] = b"data: {\"choices\":[{\"index\":0,\"delta\":{},\"finish_reason\":\"stop\"}],\"usage\":null}\n\ndata: {\"partial";
+    let body = MockBody::new(vec![
+        Some(Ok(Frame::data(Bytes::from_static(finish)))),
+        Some(Err(std::io::Error::other("reset"))),
+    ]);
+    let mut hidden = HideUsageBody::new(body);
+    let first = hidden.frame().await.unwrap().unwrap().into_data().unwrap();
+    assert_eq!(
+        &first[..],
+        &b"data: {\"choices\":[{\"index\":0,\"delta\":{},\"finish_reason\":\"stop\"}]}\n\ndata: {\"partial"[..]
+    );
+    assert!(hidden.frame().await.unwrap().is_err());
+    assert!(hidden.frame().await.is_none());
+}
