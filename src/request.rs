@@ -37,12 +37,14 @@ pub enum ParseError {
 }
 
 /// One top-level member: its raw value and, when it came from the original
-/// body and is unchanged, where that value sits in the original bytes.
+/// body, where that value sits in the original bytes.
 #[derive(Debug)]
 struct Member {
     raw: Box<RawValue>,
-    /// Byte range of the value in `original`; `None` once replaced or added.
+    /// Byte range of the value in `original`; `None` for added members.
     span: Option<Range<usize>>,
+    /// `raw` differs from the original value.
+    changed: bool,
 }
 
 /// A parsed chat request body (see the module docs).
@@ -117,6 +119,7 @@ impl ChatRequest {
                 Member {
                     raw: v.to_owned(),
                     span,
+                    changed: false,
                 },
             );
         }
@@ -232,11 +235,15 @@ impl ChatRequest {
         match self.top.get_mut("stream_options") {
             Some(m) => {
                 m.raw = raw;
-                m.span = None;
+                m.changed = true;
             }
             None => {
-                self.top
-                    .insert("stream_options".to_owned(), Member { raw, span: None });
+                let added = Member {
+                    raw,
+                    span: None,
+                    changed: true,
+                };
+                self.top.insert("stream_options".to_owned(), added);
             }
         }
         true
@@ -244,7 +251,7 @@ impl ChatRequest {
 
     /// Whether [`Self::to_bytes`] would differ from the original body.
     pub fn is_modified(&self) -> bool {
-        self.messages_replaced || self.top.values().any(|m| m.span.is_none())
+        self.messages_replaced || self.top.values().any(|m| m.changed)
     }
 
     /// The body to send upstream. Unchanged requests give back the original
@@ -262,11 +269,11 @@ impl ChatRequest {
         // increase monotonically; splice replacements in order.
         for (k, m) in &self.top {
             let replaced_messages = k == "messages" && self.messages_replaced;
-            let Some(orig) = self.original_span(k) else {
+            let Some(orig) = m.span.clone() else {
                 appended.push((k, &m.raw));
                 continue;
             };
-            if m.span.is_some() && !replaced_messages {
+            if !m.changed && !replaced_messages {
                 continue;
             }
             out.extend_from_slice(&src[cursor..orig.start]);
@@ -295,22 +302,6 @@ impl ChatRequest {
         }
         out.extend_from_slice(&src[close..]);
         out.freeze()
-    }
-
-    /// Where the member `key` sat in the original body (its value), if it
-    /// came from there. Members replaced later keep their original position.
-    fn original_span(&self, key: &str) -> Option<Range<usize>> {
-        // Re-derive from a borrowed parse only for replaced members; the
-        // common path (unchanged members) never gets here.
-        if let Some(Member { span: Some(s), .. }) = self.top.get(key) {
-            return Some(s.clone());
-        }
-        let borrowed: BorrowedTop<'_> = serde_json::from_slice(&self.original).ok()?;
-        borrowed
-            .0
-            .iter()
-            .find(|(k, _)| k == key)
-            .and_then(|(_, v)| offset_in(&self.original, v.get()))
     }
 }
 
