@@ -25,6 +25,8 @@ use http_body::{Body, Frame, SizeHint};
 use memchr::{memchr2, memmem};
 use pin_project_lite::pin_project;
 
+use super::sse::MAX_EVENT_BYTES;
+
 /// Streaming usage remover; see the module docs.
 #[derive(Debug, Default)]
 pub struct UsageHider {
@@ -36,6 +38,10 @@ pub struct UsageHider {
     line_start: usize,
     /// A complete finish chunk held until the next block.
     held: Option<Held>,
+    /// The current event outgrew the cap: its bytes are forwarded as they
+    /// come, untouched, until it ends.
+    passthrough: bool,
+    oversized_events: u64,
     dropped_events: u64,
     edited_events: u64,
 }
@@ -112,8 +118,13 @@ impl UsageHider {
             };
             if p == self.line_start {
                 // Blank line: the block `consumed..term_end` is complete.
-                let block = self.pending[consumed..term_end].to_vec();
-                self.release(block, out);
+                if self.passthrough {
+                    out.extend_from_slice(&self.pending[consumed..term_end]);
+                    self.passthrough = false;
+                } else {
+                    let block = self.pending[consumed..term_end].to_vec();
+                    self.release(block, out);
+                }
                 consumed = term_end;
             }
             self.line_start = term_end;
@@ -124,6 +135,33 @@ impl UsageHider {
             self.scan_pos -= consumed;
             self.line_start -= consumed;
         }
+        if self.pending.len() > MAX_EVENT_BYTES || (self.passthrough && self.scan_pos > 0) {
+            self.spill(out);
+        }
+    }
+
+    /// Forwards the scanned part of an oversized event untouched, so memory
+    /// stays bounded and the stream keeps flowing.
+    fn spill(&mut self, out: &mut BytesMut) {
+        if !self.passthrough {
+            if let Some(h) = self.held.take() {
+                h.flush(out);
+            }
+            self.passthrough = true;
+            self.oversized_events += 1;
+        }
+        let k = self.scan_pos;
+        out.extend_from_slice(&self.pending[..k]);
+        self.pending.drain(..k);
+        self.scan_pos = 0;
+        // usize::MAX: the current line began in bytes already forwarded, so
+        // the next terminator ends a non-empty line.
+        self.line_start = self.line_start.checked_sub(k).unwrap_or(usize::MAX);
+    }
+
+    /// Events forwarded untouched because they exceeded the size cap.
+    pub fn oversized_events(&self) -> u64 {
+        self.oversized_events
     }
 
     /// Flushes everything at the end of the stream (an unterminated last
@@ -132,7 +170,9 @@ impl UsageHider {
         let rest = std::mem::take(&mut self.pending);
         self.scan_pos = 0;
         self.line_start = 0;
-        if !rest.is_empty() {
+        if std::mem::take(&mut self.passthrough) {
+            out.extend_from_slice(&rest);
+        } else if !rest.is_empty() {
             self.release(rest, out);
         }
         if let Some(h) = self.held.take() {
@@ -558,6 +598,36 @@ mod tests {
         for cut in 0..=s.len() {
             assert_eq!(hide_all(&[&s[..cut], &s[cut..]]), want, "cut {cut}");
         }
+    }
+
+    #[test]
+    fn oversized_event_streams_through_untouched() {
+        let big = format!(
+            "data: {{\"usage\":null,\"x\":\"{}\"}}",
+            "a".repeat(3 * MAX_EVENT_BYTES)
+        );
+        let stream = format!(
+            "data: {{\"a\":1,\"usage\":null}}\n\n{big}\r\n\r\ndata: {{\"b\":2,\"usage\":null}}\n\n"
+        );
+        let mut h = UsageHider::new();
+        let mut out = BytesMut::new();
+        let mut released_before_end = false;
+        let bytes = stream.as_bytes();
+        let big_end = stream.find("\r\n\r\n").unwrap();
+        let mut pos = 0;
+        for c in bytes.chunks(64 * 1024) {
+            h.push(c, &mut out);
+            pos += c.len();
+            if pos < big_end && out.len() > 1024 {
+                released_before_end = true;
+            }
+        }
+        h.finish(&mut out);
+        assert!(released_before_end);
+        assert!(h.pending.capacity() < 3 * MAX_EVENT_BYTES);
+        let want = format!("data: {{\"a\":1}}\n\n{big}\r\n\r\ndata: {{\"b\":2}}\n\n");
+        assert!(out[..] == *want.as_bytes());
+        assert_eq!(h.oversized_events(), 1);
     }
 
     #[test]
