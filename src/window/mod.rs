@@ -1,5 +1,5 @@
 //! Context windows per (upstream, model): discovery from the upstream
-//! ([`discover`]), overflow-error recognition ([`overflow`]) and the lazy
+//! ([`discover`](mod@discover)), overflow-error recognition ([`overflow`]) and the lazy
 //! cache that combines them with the config table ([`cache`]).
 
 pub mod cache;
