@@ -5,7 +5,7 @@
 use std::hint::black_box;
 
 use bytes::BytesMut;
-use compactor::request::{message_hashes, ChatRequest};
+use compactor::request::{message_hashes, ChainCache, ChatRequest};
 use compactor::session::calibration::Calibration;
 use compactor::usage::hide::UsageHider;
 use compactor::usage::{BodyKind, UsageExtractor};

@@ -408,6 +408,40 @@ pub fn extend_message_hashes(chain: &mut Vec<u128>, more: &[Box<RawValue>]) {
     }
 }
 
+/// Per-session memo of the last chain, keyed by a fast hash of each
+/// message's raw bytes: a client that resends its history byte for byte
+/// (the usual case) only pays the canonical hashing for new messages.
+#[derive(Debug, Clone, Default)]
+pub struct ChainCache {
+    raw: Vec<u64>,
+    chain: Vec<u128>,
+}
+
+impl ChainCache {
+    /// An empty cache.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// The chain of `messages` (equal to [`message_hashes`]), reusing the
+    /// prefix that is byte-identical to the previous call.
+    pub fn chain(&mut self, messages: &[Box<RawValue>]) -> &[u128] {
+        let raw: Vec<u64> = messages
+            .iter()
+            .map(|m| xxhash_rust::xxh3::xxh3_64(m.get().as_bytes()))
+            .collect();
+        let same = raw
+            .iter()
+            .zip(&self.raw)
+            .take_while(|(a, b)| a == b)
+            .count();
+        self.chain.truncate(same);
+        extend_message_hashes(&mut self.chain, &messages[same..]);
+        self.raw = raw;
+        &self.chain
+    }
+}
+
 /// Length of the longest common prefix of two chains.
 pub fn common_prefix_len(a: &[u128], b: &[u128]) -> usize {
     let n = a.len().min(b.len());
@@ -569,6 +603,18 @@ mod tests {
         assert_ne!(ha[1], hc[1]);
         assert_eq!(common_prefix_len(&ha, &hc), 1);
         assert_eq!(common_prefix_len(&ha, &ha), 2);
+    }
+
+    #[test]
+    fn chain_cache_matches_full_computation() {
+        let mut cache = ChainCache::new();
+        let a = vec![raw(r#""x""#), raw(r#""y""#), raw(r#""z""#)];
+        assert_eq!(cache.chain(&a), message_hashes(&a).as_slice());
+        let b = vec![raw(r#""x""#), raw(r#""Y""#)];
+        assert_eq!(cache.chain(&b), message_hashes(&b).as_slice());
+        let c = vec![raw(r#""x""#), raw(r#""Y""#), raw(r#""w""#), raw(r#""v""#)];
+        assert_eq!(cache.chain(&c), message_hashes(&c).as_slice());
+        assert_eq!(cache.chain(&[]), &[] as &[u128]);
     }
 
     #[test]
