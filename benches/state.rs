@@ -81,6 +81,19 @@ fn bench_hashes(c: &mut Criterion) {
     g.bench_function("1000_messages", |b| {
         b.iter(|| black_box(message_hashes(black_box(&conv))))
     });
+    // The usual turn: 1,000 messages resent byte for byte plus two new ones.
+    let next = conversation(1002);
+    g.bench_function("cached_1000_plus_2", |b| {
+        b.iter_batched(
+            || {
+                let mut cache = ChainCache::new();
+                cache.chain(&conv);
+                cache
+            },
+            |mut cache| black_box(cache.chain(black_box(&next)).len()),
+            criterion::BatchSize::SmallInput,
+        )
+    });
     g.finish();
 
     let body = serde_json::json!({"model": "m", "stream": true, "messages": conv}).to_string();
