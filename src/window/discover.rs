@@ -11,6 +11,8 @@
 //!    (the smaller), for the entry whose `id` is the model. llama.cpp's
 //!    `meta.n_ctx_train` is the training maximum, not the runtime window,
 //!    and is ignored.
+//! 3. Ollama `GET /api/ps`: `context_length` of the loaded model (the
+//!    allocated window, which Ollama silently truncates to).
 
 use serde_json::Value;
 
@@ -43,6 +45,8 @@ pub enum DiscoverySource {
     VllmMaxModelLen,
     /// OpenRouter-style `context_length`.
     ContextLength,
+    /// Ollama `/api/ps` `context_length`.
+    OllamaPs,
 }
 
 /// A discovered window.
@@ -142,6 +146,23 @@ fn from_model_list(list: &Value, model: &str) -> Option<Discovered> {
     })
 }
 
+fn from_ollama_ps(ps: &Value, model: &str) -> Option<Discovered> {
+    let models = ps.get("models")?.as_array()?;
+    // Ollama names carry an implicit `:latest` tag.
+    let matches = |e: &Value, field: &str| {
+        e.get(field)
+            .and_then(Value::as_str)
+            .is_some_and(|n| n == model || n.strip_suffix(":latest") == Some(model))
+    };
+    let entry = models
+        .iter()
+        .find(|e| matches(e, "name") || matches(e, "model"))?;
+    Some(Discovered {
+        window: positive(entry.get("context_length"))?,
+        source: DiscoverySource::OllamaPs,
+    })
+}
+
 /// Runs the probes for `model`; `None` when no source answers.
 pub async fn discover(up: &dyn UpstreamGet, model: &str) -> Option<Discovered> {
     if let Some(d) = from_props(up, model).await {
@@ -152,7 +173,9 @@ pub async fn discover(up: &dyn UpstreamGet, model: &str) -> Option<Discovered> {
             return Some(d);
         }
     }
-    None
+    get(up, "/api/ps")
+        .await
+        .and_then(|ps| from_ollama_ps(&ps, model))
 }
 
 #[cfg(test)]
@@ -301,6 +324,31 @@ pub(crate) mod tests {
         assert_eq!(discover(&up, "meta/llama").await.unwrap().window, 32768);
         assert_eq!(discover(&up, "x/y").await.unwrap().window, 65536);
         assert!(up.asked().contains(&"/v1/models".to_owned()));
+    }
+
+    #[tokio::test]
+    async fn ollama_api_ps() {
+        let up = FakeUpstream::with(&[
+            (
+                "/v1/models",
+                json!({"object":"list","data":[{"id":"gemma3:latest","object":"model","created":1,"owned_by":"library"},{"id":"qwen3:8b","object":"model"}]}),
+            ),
+            (
+                "/api/ps",
+                json!({"models":[{"name":"gemma3:latest","model":"gemma3:latest","size":6591830464u64,"size_vram":5333539264u64,"context_length":4096}]}),
+            ),
+        ]);
+        let d = discover(&up, "gemma3").await.unwrap();
+        assert_eq!(
+            d,
+            Discovered {
+                window: 4096,
+                source: DiscoverySource::OllamaPs
+            }
+        );
+        assert_eq!(discover(&up, "gemma3:latest").await.unwrap().window, 4096);
+        // Not loaded: nothing known yet.
+        assert_eq!(discover(&up, "qwen3:8b").await, None);
     }
 
     #[tokio::test]
