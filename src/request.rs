@@ -628,3 +628,72 @@ mod tests {
         assert_eq!(message_hash(&a[0]), message_hash(&raw(r#" "x" "#)));
     }
 }
+
+#[cfg(test)]
+mod prop {
+    use super::*;
+    use proptest::prelude::*;
+
+    fn member_value() -> impl Strategy<Value = String> {
+        prop_oneof![
+            Just("0.70".to_owned()),
+            Just("18446744073709551616123".to_owned()),
+            Just("1e400".to_owned()),
+            Just("-0.0".to_owned()),
+            Just("null".to_owned()),
+            Just("\"caf\\u00e9 \\\"q\\\"\"".to_owned()),
+            Just("{ \"b\" : [1, 2.50, {}], \"a\":true }".to_owned()),
+            "[a-z]{0,6}".prop_map(|s| format!("\"{s}\"")),
+        ]
+    }
+
+    fn ws() -> impl Strategy<Value = &'static str> {
+        prop_oneof![Just(""), Just(" "), Just("\n  "), Just("\t")]
+    }
+
+    prop_compose! {
+        fn body()(members in proptest::collection::vec(("[a-z_]{1,8}", member_value(), ws()), 0..6),
+                  msgs_at in 0usize..6, stream in any::<bool>(), w in ws())
+                  -> (String, Vec<(String, String)>) {
+            let mut seen = std::collections::HashSet::new();
+            let mut list: Vec<(String, String)> = members
+                .into_iter()
+                .filter(|(k, _, _)| !matches!(k.as_str(), "messages" | "stream" | "stream_options"))
+                .filter(|(k, _, _)| seen.insert(k.clone()))
+                .map(|(k, v, _)| (k, v))
+                .collect();
+            let at = msgs_at.min(list.len());
+            list.insert(at, ("messages".to_owned(), "[ {\"role\":\"user\",\"content\":\"hi\"} ]".to_owned()));
+            list.push(("stream".to_owned(), stream.to_string()));
+            let inner: Vec<String> = list.iter().map(|(k, v)| format!("{w}\"{k}\"{w}:{w}{v}")).collect();
+            (format!("{{{}{w}}}", inner.join(",")), list)
+        }
+    }
+
+    proptest! {
+        #[test]
+        fn untouched_members_survive_byte_for_byte((text, members) in body()) {
+            let mut r = ChatRequest::parse(text.clone().into_bytes()).unwrap();
+            prop_assert_eq!(r.to_bytes(), text.as_bytes());
+            let streaming = r.stream();
+            r.with_messages(vec![RawValue::from_string("{\"role\":\"user\",\"content\":\"new\"}".to_owned()).unwrap()]);
+            let forced = r.force_include_usage();
+            prop_assert_eq!(forced, streaming);
+            let out = String::from_utf8(r.to_bytes().to_vec()).unwrap();
+            // Still one valid JSON object ...
+            let again = ChatRequest::parse(out.clone().into_bytes()).unwrap();
+            prop_assert_eq!(again.messages().len(), 1);
+            prop_assert_eq!(again.client_wants_usage(), streaming);
+            // ... whose other members are the original raw texts, in order.
+            let keys: Vec<&str> = again.top.keys().map(String::as_str).collect();
+            let mut want: Vec<&str> = members.iter().map(|(k, _)| k.as_str()).collect();
+            if streaming { want.push("stream_options"); }
+            prop_assert_eq!(keys, want);
+            for (k, v) in &members {
+                if k != "messages" {
+                    prop_assert_eq!(again.get_raw(k).unwrap().get(), v.as_str());
+                }
+            }
+        }
+    }
+}

@@ -470,3 +470,48 @@ async fn held_bytes_are_released_before_an_upstream_error() {
     assert!(hidden.frame().await.unwrap().is_err());
     assert!(hidden.frame().await.is_none());
 }
+
+fn split_at_points<'a>(s: &'a [u8], cuts: &[usize]) -> Vec<&'a [u8]> {
+    let mut points: Vec<usize> = cuts.iter().map(|c| (*c).min(s.len())).collect();
+    points.sort_unstable();
+    let mut parts = Vec::new();
+    let mut last = 0;
+    for p in points {
+        parts.push(&s[last..p]);
+        last = p;
+    }
+    parts.push(&s[last..]);
+    parts
+}
+
+proptest! {
+    /// Streams without a `"usage"` key pass through byte for byte, whatever
+    /// their framing or content.
+    #[test]
+    fn hider_is_identity_without_usage(
+        bytes in proptest::collection::vec(prop_oneof![
+            Just(b'\n'), Just(b'\r'), Just(b'{'), Just(b'}'), Just(b'"'), Just(b':'),
+            Just(b','), Just(b'['), Just(b']'), Just(b' '), any::<u8>()
+        ], 0..400),
+        prefix in prop_oneof![Just(&b""[..]), Just(&b"data: "[..]), Just(&b"data:{\"finish_reason\":\"x\""[..])],
+        cuts in proptest::collection::vec(0usize..500, 0..6),
+    ) {
+        let mut s = prefix.to_vec();
+        s.extend_from_slice(&bytes);
+        prop_assume!(memmem::find(&s, b"\"usage\"").is_none());
+        prop_assert_eq!(hide(&split_at_points(&s, &cuts)), s);
+    }
+
+    /// Arbitrary bytes never panic the hider or the extractor, and the hider
+    /// output never depends on the framing.
+    #[test]
+    fn arbitrary_bytes_are_split_invariant(
+        bytes in proptest::collection::vec(any::<u8>(), 0..300),
+        cuts in proptest::collection::vec(0usize..300, 0..6),
+    ) {
+        let whole = hide(&[&bytes]);
+        prop_assert_eq!(hide(&split_at_points(&bytes, &cuts)), whole);
+        let _ = extract(BodyKind::Sse, &split_at_points(&bytes, &cuts)).report();
+        let _ = extract(BodyKind::Json, &[&bytes]).report();
+    }
+}
