@@ -8,6 +8,7 @@
 
 pub mod chat;
 pub mod compaction;
+pub mod request;
 pub mod session;
 pub mod usage;
 pub mod window;

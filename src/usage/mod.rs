@@ -1,1 +1,499 @@
-//! (to be written)
+//! Reading the real token usage from upstream responses without buffering
+//! them, and hiding the usage chunk compactor asked for on the client's
+//! behalf.
+//!
+//! - [`sse`]: incremental SSE scanner.
+//! - [`tap`]: [`tap::TapBody`], a frame-forwarding body wrapper with a side
+//!   [`tap::Observer`].
+//! - [`UsageExtractor`] / [`UsageObserver`]: the last `usage` (and llama.cpp
+//!   `timings`) of an SSE stream or a JSON body, plus an error that arrived
+//!   before the first content delta.
+//! - [`hide`]: removes the forced `include_usage` output from a stream.
+//! - [`inject`]: the request side (forcing `include_usage`).
+//! - [`peek`]: holding a stream's start until content or an error shows.
+
+pub mod hide;
+pub mod inject;
+pub mod peek;
+pub mod sse;
+pub mod tap;
+
+use memchr::memmem;
+use serde::Deserialize;
+use serde_json::value::RawValue;
+use serde_json::Value;
+
+use self::sse::{SseEvent, SseScanner};
+use self::tap::{Eos, Observer};
+
+/// Token usage as the upstream reported it (`usage` object).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Usage {
+    /// `prompt_tokens` (the whole prompt, cached part included).
+    pub prompt_tokens: Option<u64>,
+    /// `completion_tokens`.
+    pub completion_tokens: Option<u64>,
+    /// `total_tokens`.
+    pub total_tokens: Option<u64>,
+    /// `prompt_tokens_details.cached_tokens`.
+    pub cached_tokens: Option<u64>,
+}
+
+/// llama.cpp `timings` (only the counts).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Timings {
+    /// Prompt tokens processed for this request.
+    pub prompt_n: Option<u64>,
+    /// Prompt tokens reused from the cache.
+    pub cache_n: Option<u64>,
+    /// Tokens generated.
+    pub predicted_n: Option<u64>,
+}
+
+/// Where [`UsageReport::prompt_tokens`] came from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum PromptSource {
+    /// `usage.prompt_tokens`.
+    Usage,
+    /// llama.cpp `timings.prompt_n + timings.cache_n`.
+    Timings,
+}
+
+/// Everything usage-related found in one response.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct UsageReport {
+    /// The last non-null `usage` object seen.
+    pub usage: Option<Usage>,
+    /// The last `timings` object seen.
+    pub timings: Option<Timings>,
+}
+
+impl UsageReport {
+    /// Real prompt size: `usage.prompt_tokens`, else `prompt_n + cache_n`.
+    pub fn prompt_tokens(&self) -> Option<(u64, PromptSource)> {
+        if let Some(p) = self.usage.and_then(|u| u.prompt_tokens) {
+            return Some((p, PromptSource::Usage));
+        }
+        let t = self.timings?;
+        let p = t.prompt_n?.checked_add(t.cache_n.unwrap_or(0))?;
+        Some((p, PromptSource::Timings))
+    }
+
+    /// Completion size: `usage.completion_tokens`, else `predicted_n`.
+    pub fn completion_tokens(&self) -> Option<u64> {
+        self.usage
+            .and_then(|u| u.completion_tokens)
+            .or_else(|| self.timings.and_then(|t| t.predicted_n))
+    }
+
+    /// `usage` with the timings fallback applied (what calibration wants).
+    pub fn effective(&self) -> Option<Usage> {
+        let (prompt, _) = self.prompt_tokens()?;
+        let completion = self.completion_tokens();
+        let base = self.usage.unwrap_or_default();
+        Some(Usage {
+            prompt_tokens: Some(prompt),
+            completion_tokens: completion,
+            total_tokens: base
+                .total_tokens
+                .or_else(|| completion.map(|c| prompt.saturating_add(c))),
+            cached_tokens: base
+                .cached_tokens
+                .or_else(|| self.timings.and_then(|t| t.cache_n)),
+        })
+    }
+}
+
+/// How the response body is framed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum BodyKind {
+    /// `text/event-stream`.
+    Sse,
+    /// A single JSON document (non-streaming response or error body).
+    Json,
+}
+
+impl BodyKind {
+    /// From a `Content-Type` value; anything not an event stream is treated
+    /// as JSON (parse failures are harmless).
+    pub fn from_content_type(ct: Option<&str>) -> Self {
+        match ct {
+            Some(v)
+                if v.trim_start()
+                    .to_ascii_lowercase()
+                    .starts_with("text/event-stream") =>
+            {
+                Self::Sse
+            }
+            _ => Self::Json,
+        }
+    }
+}
+
+/// What the start of a stream turned out to be.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum StreamStart {
+    /// Nothing decisive yet.
+    Undecided,
+    /// A content delta (or a finish) arrived first.
+    Content,
+    /// An error arrived before any content; the raw payload is kept so the
+    /// caller can run overflow recognition on it.
+    Error(Vec<u8>),
+}
+
+/// Largest non-streaming body kept for usage parsing.
+pub const MAX_JSON_BYTES: usize = 8 << 20;
+
+/// Incremental usage extraction over a response body.
+#[derive(Debug)]
+pub struct UsageExtractor {
+    kind: BodyKind,
+    scanner: SseScanner,
+    json: Vec<u8>,
+    json_oversized: bool,
+    report: UsageReport,
+    start: StreamStart,
+    bytes: u64,
+    parse_failures: u64,
+}
+
+#[derive(Deserialize)]
+struct ChunkLite<'a> {
+    #[serde(default, borrow)]
+    usage: Option<&'a RawValue>,
+    #[serde(default, borrow)]
+    timings: Option<&'a RawValue>,
+    #[serde(default, borrow)]
+    error: Option<&'a RawValue>,
+    #[serde(default, borrow)]
+    choices: Option<&'a RawValue>,
+    #[serde(default, rename = "type", borrow)]
+    kind: Option<&'a RawValue>,
+}
+
+#[derive(Deserialize)]
+struct UsageLite {
+    prompt_tokens: Option<Value>,
+    completion_tokens: Option<Value>,
+    total_tokens: Option<Value>,
+    prompt_tokens_details: Option<DetailsLite>,
+}
+
+#[derive(Deserialize)]
+struct DetailsLite {
+    cached_tokens: Option<Value>,
+}
+
+#[derive(Deserialize)]
+struct TimingsLite {
+    prompt_n: Option<Value>,
+    cache_n: Option<Value>,
+    predicted_n: Option<Value>,
+}
+
+#[derive(Deserialize)]
+struct ChoiceLite<'a> {
+    #[serde(default, borrow)]
+    delta: Option<DeltaLite<'a>>,
+    #[serde(default, borrow)]
+    message: Option<&'a RawValue>,
+    #[serde(default, borrow)]
+    finish_reason: Option<&'a RawValue>,
+}
+
+#[derive(Deserialize)]
+struct DeltaLite<'a> {
+    #[serde(default, borrow)]
+    content: Option<&'a RawValue>,
+    #[serde(default, borrow)]
+    tool_calls: Option<&'a RawValue>,
+    #[serde(default, borrow)]
+    function_call: Option<&'a RawValue>,
+    #[serde(default, borrow)]
+    reasoning_content: Option<&'a RawValue>,
+    #[serde(default, borrow)]
+    reasoning: Option<&'a RawValue>,
+    #[serde(default, borrow)]
+    refusal: Option<&'a RawValue>,
+}
+
+fn count(v: &Option<Value>) -> Option<u64> {
+    match v.as_ref()? {
+        Value::Number(n) => n
+            .as_u64()
+            .or_else(|| n.as_f64().filter(|f| *f >= 0.0).map(|f| f as u64)),
+        _ => None,
+    }
+}
+
+fn is_meaningful(raw: Option<&RawValue>) -> bool {
+    match raw.map(|r| r.get().trim()) {
+        None | Some("null") | Some("\"\"") | Some("[]") | Some("{}") => false,
+        Some(_) => true,
+    }
+}
+
+/// Parses a `usage` object; `None` for `null` or a non-object.
+pub fn parse_usage(raw: &RawValue) -> Option<Usage> {
+    let u: UsageLite = serde_json::from_str(raw.get()).ok()?;
+    Some(Usage {
+        prompt_tokens: count(&u.prompt_tokens),
+        completion_tokens: count(&u.completion_tokens),
+        total_tokens: count(&u.total_tokens),
+        cached_tokens: u
+            .prompt_tokens_details
+            .and_then(|d| count(&d.cached_tokens)),
+    })
+}
+
+fn parse_timings(raw: &RawValue) -> Option<Timings> {
+    let t: TimingsLite = serde_json::from_str(raw.get()).ok()?;
+    // llama.cpp uses -1 for "not measured"; `count` drops negatives.
+    Some(Timings {
+        prompt_n: count(&t.prompt_n),
+        cache_n: count(&t.cache_n),
+        predicted_n: count(&t.predicted_n),
+    })
+}
+
+/// Whether `choices` carries generated content (or a finish), i.e. the
+/// response has started for real.
+fn choices_have_content(raw: &RawValue) -> bool {
+    let Ok(choices) = serde_json::from_str::<Vec<ChoiceLite<'_>>>(raw.get()) else {
+        return false;
+    };
+    choices.iter().any(|c| {
+        is_meaningful(c.finish_reason)
+            || is_meaningful(c.message)
+            || c.delta.as_ref().is_some_and(|d| {
+                is_meaningful(d.content)
+                    || is_meaningful(d.tool_calls)
+                    || is_meaningful(d.function_call)
+                    || is_meaningful(d.reasoning_content)
+                    || is_meaningful(d.reasoning)
+                    || is_meaningful(d.refusal)
+            })
+    })
+}
+
+/// `"usage"` followed by `:` and an object (so the `"usage":null` OpenAI adds
+/// to every chunk does not trigger a parse).
+fn has_usage_object(data: &[u8]) -> bool {
+    memmem::find_iter(data, b"\"usage\"").any(|p| {
+        let rest = &data[p + 7..];
+        let rest = rest.trim_ascii_start();
+        rest.strip_prefix(b":")
+            .is_some_and(|r| r.trim_ascii_start().first() == Some(&b'{'))
+    })
+}
+
+impl UsageExtractor {
+    /// A fresh extractor for a body of `kind`.
+    pub fn new(kind: BodyKind) -> Self {
+        Self {
+            kind,
+            scanner: SseScanner::new(),
+            json: Vec::new(),
+            json_oversized: false,
+            report: UsageReport::default(),
+            start: StreamStart::Undecided,
+            bytes: 0,
+            parse_failures: 0,
+        }
+    }
+
+    /// Feeds the next body bytes.
+    pub fn feed(&mut self, data: &[u8]) {
+        self.bytes += data.len() as u64;
+        match self.kind {
+            BodyKind::Sse => {
+                let Self {
+                    scanner,
+                    report,
+                    start,
+                    parse_failures,
+                    ..
+                } = self;
+                scanner.feed(data, |ev| on_event(ev, report, start, parse_failures));
+            }
+            BodyKind::Json => {
+                if self.json_oversized {
+                    return;
+                }
+                if self.json.len() + data.len() > MAX_JSON_BYTES {
+                    self.json_oversized = true;
+                    self.json = Vec::new();
+                } else {
+                    self.json.extend_from_slice(data);
+                }
+            }
+        }
+    }
+
+    /// Ends the body: parses a JSON body, or flushes an SSE event left
+    /// without its blank line.
+    pub fn finish(&mut self) {
+        match self.kind {
+            BodyKind::Sse => {
+                let Self {
+                    scanner,
+                    report,
+                    start,
+                    parse_failures,
+                    ..
+                } = self;
+                scanner.finish(|ev| on_event(ev, report, start, parse_failures));
+            }
+            BodyKind::Json => {
+                let body = std::mem::take(&mut self.json);
+                if body.is_empty() {
+                    return;
+                }
+                match serde_json::from_slice::<ChunkLite<'_>>(&body) {
+                    Ok(c) => apply_chunk(&c, &body, &mut self.report, &mut self.start, true),
+                    Err(_) => self.parse_failures += 1,
+                }
+            }
+        }
+    }
+
+    /// What was found so far.
+    pub fn report(&self) -> UsageReport {
+        self.report
+    }
+
+    /// How the stream started (for SSE; a JSON error body counts too).
+    pub fn start(&self) -> &StreamStart {
+        &self.start
+    }
+
+    /// Body bytes seen.
+    pub fn bytes(&self) -> u64 {
+        self.bytes
+    }
+
+    /// Events dispatched by the SSE scanner.
+    pub fn events(&self) -> u64 {
+        self.scanner.events()
+    }
+
+    /// Payloads that could not be parsed (counted, never fatal).
+    pub fn parse_failures(&self) -> u64 {
+        self.parse_failures
+    }
+
+    /// Events skipped for exceeding the size cap.
+    pub fn oversized(&self) -> u64 {
+        self.scanner.skipped() + u64::from(self.json_oversized)
+    }
+}
+
+fn on_event(
+    ev: SseEvent<'_>,
+    report: &mut UsageReport,
+    start: &mut StreamStart,
+    parse_failures: &mut u64,
+) {
+    let undecided = *start == StreamStart::Undecided;
+    let is_error_event = ev.error_field || ev.event == Some(b"error");
+    if undecided && is_error_event {
+        *start = StreamStart::Error(ev.data.to_vec());
+    }
+    // After the start is settled only usage/timings matter; skip the parse
+    // for the (vast majority of) chunks that carry neither.
+    let interesting = has_usage_object(ev.data) || memmem::find(ev.data, b"\"timings\"").is_some();
+    if !undecided && !interesting {
+        return;
+    }
+    if ev.data == b"[DONE]" {
+        return;
+    }
+    match serde_json::from_slice::<ChunkLite<'_>>(ev.data) {
+        Ok(c) => apply_chunk(&c, ev.data, report, start, false),
+        Err(_) => *parse_failures += 1,
+    }
+}
+
+fn apply_chunk(
+    c: &ChunkLite<'_>,
+    payload: &[u8],
+    report: &mut UsageReport,
+    start: &mut StreamStart,
+    whole_body: bool,
+) {
+    if let Some(u) = c.usage.and_then(parse_usage) {
+        report.usage = Some(u);
+    }
+    if let Some(t) = c.timings.and_then(parse_timings) {
+        report.timings = Some(t);
+    }
+    if *start != StreamStart::Undecided {
+        return;
+    }
+    let typed_error = c.kind.map(|k| k.get().trim()) == Some("\"error\"");
+    if is_meaningful(c.error) || typed_error {
+        *start = StreamStart::Error(payload.to_vec());
+    } else if whole_body || c.choices.is_some_and(choices_have_content) {
+        *start = StreamStart::Content;
+    }
+}
+
+/// What a finished tap hands back.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TapOutcome {
+    /// Usage found in the body.
+    pub report: UsageReport,
+    /// How the body ended.
+    pub eos: Eos,
+    /// How the stream started.
+    pub start: StreamStart,
+    /// Body bytes forwarded.
+    pub bytes: u64,
+    /// Payloads that failed to parse.
+    pub parse_failures: u64,
+    /// Events skipped for size.
+    pub oversized: u64,
+}
+
+/// [`Observer`] that extracts usage and hands a [`TapOutcome`] to `done`
+/// exactly once, when the body ends.
+pub struct UsageObserver<F: FnOnce(TapOutcome)> {
+    extractor: UsageExtractor,
+    done: Option<F>,
+}
+
+impl<F: FnOnce(TapOutcome)> UsageObserver<F> {
+    /// Observer for a body of `kind`.
+    pub fn new(kind: BodyKind, done: F) -> Self {
+        Self {
+            extractor: UsageExtractor::new(kind),
+            done: Some(done),
+        }
+    }
+}
+
+impl<F: FnOnce(TapOutcome)> Observer for UsageObserver<F> {
+    fn on_data(&mut self, data: &[u8]) {
+        self.extractor.feed(data);
+    }
+
+    fn on_eos(mut self, eos: Eos) {
+        self.extractor.finish();
+        let e = &self.extractor;
+        let outcome = TapOutcome {
+            report: e.report(),
+            eos,
+            start: e.start().clone(),
+            bytes: e.bytes(),
+            parse_failures: e.parse_failures(),
+            oversized: e.oversized(),
+        };
+        if let Some(done) = self.done.take() {
+            done(outcome);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests;

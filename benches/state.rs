@@ -1,0 +1,124 @@
+//! Micro-benchmarks of the state building blocks: SSE usage scanning and
+//! usage hiding throughput, the message hash chain, and the calibrated
+//! estimate of a growing conversation.
+
+use std::hint::black_box;
+
+use bytes::BytesMut;
+use compactor::request::{message_hashes, ChainCache, ChatRequest};
+use compactor::session::calibration::Calibration;
+use compactor::usage::hide::UsageHider;
+use compactor::usage::{BodyKind, UsageExtractor};
+use criterion::{criterion_group, criterion_main, Criterion, Throughput};
+use serde_json::value::RawValue;
+
+/// An OpenAI-shaped stream with include_usage: `n` content chunks.
+fn stream(n: usize) -> Vec<u8> {
+    let mut s = String::new();
+    for i in 0..n {
+        s.push_str(&format!(
+            "data: {{\"id\":\"chatcmpl-123\",\"object\":\"chat.completion.chunk\",\"created\":1694268190,\"model\":\"gpt-4o-mini\",\"system_fingerprint\":\"fp_44709d6fcb\",\"choices\":[{{\"index\":0,\"delta\":{{\"content\":\"token{i} \"}},\"logprobs\":null,\"finish_reason\":null}}],\"usage\":null,\"obfuscation\":\"r4N7vQ2m\"}}\n\n"
+        ));
+    }
+    s.push_str("data: {\"id\":\"chatcmpl-123\",\"object\":\"chat.completion.chunk\",\"created\":1694268190,\"model\":\"gpt-4o-mini\",\"choices\":[],\"usage\":{\"prompt_tokens\":9,\"completion_tokens\":12,\"total_tokens\":21}}\n\ndata: [DONE]\n\n");
+    s.into_bytes()
+}
+
+fn conversation(n: usize) -> Vec<Box<RawValue>> {
+    (0..n)
+        .map(|i| {
+            let role = if i % 2 == 0 { "user" } else { "assistant" };
+            let text = format!("message {i} ").repeat(20);
+            RawValue::from_string(serde_json::json!({"role": role, "content": text}).to_string())
+                .unwrap()
+        })
+        .collect()
+}
+
+fn bench_sse(c: &mut Criterion) {
+    let s = stream(2000);
+    let mut g = c.benchmark_group("sse");
+    g.throughput(Throughput::Bytes(s.len() as u64));
+    g.bench_function("usage_scan_16k_frames", |b| {
+        b.iter(|| {
+            let mut e = UsageExtractor::new(BodyKind::Sse);
+            for f in s.chunks(16 * 1024) {
+                e.feed(black_box(f));
+            }
+            e.finish();
+            black_box(e.report())
+        })
+    });
+    g.bench_function("usage_scan_64b_frames", |b| {
+        b.iter(|| {
+            let mut e = UsageExtractor::new(BodyKind::Sse);
+            for f in s.chunks(64) {
+                e.feed(black_box(f));
+            }
+            e.finish();
+            black_box(e.report())
+        })
+    });
+    g.bench_function("hide_usage_16k_frames", |b| {
+        b.iter(|| {
+            let mut h = UsageHider::new();
+            let mut out = BytesMut::with_capacity(s.len());
+            for f in s.chunks(16 * 1024) {
+                h.push(black_box(f), &mut out);
+            }
+            h.finish(&mut out);
+            black_box(out.len())
+        })
+    });
+    g.finish();
+}
+
+fn bench_hashes(c: &mut Criterion) {
+    let conv = conversation(1000);
+    let bytes: usize = conv.iter().map(|m| m.get().len()).sum();
+    let mut g = c.benchmark_group("hash_chain");
+    g.throughput(Throughput::Bytes(bytes as u64));
+    g.bench_function("1000_messages", |b| {
+        b.iter(|| black_box(message_hashes(black_box(&conv))))
+    });
+    // The usual turn: 1,000 messages resent byte for byte plus two new ones.
+    let next = conversation(1002);
+    g.bench_function("cached_1000_plus_2", |b| {
+        b.iter_batched(
+            || {
+                let mut cache = ChainCache::new();
+                cache.chain(&conv);
+                cache
+            },
+            |mut cache| black_box(cache.chain(black_box(&next)).len()),
+            criterion::BatchSize::SmallInput,
+        )
+    });
+    g.finish();
+
+    let body = serde_json::json!({"model": "m", "stream": true, "messages": conv}).to_string();
+    c.bench_function("request/parse_1000_messages", |b| {
+        b.iter(|| black_box(ChatRequest::parse(black_box(body.clone().into_bytes())).unwrap()))
+    });
+
+    // A turn that extends a 1,000-message conversation by two messages.
+    let longer = conversation(1002);
+    let h1000 = message_hashes(&conv);
+    let h1002 = message_hashes(&longer);
+    let est = |m: &RawValue| m.get().len() as u64 / 4;
+    c.bench_function("calibration/estimate_extension_1000", |b| {
+        b.iter_batched(
+            || {
+                let mut cal = Calibration::new();
+                let e = cal.estimate(&conv, &h1000, 0, est);
+                cal.observe(e.sent, 50_000);
+                cal
+            },
+            |mut cal| black_box(cal.estimate(&longer, &h1002, 0, est).tokens),
+            criterion::BatchSize::SmallInput,
+        )
+    });
+}
+
+criterion_group!(benches, bench_sse, bench_hashes);
+criterion_main!(benches);

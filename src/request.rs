@@ -1,0 +1,699 @@
+//! A view of a chat-completions request body that never re-serialises what
+//! it did not change.
+//!
+//! The top level is kept as raw JSON members (in their original order) and
+//! `messages` as raw JSON values. [`ChatRequest::to_bytes`] splices only the
+//! members that were replaced into the original body, so numbers such as
+//! `0.70`, integers beyond `u64`, unknown fields, key order and even the
+//! whitespace between members reach the upstream exactly as the client wrote
+//! them.
+
+use std::fmt;
+use std::ops::Range;
+
+use bytes::{Bytes, BytesMut};
+use indexmap::IndexMap;
+use serde::de::{self, Deserializer, MapAccess, Visitor};
+use serde_json::value::RawValue;
+use serde_json::Value;
+use xxhash_rust::xxh3::Xxh3;
+
+/// Why a body could not be viewed as a chat request. The caller forwards the
+/// original bytes untouched in every case.
+#[derive(Debug, thiserror::Error)]
+pub enum ParseError {
+    /// Not a JSON object (or not JSON at all).
+    #[error("request body is not a JSON object: {0}")]
+    NotObject(#[source] serde_json::Error),
+    /// The same top-level key appears twice; re-emitting would lose one.
+    #[error("request body has a duplicate top-level key")]
+    DuplicateKey,
+    /// `messages` is missing.
+    #[error("request body has no `messages`")]
+    MissingMessages,
+    /// `messages` is not an array.
+    #[error("`messages` is not an array: {0}")]
+    MessagesNotArray(#[source] serde_json::Error),
+}
+
+/// One top-level member: its raw value and, when it came from the original
+/// body, where that value sits in the original bytes.
+#[derive(Debug)]
+struct Member {
+    raw: Box<RawValue>,
+    /// Byte range of the value in `original`; `None` for added members.
+    span: Option<Range<usize>>,
+    /// `raw` differs from the original value.
+    changed: bool,
+}
+
+/// A parsed chat request body (see the module docs).
+#[derive(Debug)]
+pub struct ChatRequest {
+    original: Bytes,
+    top: IndexMap<String, Member>,
+    messages: Vec<Box<RawValue>>,
+    /// Set when `messages` was replaced through [`ChatRequest::with_messages`].
+    messages_replaced: bool,
+}
+
+/// Borrowed parse of the top level: key → raw value pointing into the input.
+struct BorrowedTop<'a>(Vec<(String, &'a RawValue)>);
+
+impl<'de> serde::Deserialize<'de> for BorrowedTop<'de> {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct V;
+        impl<'de> Visitor<'de> for V {
+            type Value = BorrowedTop<'de>;
+            fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
+                f.write_str("a JSON object")
+            }
+            fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<Self::Value, A::Error> {
+                let mut out: Vec<(String, &'de RawValue)> = Vec::new();
+                while let Some(k) = map.next_key::<String>()? {
+                    let v: &'de RawValue = map.next_value()?;
+                    if out.iter().any(|(existing, _)| *existing == k) {
+                        return Err(de::Error::custom(DUPLICATE_MARK));
+                    }
+                    out.push((k, v));
+                }
+                Ok(BorrowedTop(out))
+            }
+        }
+        d.deserialize_map(V)
+    }
+}
+
+const DUPLICATE_MARK: &str = "compactor: duplicate key";
+
+/// Offset of `inner` inside `outer`, when `inner` is a sub-slice of it.
+fn offset_in(outer: &[u8], inner: &str) -> Option<Range<usize>> {
+    let start = (inner.as_ptr() as usize).checked_sub(outer.as_ptr() as usize)?;
+    let end = start.checked_add(inner.len())?;
+    (end <= outer.len()).then_some(start..end)
+}
+
+impl ChatRequest {
+    /// Parses `bytes` (the whole request body). Cheap: only the top level and
+    /// the boundaries of each message are parsed.
+    pub fn parse(bytes: impl Into<Bytes>) -> Result<Self, ParseError> {
+        let original: Bytes = bytes.into();
+        let borrowed: BorrowedTop<'_> = serde_json::from_slice(&original).map_err(|e| {
+            if e.to_string().contains(DUPLICATE_MARK) {
+                ParseError::DuplicateKey
+            } else {
+                ParseError::NotObject(e)
+            }
+        })?;
+        let mut top = IndexMap::with_capacity(borrowed.0.len());
+        let mut messages = None;
+        for (k, v) in borrowed.0 {
+            if k == "messages" {
+                let list: Vec<Box<RawValue>> =
+                    serde_json::from_str(v.get()).map_err(ParseError::MessagesNotArray)?;
+                messages = Some(list);
+            }
+            let span = offset_in(&original, v.get());
+            top.insert(
+                k,
+                Member {
+                    raw: v.to_owned(),
+                    span,
+                    changed: false,
+                },
+            );
+        }
+        let messages = messages.ok_or(ParseError::MissingMessages)?;
+        Ok(Self {
+            original,
+            top,
+            messages,
+            messages_replaced: false,
+        })
+    }
+
+    /// The body exactly as received.
+    pub fn original(&self) -> &Bytes {
+        &self.original
+    }
+
+    /// Raw top-level member, if present.
+    pub fn get_raw(&self, key: &str) -> Option<&RawValue> {
+        self.top.get(key).map(|m| &*m.raw)
+    }
+
+    /// The messages (replaced ones after [`Self::with_messages`]).
+    pub fn messages(&self) -> &[Box<RawValue>] {
+        &self.messages
+    }
+
+    fn get_str(&self, key: &str) -> Option<String> {
+        self.get_raw(key)
+            .and_then(|r| serde_json::from_str::<String>(r.get()).ok())
+    }
+
+    /// `model`, when it is a string.
+    pub fn model(&self) -> Option<String> {
+        self.get_str("model")
+    }
+
+    /// `stream == true`.
+    pub fn stream(&self) -> bool {
+        self.get_raw("stream").map(|r| r.get().trim()) == Some("true")
+    }
+
+    /// The output reservation: `max_completion_tokens`, else `max_tokens`
+    /// (OpenAI deprecated the latter; llama.cpp reads both in that order).
+    pub fn max_output_tokens(&self) -> Option<u64> {
+        ["max_completion_tokens", "max_tokens"]
+            .iter()
+            .find_map(|k| {
+                self.get_raw(k)
+                    .and_then(|r| serde_json::from_str::<u64>(r.get()).ok())
+            })
+    }
+
+    /// Body `session_id` (OpenRouter convention), when a non-empty string.
+    pub fn session_id(&self) -> Option<String> {
+        self.get_str("session_id").filter(|s| !s.is_empty())
+    }
+
+    /// Body `prompt_cache_key` (OpenAI convention), when a non-empty string.
+    pub fn prompt_cache_key(&self) -> Option<String> {
+        self.get_str("prompt_cache_key").filter(|s| !s.is_empty())
+    }
+
+    /// Whether the client itself asked for usage in the stream
+    /// (`stream_options.include_usage == true`).
+    pub fn client_wants_usage(&self) -> bool {
+        #[derive(serde::Deserialize)]
+        struct Opts {
+            include_usage: Option<Value>,
+        }
+        self.get_raw("stream_options")
+            .and_then(|r| serde_json::from_str::<Option<Opts>>(r.get()).ok())
+            .flatten()
+            .and_then(|o| o.include_usage)
+            == Some(Value::Bool(true))
+    }
+
+    /// Replaces `messages`; the member keeps its position in the body.
+    pub fn with_messages(&mut self, messages: Vec<Box<RawValue>>) {
+        self.messages = messages;
+        self.messages_replaced = true;
+    }
+
+    /// Sets `stream_options.include_usage = true` for streaming requests whose
+    /// client did not ask for it, keeping every other `stream_options` key.
+    /// Never touches a non-streaming request (OpenAI and vLLM reject
+    /// `stream_options` without `stream`). Returns whether the body changed.
+    pub fn force_include_usage(&mut self) -> bool {
+        if !self.stream() || self.client_wants_usage() {
+            return false;
+        }
+        let merged = match self
+            .get_raw("stream_options")
+            .map(|r| serde_json::from_str::<IndexMap<String, Box<RawValue>>>(r.get()))
+        {
+            Some(Ok(mut opts)) => {
+                if let Some(v) = opts.get_mut("include_usage") {
+                    *v = raw_true();
+                } else {
+                    opts.insert("include_usage".to_owned(), raw_true());
+                }
+                serde_json::to_string(&opts).ok()
+            }
+            // Absent, `null` or not an object: the client's value carries no
+            // options to keep.
+            _ => None,
+        };
+        let text = merged.unwrap_or_else(|| r#"{"include_usage":true}"#.to_owned());
+        let raw = match RawValue::from_string(text) {
+            Ok(r) => r,
+            Err(_) => return false,
+        };
+        match self.top.get_mut("stream_options") {
+            Some(m) => {
+                m.raw = raw;
+                m.changed = true;
+            }
+            None => {
+                let added = Member {
+                    raw,
+                    span: None,
+                    changed: true,
+                };
+                self.top.insert("stream_options".to_owned(), added);
+            }
+        }
+        true
+    }
+
+    /// Whether [`Self::to_bytes`] would differ from the original body.
+    pub fn is_modified(&self) -> bool {
+        self.messages_replaced || self.top.values().any(|m| m.changed)
+    }
+
+    /// The body to send upstream. Unchanged requests give back the original
+    /// bytes; otherwise only replaced members are rewritten in place and
+    /// added members are appended before the closing brace.
+    pub fn to_bytes(&self) -> Bytes {
+        if !self.is_modified() {
+            return self.original.clone();
+        }
+        let src = &self.original[..];
+        let mut out = BytesMut::with_capacity(src.len() + 64);
+        let mut cursor = 0usize;
+        let mut appended: Vec<(&str, &RawValue)> = Vec::new();
+        // Members that came from the body are in body order, so their spans
+        // increase monotonically; splice replacements in order.
+        for (k, m) in &self.top {
+            let replaced_messages = k == "messages" && self.messages_replaced;
+            let Some(orig) = m.span.clone() else {
+                appended.push((k, &m.raw));
+                continue;
+            };
+            if !m.changed && !replaced_messages {
+                continue;
+            }
+            out.extend_from_slice(&src[cursor..orig.start]);
+            if replaced_messages {
+                write_array(&mut out, &self.messages);
+            } else {
+                out.extend_from_slice(m.raw.get().as_bytes());
+            }
+            cursor = orig.end;
+        }
+        if appended.is_empty() {
+            out.extend_from_slice(&src[cursor..]);
+            return out.freeze();
+        }
+        // Insert the new members just before the final `}`.
+        let close = src.iter().rposition(|&b| b == b'}').unwrap_or(src.len());
+        let close = close.max(cursor);
+        out.extend_from_slice(&src[cursor..close]);
+        let empty_object = self.top.len() == appended.len();
+        for (i, (k, v)) in appended.iter().enumerate() {
+            if i > 0 || !empty_object {
+                out.extend_from_slice(b",");
+            }
+            write_key(&mut out, k);
+            out.extend_from_slice(v.get().as_bytes());
+        }
+        out.extend_from_slice(&src[close..]);
+        out.freeze()
+    }
+}
+
+fn raw_true() -> Box<RawValue> {
+    // `true` is always valid JSON; the fallback keeps this infallible.
+    RawValue::from_string("true".to_owned()).unwrap_or_else(|_| Box::<RawValue>::default())
+}
+
+fn write_key(out: &mut BytesMut, key: &str) {
+    let quoted = serde_json::to_string(key).unwrap_or_else(|_| format!("\"{key}\""));
+    out.extend_from_slice(quoted.as_bytes());
+    out.extend_from_slice(b":");
+}
+
+fn write_array(out: &mut BytesMut, items: &[Box<RawValue>]) {
+    out.extend_from_slice(b"[");
+    for (i, m) in items.iter().enumerate() {
+        if i > 0 {
+            out.extend_from_slice(b",");
+        }
+        out.extend_from_slice(m.get().as_bytes());
+    }
+    out.extend_from_slice(b"]");
+}
+
+/// Writes `v` as canonical JSON: object keys sorted, no whitespace, numbers
+/// and strings as serde_json prints them. Independent of serde_json's
+/// `preserve_order` feature so hashes never depend on the dependency graph.
+pub fn write_canonical(v: &Value, out: &mut Vec<u8>) {
+    match v {
+        Value::Object(map) => {
+            let mut keys: Vec<&String> = map.keys().collect();
+            keys.sort_unstable();
+            out.push(b'{');
+            for (i, k) in keys.into_iter().enumerate() {
+                if i > 0 {
+                    out.push(b',');
+                }
+                let _ = serde_json::to_writer(&mut *out, k);
+                out.push(b':');
+                if let Some(child) = map.get(k) {
+                    write_canonical(child, out);
+                }
+            }
+            out.push(b'}');
+        }
+        Value::Array(items) => {
+            out.push(b'[');
+            for (i, item) in items.iter().enumerate() {
+                if i > 0 {
+                    out.push(b',');
+                }
+                write_canonical(item, out);
+            }
+            out.push(b']');
+        }
+        scalar => {
+            let _ = serde_json::to_writer(&mut *out, scalar);
+        }
+    }
+}
+
+/// Hash of one message's canonical JSON (not chained). Messages that are not
+/// valid JSON (impossible after [`ChatRequest::parse`]) hash their raw text.
+pub fn message_hash(msg: &RawValue) -> u128 {
+    let mut buf = Vec::with_capacity(msg.get().len());
+    canonical_bytes(msg, &mut buf);
+    xxhash_rust::xxh3::xxh3_128(&buf)
+}
+
+fn canonical_bytes(msg: &RawValue, buf: &mut Vec<u8>) {
+    buf.clear();
+    match serde_json::from_str::<Value>(msg.get()) {
+        Ok(v) => write_canonical(&v, buf),
+        Err(_) => buf.extend_from_slice(msg.get().as_bytes()),
+    }
+}
+
+/// Chained hashes: element `i` identifies messages `0..=i` (over canonical
+/// JSON, so whitespace and key order differences between clients do not
+/// matter). Two histories share a prefix of length `n` exactly when their
+/// element `n - 1` is equal (up to hash collisions).
+pub fn message_hashes(messages: &[Box<RawValue>]) -> Vec<u128> {
+    let mut out = Vec::with_capacity(messages.len());
+    extend_message_hashes(&mut out, messages);
+    out
+}
+
+/// Appends the chain for `more` to `chain` (which must be the chain of the
+/// messages that precede `more`), so a caller that already hashed a prefix
+/// only pays for the new messages.
+pub fn extend_message_hashes(chain: &mut Vec<u128>, more: &[Box<RawValue>]) {
+    let mut prev: u128 = chain.last().copied().unwrap_or(0);
+    let mut buf = Vec::new();
+    let mut hasher = Xxh3::new();
+    for m in more {
+        canonical_bytes(m, &mut buf);
+        hasher.reset();
+        hasher.update(&prev.to_le_bytes());
+        hasher.update(&(buf.len() as u64).to_le_bytes());
+        hasher.update(&buf);
+        prev = hasher.digest128();
+        chain.push(prev);
+    }
+}
+
+/// Per-session memo of the last chain, keyed by a fast hash of each
+/// message's raw bytes: a client that resends its history byte for byte
+/// (the usual case) only pays the canonical hashing for new messages.
+#[derive(Debug, Clone, Default)]
+pub struct ChainCache {
+    raw: Vec<u64>,
+    chain: Vec<u128>,
+}
+
+impl ChainCache {
+    /// An empty cache.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// The chain of `messages` (equal to [`message_hashes`]), reusing the
+    /// prefix that is byte-identical to the previous call.
+    pub fn chain(&mut self, messages: &[Box<RawValue>]) -> &[u128] {
+        let raw: Vec<u64> = messages
+            .iter()
+            .map(|m| xxhash_rust::xxh3::xxh3_64(m.get().as_bytes()))
+            .collect();
+        let same = raw
+            .iter()
+            .zip(&self.raw)
+            .take_while(|(a, b)| a == b)
+            .count();
+        self.chain.truncate(same);
+        extend_message_hashes(&mut self.chain, &messages[same..]);
+        self.raw = raw;
+        &self.chain
+    }
+}
+
+/// Length of the longest common prefix of two chains.
+pub fn common_prefix_len(a: &[u128], b: &[u128]) -> usize {
+    let n = a.len().min(b.len());
+    // Chained hashes make equality monotone (equal at i ⇒ equal before i),
+    // so a binary search finds the boundary in O(log n).
+    let (mut lo, mut hi) = (0usize, n);
+    while lo < hi {
+        let mid = lo + (hi - lo) / 2;
+        if a[mid] == b[mid] {
+            lo = mid + 1;
+        } else {
+            hi = mid;
+        }
+    }
+    lo
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn raw(s: &str) -> Box<RawValue> {
+        RawValue::from_string(s.to_owned()).unwrap()
+    }
+
+    const BODY: &str = r#"{"model":"gpt-4o", "temperature":0.70,"seed":18446744073709551616123,
+  "x_unknown":{"b":1,"a":[1, 2]},"stream":true,"messages":[{"role":"system","content":"S"}, {"role":"user","content":"hi"}],"max_tokens":100}"#;
+
+    #[test]
+    fn unchanged_body_is_returned_as_is() {
+        let r = ChatRequest::parse(BODY.as_bytes().to_vec()).unwrap();
+        assert!(!r.is_modified());
+        assert_eq!(r.to_bytes(), BODY.as_bytes());
+    }
+
+    #[test]
+    fn accessors_read_fields() {
+        let r = ChatRequest::parse(BODY.as_bytes().to_vec()).unwrap();
+        assert_eq!(r.model().as_deref(), Some("gpt-4o"));
+        assert!(r.stream());
+        assert_eq!(r.max_output_tokens(), Some(100));
+        assert_eq!(r.messages().len(), 2);
+        assert!(!r.client_wants_usage());
+        assert_eq!(r.session_id(), None);
+        let r2 = ChatRequest::parse(
+            br#"{"messages":[],"max_tokens":5,"max_completion_tokens":7,"session_id":"s1","prompt_cache_key":"p1","stream_options":{"include_usage":true}}"#.to_vec(),
+        )
+        .unwrap();
+        assert_eq!(r2.max_output_tokens(), Some(7));
+        assert_eq!(r2.session_id().as_deref(), Some("s1"));
+        assert_eq!(r2.prompt_cache_key().as_deref(), Some("p1"));
+        assert!(r2.client_wants_usage());
+        assert!(!r2.stream());
+    }
+
+    #[test]
+    fn replacing_messages_keeps_every_other_byte() {
+        let mut r = ChatRequest::parse(BODY.as_bytes().to_vec()).unwrap();
+        r.with_messages(vec![raw(r#"{"role":"user","content":"x"}"#)]);
+        let out = String::from_utf8(r.to_bytes().to_vec()).unwrap();
+        let expected = r#"{"model":"gpt-4o", "temperature":0.70,"seed":18446744073709551616123,
+  "x_unknown":{"b":1,"a":[1, 2]},"stream":true,"messages":[{"role":"user","content":"x"}],"max_tokens":100}"#;
+        assert_eq!(out, expected);
+    }
+
+    #[test]
+    fn include_usage_is_appended_when_streaming() {
+        let mut r = ChatRequest::parse(BODY.as_bytes().to_vec()).unwrap();
+        assert!(r.force_include_usage());
+        let out = String::from_utf8(r.to_bytes().to_vec()).unwrap();
+        let expected = BODY.strip_suffix('}').unwrap().to_owned()
+            + r#","stream_options":{"include_usage":true}}"#;
+        assert_eq!(out, expected);
+        // Idempotent once set.
+        let mut again = ChatRequest::parse(out.into_bytes()).unwrap();
+        assert!(!again.force_include_usage());
+    }
+
+    #[test]
+    fn include_usage_merges_into_existing_options_in_place() {
+        let body = r#"{"stream":true,"stream_options":{"include_obfuscation":false,"include_usage":false},"messages":[],"top_p":0.90}"#;
+        let mut r = ChatRequest::parse(body.as_bytes().to_vec()).unwrap();
+        assert!(r.force_include_usage());
+        assert_eq!(
+            String::from_utf8(r.to_bytes().to_vec()).unwrap(),
+            r#"{"stream":true,"stream_options":{"include_obfuscation":false,"include_usage":true},"messages":[],"top_p":0.90}"#
+        );
+        let body = r#"{"stream":true,"stream_options":null,"messages":[]}"#;
+        let mut r = ChatRequest::parse(body.as_bytes().to_vec()).unwrap();
+        assert!(r.force_include_usage());
+        assert_eq!(
+            String::from_utf8(r.to_bytes().to_vec()).unwrap(),
+            r#"{"stream":true,"stream_options":{"include_usage":true},"messages":[]}"#
+        );
+    }
+
+    #[test]
+    fn include_usage_never_added_to_non_streaming() {
+        for body in [r#"{"messages":[]}"#, r#"{"stream":false,"messages":[]}"#] {
+            let mut r = ChatRequest::parse(body.as_bytes().to_vec()).unwrap();
+            assert!(!r.force_include_usage());
+            assert_eq!(r.to_bytes(), body.as_bytes());
+        }
+    }
+
+    #[test]
+    fn both_changes_together() {
+        let body = "{ \"messages\" : [ {\"role\":\"user\"} ] ,\n \"stream\": true }";
+        let mut r = ChatRequest::parse(body.as_bytes().to_vec()).unwrap();
+        r.with_messages(vec![raw("1"), raw("2")]);
+        assert!(r.force_include_usage());
+        assert_eq!(
+            String::from_utf8(r.to_bytes().to_vec()).unwrap(),
+            "{ \"messages\" : [1,2] ,\n \"stream\": true ,\"stream_options\":{\"include_usage\":true}}"
+        );
+    }
+
+    #[test]
+    fn rejects_what_cannot_be_rewritten() {
+        assert!(matches!(
+            ChatRequest::parse(b"not json".to_vec()),
+            Err(ParseError::NotObject(_))
+        ));
+        assert!(matches!(
+            ChatRequest::parse(b"[1]".to_vec()),
+            Err(ParseError::NotObject(_))
+        ));
+        assert!(matches!(
+            ChatRequest::parse(br#"{"model":"m"}"#.to_vec()),
+            Err(ParseError::MissingMessages)
+        ));
+        assert!(matches!(
+            ChatRequest::parse(br#"{"messages":{}}"#.to_vec()),
+            Err(ParseError::MessagesNotArray(_))
+        ));
+        assert!(matches!(
+            ChatRequest::parse(br#"{"messages":[],"model":"a","model":"b"}"#.to_vec()),
+            Err(ParseError::DuplicateKey)
+        ));
+    }
+
+    #[test]
+    fn hashes_ignore_formatting_and_key_order() {
+        let a = vec![
+            raw(r#"{"role":"user","content":"hi"}"#),
+            raw(r#"{"role":"assistant","content":"yo"}"#),
+        ];
+        let b = vec![
+            raw(r#"{ "content": "hi", "role": "user" }"#),
+            raw(r#"{"content":"yo","role":"assistant"}"#),
+        ];
+        assert_eq!(message_hashes(&a), message_hashes(&b));
+        let c = vec![
+            raw(r#"{"role":"user","content":"hi"}"#),
+            raw(r#"{"role":"assistant","content":"YO"}"#),
+        ];
+        let (ha, hc) = (message_hashes(&a), message_hashes(&c));
+        assert_eq!(ha[0], hc[0]);
+        assert_ne!(ha[1], hc[1]);
+        assert_eq!(common_prefix_len(&ha, &hc), 1);
+        assert_eq!(common_prefix_len(&ha, &ha), 2);
+    }
+
+    #[test]
+    fn chain_cache_matches_full_computation() {
+        let mut cache = ChainCache::new();
+        let a = vec![raw(r#""x""#), raw(r#""y""#), raw(r#""z""#)];
+        assert_eq!(cache.chain(&a), message_hashes(&a).as_slice());
+        let b = vec![raw(r#""x""#), raw(r#""Y""#)];
+        assert_eq!(cache.chain(&b), message_hashes(&b).as_slice());
+        let c = vec![raw(r#""x""#), raw(r#""Y""#), raw(r#""w""#), raw(r#""v""#)];
+        assert_eq!(cache.chain(&c), message_hashes(&c).as_slice());
+        assert_eq!(cache.chain(&[]), &[] as &[u128]);
+    }
+
+    #[test]
+    fn chain_depends_on_order_and_extends_incrementally() {
+        let a = vec![raw(r#""x""#), raw(r#""y""#)];
+        let b = vec![raw(r#""y""#), raw(r#""x""#)];
+        assert_ne!(message_hashes(&a)[1], message_hashes(&b)[1]);
+        let mut chain = message_hashes(&a[..1]);
+        extend_message_hashes(&mut chain, &a[1..]);
+        assert_eq!(chain, message_hashes(&a));
+        assert_eq!(message_hash(&a[0]), message_hash(&raw(r#" "x" "#)));
+    }
+}
+
+#[cfg(test)]
+mod prop {
+    use super::*;
+    use proptest::prelude::*;
+
+    fn member_value() -> impl Strategy<Value = String> {
+        prop_oneof![
+            Just("0.70".to_owned()),
+            Just("18446744073709551616123".to_owned()),
+            Just("1e400".to_owned()),
+            Just("-0.0".to_owned()),
+            Just("null".to_owned()),
+            Just("\"caf\\u00e9 \\\"q\\\"\"".to_owned()),
+            Just("{ \"b\" : [1, 2.50, {}], \"a\":true }".to_owned()),
+            "[a-z]{0,6}".prop_map(|s| format!("\"{s}\"")),
+        ]
+    }
+
+    fn ws() -> impl Strategy<Value = &'static str> {
+        prop_oneof![Just(""), Just(" "), Just("\n  "), Just("\t")]
+    }
+
+    prop_compose! {
+        fn body()(members in proptest::collection::vec(("[a-z_]{1,8}", member_value(), ws()), 0..6),
+                  msgs_at in 0usize..6, stream in any::<bool>(), w in ws())
+                  -> (String, Vec<(String, String)>) {
+            let mut seen = std::collections::HashSet::new();
+            let mut list: Vec<(String, String)> = members
+                .into_iter()
+                .filter(|(k, _, _)| !matches!(k.as_str(), "messages" | "stream" | "stream_options"))
+                .filter(|(k, _, _)| seen.insert(k.clone()))
+                .map(|(k, v, _)| (k, v))
+                .collect();
+            let at = msgs_at.min(list.len());
+            list.insert(at, ("messages".to_owned(), "[ {\"role\":\"user\",\"content\":\"hi\"} ]".to_owned()));
+            list.push(("stream".to_owned(), stream.to_string()));
+            let inner: Vec<String> = list.iter().map(|(k, v)| format!("{w}\"{k}\"{w}:{w}{v}")).collect();
+            (format!("{{{}{w}}}", inner.join(",")), list)
+        }
+    }
+
+    proptest! {
+        #[test]
+        fn untouched_members_survive_byte_for_byte((text, members) in body()) {
+            let mut r = ChatRequest::parse(text.clone().into_bytes()).unwrap();
+            prop_assert_eq!(r.to_bytes(), text.as_bytes());
+            let streaming = r.stream();
+            r.with_messages(vec![RawValue::from_string("{\"role\":\"user\",\"content\":\"new\"}".to_owned()).unwrap()]);
+            let forced = r.force_include_usage();
+            prop_assert_eq!(forced, streaming);
+            let out = String::from_utf8(r.to_bytes().to_vec()).unwrap();
+            // Still one valid JSON object ...
+            let again = ChatRequest::parse(out.clone().into_bytes()).unwrap();
+            prop_assert_eq!(again.messages().len(), 1);
+            prop_assert_eq!(again.client_wants_usage(), streaming);
+            // ... whose other members are the original raw texts, in order.
+            let keys: Vec<&str> = again.top.keys().map(String::as_str).collect();
+            let mut want: Vec<&str> = members.iter().map(|(k, _)| k.as_str()).collect();
+            if streaming { want.push("stream_options"); }
+            prop_assert_eq!(keys, want);
+            for (k, v) in &members {
+                if k != "messages" {
+                    prop_assert_eq!(again.get_raw(k).unwrap().get(), v.as_str());
+                }
+            }
+        }
+    }
+}

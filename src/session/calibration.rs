@@ -1,0 +1,404 @@
+//! Calibrating the rough token estimate with the real usage the upstream
+//! reports.
+//!
+//! Per session we keep what was last sent (per-message rough estimates and
+//! the hash chain) and the real `prompt_tokens` the upstream reported for it.
+//! The next estimate is then:
+//! - when the new request extends that one (its chain starts with the sent
+//!   chain): last real count + ratio × rough estimate of only the new
+//!   messages (and of any change in the non-message overhead);
+//! - otherwise: ratio × rough estimate of the whole request;
+//!
+//! where ratio = real / rough of the last observation, clamped to
+//! [`MIN_RATIO`, `MAX_RATIO`]. Per-message rough estimates of the previous
+//! request are reused for the shared prefix, so the work per request is
+//! proportional to what is new.
+
+use std::sync::Arc;
+
+use serde_json::value::RawValue;
+
+use crate::request::common_prefix_len;
+
+/// Smallest accepted real/rough ratio.
+pub const MIN_RATIO: f64 = 0.25;
+/// Largest accepted real/rough ratio.
+pub const MAX_RATIO: f64 = 4.0;
+
+/// What one request carried, as far as estimation is concerned.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct SentRequest {
+    /// Chained message hashes ([`crate::request::message_hashes`]).
+    pub hashes: Vec<u128>,
+    /// Rough estimate per message.
+    pub rough: Vec<u64>,
+    /// Rough estimate of everything that is not a message (tools, schema,
+    /// template overhead), as the caller computes it.
+    pub overhead: u64,
+    /// The calibrated estimate made for it.
+    pub estimated_tokens: u64,
+}
+
+impl SentRequest {
+    /// Sum of the per-message estimates plus the overhead.
+    pub fn rough_total(&self) -> u64 {
+        self.rough
+            .iter()
+            .fold(self.overhead, |acc, r| acc.saturating_add(*r))
+    }
+}
+
+/// How an estimate was made.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Basis {
+    /// No real usage yet: the plain rough estimate.
+    Uncalibrated,
+    /// ratio × rough estimate of the whole request.
+    Ratio,
+    /// Last real count plus the calibrated estimate of what is new;
+    /// `reused` leading messages were already counted by the upstream.
+    Incremental {
+        /// Messages covered by the last real count.
+        reused: usize,
+    },
+}
+
+/// One estimate, with what the caller should remember having sent.
+#[derive(Debug, Clone)]
+pub struct Estimate {
+    /// Calibrated prompt-token estimate.
+    pub tokens: u64,
+    /// Uncalibrated rough estimate of the whole request.
+    pub rough_total: u64,
+    /// How `tokens` was derived.
+    pub basis: Basis,
+    /// Messages whose rough estimate was computed for this call (the rest
+    /// came from the previous request).
+    pub newly_estimated: usize,
+    /// Hand this to [`Calibration::observe`] with the real usage.
+    pub sent: Arc<SentRequest>,
+}
+
+/// Content-free view for the admin endpoint.
+#[derive(Debug, Clone, Copy, PartialEq, serde::Serialize)]
+pub struct CalibrationSnapshot {
+    /// Real `prompt_tokens` of the last observed request.
+    pub last_real_prompt_tokens: Option<u64>,
+    /// Current real/rough ratio.
+    pub ratio: Option<f64>,
+    /// estimate/real − 1 of the last observed request.
+    pub last_estimate_error: Option<f64>,
+    /// Real usage reports taken.
+    pub observations: u64,
+}
+
+#[derive(Debug, Clone)]
+struct Observation {
+    sent: Arc<SentRequest>,
+    real_prompt: u64,
+}
+
+/// Per-session calibration state.
+#[derive(Debug, Clone, Default)]
+pub struct Calibration {
+    last: Option<Observation>,
+    /// The most recent request estimated (maybe not yet observed); its
+    /// per-message estimates are reused by the next call.
+    recent: Option<Arc<SentRequest>>,
+    ratio: Option<f64>,
+    last_error: Option<f64>,
+    observations: u64,
+}
+
+/// The calibration maths alone: `last_real` is the real count of the
+/// previous request when the new one extends it, `new_rough` the rough
+/// estimate of what was added since (may be negative when the non-message
+/// overhead shrank).
+pub fn calibrated(last_real: Option<u64>, ratio: f64, rough_total: u64, new_rough: i64) -> u64 {
+    let ratio = ratio.clamp(MIN_RATIO, MAX_RATIO);
+    match last_real {
+        Some(real) => {
+            let add = (ratio * new_rough as f64).round();
+            if add >= 0.0 {
+                real.saturating_add(add as u64)
+            } else {
+                real.saturating_sub((-add) as u64)
+            }
+        }
+        None => (ratio * rough_total as f64).round() as u64,
+    }
+}
+
+impl Calibration {
+    /// Fresh state (no observations).
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// The current real/rough ratio, if any real usage was seen.
+    pub fn ratio(&self) -> Option<f64> {
+        self.ratio
+    }
+
+    /// Real `prompt_tokens` of the last observed request.
+    pub fn last_real_prompt(&self) -> Option<u64> {
+        self.last.as_ref().map(|o| o.real_prompt)
+    }
+
+    /// Relative error of the last observed estimate: estimate/real − 1.
+    pub fn last_error(&self) -> Option<f64> {
+        self.last_error
+    }
+
+    /// Number of real usage reports taken.
+    pub fn observations(&self) -> u64 {
+        self.observations
+    }
+
+    /// Content-free summary (admin endpoint).
+    pub fn snapshot(&self) -> CalibrationSnapshot {
+        CalibrationSnapshot {
+            last_real_prompt_tokens: self.last_real_prompt(),
+            ratio: self.ratio,
+            last_estimate_error: self.last_error,
+            observations: self.observations,
+        }
+    }
+
+    /// Forgets everything (model switch: old calibration must not suppress
+    /// what a different tokenizer needs).
+    pub fn reset(&mut self) {
+        *self = Self::default();
+    }
+
+    /// Estimates the prompt tokens of `messages` (with chain `hashes`, same
+    /// length) plus `overhead`. `rough` is the engine's per-message
+    /// estimator; it runs only for messages not shared with the previous
+    /// request. The estimate is remembered so the next call can reuse it.
+    pub fn estimate<F>(
+        &mut self,
+        messages: &[Box<RawValue>],
+        hashes: &[u128],
+        overhead: u64,
+        rough: F,
+    ) -> Estimate
+    where
+        F: Fn(&RawValue) -> u64,
+    {
+        let n = messages.len().min(hashes.len());
+        // Reuse per-message estimates from whichever remembered request
+        // shares the longer prefix.
+        let mut reuse: (usize, Option<&SentRequest>) = (0, None);
+        for cand in [self.recent.as_deref(), self.last.as_ref().map(|o| &*o.sent)]
+            .into_iter()
+            .flatten()
+        {
+            let l = common_prefix_len(&cand.hashes, &hashes[..n]).min(cand.rough.len());
+            if l > reuse.0 {
+                reuse = (l, Some(cand));
+            }
+        }
+        let mut per_msg = Vec::with_capacity(n);
+        if let (l, Some(src)) = reuse {
+            per_msg.extend_from_slice(&src.rough[..l]);
+        }
+        let newly_estimated = n - per_msg.len();
+        for m in &messages[per_msg.len()..n] {
+            per_msg.push(rough(m));
+        }
+        let mut sent = SentRequest {
+            hashes: hashes[..n].to_vec(),
+            rough: per_msg,
+            overhead,
+            estimated_tokens: 0,
+        };
+        let rough_total = sent.rough_total();
+        let ratio = self.ratio.unwrap_or(1.0);
+        let (tokens, basis) = match &self.last {
+            Some(obs)
+                if !obs.sent.hashes.is_empty()
+                    && common_prefix_len(&obs.sent.hashes, &sent.hashes)
+                        == obs.sent.hashes.len() =>
+            {
+                let k = obs.sent.hashes.len();
+                let suffix: u64 = sent.rough[k..].iter().sum();
+                let new_rough = suffix as i64 + (overhead as i64 - obs.sent.overhead as i64);
+                (
+                    calibrated(Some(obs.real_prompt), ratio, rough_total, new_rough),
+                    Basis::Incremental { reused: k },
+                )
+            }
+            _ if self.ratio.is_some() => (calibrated(None, ratio, rough_total, 0), Basis::Ratio),
+            _ => (rough_total, Basis::Uncalibrated),
+        };
+        sent.estimated_tokens = tokens;
+        let sent = Arc::new(sent);
+        self.recent = Some(sent.clone());
+        Estimate {
+            tokens,
+            rough_total,
+            basis,
+            newly_estimated,
+            sent,
+        }
+    }
+
+    /// Records the real `prompt_tokens` reported for `sent`. Readings of 0
+    /// are ignored (some upstreams report 0 on a cache hit).
+    pub fn observe(&mut self, sent: Arc<SentRequest>, real_prompt: u64) {
+        if real_prompt == 0 {
+            return;
+        }
+        let rough = sent.rough_total();
+        if rough > 0 {
+            self.ratio = Some((real_prompt as f64 / rough as f64).clamp(MIN_RATIO, MAX_RATIO));
+        }
+        if sent.estimated_tokens > 0 {
+            self.last_error = Some(sent.estimated_tokens as f64 / real_prompt as f64 - 1.0);
+        }
+        self.observations += 1;
+        self.last = Some(Observation { sent, real_prompt });
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::request::message_hashes;
+    use std::cell::Cell;
+
+    fn msgs(texts: &[&str]) -> Vec<Box<RawValue>> {
+        texts
+            .iter()
+            .map(|t| RawValue::from_string(serde_json::to_string(t).unwrap()).unwrap())
+            .collect()
+    }
+
+    /// Rough estimator for tests: string length (the JSON text minus quotes).
+    fn len_est(m: &RawValue) -> u64 {
+        m.get().len() as u64 - 2
+    }
+
+    #[test]
+    fn pure_maths() {
+        assert_eq!(calibrated(None, 1.5, 1000, 0), 1500);
+        assert_eq!(calibrated(Some(800), 0.5, 9999, 100), 850);
+        assert_eq!(calibrated(Some(800), 0.5, 9999, -100), 750);
+        assert_eq!(calibrated(None, 100.0, 10, 0), 40, "clamped to MAX_RATIO");
+        assert_eq!(calibrated(None, 0.0, 100, 0), 25, "clamped to MIN_RATIO");
+        assert_eq!(calibrated(Some(10), 1.0, 0, -50), 0);
+    }
+
+    #[test]
+    fn uncalibrated_then_ratio_then_incremental() {
+        let mut c = Calibration::new();
+        let t1 = msgs(&["aaaaaaaaaa", "bbbbbbbbbb"]); // 20 rough
+        let e1 = c.estimate(&t1, &message_hashes(&t1), 0, len_est);
+        assert_eq!((e1.tokens, e1.basis), (20, Basis::Uncalibrated));
+        // The upstream says 30: ratio 1.5.
+        c.observe(e1.sent.clone(), 30);
+        assert_eq!(c.ratio(), Some(1.5));
+        assert_eq!(c.last_error(), Some(20.0 / 30.0 - 1.0));
+
+        // Next turn extends: 30 real + 1.5 × 10 new.
+        let t2 = msgs(&["aaaaaaaaaa", "bbbbbbbbbb", "cccc", "dddddd"]);
+        let e2 = c.estimate(&t2, &message_hashes(&t2), 0, len_est);
+        assert_eq!(e2.basis, Basis::Incremental { reused: 2 });
+        assert_eq!(e2.tokens, 45);
+        assert_eq!(e2.rough_total, 30);
+
+        // A request that does not extend (edited history): ratio × rough.
+        let t3 = msgs(&["aaaaaaaaaa", "XXXXXXXXXX", "cccc"]);
+        let e3 = c.estimate(&t3, &message_hashes(&t3), 0, len_est);
+        assert_eq!(e3.basis, Basis::Ratio);
+        assert_eq!(e3.tokens, 36); // 1.5 × 24
+    }
+
+    #[test]
+    fn overhead_changes_are_counted() {
+        let mut c = Calibration::new();
+        let t1 = msgs(&["aaaaaaaaaa"]);
+        let e1 = c.estimate(&t1, &message_hashes(&t1), 100, len_est);
+        c.observe(e1.sent, 220); // ratio 2
+        let t2 = msgs(&["aaaaaaaaaa", "bb"]);
+        let e2 = c.estimate(&t2, &message_hashes(&t2), 50, len_est);
+        // 220 + 2 × (2 new − 50 overhead removed)
+        assert_eq!(e2.tokens, 124);
+    }
+
+    #[test]
+    fn only_new_messages_are_estimated() {
+        let mut c = Calibration::new();
+        let calls = Cell::new(0u32);
+        let counting = |m: &RawValue| {
+            calls.set(calls.get() + 1);
+            len_est(m)
+        };
+        let t1 = msgs(&["a", "b", "c"]);
+        let e1 = c.estimate(&t1, &message_hashes(&t1), 0, counting);
+        assert_eq!((calls.get(), e1.newly_estimated), (3, 3));
+        // Even before usage arrives, the next request reuses the estimates.
+        let t2 = msgs(&["a", "b", "c", "d", "e"]);
+        let e2 = c.estimate(&t2, &message_hashes(&t2), 0, counting);
+        assert_eq!((calls.get(), e2.newly_estimated), (5, 2));
+        c.observe(e2.sent.clone(), 10);
+        // A fork that shares two messages re-estimates only its own part.
+        let t3 = msgs(&["a", "b", "z"]);
+        let e3 = c.estimate(&t3, &message_hashes(&t3), 0, counting);
+        assert_eq!((calls.get(), e3.newly_estimated), (6, 1));
+    }
+
+    #[test]
+    fn zero_usage_ignored_and_reset_forgets() {
+        let mut c = Calibration::new();
+        let t = msgs(&["abcd"]);
+        let e = c.estimate(&t, &message_hashes(&t), 0, len_est);
+        c.observe(e.sent.clone(), 0);
+        assert_eq!(c.ratio(), None);
+        assert_eq!(c.observations(), 0);
+        c.observe(e.sent, 8);
+        assert_eq!(c.ratio(), Some(2.0));
+        let snap = serde_json::to_value(c.snapshot()).unwrap();
+        assert_eq!(snap["last_real_prompt_tokens"], 8);
+        assert_eq!(snap["observations"], 1);
+        c.reset();
+        assert_eq!((c.ratio(), c.last_real_prompt()), (None, None));
+    }
+
+    #[test]
+    fn ratio_is_clamped() {
+        let mut c = Calibration::new();
+        let t = msgs(&["abcd"]);
+        let e = c.estimate(&t, &message_hashes(&t), 0, len_est);
+        c.observe(e.sent, 1_000_000);
+        assert_eq!(c.ratio(), Some(MAX_RATIO));
+    }
+
+    #[test]
+    fn incremental_estimate_tracks_a_growing_conversation() {
+        // Simulated upstream whose tokenizer counts 1.3 tokens per rough
+        // unit plus 7 per message: after one observation the incremental
+        // estimate of the next turn is within a few percent.
+        let real = |m: &[Box<RawValue>]| -> u64 {
+            m.iter()
+                .map(|x| (len_est(x) as f64 * 1.3).round() as u64 + 7)
+                .sum()
+        };
+        let mut c = Calibration::new();
+        let mut history: Vec<String> = vec!["system prompt ".repeat(20)];
+        for turn in 0..20 {
+            history.push(format!("user turn {turn} ").repeat(5 + turn % 7));
+            history.push(format!("assistant reply {turn} ").repeat(9 + turn % 5));
+            let refs: Vec<&str> = history.iter().map(String::as_str).collect();
+            let m = msgs(&refs);
+            let e = c.estimate(&m, &message_hashes(&m), 0, len_est);
+            let actual = real(&m);
+            if turn > 0 {
+                let err = (e.tokens as f64 - actual as f64).abs() / actual as f64;
+                assert!(err < 0.03, "turn {turn}: est {} real {actual}", e.tokens);
+                assert!(matches!(e.basis, Basis::Incremental { .. }));
+            }
+            c.observe(e.sent, actual);
+        }
+    }
+}

@@ -1,0 +1,505 @@
+//! Session keys: which conversation a request belongs to.
+//!
+//! Key = hash(credential fingerprint ‖ session id). The credential is only
+//! ever hashed (with a per-process secret, so a key seen in a response
+//! header cannot be used to test guesses of an API key) and never stored.
+//! The session id comes from the first configured header present, then the
+//! body (`session_id`, `prompt_cache_key`), then a fingerprint of the
+//! conversation's opening (model + first system/developer message + first
+//! other message), which later turns repeat verbatim.
+
+use std::borrow::Cow;
+use std::fmt;
+use std::hash::{BuildHasher, Hasher};
+
+use http::header::{HeaderMap, HeaderName};
+use serde::Deserialize;
+use serde_json::value::RawValue;
+use xxhash_rust::xxh3::Xxh3;
+
+use crate::request::{message_hash, ChatRequest};
+
+/// The default header list, in precedence order. `a+b` means: header `a`,
+/// combined with header `b` when that is present too (Claude Code subagents
+/// share the parent's session id and add an agent id).
+pub const DEFAULT_SESSION_HEADERS: &[&str] = &[
+    "x-session-id",
+    "x-claude-code-session-id+x-claude-code-agent-id",
+    "session-id",
+    "thread-id",
+    "x-session-affinity",
+    "x-opencode-session",
+];
+
+/// Headers whose values identify the client's credential.
+const CREDENTIAL_HEADERS: &[&str] = &["authorization", "api-key", "x-api-key"];
+
+/// Opaque session key (printed as 32 hex digits).
+#[derive(Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct SessionKey(u128);
+
+impl SessionKey {
+    /// The raw value.
+    pub fn as_u128(self) -> u128 {
+        self.0
+    }
+
+    /// Builds a key from its raw value (tests, lookups).
+    pub fn from_u128(v: u128) -> Self {
+        Self(v)
+    }
+
+    /// Parses the 32-hex-digit form (as in `x-compactor-session`).
+    pub fn parse_hex(s: &str) -> Option<Self> {
+        if s.len() != 32 {
+            return None;
+        }
+        u128::from_str_radix(s, 16).ok().map(Self)
+    }
+}
+
+impl fmt::Display for SessionKey {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{:032x}", self.0)
+    }
+}
+
+impl fmt::Debug for SessionKey {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "SessionKey({self})")
+    }
+}
+
+/// Hash of the client's credential headers (never the credential itself).
+#[derive(Clone, Copy, PartialEq, Eq, Hash, Debug)]
+pub struct CredentialFingerprint(u128);
+
+impl CredentialFingerprint {
+    /// The raw value (for scoping other stores, e.g. compaction records).
+    pub fn as_u128(self) -> u128 {
+        self.0
+    }
+}
+
+/// Where the session id came from.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum SessionSource {
+    /// A configured header (its name; `a+b` when combined).
+    Header(String),
+    /// Body `session_id`.
+    BodySessionId,
+    /// Body `prompt_cache_key`.
+    BodyPromptCacheKey,
+    /// Fingerprint of model + first system message + first other message.
+    Fingerprint,
+}
+
+impl SessionSource {
+    /// Short label for metrics and logs.
+    pub fn label(&self) -> &'static str {
+        match self {
+            Self::Header(_) => "header",
+            Self::BodySessionId => "body_session_id",
+            Self::BodyPromptCacheKey => "body_prompt_cache_key",
+            Self::Fingerprint => "fingerprint",
+        }
+    }
+}
+
+/// A configured header entry is not a valid header name.
+#[derive(Debug, thiserror::Error)]
+#[error("invalid session header name `{0}`")]
+pub struct KeyConfigError(pub String);
+
+/// One header entry of the configured list.
+#[derive(Debug, Clone)]
+pub struct HeaderRule {
+    /// The header carrying the id.
+    pub name: HeaderName,
+    /// Appended to the id when present (`name+combine_with`).
+    pub combine_with: Option<HeaderName>,
+}
+
+impl HeaderRule {
+    /// Parses `name` or `name+other`.
+    pub fn parse(spec: &str) -> Result<Self, KeyConfigError> {
+        let bad = || KeyConfigError(spec.to_owned());
+        let (a, b) = match spec.split_once('+') {
+            Some((a, b)) => (a, Some(b)),
+            None => (spec, None),
+        };
+        let name = HeaderName::from_bytes(a.trim().as_bytes()).map_err(|_| bad())?;
+        let combine_with = b
+            .map(|b| HeaderName::from_bytes(b.trim().as_bytes()).map_err(|_| bad()))
+            .transpose()?;
+        Ok(Self { name, combine_with })
+    }
+
+    fn label(&self) -> String {
+        match &self.combine_with {
+            Some(c) => format!("{}+{}", self.name, c),
+            None => self.name.to_string(),
+        }
+    }
+}
+
+/// Derives session keys; holds the configured header list and the
+/// per-process secret.
+#[derive(Debug, Clone)]
+pub struct SessionKeyer {
+    rules: Vec<HeaderRule>,
+    secret: u64,
+}
+
+// Domain tags keep ids from different kinds of source apart.
+const TAG_EXPLICIT: u8 = 1;
+const TAG_FINGERPRINT: u8 = 2;
+
+impl SessionKeyer {
+    /// Keyer for `headers` (see [`DEFAULT_SESSION_HEADERS`]) with a random
+    /// per-process secret.
+    pub fn new<S: AsRef<str>>(headers: &[S]) -> Result<Self, KeyConfigError> {
+        let secret = std::collections::hash_map::RandomState::new()
+            .build_hasher()
+            .finish();
+        Self::with_secret(headers, secret)
+    }
+
+    /// Keyer with a fixed secret (tests; keys are then reproducible).
+    pub fn with_secret<S: AsRef<str>>(headers: &[S], secret: u64) -> Result<Self, KeyConfigError> {
+        let rules = headers
+            .iter()
+            .map(|h| HeaderRule::parse(h.as_ref()))
+            .collect::<Result<_, _>>()?;
+        Ok(Self { rules, secret })
+    }
+
+    /// Keyer with the default header list.
+    pub fn with_defaults() -> Self {
+        let rules = DEFAULT_SESSION_HEADERS
+            .iter()
+            .filter_map(|h| HeaderRule::parse(h).ok())
+            .collect();
+        let secret = std::collections::hash_map::RandomState::new()
+            .build_hasher()
+            .finish();
+        Self { rules, secret }
+    }
+
+    /// Fingerprint of the credential headers present (`Authorization`,
+    /// `api-key`, `x-api-key`). Requests without any share one fingerprint.
+    pub fn credential(&self, headers: &HeaderMap) -> CredentialFingerprint {
+        let mut h = Xxh3::with_seed(self.secret);
+        h.update(b"compactor-credential");
+        for name in CREDENTIAL_HEADERS {
+            for v in headers.get_all(*name) {
+                h.update(name.as_bytes());
+                h.update(&(v.len() as u64).to_le_bytes());
+                h.update(v.as_bytes());
+            }
+        }
+        CredentialFingerprint(h.digest128())
+    }
+
+    /// The session key of a parsed request.
+    pub fn derive(&self, headers: &HeaderMap, req: &ChatRequest) -> (SessionKey, SessionSource) {
+        self.derive_parts(
+            headers,
+            req.session_id().as_deref(),
+            req.prompt_cache_key().as_deref(),
+            req.model().as_deref(),
+            req.messages(),
+        )
+    }
+
+    /// The session key from its ingredients.
+    pub fn derive_parts(
+        &self,
+        headers: &HeaderMap,
+        body_session_id: Option<&str>,
+        prompt_cache_key: Option<&str>,
+        model: Option<&str>,
+        messages: &[Box<RawValue>],
+    ) -> (SessionKey, SessionSource) {
+        let cred = self.credential(headers);
+        for rule in &self.rules {
+            let Some(v) = headers.get(&rule.name).filter(|v| !v.is_empty()) else {
+                continue;
+            };
+            let mut id = v.as_bytes().to_vec();
+            if let Some(extra) = rule
+                .combine_with
+                .as_ref()
+                .and_then(|c| headers.get(c))
+                .filter(|v| !v.is_empty())
+            {
+                id.push(b':');
+                id.extend_from_slice(extra.as_bytes());
+            }
+            let key = self.key(cred, TAG_EXPLICIT, &[&id]);
+            return (key, SessionSource::Header(rule.label()));
+        }
+        if let Some(id) = body_session_id.filter(|s| !s.is_empty()) {
+            return (
+                self.key(cred, TAG_EXPLICIT, &[id.as_bytes()]),
+                SessionSource::BodySessionId,
+            );
+        }
+        if let Some(id) = prompt_cache_key.filter(|s| !s.is_empty()) {
+            return (
+                self.key(cred, TAG_EXPLICIT, &[id.as_bytes()]),
+                SessionSource::BodyPromptCacheKey,
+            );
+        }
+        let (system, first) = opening_messages(messages);
+        let sys_h = system.map_or(0, message_hash).to_le_bytes();
+        let first_h = first.map_or(0, message_hash).to_le_bytes();
+        let model = model.unwrap_or("").as_bytes();
+        (
+            self.key(cred, TAG_FINGERPRINT, &[model, &sys_h, &first_h]),
+            SessionSource::Fingerprint,
+        )
+    }
+
+    fn key(&self, cred: CredentialFingerprint, tag: u8, parts: &[&[u8]]) -> SessionKey {
+        let mut h = Xxh3::with_seed(self.secret);
+        h.update(&cred.0.to_le_bytes());
+        h.update(&[tag]);
+        for p in parts {
+            // Length prefixes make the concatenation unambiguous.
+            h.update(&(p.len() as u64).to_le_bytes());
+            h.update(p);
+        }
+        SessionKey(h.digest128())
+    }
+}
+
+#[derive(Deserialize)]
+struct RoleOnly<'a> {
+    #[serde(default, borrow)]
+    role: Option<Cow<'a, str>>,
+}
+
+/// First system/developer message and first other message.
+fn opening_messages(messages: &[Box<RawValue>]) -> (Option<&RawValue>, Option<&RawValue>) {
+    let mut system = None;
+    let mut first = None;
+    for m in messages {
+        let role = serde_json::from_str::<RoleOnly<'_>>(m.get())
+            .ok()
+            .and_then(|r| r.role);
+        let is_system = matches!(role.as_deref(), Some("system" | "developer"));
+        if is_system && system.is_none() {
+            system = Some(&**m);
+        } else if !is_system && first.is_none() {
+            first = Some(&**m);
+        }
+        if system.is_some() && first.is_some() {
+            break;
+        }
+    }
+    (system, first)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use http::HeaderValue;
+
+    fn keyer() -> SessionKeyer {
+        SessionKeyer::with_secret(DEFAULT_SESSION_HEADERS, 42).unwrap()
+    }
+
+    fn headers(pairs: &[(&str, &str)]) -> HeaderMap {
+        let mut h = HeaderMap::new();
+        for (k, v) in pairs {
+            h.append(
+                HeaderName::from_bytes(k.as_bytes()).unwrap(),
+                HeaderValue::from_str(v).unwrap(),
+            );
+        }
+        h
+    }
+
+    fn req(body: &str) -> ChatRequest {
+        ChatRequest::parse(body.as_bytes().to_vec()).unwrap()
+    }
+
+    const CONV: &str = r#"{"model":"m","messages":[{"role":"system","content":"S"},{"role":"user","content":"U1"}]}"#;
+    const CONV_LATER: &str = r#"{"model":"m","messages":[{"role":"system","content":"S"},{"role":"user","content":"U1"},{"role":"assistant","content":"A1"},{"role":"user","content":"U2"}]}"#;
+
+    #[test]
+    fn each_header_source_in_precedence_order() {
+        let k = keyer();
+        let r = req(CONV);
+        let auth = ("authorization", "Bearer sk-1");
+        for name in [
+            "x-session-id",
+            "session-id",
+            "thread-id",
+            "x-session-affinity",
+            "x-opencode-session",
+        ] {
+            let (_, src) = k.derive(&headers(&[auth, (name, "abc")]), &r);
+            assert_eq!(src, SessionSource::Header(name.to_owned()));
+        }
+        // Earlier entries win over later ones.
+        let (_, src) = k.derive(
+            &headers(&[auth, ("thread-id", "t"), ("session-id", "s")]),
+            &r,
+        );
+        assert_eq!(src, SessionSource::Header("session-id".to_owned()));
+        // Empty values are skipped.
+        let (_, src) = k.derive(
+            &headers(&[auth, ("x-session-id", ""), ("thread-id", "t")]),
+            &r,
+        );
+        assert_eq!(src, SessionSource::Header("thread-id".to_owned()));
+    }
+
+    #[test]
+    fn claude_code_agent_id_separates_subagents() {
+        let k = keyer();
+        let r = req(CONV);
+        let parent = headers(&[("x-claude-code-session-id", "u1")]);
+        let sub_a = headers(&[
+            ("x-claude-code-session-id", "u1"),
+            ("x-claude-code-agent-id", "a"),
+        ]);
+        let sub_b = headers(&[
+            ("x-claude-code-session-id", "u1"),
+            ("x-claude-code-agent-id", "b"),
+        ]);
+        let (kp, src) = k.derive(&parent, &r);
+        assert_eq!(
+            src,
+            SessionSource::Header("x-claude-code-session-id+x-claude-code-agent-id".to_owned())
+        );
+        let (ka, _) = k.derive(&sub_a, &r);
+        let (kb, _) = k.derive(&sub_b, &r);
+        assert_ne!(kp, ka);
+        assert_ne!(ka, kb);
+        assert_eq!(ka, k.derive(&sub_a, &req(CONV_LATER)).0);
+    }
+
+    #[test]
+    fn body_fields_then_fingerprint() {
+        let k = keyer();
+        let h = headers(&[("authorization", "Bearer x")]);
+        let (ks, src) = k.derive(
+            &h,
+            &req(r#"{"session_id":"s1","prompt_cache_key":"p","messages":[]}"#),
+        );
+        assert_eq!(src, SessionSource::BodySessionId);
+        let (kp, src) = k.derive(&h, &req(r#"{"prompt_cache_key":"p","messages":[]}"#));
+        assert_eq!(src, SessionSource::BodyPromptCacheKey);
+        assert_ne!(ks, kp);
+        // The header id and the body id name the same session.
+        let (kh, _) = k.derive(
+            &headers(&[("authorization", "Bearer x"), ("x-session-id", "s1")]),
+            &req(r#"{"messages":[]}"#),
+        );
+        assert_eq!(kh, ks);
+        let (_, src) = k.derive(&h, &req(CONV));
+        assert_eq!(src, SessionSource::Fingerprint);
+    }
+
+    #[test]
+    fn fingerprint_is_stable_across_turns_and_separates_conversations() {
+        let k = keyer();
+        let h = headers(&[("authorization", "Bearer x")]);
+        let first = k.derive(&h, &req(CONV)).0;
+        assert_eq!(first, k.derive(&h, &req(CONV_LATER)).0);
+        // Formatting differences do not matter.
+        let reformatted = r#"{ "messages": [ {"content":"S","role":"system"}, {"content":"U1","role":"user"} ], "model": "m" }"#;
+        assert_eq!(first, k.derive(&h, &req(reformatted)).0);
+        let other_user = CONV.replace("U1", "U9");
+        assert_ne!(first, k.derive(&h, &req(&other_user)).0);
+        let other_system = CONV.replace("\"S\"", "\"S2\"");
+        assert_ne!(first, k.derive(&h, &req(&other_system)).0);
+        let other_model = CONV.replace("\"m\"", "\"m2\"");
+        assert_ne!(first, k.derive(&h, &req(&other_model)).0);
+        let developer = CONV.replace("system", "developer");
+        assert_ne!(first, k.derive(&h, &req(&developer)).0);
+        // A fingerprint never collides with an explicit id space.
+        assert_ne!(
+            first,
+            k.derive(
+                &headers(&[("authorization", "Bearer x"), ("x-session-id", "m")]),
+                &req(CONV)
+            )
+            .0
+        );
+    }
+
+    #[test]
+    fn credentials_never_share_a_key() {
+        let k = keyer();
+        let r = req(CONV);
+        let a = k.derive(
+            &headers(&[("authorization", "Bearer A"), ("x-session-id", "s")]),
+            &r,
+        );
+        let b = k.derive(
+            &headers(&[("authorization", "Bearer B"), ("x-session-id", "s")]),
+            &r,
+        );
+        let none = k.derive(&headers(&[("x-session-id", "s")]), &r);
+        let api_key = k.derive(
+            &headers(&[("api-key", "Bearer A"), ("x-session-id", "s")]),
+            &r,
+        );
+        let x_api_key = k.derive(&headers(&[("x-api-key", "A"), ("x-session-id", "s")]), &r);
+        let keys = [a.0, b.0, none.0, api_key.0, x_api_key.0];
+        for i in 0..keys.len() {
+            for j in i + 1..keys.len() {
+                assert_ne!(keys[i], keys[j], "{i} vs {j}");
+            }
+        }
+        // Fingerprint fallback is scoped by credential too.
+        assert_ne!(
+            k.derive(&headers(&[("authorization", "Bearer A")]), &r).0,
+            k.derive(&headers(&[("authorization", "Bearer B")]), &r).0
+        );
+        // Same credential, same id: same key.
+        assert_eq!(
+            a.0,
+            k.derive(
+                &headers(&[("authorization", "Bearer A"), ("x-session-id", "s")]),
+                &req(CONV_LATER)
+            )
+            .0
+        );
+    }
+
+    #[test]
+    fn secret_changes_keys_and_hex_round_trips() {
+        let r = req(CONV);
+        let h = headers(&[("authorization", "Bearer A")]);
+        let a = keyer().derive(&h, &r).0;
+        let b = SessionKeyer::with_secret(DEFAULT_SESSION_HEADERS, 43)
+            .unwrap()
+            .derive(&h, &r)
+            .0;
+        assert_ne!(a, b);
+        let hex = a.to_string();
+        assert_eq!(hex.len(), 32);
+        assert!(!hex.contains("sk-") && !hex.contains('A'));
+        assert_eq!(SessionKey::parse_hex(&hex), Some(a));
+        assert_eq!(SessionKey::parse_hex("xyz"), None);
+    }
+
+    #[test]
+    fn custom_header_list() {
+        let k = SessionKeyer::with_secret(&["x-conversation-id", "x-a+x-b"], 1).unwrap();
+        let r = req(CONV);
+        let (_, src) = k.derive(
+            &headers(&[("x-session-id", "ignored"), ("x-conversation-id", "c")]),
+            &r,
+        );
+        assert_eq!(src, SessionSource::Header("x-conversation-id".to_owned()));
+        let (_, src) = k.derive(&headers(&[("x-session-id", "ignored")]), &r);
+        assert_eq!(src, SessionSource::Fingerprint);
+        assert!(SessionKeyer::with_secret(&["bad header"], 1).is_err());
+    }
+}

@@ -1,0 +1,517 @@
+//! Tests of usage extraction and hiding over vendor-shaped transcripts.
+
+use super::hide::{HideUsageBody, UsageHider};
+use super::tap::tests::MockBody;
+use super::tap::TapBody;
+use super::*;
+use bytes::{Bytes, BytesMut};
+use http_body::Frame;
+use http_body_util::BodyExt;
+use proptest::prelude::*;
+use std::sync::{Arc, Mutex};
+
+macro_rules! fixture {
+    ($name:literal) => {
+        include_bytes!(concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/tests/fixtures/",
+            $name
+        ))
+    };
+}
+
+fn extract(kind: BodyKind, chunks: &[&[u8]]) -> UsageExtractor {
+    let mut e = UsageExtractor::new(kind);
+    for c in chunks {
+        e.feed(c);
+    }
+    e.finish();
+    e
+}
+
+fn split_every(bytes: &[u8], n: usize) -> Vec<&[u8]> {
+    bytes.chunks(n.max(1)).collect()
+}
+
+#[test]
+fn openai_final_usage_chunk() {
+    let s = fixture!("sse/openai_with_usage.sse");
+    for n in [1, 7, 4096] {
+        let e = extract(BodyKind::Sse, &split_every(s, n));
+        let r = e.report();
+        assert_eq!(
+            r.usage,
+            Some(Usage {
+                prompt_tokens: Some(9),
+                completion_tokens: Some(12),
+                total_tokens: Some(21),
+                cached_tokens: Some(0)
+            })
+        );
+        assert_eq!(r.prompt_tokens(), Some((9, PromptSource::Usage)));
+        assert_eq!(*e.start(), StreamStart::Content);
+        assert_eq!(e.parse_failures(), 0);
+    }
+}
+
+#[test]
+fn no_usage_without_include_usage() {
+    let e = extract(BodyKind::Sse, &[fixture!("sse/openai_without_usage.sse")]);
+    assert_eq!(e.report(), UsageReport::default());
+    assert_eq!(e.report().prompt_tokens(), None);
+}
+
+#[test]
+fn llamacpp_usage_and_timings() {
+    let e = extract(BodyKind::Sse, &[fixture!("sse/llamacpp_with_usage.sse")]);
+    let r = e.report();
+    assert_eq!(r.usage.and_then(|u| u.prompt_tokens), Some(75));
+    assert_eq!(r.timings.and_then(|t| t.prompt_n), Some(75));
+    assert_eq!(r.prompt_tokens(), Some((75, PromptSource::Usage)));
+}
+
+#[test]
+fn llamacpp_timings_fallback() {
+    let e = extract(BodyKind::Sse, &[fixture!("sse/llamacpp_without_usage.sse")]);
+    let r = e.report();
+    assert_eq!(r.usage, None);
+    assert_eq!(r.prompt_tokens(), Some((75, PromptSource::Timings)));
+    assert_eq!(r.completion_tokens(), Some(31));
+    let eff = r.effective().unwrap();
+    assert_eq!(eff.total_tokens, Some(106));
+    // Non-streaming body with timings only: prompt_n + cache_n.
+    let e = extract(
+        BodyKind::Json,
+        &[fixture!("json/llamacpp_response_timings_only.json")],
+    );
+    assert_eq!(
+        e.report().prompt_tokens(),
+        Some((237, PromptSource::Timings))
+    );
+    assert_eq!(e.report().effective().unwrap().cached_tokens, Some(236));
+}
+
+#[test]
+fn openrouter_crlf_with_comments() {
+    let s = fixture!("sse/openrouter_always_usage_crlf.sse");
+    for n in [1, 2, 3, 50] {
+        let r = extract(BodyKind::Sse, &split_every(s, n)).report();
+        assert_eq!(r.usage.and_then(|u| u.prompt_tokens), Some(194));
+        assert_eq!(r.usage.and_then(|u| u.cached_tokens), Some(0));
+    }
+}
+
+#[test]
+fn vllm_usage() {
+    let r = extract(BodyKind::Sse, &[fixture!("sse/vllm_with_usage.sse")]).report();
+    assert_eq!(r.usage.and_then(|u| u.prompt_tokens), Some(42));
+    assert_eq!(r.usage.and_then(|u| u.cached_tokens), None);
+}
+
+#[test]
+fn json_body_usage() {
+    let s = fixture!("json/openai_response.json");
+    let e = extract(BodyKind::Json, &split_every(s, 10));
+    assert_eq!(
+        e.report().prompt_tokens(),
+        Some((1117, PromptSource::Usage))
+    );
+    assert_eq!(*e.start(), StreamStart::Content);
+}
+
+#[test]
+fn last_usage_wins() {
+    let s = b"data: {\"choices\":[{\"delta\":{\"content\":\"a\"}}],\"usage\":{\"prompt_tokens\":5}}\n\ndata: {\"choices\":[],\"usage\":{\"prompt_tokens\":7}}\n\n";
+    let r = extract(BodyKind::Sse, &[s]).report();
+    assert_eq!(r.usage.and_then(|u| u.prompt_tokens), Some(7));
+}
+
+#[test]
+fn early_errors_detected() {
+    let e = extract(
+        BodyKind::Sse,
+        &[fixture!("sse/llamacpp_old_error_field.sse")],
+    );
+    assert!(
+        matches!(e.start(), StreamStart::Error(p) if p.starts_with(b"{\"code\":400")),
+        "{:?}",
+        e.start()
+    );
+    let e = extract(
+        BodyKind::Sse,
+        &[fixture!("sse/openai_responses_error_event.sse")],
+    );
+    assert!(
+        matches!(e.start(), StreamStart::Error(p) if memmem::find(p, b"context_length_exceeded").is_some())
+    );
+    let e = extract(BodyKind::Json, &[fixture!("json/llamacpp_overflow.json")]);
+    assert!(matches!(e.start(), StreamStart::Error(_)));
+    let e = extract(
+        BodyKind::Sse,
+        &[b"data: {\"error\":{\"message\":\"x\"}}\n\n"],
+    );
+    assert!(matches!(e.start(), StreamStart::Error(_)));
+}
+
+#[test]
+fn errors_after_content_are_not_early() {
+    for f in [
+        &fixture!("sse/llamacpp_error_mid_stream.sse")[..],
+        &fixture!("sse/openrouter_error_after_tokens.sse")[..],
+    ] {
+        let e = extract(BodyKind::Sse, &[f]);
+        assert_eq!(*e.start(), StreamStart::Content);
+    }
+    // A role-only first delta is not content yet.
+    let mut e = UsageExtractor::new(BodyKind::Sse);
+    e.feed(b"data: {\"choices\":[{\"index\":0,\"delta\":{\"role\":\"assistant\",\"content\":\"\"},\"finish_reason\":null}]}\n\n");
+    assert_eq!(*e.start(), StreamStart::Undecided);
+    e.feed(b"event: error\ndata: {\"message\":\"boom\"}\n\n");
+    assert!(matches!(e.start(), StreamStart::Error(_)));
+}
+
+#[test]
+fn garbage_never_fails() {
+    let e = extract(
+        BodyKind::Sse,
+        &[b"data: {not json\n\ndata: \"usage\":{\n\n\xff\xfe\n\n"],
+    );
+    assert_eq!(e.report(), UsageReport::default());
+    assert!(e.parse_failures() >= 1);
+    let e = extract(BodyKind::Json, &[b"<html>502</html>"]);
+    assert_eq!(e.report(), UsageReport::default());
+}
+
+#[test]
+fn body_kind_from_content_type() {
+    assert_eq!(
+        BodyKind::from_content_type(Some("text/event-stream; charset=utf-8")),
+        BodyKind::Sse
+    );
+    assert_eq!(
+        BodyKind::from_content_type(Some("application/json")),
+        BodyKind::Json
+    );
+    assert_eq!(BodyKind::from_content_type(None), BodyKind::Json);
+}
+
+#[tokio::test]
+async fn observer_through_tap_delivers_outcome_once() {
+    let s = fixture!("sse/llamacpp_with_usage.sse");
+    let got: Arc<Mutex<Vec<TapOutcome>>> = Arc::default();
+    let sink = got.clone();
+    let obs = UsageObserver::new(BodyKind::Sse, move |o| sink.lock().unwrap().push(o));
+    let items = split_every(s, 33)
+        .into_iter()
+        .flat_map(|c| [Some(Ok(Frame::data(Bytes::copy_from_slice(c)))), None])
+        .collect();
+    let body = TapBody::new(MockBody::new(items), obs);
+    let out = body.collect().await.unwrap().to_bytes();
+    assert_eq!(&out[..], &s[..]);
+    let got = got.lock().unwrap();
+    assert_eq!(got.len(), 1);
+    assert_eq!(got[0].eos, tap::Eos::Complete);
+    assert_eq!(
+        got[0].report.prompt_tokens(),
+        Some((75, PromptSource::Usage))
+    );
+    assert_eq!(got[0].bytes, s.len() as u64);
+}
+
+// ---- hiding ----
+
+fn hide(chunks: &[&[u8]]) -> Vec<u8> {
+    let mut h = UsageHider::new();
+    let mut out = BytesMut::new();
+    for c in chunks {
+        h.push(c, &mut out);
+    }
+    h.finish(&mut out);
+    out.to_vec()
+}
+
+#[test]
+fn hidden_fixture_streams_equal_direct_ones() {
+    let pairs: [(&[u8], &[u8]); 3] = [
+        (
+            fixture!("sse/openai_with_usage.sse"),
+            fixture!("sse/openai_without_usage.sse"),
+        ),
+        (
+            fixture!("sse/llamacpp_with_usage.sse"),
+            fixture!("sse/llamacpp_without_usage.sse"),
+        ),
+        (
+            fixture!("sse/vllm_with_usage.sse"),
+            fixture!("sse/vllm_without_usage.sse"),
+        ),
+    ];
+    for (with, without) in pairs {
+        for n in [1, 2, 5, 64, 100_000] {
+            assert_eq!(
+                String::from_utf8(hide(&split_every(with, n))).unwrap(),
+                String::from_utf8(without.to_vec()).unwrap(),
+                "split {n}"
+            );
+        }
+    }
+}
+
+#[tokio::test]
+async fn hide_body_with_tap_inside() {
+    let with = fixture!("sse/openai_with_usage.sse");
+    let got: Arc<Mutex<Option<TapOutcome>>> = Arc::default();
+    let sink = got.clone();
+    let obs = UsageObserver::new(BodyKind::Sse, move |o| *sink.lock().unwrap() = Some(o));
+    let items = split_every(with, 17)
+        .into_iter()
+        .flat_map(|c| [Some(Ok(Frame::data(Bytes::copy_from_slice(c)))), None])
+        .collect();
+    let body = HideUsageBody::new(TapBody::new(MockBody::new(items), obs));
+    let out = body.collect().await.unwrap().to_bytes();
+    assert_eq!(&out[..], &fixture!("sse/openai_without_usage.sse")[..]);
+    let outcome = got.lock().unwrap().clone().unwrap();
+    assert_eq!(
+        outcome.report.prompt_tokens(),
+        Some((9, PromptSource::Usage))
+    );
+}
+
+// Generated streams: the same conversation rendered by a vendor with and
+// without include_usage; hiding the first must give the second exactly.
+
+#[derive(Debug, Clone, Copy)]
+enum Vendor {
+    OpenAi,
+    LlamaCpp,
+    Vllm,
+}
+
+#[derive(Debug, Clone)]
+struct Gen {
+    vendor: Vendor,
+    eol: &'static str,
+    pieces: Vec<String>,
+    ping_every: usize,
+    spaced: bool,
+    prompt: u64,
+}
+
+fn json_str(s: &str) -> String {
+    serde_json::to_string(s).unwrap()
+}
+
+fn render(g: &Gen, include_usage: bool) -> Vec<u8> {
+    let mut events: Vec<String> = Vec::new();
+    let sep = if g.spaced { ", " } else { "," };
+    let colon = if g.spaced { ": " } else { ":" };
+    let timings = format!(
+        "{{\"cache_n\":0,\"prompt_n\":{},\"predicted_n\":{}}}",
+        g.prompt,
+        g.pieces.len()
+    );
+    let usage = format!(
+        "{{\"prompt_tokens\"{colon}{}{sep}\"completion_tokens\"{colon}{}{sep}\"total_tokens\"{colon}{}}}",
+        g.prompt,
+        g.pieces.len(),
+        g.prompt + g.pieces.len() as u64
+    );
+    let mut deltas: Vec<(String, String)> = vec![(
+        "{\"role\":\"assistant\",\"content\":\"\"}".to_owned(),
+        "null".to_owned(),
+    )];
+    for p in &g.pieces {
+        deltas.push((
+            format!("{{\"content\":{}}}", json_str(p)),
+            "null".to_owned(),
+        ));
+    }
+    deltas.push(("{}".to_owned(), "\"stop\"".to_owned()));
+    let last = deltas.len() - 1;
+    for (i, (delta, finish)) in deltas.iter().enumerate() {
+        let choices = format!(
+            "[{{\"index\"{colon}0{sep}\"delta\"{colon}{delta}{sep}\"finish_reason\"{colon}{finish}}}]"
+        );
+        let ev = match g.vendor {
+            Vendor::OpenAi => {
+                let u = if include_usage {
+                    format!("{sep}\"usage\"{colon}null")
+                } else {
+                    String::new()
+                };
+                format!("{{\"id\"{colon}\"c\"{sep}\"choices\"{colon}{choices}{u}{sep}\"obfuscation\"{colon}\"x{i}\"}}")
+            }
+            Vendor::Vllm => format!("{{\"id\"{colon}\"c\"{sep}\"choices\"{colon}{choices}}}"),
+            Vendor::LlamaCpp => {
+                let t = if i == last && !include_usage {
+                    format!("{sep}\"timings\"{colon}{timings}")
+                } else {
+                    String::new()
+                };
+                format!("{{\"choices\"{colon}{choices}{sep}\"object\"{colon}\"chat.completion.chunk\"{t}}}")
+            }
+        };
+        events.push(format!("data: {ev}"));
+        if g.ping_every > 0 && i % g.ping_every == 0 {
+            events.push(": keep-alive".to_owned());
+        }
+    }
+    if include_usage {
+        let ev = match g.vendor {
+            Vendor::OpenAi | Vendor::Vllm => {
+                format!("{{\"id\"{colon}\"c\"{sep}\"choices\"{colon}[]{sep}\"usage\"{colon}{usage}}}")
+            }
+            Vendor::LlamaCpp => format!(
+                "{{\"choices\"{colon}[]{sep}\"object\"{colon}\"chat.completion.chunk\"{sep}\"usage\"{colon}{usage}{sep}\"timings\"{colon}{timings}}}"
+            ),
+        };
+        events.push(format!("data: {ev}"));
+    }
+    events.push("data: [DONE]".to_owned());
+    let mut out = String::new();
+    for e in events {
+        out.push_str(&e);
+        out.push_str(g.eol);
+        out.push_str(g.eol);
+    }
+    out.into_bytes()
+}
+
+fn arb_gen() -> impl Strategy<Value = Gen> {
+    (
+        prop_oneof![
+            Just(Vendor::OpenAi),
+            Just(Vendor::LlamaCpp),
+            Just(Vendor::Vllm)
+        ],
+        prop_oneof![Just("\n"), Just("\r\n"), Just("\r")],
+        proptest::collection::vec("[a-z \"{}\\\\:,usage\n]{0,8}", 0..6),
+        0usize..4,
+        any::<bool>(),
+        1u64..100_000,
+    )
+        .prop_map(|(vendor, eol, pieces, ping_every, spaced, prompt)| Gen {
+            vendor,
+            eol,
+            pieces,
+            ping_every,
+            spaced,
+            prompt,
+        })
+}
+
+proptest! {
+    #[test]
+    fn hide_with_usage_equals_without(g in arb_gen(), cuts in proptest::collection::vec(0usize..2000, 0..10)) {
+        let with = render(&g, true);
+        let without = render(&g, false);
+        let mut points: Vec<usize> = cuts.into_iter().map(|c| c.min(with.len())).collect();
+        points.sort_unstable();
+        let mut parts: Vec<&[u8]> = Vec::new();
+        let mut last = 0;
+        for p in points { parts.push(&with[last..p]); last = p; }
+        parts.push(&with[last..]);
+        prop_assert_eq!(String::from_utf8(hide(&parts)).unwrap(), String::from_utf8(without).unwrap());
+        // And the tap still reads the real usage from the forced stream.
+        let r = extract(BodyKind::Sse, &parts).report();
+        prop_assert_eq!(r.prompt_tokens(), Some((g.prompt, PromptSource::Usage)));
+    }
+
+    #[test]
+    fn scanner_usage_is_split_invariant(g in arb_gen(), n in 1usize..64) {
+        let with = render(&g, true);
+        let whole = extract(BodyKind::Sse, &[&with]).report();
+        let split = extract(BodyKind::Sse, &split_every(&with, n)).report();
+        prop_assert_eq!(whole, split);
+    }
+}
+
+#[test]
+fn llamacpp_timings_keep_upstream_separators() {
+    // Found by the property test: a spaced JSON style must be reproduced
+    // when `timings` moves from the usage chunk to the finish chunk.
+    let g = Gen {
+        vendor: Vendor::LlamaCpp,
+        eol: "\n",
+        pieces: vec![],
+        ping_every: 0,
+        spaced: true,
+        prompt: 1,
+    };
+    assert_eq!(hide(&[&render(&g, true)]), render(&g, false));
+}
+
+#[test]
+fn comment_between_finish_and_usage_chunk_stays_in_place() {
+    let g = Gen {
+        vendor: Vendor::LlamaCpp,
+        eol: "\n",
+        pieces: vec![],
+        ping_every: 1,
+        spaced: false,
+        prompt: 1,
+    };
+    assert_eq!(hide(&[&render(&g, true)]), render(&g, false));
+}
+
+#[tokio::test]
+async fn held_bytes_are_released_before_an_upstream_error() {
+    let finish: &[u8] = b"data: {\"choices\":[{\"index\":0,\"delta\":{},\"finish_reason\":\"stop\"}],\"usage\":null}\n\ndata: {\"partial";
+    let body = MockBody::new(vec![
+        Some(Ok(Frame::data(Bytes::from_static(finish)))),
+        Some(Err(std::io::Error::other("reset"))),
+    ]);
+    let mut hidden = HideUsageBody::new(body);
+    let first = hidden.frame().await.unwrap().unwrap().into_data().unwrap();
+    assert_eq!(
+        &first[..],
+        &b"data: {\"choices\":[{\"index\":0,\"delta\":{},\"finish_reason\":\"stop\"}]}\n\ndata: {\"partial"[..]
+    );
+    assert!(hidden.frame().await.unwrap().is_err());
+    assert!(hidden.frame().await.is_none());
+}
+
+fn split_at_points<'a>(s: &'a [u8], cuts: &[usize]) -> Vec<&'a [u8]> {
+    let mut points: Vec<usize> = cuts.iter().map(|c| (*c).min(s.len())).collect();
+    points.sort_unstable();
+    let mut parts = Vec::new();
+    let mut last = 0;
+    for p in points {
+        parts.push(&s[last..p]);
+        last = p;
+    }
+    parts.push(&s[last..]);
+    parts
+}
+
+proptest! {
+    /// Streams without a `"usage"` key pass through byte for byte, whatever
+    /// their framing or content.
+    #[test]
+    fn hider_is_identity_without_usage(
+        bytes in proptest::collection::vec(prop_oneof![
+            Just(b'\n'), Just(b'\r'), Just(b'{'), Just(b'}'), Just(b'"'), Just(b':'),
+            Just(b','), Just(b'['), Just(b']'), Just(b' '), any::<u8>()
+        ], 0..400),
+        prefix in prop_oneof![Just(&b""[..]), Just(&b"data: "[..]), Just(&b"data:{\"finish_reason\":\"x\""[..])],
+        cuts in proptest::collection::vec(0usize..500, 0..6),
+    ) {
+        let mut s = prefix.to_vec();
+        s.extend_from_slice(&bytes);
+        prop_assume!(memmem::find(&s, b"\"usage\"").is_none());
+        prop_assert_eq!(hide(&split_at_points(&s, &cuts)), s);
+    }
+
+    /// Arbitrary bytes never panic the hider or the extractor, and the hider
+    /// output never depends on the framing.
+    #[test]
+    fn arbitrary_bytes_are_split_invariant(
+        bytes in proptest::collection::vec(any::<u8>(), 0..300),
+        cuts in proptest::collection::vec(0usize..300, 0..6),
+    ) {
+        let whole = hide(&[&bytes]);
+        prop_assert_eq!(hide(&split_at_points(&bytes, &cuts)), whole);
+        let _ = extract(BodyKind::Sse, &split_at_points(&bytes, &cuts)).report();
+        let _ = extract(BodyKind::Json, &[&bytes]).report();
+    }
+}

@@ -1,0 +1,410 @@
+//! Per (upstream, model) context-window resolution, lazy and cached.
+//!
+//! Order: the config table (`[models."name"] context_length`) → what the
+//! upstream last enforced in an overflow error (newest evidence: it corrects
+//! a discovered upper bound such as OpenRouter's model-level
+//! `context_length`, and follows a llama.cpp restart with another `-c`) →
+//! discovery (run once on first need; a miss is remembered for a
+//! negative-cache TTL) → the configured default.
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use dashmap::DashMap;
+use tokio::time::Instant;
+
+use super::discover::{discover, Discovered, DiscoverySource, UpstreamGet};
+use super::overflow::{Overflow, OverflowKind};
+
+/// Where a resolved window came from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum WindowSource {
+    /// The config table.
+    Config,
+    /// An overflow error's numbers.
+    Learned,
+    /// Upstream discovery.
+    Discovered(DiscoverySource),
+    /// The configured default.
+    Default,
+}
+
+impl WindowSource {
+    /// Short label for metrics and admin views.
+    pub fn label(self) -> &'static str {
+        match self {
+            Self::Config => "config",
+            Self::Learned => "learned",
+            Self::Discovered(_) => "discovered",
+            Self::Default => "default",
+        }
+    }
+}
+
+/// A resolved window.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Resolved {
+    /// Tokens.
+    pub tokens: u64,
+    /// Where it came from.
+    pub source: WindowSource,
+}
+
+/// Settings of the cache.
+#[derive(Debug, Clone)]
+pub struct WindowConfig {
+    /// `[models."name"] context_length` entries.
+    pub models: HashMap<String, u64>,
+    /// Used when nothing else is known.
+    pub default_window: u64,
+    /// How long a failed discovery is not retried.
+    pub negative_ttl: Duration,
+    /// Whether to probe the upstream at all.
+    pub discovery: bool,
+}
+
+impl Default for WindowConfig {
+    fn default() -> Self {
+        Self {
+            models: HashMap::new(),
+            default_window: 8192,
+            negative_ttl: Duration::from_secs(300),
+            discovery: true,
+        }
+    }
+}
+
+#[derive(Debug, Clone, Copy)]
+enum Discovery {
+    NotTried,
+    Found(Discovered),
+    Missing { retry_at: Instant },
+}
+
+#[derive(Debug)]
+struct Slot {
+    discovery: tokio::sync::Mutex<Discovery>,
+    /// Window learned from an overflow error; 0 = none.
+    learned: AtomicU64,
+}
+
+/// The cache; cheap to share behind an `Arc`.
+#[derive(Debug)]
+pub struct WindowCache {
+    cfg: WindowConfig,
+    slots: DashMap<(String, String), Arc<Slot>>,
+}
+
+impl WindowCache {
+    /// A cache with `cfg`.
+    pub fn new(cfg: WindowConfig) -> Self {
+        Self {
+            cfg,
+            slots: DashMap::new(),
+        }
+    }
+
+    fn slot(&self, upstream: &str, model: &str) -> Arc<Slot> {
+        let key = (upstream.to_owned(), model.to_owned());
+        // Clone the Arc out so no map guard lives past this statement.
+        self.slots
+            .entry(key)
+            .or_insert_with(|| {
+                Arc::new(Slot {
+                    discovery: tokio::sync::Mutex::new(Discovery::NotTried),
+                    learned: AtomicU64::new(0),
+                })
+            })
+            .value()
+            .clone()
+    }
+
+    fn config_window(&self, model: &str) -> Option<Resolved> {
+        self.cfg
+            .models
+            .get(model)
+            .filter(|n| **n > 0)
+            .map(|&tokens| Resolved {
+                tokens,
+                source: WindowSource::Config,
+            })
+    }
+
+    fn learned(slot: &Slot) -> Option<Resolved> {
+        match slot.learned.load(Ordering::Relaxed) {
+            0 => None,
+            tokens => Some(Resolved {
+                tokens,
+                source: WindowSource::Learned,
+            }),
+        }
+    }
+
+    fn default_window(&self) -> Resolved {
+        Resolved {
+            tokens: self.cfg.default_window,
+            source: WindowSource::Default,
+        }
+    }
+
+    /// The window for (`upstream`, `model`), probing the upstream through
+    /// `up` the first time it is needed. Concurrent callers for the same key
+    /// share one probe.
+    pub async fn resolve(&self, upstream: &str, model: &str, up: &dyn UpstreamGet) -> Resolved {
+        if let Some(r) = self.config_window(model) {
+            return r;
+        }
+        let slot = self.slot(upstream, model);
+        if let Some(r) = Self::learned(&slot) {
+            return r;
+        }
+        if !self.cfg.discovery {
+            return self.default_window();
+        }
+        let mut state = slot.discovery.lock().await;
+        let now = Instant::now();
+        let run = match *state {
+            Discovery::NotTried => true,
+            Discovery::Missing { retry_at } => now >= retry_at,
+            Discovery::Found(_) => false,
+        };
+        if run {
+            *state = match discover(up, model).await {
+                Some(d) => Discovery::Found(d),
+                None => Discovery::Missing {
+                    retry_at: Instant::now() + self.cfg.negative_ttl,
+                },
+            };
+        }
+        let found = *state;
+        drop(state);
+        // An overflow may have been learned while the probe ran.
+        if let Some(r) = Self::learned(&slot) {
+            return r;
+        }
+        match found {
+            Discovery::Found(d) => Resolved {
+                tokens: d.window,
+                source: WindowSource::Discovered(d.source),
+            },
+            _ => self.default_window(),
+        }
+    }
+
+    /// What is known without any I/O (admin views): like
+    /// [`Self::resolve`] but never probes.
+    pub fn known(&self, upstream: &str, model: &str) -> Resolved {
+        if let Some(r) = self.config_window(model) {
+            return r;
+        }
+        let Some(slot) = self
+            .slots
+            .get(&(upstream.to_owned(), model.to_owned()))
+            .map(|s| s.value().clone())
+        else {
+            return self.default_window();
+        };
+        if let Some(r) = Self::learned(&slot) {
+            return r;
+        }
+        match slot.discovery.try_lock().map(|s| *s) {
+            Ok(Discovery::Found(d)) => Resolved {
+                tokens: d.window,
+                source: WindowSource::Discovered(d.source),
+            },
+            _ => self.default_window(),
+        }
+    }
+
+    /// Learns from an overflow error. Returns the window learned, if the
+    /// error stated one. An output-budget overflow still states the window.
+    pub fn learn(&self, upstream: &str, model: &str, overflow: &Overflow) -> Option<u64> {
+        let limit = overflow.limit.filter(|l| *l > 0)?;
+        // Guard against reading a request size as the window.
+        if overflow.kind == OverflowKind::Prompt
+            && overflow.prompt_tokens.is_some_and(|p| p < limit)
+            && overflow.requested.is_none_or(|r| r <= limit)
+        {
+            return None;
+        }
+        self.learn_limit(upstream, model, limit);
+        Some(limit)
+    }
+
+    /// Records `limit` as the window the upstream enforces.
+    pub fn learn_limit(&self, upstream: &str, model: &str, limit: u64) {
+        if limit > 0 {
+            self.slot(upstream, model)
+                .learned
+                .store(limit, Ordering::Relaxed);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::discover::tests::{llamacpp_props, FakeUpstream};
+    use super::super::overflow::parse_overflow;
+    use super::*;
+    use serde_json::json;
+
+    fn cache(models: &[(&str, u64)]) -> WindowCache {
+        WindowCache::new(WindowConfig {
+            models: models.iter().map(|(k, v)| ((*k).to_owned(), *v)).collect(),
+            default_window: 4000,
+            negative_ttl: Duration::from_secs(60),
+            discovery: true,
+        })
+    }
+
+    #[tokio::test]
+    async fn config_wins_and_never_probes() {
+        let c = cache(&[("m", 32768)]);
+        let up = FakeUpstream::with(&[("/props", llamacpp_props(4096, 1))]);
+        let r = c.resolve("u", "m", &up).await;
+        assert_eq!(
+            r,
+            Resolved {
+                tokens: 32768,
+                source: WindowSource::Config
+            }
+        );
+        assert!(up.asked().is_empty());
+    }
+
+    #[tokio::test]
+    async fn discovery_runs_once_and_is_cached() {
+        let c = cache(&[]);
+        let up = FakeUpstream::with(&[("/props", llamacpp_props(4096, 1))]);
+        assert_eq!(c.known("u", "m").source, WindowSource::Default);
+        for _ in 0..3 {
+            let r = c.resolve("u", "m", &up).await;
+            assert_eq!(r.tokens, 4096);
+            assert_eq!(
+                r.source,
+                WindowSource::Discovered(DiscoverySource::LlamaCppProps)
+            );
+        }
+        assert_eq!(up.asked(), vec!["/props"]);
+        assert_eq!(c.known("u", "m").tokens, 4096);
+        // Another upstream is resolved on its own.
+        let other = FakeUpstream::with(&[(
+            "/v1/models",
+            json!({"data":[{"id":"m","max_model_len":2048}]}),
+        )]);
+        assert_eq!(c.resolve("u2", "m", &other).await.tokens, 2048);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn negative_cache_ttl() {
+        let c = cache(&[]);
+        let up = FakeUpstream::default();
+        assert_eq!(c.resolve("u", "m", &up).await.source, WindowSource::Default);
+        let probes = up.asked().len();
+        assert!(probes > 0);
+        c.resolve("u", "m", &up).await;
+        assert_eq!(up.asked().len(), probes, "miss cached");
+        tokio::time::advance(Duration::from_secs(61)).await;
+        c.resolve("u", "m", &up).await;
+        assert_eq!(up.asked().len(), 2 * probes, "retried after the TTL");
+    }
+
+    #[tokio::test]
+    async fn learned_from_each_overflow_wording() {
+        let cases: &[(&str, u64)] = &[
+            (
+                r#"{"error":{"message":"This model's maximum context length is 4097 tokens. However, your messages resulted in 4294 tokens.","type":"invalid_request_error","code":"context_length_exceeded"}}"#,
+                4097,
+            ),
+            (
+                r#"{"error":{"code":400,"message":"request (13392 tokens) exceeds the available context size (8192 tokens), try increasing it","type":"exceed_context_size_error","n_prompt_tokens":13392,"n_ctx":8192}}"#,
+                8192,
+            ),
+            (
+                r#"{"error":{"message":"This model's maximum context length is 262144 tokens. However, you requested 0 output tokens and your prompt contains at least 262145 input tokens, for a total of at least 262145 tokens.","type":"BadRequestError","param":"input_tokens","code":400}}"#,
+                262144,
+            ),
+            (
+                r#"{"error":{"code":400,"message":"This endpoint's maximum context length is 32768 tokens. However, you requested about 42832 tokens (42832 of text input)."}}"#,
+                32768,
+            ),
+            (
+                r#"{"object":"error","message":"You passed 9000 input tokens and requested 1000 output tokens. However, the model's context length is only 8192 tokens, resulting in a maximum input length of 7192 tokens.","type":"BadRequestError","code":400}"#,
+                8192,
+            ),
+        ];
+        for (body, want) in cases {
+            let c = cache(&[]);
+            let up = FakeUpstream::with(&[("/props", llamacpp_props(999_999, 1))]);
+            let o = parse_overflow(400, body.as_bytes()).unwrap();
+            assert_eq!(c.learn("u", "m", &o), Some(*want), "{body}");
+            let r = c.resolve("u", "m", &up).await;
+            assert_eq!(
+                r,
+                Resolved {
+                    tokens: *want,
+                    source: WindowSource::Learned
+                }
+            );
+        }
+        // No numbers: nothing learned.
+        let c = cache(&[]);
+        let o = parse_overflow(400, br#"{"error":{"code":"context_length_exceeded","message":"Your input exceeds the context window of this model."}}"#).unwrap();
+        assert_eq!(c.learn("u", "m", &o), None);
+        assert_eq!(c.known("u", "m").source, WindowSource::Default);
+    }
+
+    #[tokio::test]
+    async fn learned_overrides_discovered_but_not_config() {
+        let c = cache(&[("pinned", 100_000)]);
+        let up = FakeUpstream::with(&[(
+            "/models",
+            json!({"data":[{"id":"m","context_length":131072}]}),
+        )]);
+        assert_eq!(c.resolve("u", "m", &up).await.tokens, 131072);
+        c.learn_limit("u", "m", 32768);
+        assert_eq!(c.resolve("u", "m", &up).await.tokens, 32768);
+        c.learn_limit("u", "pinned", 1000);
+        assert_eq!(
+            c.resolve("u", "pinned", &up).await.source,
+            WindowSource::Config
+        );
+    }
+
+    #[tokio::test]
+    async fn discovery_disabled_uses_default() {
+        let c = WindowCache::new(WindowConfig {
+            discovery: false,
+            default_window: 2048,
+            ..WindowConfig::default()
+        });
+        let up = FakeUpstream::with(&[("/props", llamacpp_props(4096, 1))]);
+        assert_eq!(
+            c.resolve("u", "m", &up).await,
+            Resolved {
+                tokens: 2048,
+                source: WindowSource::Default
+            }
+        );
+        assert!(up.asked().is_empty());
+    }
+
+    #[tokio::test]
+    async fn concurrent_first_use_probes_once() {
+        let c = Arc::new(cache(&[]));
+        let up = Arc::new(FakeUpstream::with(&[("/props", llamacpp_props(4096, 1))]));
+        let mut tasks = Vec::new();
+        for _ in 0..8 {
+            let (c, up) = (c.clone(), up.clone());
+            tasks.push(tokio::spawn(async move {
+                c.resolve("u", "m", &*up).await.tokens
+            }));
+        }
+        for t in tasks {
+            assert_eq!(t.await.unwrap(), 4096);
+        }
+        assert_eq!(up.asked(), vec!["/props"]);
+    }
+}
