@@ -873,6 +873,42 @@ format = "json"
         assert_eq!(u.path_prefix, "/a/b");
     }
 
+    /// The shipped proxy.toml parses, and every documented (commented) key
+    /// is a real key with a value of the right type and the stated default.
+    #[test]
+    fn shipped_proxy_toml_documents_real_keys() {
+        let text = include_str!("../proxy.toml");
+        let c = parse(text).unwrap();
+        assert_eq!(c.listen, Config::default().listen);
+        let re = regex::Regex::new(r"^# ([a-z_]+ = .+|\[models\..+\]|context_length = .+)$").unwrap();
+        let uncommented: String = text
+            .lines()
+            .map(|l| match re.captures(l) {
+                Some(c) => c[1].to_owned(),
+                None => l.to_owned(),
+            })
+            .collect::<Vec<_>>()
+            .join("\n");
+        let raw: RawConfig = toml::from_str(&uncommented).unwrap();
+        let d = RawConfig::default();
+        assert_eq!(raw.listen, d.listen);
+        assert_eq!(raw.upstream, d.upstream);
+        assert_eq!(raw.max_body_bytes, d.max_body_bytes);
+        assert_eq!(raw.timeouts.connect_secs, d.timeouts.connect_secs);
+        assert_eq!(raw.timeouts.first_byte_secs, d.timeouts.first_byte_secs);
+        assert_eq!(raw.timeouts.idle_secs, d.timeouts.idle_secs);
+        assert_eq!(raw.timeouts.shutdown_grace_secs, d.timeouts.shutdown_grace_secs);
+        assert_eq!(raw.session.headers, d.session.headers);
+        assert_eq!(raw.session.ttl_secs, d.session.ttl_secs);
+        assert_eq!(raw.session.max_sessions, d.session.max_sessions);
+        assert_eq!(raw.headers.expose, d.headers.expose);
+        assert_eq!(raw.log.format, d.log.format);
+        assert!(raw.admin.token.is_some());
+        assert!(raw.upstream_ca_file.is_some());
+        assert!(raw.default_context_length.is_some());
+        assert_eq!(raw.models.len(), 1);
+    }
+
     #[test]
     fn missing_ca_file_is_reported() {
         let e = parse("upstream_ca_file = \"/nonexistent/ca.pem\"\n").unwrap_err();
