@@ -123,7 +123,13 @@ async fn handle(req: Request<Incoming>, delay: Duration) -> Result<Response<Out>
                     .boxed_unsync(),
             )
     };
-    Ok(resp.unwrap_or_else(|_| Response::new(Full::new(Bytes::new()).map_err(|e| match e {}).boxed_unsync())))
+    Ok(resp.unwrap_or_else(|_| {
+        Response::new(
+            Full::new(Bytes::new())
+                .map_err(|e| match e {})
+                .boxed_unsync(),
+        )
+    }))
 }
 
 fn main() -> Result<(), BoxError> {

@@ -15,7 +15,10 @@ type BoxError = Box<dyn std::error::Error + Send + Sync>;
 
 fn pct(sorted: &[Duration], p: f64) -> f64 {
     let i = ((sorted.len() as f64 - 1.0) * p).round() as usize;
-    sorted.get(i).map(|d| d.as_secs_f64() * 1e6).unwrap_or(f64::NAN)
+    sorted
+        .get(i)
+        .map(|d| d.as_secs_f64() * 1e6)
+        .unwrap_or(f64::NAN)
 }
 
 #[tokio::main(flavor = "current_thread")]
@@ -24,7 +27,9 @@ async fn main() -> Result<(), BoxError> {
     let url = args.next().ok_or("usage: ttfb URL [N]")?;
     let n: usize = args.next().and_then(|v| v.parse().ok()).unwrap_or(500);
     let client: Client<_, Full<Bytes>> = Client::builder(TokioExecutor::new()).build_http();
-    let body = Bytes::from_static(br#"{"model":"bench","stream":true,"messages":[{"role":"user","content":"hi"}]}"#);
+    let body = Bytes::from_static(
+        br#"{"model":"bench","stream":true,"messages":[{"role":"user","content":"hi"}]}"#,
+    );
     let (mut first, mut total) = (Vec::with_capacity(n), Vec::with_capacity(n));
     for i in 0..n + 20 {
         let req = http::Request::post(url.as_str())
