@@ -324,13 +324,16 @@ mod tests {
         (tx, ChanBody(rx))
     }
 
-    fn poll_once<B: Body + Unpin>(b: &mut B) -> Poll<Option<Result<Frame<B::Data>, B::Error>>> {
+    type Polled<B> = Poll<Option<Result<Frame<<B as Body>::Data>, <B as Body>::Error>>>;
+    type EosLog = Arc<Mutex<Vec<(Eos, u64)>>>;
+
+    fn poll_once<B: Body + Unpin>(b: &mut B) -> Polled<B> {
         let waker = std::task::Waker::noop();
         let mut cx = Context::from_waker(waker);
         Pin::new(b).poll_frame(&mut cx)
     }
 
-    fn recorder() -> (Arc<Mutex<Vec<(Eos, u64)>>>, OnEos) {
+    fn recorder() -> (EosLog, OnEos) {
         let log = Arc::new(Mutex::new(Vec::new()));
         let l = Arc::clone(&log);
         (log, Box::new(move |e, n| l.lock().unwrap().push((e, n))))
