@@ -16,7 +16,7 @@ cd "$(dirname "$0")/.."
 DUR="${DUR:-5}"
 if [ "$DUR" -gt 10 ]; then DUR=10; fi
 DELAY="${UPSTREAM_DELAY_MS:-0}"
-TTFB_N="${TTFB_N:-500}"
+TTFB_N="${TTFB_N:-200}"
 OUT="${OUT:-target/bench_load}"
 mkdir -p "$OUT"
 
@@ -92,9 +92,9 @@ for mode in json sse; do
 done
 
 echo
-echo "time to first SSE byte (sequential, ${TTFB_N} requests, 2 ms between upstream events):"
-echo "  direct:    $("$BIN/examples/ttfb" "http://$MOCK/v1/chat/completions?gap_ms=2" "$TTFB_N")"
-echo "  compactor: $("$BIN/examples/ttfb" "http://$PROXY/v1/chat/completions?gap_ms=2" "$TTFB_N")"
+echo "time to first SSE byte (sequential, ${TTFB_N} requests, 1 ms between upstream events):"
+echo "  direct:    $("$BIN/examples/ttfb" "http://$MOCK/v1/chat/completions?gap_ms=1" "$TTFB_N")"
+echo "  compactor: $("$BIN/examples/ttfb" "http://$PROXY/v1/chat/completions?gap_ms=1" "$TTFB_N")"
 echo
 echo "compactor metrics (overhead histogram):"
 curl -s "http://$PROXY/_compactor/metrics" | grep -E "^compactor_proxy_overhead_seconds_(bucket\{le=\"0.000(1|25|5)\"|count)|^compactor_requests_total" || true

@@ -53,7 +53,11 @@ async fn first_sse_event_arrives_before_upstream_finishes() {
         &format!("{}/v1/chat/completions", proxy.url()),
         full(r#"{"stream":true}"#),
     );
-    let resp = client().request(req).await.unwrap();
+    // Bounded: a buffering proxy would never send the head while held.
+    let resp = tokio::time::timeout(Duration::from_secs(10), client().request(req))
+        .await
+        .expect("response head not forwarded while the upstream still generates")
+        .unwrap();
     assert_eq!(resp.status(), 200);
     assert_eq!(resp.headers()["content-type"], "text/event-stream");
     let mut body = resp.into_body();
