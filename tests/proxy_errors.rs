@@ -134,3 +134,39 @@ async fn streamed_oversize_body_is_413() {
     // The upstream never received a complete over-limit body.
     assert!(up.requests().iter().all(|r| r.body_len <= 10_000));
 }
+
+#[tokio::test]
+async fn connect_timeout_is_504() {
+    // A listener that never accepts, with its accept queue filled: Linux
+    // drops further SYNs, so a new connect hangs until compactor gives up.
+    let socket = tokio::net::TcpSocket::new_v4().unwrap();
+    socket.bind("127.0.0.1:0".parse().unwrap()).unwrap();
+    let listener = socket.listen(1).unwrap();
+    let addr = listener.local_addr().unwrap();
+    let mut fillers = Vec::new();
+    for _ in 0..8 {
+        match tokio::time::timeout(
+            Duration::from_millis(200),
+            tokio::net::TcpStream::connect(addr),
+        )
+        .await
+        {
+            Ok(Ok(s)) => fillers.push(s),
+            _ => break, // queue full: connects now hang
+        }
+    }
+    let proxy = start_proxy(&format!("http://{addr}"), "[timeouts]\nconnect_secs = 1\n").await;
+    let (status, _, body) = tokio::time::timeout(
+        Duration::from_secs(20),
+        fetch(request(
+            "GET",
+            &format!("{}/v1/models", proxy.url()),
+            empty(),
+        )),
+    )
+    .await
+    .expect("connect timeout not applied");
+    assert_eq!(status, 504, "{}", String::from_utf8_lossy(&body));
+    assert_openai_error(&body, "upstream_connect_timeout");
+    drop(listener);
+}

@@ -326,3 +326,45 @@ async fn client_disconnect_before_response_head_cancels_upstream() {
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
 }
+
+#[tokio::test]
+async fn upstream_dying_mid_stream_ends_client_stream_the_same_way() {
+    let up = MockUpstream::builder()
+        .route(
+            "/v1/chat/completions",
+            Reply::Broken {
+                first: vec![Bytes::from_static(FIRST.as_bytes())],
+            },
+        )
+        .run()
+        .await;
+    let proxy = start_proxy(&up.url(), "").await;
+    for base in [up.url(), proxy.url()] {
+        let req = request("POST", &format!("{base}/v1/chat/completions"), full("{}"));
+        let resp = client().request(req).await.unwrap();
+        assert_eq!(resp.status(), 200);
+        let mut body = resp.into_body();
+        let mut got = Vec::new();
+        let ended_with_error = tokio::time::timeout(Duration::from_secs(10), async {
+            loop {
+                match body.frame().await {
+                    Some(Ok(f)) => {
+                        got.extend_from_slice(f.data_ref().map(|d| &d[..]).unwrap_or(&[]))
+                    }
+                    Some(Err(_)) => return true,
+                    None => return false,
+                }
+            }
+        })
+        .await
+        .unwrap();
+        assert!(ended_with_error, "{base}: truncated stream looked complete");
+        assert_eq!(got, FIRST.as_bytes(), "{base}");
+    }
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    assert!(proxy
+        .state
+        .metrics
+        .render()
+        .contains("compactor_requests_in_flight 0"));
+}
