@@ -25,3 +25,4 @@ pub mod tail;
 pub mod tokens;
 pub mod tool_summary;
 pub mod trigger;
+pub mod view;
