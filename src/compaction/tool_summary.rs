@@ -1,1 +1,282 @@
-//! (to be written)
+//! One-line summaries of old tool results (reference §3.3.1): what the pruning
+//! pass leaves in place of a large tool output, and what the deterministic
+//! fallback lists as completed actions. Never fails: unknown tools and bad
+//! arguments get a generic line.
+
+use super::args::OrderedJson;
+use indexmap::IndexMap;
+use serde_json::Value;
+
+type Args = IndexMap<String, OrderedJson>;
+
+/// Formats `n` with thousands separators (`12,345`).
+pub fn thousands(n: usize) -> String {
+    let digits = n.to_string();
+    let mut out = String::with_capacity(digits.len() + digits.len() / 3);
+    for (i, ch) in digits.chars().enumerate() {
+        if i > 0 && (digits.len() - i) % 3 == 0 {
+            out.push(',');
+        }
+        out.push(ch);
+    }
+    out
+}
+
+/// Number of lines of a tool output; 0 for blank output.
+fn line_count(content: &str) -> usize {
+    if content.trim().is_empty() {
+        0
+    } else {
+        content.matches('\n').count() + 1
+    }
+}
+
+/// Cuts `s` to at most `max` characters, ending with `…` when cut.
+pub fn clip(s: &str, max: usize) -> String {
+    if s.chars().count() <= max {
+        return s.to_string();
+    }
+    let keep = max.saturating_sub(3);
+    let mut out: String = s.chars().take(keep).collect();
+    out.push_str("...");
+    out
+}
+
+fn arg_str(args: &Args, key: &str) -> Option<String> {
+    match args.get(key)? {
+        OrderedJson::Null => None,
+        other => Some(other.to_plain()),
+    }
+}
+
+fn arg_or(args: &Args, key: &str, default: &str) -> String {
+    arg_str(args, key).unwrap_or_else(|| default.to_string())
+}
+
+/// A URL argument, unwrapping `{url|href: …}` dicts that models forward
+/// straight from web_search results.
+fn url_of(v: &OrderedJson) -> Option<String> {
+    match v {
+        OrderedJson::String(s) => Some(s.clone()),
+        OrderedJson::Object(o) => o
+            .get("url")
+            .or_else(|| o.get("href"))
+            .and_then(OrderedJson::as_str)
+            .map(str::to_string),
+        OrderedJson::Null => None,
+        other => Some(other.to_json()),
+    }
+}
+
+fn json_field_str(content: &str, key: &str) -> Option<String> {
+    let v: Value = serde_json::from_str(content).ok()?;
+    match v.get(key)? {
+        Value::String(s) => Some(s.clone()),
+        Value::Null => None,
+        other => Some(other.to_string()),
+    }
+}
+
+/// One-line summary of a tool result, following the per-tool formats of the
+/// reference (terminal, read_file, write_file, search_files, patch, browser_*,
+/// web_search, web_extract, delegate_task, execute_code, skills, memory,
+/// todo, clarify, cronjob, process…) with a generic `[name] k1=v k2=v (N chars
+/// result)` fallback. Bad JSON arguments count as no arguments.
+pub fn summarize_tool_result(tool_name: &str, args_json: &str, content: &str) -> String {
+    let args: Args = match OrderedJson::parse(args_json) {
+        Ok(OrderedJson::Object(m)) => m,
+        _ => Args::new(),
+    };
+    let n = thousands(content.chars().count());
+    let lines = line_count(content);
+    let a = |k: &str| arg_str(&args, k);
+    match tool_name {
+        "terminal" | "shell" | "bash" => {
+            let cmd = clip(&a("command").unwrap_or_default(), 80);
+            let exit = json_field_str(content, "exit_code").unwrap_or_else(|| "?".into());
+            format!("[{tool_name}] ran `{cmd}` -> exit {exit}, {lines} lines output")
+        }
+        "read_file" => format!(
+            "[read_file] read {} from line {} ({n} chars)",
+            arg_or(&args, "path", "?"),
+            arg_or(&args, "offset", "1")
+        ),
+        "write_file" => {
+            let written = a("content")
+                .map(|c| line_count(&c).to_string())
+                .unwrap_or_else(|| "?".into());
+            format!(
+                "[write_file] wrote to {} ({written} lines)",
+                arg_or(&args, "path", "?")
+            )
+        }
+        "search_files" => {
+            let total = json_field_str(content, "total_count").unwrap_or_else(|| "?".into());
+            format!(
+                "[search_files] {} search for '{}' in {} -> {total} matches",
+                arg_or(&args, "target", "content"),
+                arg_or(&args, "pattern", ""),
+                arg_or(&args, "path", ".")
+            )
+        }
+        "patch" => format!(
+            "[patch] {} in {} ({n} chars result)",
+            arg_or(&args, "mode", "replace"),
+            arg_or(&args, "path", "?")
+        ),
+        "browser_navigate" | "browser_click" | "browser_snapshot" | "browser_type"
+        | "browser_scroll" | "browser_vision" => {
+            let target = if let Some(u) = a("url") {
+                format!("{u} ")
+            } else if let Some(r) = a("ref") {
+                format!("ref={r} ")
+            } else {
+                String::new()
+            };
+            format!("[{tool_name}] {target}({n} chars)")
+        }
+        "web_search" => format!(
+            "[web_search] query='{}' ({n} chars result)",
+            arg_or(&args, "query", "")
+        ),
+        "web_extract" => {
+            let urls: Vec<String> = match args.get("urls") {
+                Some(OrderedJson::Array(list)) => list.iter().filter_map(url_of).collect(),
+                Some(v) => url_of(v).into_iter().collect(),
+                None => Vec::new(),
+            };
+            let first = urls.first().cloned().unwrap_or_else(|| "?".into());
+            let more = if urls.len() > 1 {
+                format!(" (+{} more)", urls.len() - 1)
+            } else {
+                String::new()
+            };
+            format!("[web_extract] {first}{more} ({n} chars)")
+        }
+        "delegate_task" => format!(
+            "[delegate_task] '{}' ({n} chars result)",
+            clip(&a("goal").unwrap_or_default(), 60)
+        ),
+        "execute_code" => {
+            let code = a("code").unwrap_or_default().replace('\n', " ");
+            let head: String = code.chars().take(60).collect();
+            let more = if code.chars().count() > 60 { "..." } else { "" };
+            format!("[execute_code] `{head}{more}` ({lines} lines output)")
+        }
+        "skill_view" | "skills_list" | "skill_manage" => format!(
+            "[{tool_name}] name={} ({n} chars)",
+            arg_or(&args, "name", "?")
+        ),
+        "vision_analyze" => format!(
+            "[vision_analyze] '{}' ({n} chars)",
+            clip(&a("question").unwrap_or_default(), 50)
+        ),
+        "memory" => format!(
+            "[memory] {} on {}",
+            arg_or(&args, "action", "?"),
+            arg_or(&args, "target", "?")
+        ),
+        "todo" => "[todo] updated task list".to_string(),
+        "text_to_speech" => format!("[text_to_speech] generated audio ({n} chars)"),
+        "clarify" => "[clarify] asked user a question".to_string(),
+        "cronjob" => format!("[cronjob] {}", arg_or(&args, "action", "?")),
+        "process" => format!(
+            "[process] {} session={}",
+            arg_or(&args, "action", "?"),
+            arg_or(&args, "session_id", "?")
+        ),
+        _ => {
+            let mut parts = String::new();
+            for (k, v) in args.iter().take(2) {
+                parts.push_str(&format!("{k}={} ", clip(&v.to_plain(), 40)));
+            }
+            format!("[{tool_name}] {parts}({n} chars result)")
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn thousands_separators() {
+        assert_eq!(thousands(0), "0");
+        assert_eq!(thousands(999), "999");
+        assert_eq!(thousands(1_000), "1,000");
+        assert_eq!(thousands(1_234_567), "1,234,567");
+    }
+
+    #[test]
+    fn terminal_line() {
+        let s = summarize_tool_result(
+            "terminal",
+            r#"{"command":"cargo test"}"#,
+            "{\"exit_code\": 0, \"output\": \"a\\nb\"}",
+        );
+        assert_eq!(s, "[terminal] ran `cargo test` -> exit 0, 1 lines output");
+        let s = summarize_tool_result("terminal", "not json", "line1\nline2\nline3");
+        assert_eq!(s, "[terminal] ran `` -> exit ?, 3 lines output");
+    }
+
+    #[test]
+    fn terminal_command_clipped_to_80() {
+        let cmd = "x".repeat(200);
+        let s = summarize_tool_result("terminal", &format!("{{\"command\":\"{cmd}\"}}"), "");
+        assert!(s.contains(&format!("`{}...`", "x".repeat(77))), "{s}");
+        assert!(s.ends_with("0 lines output"));
+    }
+
+    #[test]
+    fn read_and_write_file() {
+        let s = summarize_tool_result(
+            "read_file",
+            r#"{"path":"/a/b.rs","offset":40}"#,
+            &"z".repeat(1500),
+        );
+        assert_eq!(s, "[read_file] read /a/b.rs from line 40 (1,500 chars)");
+        let s = summarize_tool_result(
+            "write_file",
+            r#"{"path":"/a/c.rs","content":"1\n2\n3"}"#,
+            "ok",
+        );
+        assert_eq!(s, "[write_file] wrote to /a/c.rs (3 lines)");
+    }
+
+    #[test]
+    fn search_files_and_patch() {
+        let s = summarize_tool_result(
+            "search_files",
+            r#"{"pattern":"fn main"}"#,
+            r#"{"total_count": 7}"#,
+        );
+        assert_eq!(
+            s,
+            "[search_files] content search for 'fn main' in . -> 7 matches"
+        );
+        let s = summarize_tool_result("patch", r#"{"path":"/x"}"#, "done");
+        assert_eq!(s, "[patch] replace in /x (4 chars result)");
+    }
+
+    #[test]
+    fn web_extract_multiple_urls() {
+        let s = summarize_tool_result(
+            "web_extract",
+            r#"{"urls":["https://a", {"href":"https://b"}, "https://c"]}"#,
+            "abc",
+        );
+        assert_eq!(s, "[web_extract] https://a (+2 more) (3 chars)");
+    }
+
+    #[test]
+    fn generic_fallback_uses_first_two_args() {
+        let s = summarize_tool_result(
+            "custom_tool",
+            r#"{"zulu":"one","beta":2,"alpha":"three"}"#,
+            "xyz",
+        );
+        assert_eq!(s, "[custom_tool] zulu=one beta=2 (3 chars result)");
+        let s = summarize_tool_result("custom_tool", "[1,2]", "");
+        assert_eq!(s, "[custom_tool] (0 chars result)");
+    }
+}
