@@ -73,9 +73,7 @@ impl Neighbours {
     }
 
     fn conflicts(&self, role: &str) -> bool {
-        [self.raw_head, self.vis_head, self.raw_tail, self.vis_tail]
-            .iter()
-            .any(|r| *r == Some(role))
+        [self.raw_head, self.vis_head, self.raw_tail, self.vis_tail].contains(&Some(role))
     }
 }
 

@@ -205,7 +205,7 @@ pub fn is_access_or_quota_error(status: Option<u16>, message: &str) -> bool {
     ) {
         return true;
     }
-    if matches!(status, Some(401 | 402 | 403)) {
+    if matches!(status, Some(401..=403)) {
         return true;
     }
     lower_contains_any(
