@@ -911,11 +911,11 @@ impl Compressor {
 
         // The candidate must be strictly smaller than the input.
         let mut tokens_after = tokens::estimate_messages_tokens_rough(&out);
-        if tokens_after >= tokens_before {
+        if !is_progress(tokens_before, tokens_after, n, out.len(), threshold) {
             salvage(&mut out, summary_index);
             tokens_after = tokens::estimate_messages_tokens_rough(&out);
             let user_ok = out.iter().any(|m| view::is_role(m, "user"));
-            if tokens_after >= tokens_before || !user_ok {
+            if !is_progress(tokens_before, tokens_after, n, out.len(), threshold) || !user_ok {
                 self.previous_summary = snapshot.0;
                 self.summary_has_user_turn = snapshot.1;
                 self.trigger.record_rejected_compaction();
@@ -1005,6 +1005,21 @@ impl Compressor {
             telemetry: tel,
         }
     }
+}
+
+/// Whether a candidate is smaller than its input. At or over the trigger
+/// threshold (every automatic compaction) only fewer tokens count: a
+/// token-neutral rewrite would re-fire on the next request. Below it (manual
+/// or forced calls on short chats) fewer rows also count, which is the
+/// reference's guard against "messages N→N" loops (#40803).
+pub fn is_progress(
+    tokens_before: u64,
+    tokens_after: u64,
+    rows_before: usize,
+    rows_after: usize,
+    threshold: u64,
+) -> bool {
+    tokens_after < tokens_before || (tokens_before < threshold && rows_after < rows_before)
 }
 
 /// Removes blank user echoes right after the latest actionable user row,
