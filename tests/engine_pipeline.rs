@@ -15,7 +15,11 @@ use engine_support::*;
 use serde_json::{json, Value};
 use std::time::Duration;
 
-fn run(c: &mut compactor::compaction::compressor::Compressor, msgs: &[Value], s: &Stub) -> Vec<Value> {
+fn run(
+    c: &mut compactor::compaction::compressor::Compressor,
+    msgs: &[Value],
+    s: &Stub,
+) -> Vec<Value> {
     block_on(c.compress(msgs, s, CompressOptions::default())).messages
 }
 
@@ -39,7 +43,10 @@ fn run_forced(
 fn eight_with_system() -> Vec<Value> {
     let mut v = vec![msg("system", "sys")];
     for i in 1..=7 {
-        v.push(msg(if i % 2 == 1 { "user" } else { "assistant" }, &format!("msg {i}")));
+        v.push(msg(
+            if i % 2 == 1 { "user" } else { "assistant" },
+            &format!("msg {i}"),
+        ));
     }
     v
 }
@@ -80,11 +87,17 @@ fn compress_terminal_sweep_strips_markers_even_if_a_copy_site_leaks() {
     // carrier and every verbatim tail row.
     let mut c = fixture();
     let mut msgs = persisted_msgs();
-    msgs.insert(0, json!({"role": "system", "content": "s", "_db_persisted": true}));
+    msgs.insert(
+        0,
+        json!({"role": "system", "content": "s", "_db_persisted": true}),
+    );
     let res = block_on(c.compress(&msgs, &Stub::err(no_provider()), CompressOptions::default()));
     assert_eq!(res.outcome, Outcome::Compacted);
     assert!(res.messages.len() < msgs.len());
-    assert!(res.messages.iter().all(|m| m.get("_db_persisted").is_none()));
+    assert!(res
+        .messages
+        .iter()
+        .all(|m| m.get("_db_persisted").is_none()));
 }
 
 #[test]
@@ -148,7 +161,10 @@ fn string_message_coerced_to_summary_content() {
     let mut c = compressor(3, 20);
     let s = Stub::ok("plain summary text");
     let out = block_on(c.generate_summary(&s, &do_something(), None)).unwrap();
-    assert!(out.starts_with(&format!("{SUMMARY_PREFIX}\n{HISTORICAL_TASK_HEADING}\n")), "{out}");
+    assert!(
+        out.starts_with(&format!("{SUMMARY_PREFIX}\n{HISTORICAL_TASK_HEADING}\n")),
+        "{out}"
+    );
     assert!(out.contains("do something"));
     assert!(out.ends_with("plain summary text"));
 }
@@ -164,7 +180,10 @@ fn task_snapshot_skips_synthetic_user_scaffolding() {
     let snap = latest_user_task_snapshot(&msgs).unwrap();
     assert!(snap.contains("fix the login bug on prod"));
     assert!(!snap.contains("task list was preserved"));
-    let only = vec![msg("user", "[System: Your previous response was truncated ...]")];
+    let only = vec![msg(
+        "user",
+        "[System: Your previous response was truncated ...]",
+    )];
     assert!(latest_user_task_snapshot(&only).is_none());
 }
 
@@ -214,7 +233,10 @@ fn missing_provider_api_key_is_terminal_access_failure() {
 fn out_of_extra_usage_400_aborts_instead_of_dropping_context() {
     let mut c = compressor(2, 2);
     let msgs = alternating(12, "msg ");
-    let s = Stub::err(status(400, "Error code: 400 - {'error': {'message': 'out of extra usage'}}"));
+    let s = Stub::err(status(
+        400,
+        "Error code: 400 - {'error': {'message': 'out of extra usage'}}",
+    ));
     let out = run_forced(&mut c, &msgs, &s);
     assert_eq!(out, msgs);
     assert!(c.last_summary_auth_failure);
@@ -230,12 +252,19 @@ fn missing_provider_api_key_preserves_original_messages() {
     let res = block_on(c.compress(
         &msgs,
         &s,
-        CompressOptions { force: true, current_tokens: Some(999_999), ..Default::default() },
+        CompressOptions {
+            force: true,
+            current_tokens: Some(999_999),
+            ..Default::default()
+        },
     ));
     assert_eq!(res.messages, msgs);
     assert_eq!(res.outcome, Outcome::Aborted(AbortReason::AuthFailure));
     let err = c.last_summary_error.clone().unwrap();
-    assert!(MISSING_KEY.starts_with(err.trim_end_matches("...")), "{err}");
+    assert!(
+        MISSING_KEY.starts_with(err.trim_end_matches("...")),
+        "{err}"
+    );
     assert!(c.last_summary_auth_failure);
     assert!(c.last_compress_aborted);
     assert!(!c.last_summary_fallback_used);
@@ -246,7 +275,10 @@ fn missing_provider_api_key_preserves_original_messages() {
 fn quota_402_with_retry_uses_existing_fallback() {
     let mut c = compressor(2, 2);
     let msgs = alternating(12, "msg ");
-    let s = Stub::err(status(402, "quota exceeded, please retry after the window resets"));
+    let s = Stub::err(status(
+        402,
+        "quota exceeded, please retry after the window resets",
+    ));
     let out = run_forced(&mut c, &msgs, &s);
     assert_ne!(out, msgs);
     assert!(!c.last_summary_auth_failure);
@@ -291,8 +323,15 @@ fn model_not_found_404_falls_back_to_main_and_succeeds() {
     assert_eq!(s.request(0).model.as_deref(), Some("broken-aux-model"));
     assert_eq!(s.request(1).model, None);
     assert!(out.unwrap().contains("summary via main model"));
-    assert_eq!(c.last_aux_model_failure_model.as_deref(), Some("broken-aux-model"));
-    assert!(c.last_aux_model_failure_error.as_deref().unwrap().contains("404"));
+    assert_eq!(
+        c.last_aux_model_failure_model.as_deref(),
+        Some("broken-aux-model")
+    );
+    assert!(c
+        .last_aux_model_failure_error
+        .as_deref()
+        .unwrap()
+        .contains("404"));
 }
 
 #[test]
@@ -308,14 +347,27 @@ fn no_fallback_when_summary_model_equals_main_model() {
 #[test]
 fn json_decode_error_falls_back_to_main_and_succeeds() {
     let mut c = with_summary_model("main-model", "aux-via-broken-proxy");
-    let s = Stub::seq(vec![Err(json_decode()), Ok(SummaryReply::text("summary via main model"))]);
+    let s = Stub::seq(vec![
+        Err(json_decode()),
+        Ok(SummaryReply::text("summary via main model")),
+    ]);
     let out = block_on(c.generate_summary(&s, &do_something(), None));
     assert_eq!(s.calls(), 2);
     assert_eq!(s.request(0).model.as_deref(), Some("aux-via-broken-proxy"));
     assert_eq!(s.request(1).model, None);
     assert!(out.unwrap().contains("summary via main model"));
-    assert_eq!(c.last_aux_model_failure_model.as_deref(), Some("aux-via-broken-proxy"));
-    assert!(c.last_aux_model_failure_error.as_deref().unwrap().chars().count() <= 220);
+    assert_eq!(
+        c.last_aux_model_failure_model.as_deref(),
+        Some("aux-via-broken-proxy")
+    );
+    assert!(
+        c.last_aux_model_failure_error
+            .as_deref()
+            .unwrap()
+            .chars()
+            .count()
+            <= 220
+    );
 }
 
 // --------------------------------------------------- TestStreamingClosedFallback
@@ -324,7 +376,9 @@ fn json_decode_error_falls_back_to_main_and_succeeds() {
 fn incomplete_chunked_read_falls_back_to_main() {
     let mut c = with_summary_model("main-model", "aux-stream-model");
     let s = Stub::seq(vec![
-        Err(stream_closed("RemoteProtocolError: incomplete chunked read")),
+        Err(stream_closed(
+            "RemoteProtocolError: incomplete chunked read",
+        )),
         Ok(SummaryReply::text("summary via main model")),
     ]);
     let out = block_on(c.generate_summary(&s, &do_something(), None));
@@ -337,11 +391,16 @@ fn incomplete_chunked_read_falls_back_to_main() {
 #[test]
 fn streaming_closed_on_main_uses_short_cooldown() {
     let mut c = compressor_with("main-model", 100_000, |_| {});
-    let s = Stub::err(stream_closed("RemoteProtocolError: response ended prematurely"));
+    let s = Stub::err(stream_closed(
+        "RemoteProtocolError: response ended prematurely",
+    ));
     let out = block_on(c.generate_summary(&s, &do_something(), None));
     assert!(out.is_none());
     // The manual clock is frozen: exactly the 30 s short cooldown remains.
-    assert_eq!(c.trigger.cooldown_remaining(), Some(Duration::from_secs(30)));
+    assert_eq!(
+        c.trigger.cooldown_remaining(),
+        Some(Duration::from_secs(30))
+    );
 }
 
 // ------------------------------------------- TestAuxModelFallbackSurfacedToCallers
@@ -363,9 +422,18 @@ fn compress_exposes_aux_failure_fields_after_successful_fallback() {
     ]);
     let out = run(&mut c, &seven(), &s);
     assert!(!c.last_summary_fallback_used);
-    assert_eq!(c.last_aux_model_failure_model.as_deref(), Some("broken-aux-model"));
-    assert!(c.last_aux_model_failure_error.as_deref().unwrap().contains("400"));
-    assert!(out.iter().any(|m| content_str(m).contains("summary via main")));
+    assert_eq!(
+        c.last_aux_model_failure_model.as_deref(),
+        Some("broken-aux-model")
+    );
+    assert!(c
+        .last_aux_model_failure_error
+        .as_deref()
+        .unwrap()
+        .contains("400"));
+    assert!(out
+        .iter()
+        .any(|m| content_str(m).contains("summary via main")));
 }
 
 #[test]
@@ -380,7 +448,10 @@ fn compress_clears_aux_failure_fields_at_start_of_next_call() {
         Ok(SummaryReply::text("summary via main")),
     ]);
     run(&mut c, &seven(), &s);
-    assert_eq!(c.last_aux_model_failure_model.as_deref(), Some("broken-aux-model"));
+    assert_eq!(
+        c.last_aux_model_failure_model.as_deref(),
+        Some("broken-aux-model")
+    );
     c.previous_summary = None;
     run(&mut c, &seven(), &Stub::ok("summary via main"));
     assert_eq!(c.last_aux_model_failure_model, None);
@@ -397,7 +468,9 @@ fn compress_records_fallback_and_dropped_count_on_summary_failure() {
     assert!(c.last_summary_dropped_count > 0);
     assert!(c.last_summary_error.is_some());
     assert!(!c.last_compress_aborted);
-    assert!(out.iter().any(|m| content_str(m).contains("Summary generation was unavailable")));
+    assert!(out
+        .iter()
+        .any(|m| content_str(m).contains("Summary generation was unavailable")));
 }
 
 #[test]
@@ -406,7 +479,10 @@ fn summary_failure_fallback_preserves_tool_paths_and_redacts_secret_context() {
     let secret = format!("ghp_{}", "a".repeat(36));
     let msgs = vec![
         msg("system", "sys"),
-        msg("user", &format!("Fix /tmp/project/app.py and never leak {secret}")),
+        msg(
+            "user",
+            &format!("Fix /tmp/project/app.py and never leak {secret}"),
+        ),
         json!({"role": "assistant", "content": "I will inspect it.", "tool_calls": [
             {"id": "call-1", "function": {"name": "read_file", "arguments": "{\"path\":\"/tmp/project/app.py\"}"}}]}),
         json!({"role": "tool", "tool_call_id": "call-1", "content": format!("read /tmp/project/app.py with token {secret}")}),
@@ -447,7 +523,9 @@ fn compress_aborts_and_preserves_messages_on_summary_failure() {
     assert!(!c.last_summary_fallback_used);
     assert_eq!(c.last_summary_dropped_count, 0);
     assert_eq!(out, msgs);
-    assert!(!out.iter().any(|m| content_str(m).contains("Summary generation was unavailable")));
+    assert!(!out
+        .iter()
+        .any(|m| content_str(m).contains("Summary generation was unavailable")));
 }
 
 #[test]
@@ -478,7 +556,11 @@ fn success_clears_persisted_session_cooldown() {
     let res = block_on(c.compress(
         &msgs,
         &s,
-        CompressOptions { current_tokens: Some(999_999), bypass_cooldown: true, ..Default::default() },
+        CompressOptions {
+            current_tokens: Some(999_999),
+            bypass_cooldown: true,
+            ..Default::default()
+        },
     ));
     assert!(s.calls() >= 1);
     assert!(!c.last_compress_aborted);
@@ -520,7 +602,9 @@ fn user_role_summary_carries_end_marker() {
     assert_eq!(s["role"], "user");
     let t = content_str(s);
     assert!(t.contains("END OF CONTEXT SUMMARY"));
-    assert!(t.trim_end().ends_with("respond to the message below, not the summary above ---"));
+    assert!(t
+        .trim_end()
+        .ends_with("respond to the message below, not the summary above ---"));
 }
 
 #[test]
@@ -536,19 +620,32 @@ fn assistant_role_summary_carries_end_marker() {
         msg("assistant", "msg 6"),
         msg("user", "msg 7"),
     ];
-    let out = run(&mut c, &msgs, &Stub::ok("[CONTEXT SUMMARY]: stuff happened"));
+    let out = run(
+        &mut c,
+        &msgs,
+        &Stub::ok("[CONTEXT SUMMARY]: stuff happened"),
+    );
     let s = summary_row(&out);
     assert_eq!(s["role"], "assistant");
     let t = content_str(s);
     assert!(t.contains("END OF CONTEXT SUMMARY"));
-    assert!(t.trim_end().ends_with("respond to the message below, not the summary above ---"));
+    assert!(t
+        .trim_end()
+        .ends_with("respond to the message below, not the summary above ---"));
 }
 
 #[test]
 fn summary_role_avoids_consecutive_user_messages() {
     let mut c = compressor(2, 2);
-    let out = run(&mut c, &alternating(8, "msg "), &Stub::ok("[CONTEXT SUMMARY]: stuff happened"));
-    let rows: Vec<&Value> = out.iter().filter(|m| content_str(m).starts_with(SUMMARY_PREFIX)).collect();
+    let out = run(
+        &mut c,
+        &alternating(8, "msg "),
+        &Stub::ok("[CONTEXT SUMMARY]: stuff happened"),
+    );
+    let rows: Vec<&Value> = out
+        .iter()
+        .filter(|m| content_str(m).starts_with(SUMMARY_PREFIX))
+        .collect();
     assert_eq!(rows.len(), 1);
     assert_eq!(rows[0]["role"], "user");
 }
@@ -573,12 +670,18 @@ fn double_collision_merges_summary_into_tail() {
     let msgs = nine_with_user_tail(msg("user", "msg 6"));
     let out = run(&mut c, &msgs, &Stub::ok("summary text"));
     for w in out.windows(2) {
-        let (a, b) = (w[0]["role"].as_str().unwrap(), w[1]["role"].as_str().unwrap());
+        let (a, b) = (
+            w[0]["role"].as_str().unwrap(),
+            w[1]["role"].as_str().unwrap(),
+        );
         if ["user", "assistant"].contains(&a) && ["user", "assistant"].contains(&b) {
             assert_ne!(a, b, "consecutive {a}");
         }
     }
-    let first_tail: Vec<&Value> = out.iter().filter(|m| content_str(m).contains("msg 6")).collect();
+    let first_tail: Vec<&Value> = out
+        .iter()
+        .filter(|m| content_str(m).contains("msg 6"))
+        .collect();
     assert_eq!(first_tail.len(), 1);
     assert!(content_str(first_tail[0]).contains("summary text"));
 }
@@ -603,14 +706,22 @@ fn merge_into_tail_end_marker_is_last() {
 
 #[test]
 fn merged_tail_summary_still_detected_and_stripped() {
-    use compactor::compaction::markers::{classify_handoff, summary_body, Handoff, MERGE_DELIMITER, PRIOR_HEADER};
+    use compactor::compaction::markers::{
+        classify_handoff, summary_body, Handoff, MERGE_DELIMITER, PRIOR_HEADER,
+    };
     let merged = format!(
         "{PRIOR_HEADER}\nold tail content here\n\n{MERGE_DELIMITER}\n\n{SUMMARY_PREFIX}\nTHE_SUMMARY_BODY\n\n{END_MARKER}"
     );
-    assert!(!matches!(classify_handoff(&msg("user", &merged)), Handoff::None));
+    assert!(!matches!(
+        classify_handoff(&msg("user", &merged)),
+        Handoff::None
+    ));
     assert_eq!(summary_body(&merged), "THE_SUMMARY_BODY");
     let standalone = format!("{SUMMARY_PREFIX}\nSTANDALONE_BODY\n\n{END_MARKER}");
-    assert!(!matches!(classify_handoff(&msg("user", &standalone)), Handoff::None));
+    assert!(!matches!(
+        classify_handoff(&msg("user", &standalone)),
+        Handoff::None
+    ));
     assert_eq!(summary_body(&standalone), "STANDALONE_BODY");
 }
 
@@ -625,7 +736,10 @@ fn protect_first_n_0_preserves_only_system_prompt() {
     assert_eq!(out[0]["role"], "system");
     assert!(content_str(&out[0]).starts_with("System prompt"));
     assert_ne!(content_str(&out[1]), "msg 0");
-    assert_eq!(content_str(out.last().unwrap()), content_str(msgs.last().unwrap()));
+    assert_eq!(
+        content_str(out.last().unwrap()),
+        content_str(msgs.last().unwrap())
+    );
 }
 
 #[test]
@@ -650,7 +764,10 @@ fn small_conversation_still_compresses() {
     let res = block_on(c.compress(
         &msgs,
         &Stub::ok("Summary of conversation"),
-        CompressOptions { current_tokens: Some(90_000), ..Default::default() },
+        CompressOptions {
+            current_tokens: Some(90_000),
+            ..Default::default()
+        },
     ));
     assert!(res.messages.len() < msgs.len());
 }
@@ -666,7 +783,14 @@ fn network_failure_cooldown_reentry_still_aborts() {
     assert!(c.last_compress_aborted);
     assert!(c.last_summary_network_failure);
     let s = Stub::ok("should not be called");
-    let res = block_on(c.compress(&msgs, &s, CompressOptions { current_tokens: Some(999_999), ..Default::default() }));
+    let res = block_on(c.compress(
+        &msgs,
+        &s,
+        CompressOptions {
+            current_tokens: Some(999_999),
+            ..Default::default()
+        },
+    ));
     assert_eq!(res.messages, msgs);
     assert_eq!(s.calls(), 0, "the cooldown holds the retry");
     assert!(c.last_compress_aborted);
@@ -677,11 +801,22 @@ fn network_failure_cooldown_reentry_still_aborts() {
 fn auth_failure_cooldown_reentry_still_aborts() {
     let mut c = compressor(2, 2);
     let msgs = alternating(12, "msg ");
-    let first = run_forced(&mut c, &msgs, &Stub::err(status(401, "Error code: 401 - invalid api key")));
+    let first = run_forced(
+        &mut c,
+        &msgs,
+        &Stub::err(status(401, "Error code: 401 - invalid api key")),
+    );
     assert_eq!(first, msgs);
     assert!(c.last_compress_aborted);
     assert!(c.last_summary_auth_failure);
-    let res = block_on(c.compress(&msgs, &Stub::ok("x"), CompressOptions { current_tokens: Some(999_999), ..Default::default() }));
+    let res = block_on(c.compress(
+        &msgs,
+        &Stub::ok("x"),
+        CompressOptions {
+            current_tokens: Some(999_999),
+            ..Default::default()
+        },
+    ));
     assert_eq!(res.messages, msgs);
     assert!(c.last_compress_aborted);
     assert!(!c.last_summary_fallback_used);
@@ -695,7 +830,10 @@ fn double_compaction_summary_must_be_user_when_only_system_protected() {
     c.trigger.compression_count = 1;
     let mut msgs = vec![msg("system", "You are a helpful assistant.")];
     for i in 1..=6 {
-        msgs.push(msg(if i % 2 == 1 { "user" } else { "assistant" }, &format!("msg {i}")));
+        msgs.push(msg(
+            if i % 2 == 1 { "user" } else { "assistant" },
+            &format!("msg {i}"),
+        ));
     }
     let out = run(&mut c, &msgs, &Stub::ok("summary of earlier turns"));
     assert_eq!(out[0]["role"], "system");
@@ -728,15 +866,27 @@ fn double_compaction_user_tail_merges_into_tail() {
     c.trigger.compression_count = 1;
     let mut msgs = vec![msg("system", "You are a helpful assistant.")];
     for i in 1..=7 {
-        msgs.push(msg(if i % 2 == 1 { "user" } else { "assistant" }, &format!("msg {i}")));
+        msgs.push(msg(
+            if i % 2 == 1 { "user" } else { "assistant" },
+            &format!("msg {i}"),
+        ));
     }
-    let res = block_on(c.compress(&msgs, &Stub::ok("summary of earlier turns"), CompressOptions::default()));
+    let res = block_on(c.compress(
+        &msgs,
+        &Stub::ok("summary of earlier turns"),
+        CompressOptions::default(),
+    ));
     let out = &res.messages;
     let carrier = &out[res.summary_index.unwrap()];
-    assert!(content_str(carrier).contains("msg 5"), "summary merged into the tail row");
+    assert!(
+        content_str(carrier).contains("msg 5"),
+        "summary merged into the tail row"
+    );
     let non_system: Vec<&Value> = out.iter().filter(|m| m["role"] != "system").collect();
     assert_eq!(non_system[0]["role"], "user");
-    assert!(out.iter().any(|m| content_str(m).contains("summary of earlier turns")));
+    assert!(out
+        .iter()
+        .any(|m| content_str(m).contains("summary of earlier turns")));
 }
 
 // ------------------------------------------------------------ TestSummaryPromptBounding
@@ -760,7 +910,11 @@ fn iterative_update_path_is_bounded() {
     assert!(prompt.contains("PREV_HEAD"));
     assert!(prompt.contains("PREV_TAIL"));
     assert!(prompt.contains("summary input truncated"));
-    assert_eq!(s.last_request().max_tokens, None, "batch summaries never cap max_tokens");
+    assert_eq!(
+        s.last_request().max_tokens,
+        None,
+        "batch summaries never cap max_tokens"
+    );
 }
 
 // -------------------------------------------------------- TestPreLlmFeasibilityCheck
@@ -814,7 +968,14 @@ fn no_skip_when_force_true() {
     let mut c = fixture();
     c.trigger.ineffective_compression_count = 1;
     let s = Stub::ok("LLM summary");
-    block_on(c.compress(&pairs(10, "short reply"), &s, CompressOptions { force: true, ..Default::default() }));
+    block_on(c.compress(
+        &pairs(10, "short reply"),
+        &s,
+        CompressOptions {
+            force: true,
+            ..Default::default()
+        },
+    ));
     assert_eq!(s.calls(), 1);
     assert_eq!(c.trigger.prellm_skip_count, 0);
 }
@@ -840,7 +1001,10 @@ fn skip_fires_on_fat_tail_small_middle() {
     }
     for i in 0..4 {
         msgs.push(msg("user", &format!("recent request {i}")));
-        msgs.push(msg("assistant", &format!("big result {}", "x".repeat(20_000))));
+        msgs.push(msg(
+            "assistant",
+            &format!("big result {}", "x".repeat(20_000)),
+        ));
     }
     let s = Stub::ok("LLM summary");
     let res = block_on(c.compress(&msgs, &s, CompressOptions::default()));
@@ -860,7 +1024,11 @@ fn boundary_accounting_skip_does_not_feed_fallback_streak() {
         let res = block_on(c.compress(&msgs, &s, CompressOptions::default()));
         assert_eq!(s.calls(), 0);
         assert!(c.last_compression_made_progress);
-        c.trigger.record_completed_compaction(res.fallback_used, res.feasibility_skip, res.tokens_after);
+        c.trigger.record_completed_compaction(
+            res.fallback_used,
+            res.feasibility_skip,
+            res.tokens_after,
+        );
         c.previous_summary = None;
         c.trigger.compression_count = 0;
     }
@@ -886,6 +1054,10 @@ fn real_fallback_still_feeds_streak() {
     let res = block_on(c.compress(&msgs, &Stub::err(plain("boom")), CompressOptions::default()));
     assert!(!c.last_feasibility_skip);
     assert!(c.last_summary_fallback_used);
-    c.trigger.record_completed_compaction(res.fallback_used, res.feasibility_skip, res.tokens_after);
+    c.trigger.record_completed_compaction(
+        res.fallback_used,
+        res.feasibility_skip,
+        res.tokens_after,
+    );
     assert_eq!(c.trigger.fallback_streak, 1);
 }

@@ -23,7 +23,10 @@ fn replay_conversation(hidden: Value) -> Vec<Value> {
         hidden,
     ];
     for i in 0..14 {
-        v.push(msg(if i % 2 == 0 { "user" } else { "assistant" }, &format!("tail visible message {i}")));
+        v.push(msg(
+            if i % 2 == 0 { "user" } else { "assistant" },
+            &format!("tail visible message {i}"),
+        ));
     }
     v
 }
@@ -50,8 +53,14 @@ fn tail_cut_counts_codex_replay_and_reasoning_fields() {
     });
     let msgs = replay_conversation(hidden);
     assert_eq!(c.find_tail_cut_by_tokens(&msgs, 1, Some(150)), 5);
-    assert!(msgs[4]["codex_reasoning_items"][0]["encrypted_content"].as_str().unwrap().starts_with("enc_"));
-    assert!(msgs[4]["codex_message_items"][0]["content"][0]["text"].as_str().unwrap().starts_with("reply "));
+    assert!(msgs[4]["codex_reasoning_items"][0]["encrypted_content"]
+        .as_str()
+        .unwrap()
+        .starts_with("enc_"));
+    assert!(msgs[4]["codex_message_items"][0]["content"][0]["text"]
+        .as_str()
+        .unwrap()
+        .starts_with("reply "));
 }
 
 fn each_hidden_field(field: &str, value: Value) {
@@ -59,7 +68,11 @@ fn each_hidden_field(field: &str, value: Value) {
     let mut hidden = json!({"role": "assistant", "content": "ok"});
     hidden[field] = value;
     let msgs = replay_conversation(hidden);
-    assert_eq!(c.find_tail_cut_by_tokens(&msgs, 1, Some(150)), 5, "field {field}");
+    assert_eq!(
+        c.find_tail_cut_by_tokens(&msgs, 1, Some(150)),
+        5,
+        "field {field}"
+    );
 }
 
 #[test]
@@ -172,7 +185,10 @@ fn multimodal_message_accumulates_text_chars_not_block_count() {
 
 #[test]
 fn pass3_emits_valid_json_for_downstream_provider() {
-    let huge = format!("# Shopping Browser Setup Notes\n\n## Overview\n{}", "x ".repeat(400));
+    let huge = format!(
+        "# Shopping Browser Setup Notes\n\n## Overview\n{}",
+        "x ".repeat(400)
+    );
     let args = serde_json::to_string(&json!({
         "path": "~/.hermes/skills/shopping/browser-setup-notes.md",
         "content": huge,
@@ -188,10 +204,21 @@ fn pass3_emits_valid_json_for_downstream_provider() {
         msg("assistant", "done"),
     ];
     let (out, _) = prune_old_tool_results(&msgs, &PruneParams::by_count(2));
-    let shrunk = out[1]["tool_calls"][0]["function"]["arguments"].as_str().unwrap();
+    let shrunk = out[1]["tool_calls"][0]["function"]["arguments"]
+        .as_str()
+        .unwrap();
     let parsed: Value = serde_json::from_str(shrunk).expect("valid JSON");
-    assert_eq!(parsed["path"], "~/.hermes/skills/shopping/browser-setup-notes.md");
-    assert!(parsed["content"].as_str().unwrap().ends_with("...[truncated]"), "{parsed}");
+    assert_eq!(
+        parsed["path"],
+        "~/.hermes/skills/shopping/browser-setup-notes.md"
+    );
+    assert!(
+        parsed["content"]
+            .as_str()
+            .unwrap()
+            .ends_with("...[truncated]"),
+        "{parsed}"
+    );
 }
 
 // ------------------------------------------------------------- TestTurnPairPreservation
@@ -206,7 +233,12 @@ fn pair_compressor() -> compactor::compaction::compressor::Compressor {
 
 #[test]
 fn user_in_compressed_region_pulled_back() {
-    let msgs = vec![msg("user", "head"), msg("assistant", "hi"), msg("user", "do thing"), msg("assistant", "done")];
+    let msgs = vec![
+        msg("user", "head"),
+        msg("assistant", "hi"),
+        msg("user", "do thing"),
+        msg("assistant", "done"),
+    ];
     assert!(ensure_last_user_message_in_tail(&msgs, 3, 0) <= 2);
 }
 
@@ -325,13 +357,23 @@ fn n3_tool_group_integrity() {
     let positions: Vec<usize> = msgs[..cut]
         .iter()
         .enumerate()
-        .filter(|(_, m)| (m["role"] == "assistant" || m["role"] == "tool") && (m.get("tool_calls").is_some() || m.get("tool_call_id").is_some()))
+        .filter(|(_, m)| {
+            (m["role"] == "assistant" || m["role"] == "tool")
+                && (m.get("tool_calls").is_some() || m.get("tool_call_id").is_some())
+        })
         .map(|(i, _)| i)
         .collect();
     if positions.len() >= 2 {
-        assert_eq!(positions[positions.len() - 1] - positions[0], positions.len() - 1);
+        assert_eq!(
+            positions[positions.len() - 1] - positions[0],
+            positions.len() - 1
+        );
     }
-    let users: Vec<&str> = msgs[cut..].iter().filter(|m| m["role"] == "user").map(|m| m["content"].as_str().unwrap()).collect();
+    let users: Vec<&str> = msgs[cut..]
+        .iter()
+        .filter(|m| m["role"] == "user")
+        .map(|m| m["content"].as_str().unwrap())
+        .collect();
     for u in ["user 3rd last", "user 2nd last", "user last"] {
         assert!(users.contains(&u), "{u} missing: {users:?}");
     }
@@ -355,7 +397,10 @@ fn default_is_behavior_preserving() {
     }
     msgs.push(msg("user", "final user"));
     msgs.push(msg("assistant", "final reply"));
-    assert_eq!(d.find_tail_cut_by_tokens(&msgs, 2, None), e.find_tail_cut_by_tokens(&msgs, 2, None));
+    assert_eq!(
+        d.find_tail_cut_by_tokens(&msgs, 2, None),
+        e.find_tail_cut_by_tokens(&msgs, 2, None)
+    );
 }
 
 #[test]
@@ -397,11 +442,18 @@ fn n_guarantee_wins_over_tail_token_budget_and_floor() {
     }
     let cut = c.find_tail_cut_by_tokens(&msgs, 1, None);
     let tail = &msgs[cut..];
-    let users: Vec<&str> = tail.iter().filter(|m| m["role"] == "user").map(|m| m["content"].as_str().unwrap()).collect();
+    let users: Vec<&str> = tail
+        .iter()
+        .filter(|m| m["role"] == "user")
+        .map(|m| m["content"].as_str().unwrap())
+        .collect();
     for u in ["real 1", "real 2", "real 3"] {
         assert!(users.contains(&u), "{users:?}");
     }
-    let acc: u64 = tail.iter().map(|m| estimate_msg_budget_tokens(m, true)).sum();
+    let acc: u64 = tail
+        .iter()
+        .map(|m| estimate_msg_budget_tokens(m, true))
+        .sum();
     assert!(acc > 150);
 }
 
@@ -429,5 +481,8 @@ fn stale_thinking_does_not_shrink_tail() {
         acc += t;
         old_cut = i;
     }
-    assert!(cut < old_cut, "new cut {cut} must protect more than old {old_cut}");
+    assert!(
+        cut < old_cut,
+        "new cut {cut} must protect more than old {old_cut}"
+    );
 }

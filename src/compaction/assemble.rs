@@ -104,7 +104,11 @@ pub fn choose_placement(head: &[Value], tail: &[Value]) -> Placement {
     if !nb.conflicts(preferred) {
         return Placement::Standalone(preferred);
     }
-    let flipped = if preferred == "user" { "assistant" } else { "user" };
+    let flipped = if preferred == "user" {
+        "assistant"
+    } else {
+        "user"
+    };
     if !forced && nb.vis_head.is_some() && !nb.conflicts(flipped) {
         return Placement::Standalone(flipped);
     }
@@ -227,7 +231,9 @@ fn append_user_text(messages: &mut Vec<Value>, text: &str) {
         .find(|m| !view::is_alternation_exempt(m))
         .is_some_and(|m| view::is_role(m, "user"));
     let last_is_user = messages.last().is_some_and(|m| view::is_role(m, "user"));
-    if last_is_user || (last_visible_user && messages.last().is_some_and(|m| !view::is_role(m, "tool"))) {
+    if last_is_user
+        || (last_visible_user && messages.last().is_some_and(|m| !view::is_role(m, "tool")))
+    {
         if let Some(last) = messages.iter_mut().rev().find(|m| view::is_role(m, "user")) {
             let c = last.get("content").cloned().unwrap_or(Value::Null);
             let merged = match c {

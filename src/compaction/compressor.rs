@@ -21,7 +21,7 @@ use super::serialize::{
     self, bound_summary_input, build_summary_prompt, chunk_for_budget, ground_task_snapshot,
     serialize_for_summary, PromptParts, SummaryInvalid, SUMMARY_INPUT_MAX_CHARS,
 };
-use super::summariser::{SummaryError, SummaryErrorKind, SummaryReply, SummaryRequest, Summariser};
+use super::summariser::{Summariser, SummaryError, SummaryErrorKind, SummaryReply, SummaryRequest};
 use super::tail::{self, TailParams};
 use super::tokens;
 use super::trigger::{truncate_error_text, FailureClass, Trigger};
@@ -270,7 +270,12 @@ pub fn classify_error(e: &SummaryError) -> FailureInfo {
     } else if matches!(e.status, Some(404 | 503))
         || lower_contains_any(
             &m,
-            &["model_not_found", "model not found", "does not exist", "no available channel"],
+            &[
+                "model_not_found",
+                "model not found",
+                "does not exist",
+                "no available channel",
+            ],
         )
     {
         info.class = FailureClass::ModelNotFound;
@@ -429,7 +434,10 @@ impl Compressor {
         }
         let sys = usize::from(msgs.first().is_some_and(|m| view::is_role(m, "system")));
         let probe_end = (sys + self.cfg.protect_first_n + HANDOFF_PROBE_EXTRA).min(msgs.len());
-        if msgs[sys.min(probe_end)..probe_end].iter().any(view::is_summary) {
+        if msgs[sys.min(probe_end)..probe_end]
+            .iter()
+            .any(view::is_summary)
+        {
             return 0;
         }
         self.cfg.protect_first_n
@@ -735,7 +743,12 @@ impl Compressor {
         let head_size = self.protect_head_size(messages);
         tel.head_rows = head_size;
         if n <= head_size + MIN_ROWS_AFTER_HEAD {
-            return self.no_op(messages, NoOpReason::InsufficientMessages, tokens_before, tel);
+            return self.no_op(
+                messages,
+                NoOpReason::InsufficientMessages,
+                tokens_before,
+                tel,
+            );
         }
         let mut compress_start = head_size;
         while compress_start < n && view::is_role(&messages[compress_start], "tool") {
@@ -757,7 +770,12 @@ impl Compressor {
         let working = remove_blank_echoes(pruned);
         let wn = working.len();
         if compress_start >= wn {
-            return self.no_op(messages, NoOpReason::NoCompressibleWindow, tokens_before, tel);
+            return self.no_op(
+                messages,
+                NoOpReason::NoCompressibleWindow,
+                tokens_before,
+                tel,
+            );
         }
 
         let cut = tail::find_tail_cut_by_tokens(&working, compress_start, &tp);
@@ -778,7 +796,12 @@ impl Compressor {
             }
         }
         if compress_start >= compress_end {
-            return self.no_op(messages, NoOpReason::NoCompressibleWindow, tokens_before, tel);
+            return self.no_op(
+                messages,
+                NoOpReason::NoCompressibleWindow,
+                tokens_before,
+                tel,
+            );
         }
 
         // Handoff scan over the whole transcript (after the system row).
@@ -817,7 +840,12 @@ impl Compressor {
             .filter_map(markers::strip_handoff)
             .collect();
         if middle.is_empty() {
-            return self.no_op(messages, NoOpReason::EmptyPostHandoffWindow, tokens_before, tel);
+            return self.no_op(
+                messages,
+                NoOpReason::EmptyPostHandoffWindow,
+                tokens_before,
+                tel,
+            );
         }
         let middle_tokens: u64 = middle
             .iter()
@@ -837,7 +865,12 @@ impl Compressor {
             None
         } else {
             let so = self
-                .generate_summary_inner(s, &middle, opts.focus_topic.as_deref(), opts.bypass_cooldown)
+                .generate_summary_inner(
+                    s,
+                    &middle,
+                    opts.focus_topic.as_deref(),
+                    opts.bypass_cooldown,
+                )
                 .await;
             tel.summary_calls = so.calls;
             tel.chunk_count = so.chunks;
@@ -1123,17 +1156,18 @@ fn salvage(out: &mut [Value], summary_index: Option<usize>) {
     }
     if let Some(si) = summary_index {
         if let Some(Value::String(c)) = out[si].get("content").cloned() {
-            if matches!(markers::classify_handoff(&out[si]), Handoff::Standalone { live: None, .. })
-                && c.chars().count() > SALVAGE_SUMMARY_MAX_CHARS
+            if matches!(
+                markers::classify_handoff(&out[si]),
+                Handoff::Standalone { live: None, .. }
+            ) && c.chars().count() > SALVAGE_SUMMARY_MAX_CHARS
             {
                 let body = markers::summary_body(&c);
-                let keep = SALVAGE_SUMMARY_MAX_CHARS.saturating_sub(
-                    markers::SUMMARY_PREFIX.len() + markers::END_MARKER.len() + 64,
-                );
+                let keep = SALVAGE_SUMMARY_MAX_CHARS
+                    .saturating_sub(markers::SUMMARY_PREFIX.len() + markers::END_MARKER.len() + 64);
                 let body: String = body.chars().take(keep).collect();
-                let text = markers::standalone_content(&markers::normalize_summary_prefix(&format!(
-                    "{body}\n...[summary truncated]"
-                )));
+                let text = markers::standalone_content(&markers::normalize_summary_prefix(
+                    &format!("{body}\n...[summary truncated]"),
+                ));
                 if let Some(o) = out[si].as_object_mut() {
                     o.insert("content".into(), Value::String(text));
                 }

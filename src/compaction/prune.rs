@@ -25,7 +25,8 @@ pub const PRESSURE_KEEP_RECENT_MESSAGES: usize = 3;
 pub const KEEP_RECENT_TOOL_IMAGES: usize = 3;
 
 /// Replacement for an older copy of an identical tool output.
-pub const DUPLICATE_TOOL_OUTPUT: &str = "[Duplicate tool output — same content as a more recent call]";
+pub const DUPLICATE_TOOL_OUTPUT: &str =
+    "[Duplicate tool output — same content as a more recent call]";
 /// Replacement for an image part of an old tool result.
 pub const SCREENSHOT_REMOVED: &str = "[screenshot removed to save context]";
 /// Placeholder the salvage pass leaves in cleared tool bodies.
@@ -105,7 +106,10 @@ pub fn prune_boundary(msgs: &[Value], p: &PruneParams, costs: Option<&[u64]>) ->
                     break;
                 }
             }
-            let floor = p.protect_tail_count.min(n).min(super::tail::MAX_TAIL_MESSAGE_FLOOR);
+            let floor = p
+                .protect_tail_count
+                .min(n)
+                .min(super::tail::MAX_TAIL_MESSAGE_FLOOR);
             boundary.min(n - floor)
         }
     }
@@ -169,7 +173,9 @@ fn shrink_args(m: &mut Value) -> bool {
     let mut changed = false;
     if let Some(Value::Array(calls)) = m.get_mut("tool_calls") {
         for tc in calls.iter_mut() {
-            let Some(f) = tc.get_mut("function") else { continue };
+            let Some(f) = tc.get_mut("function") else {
+                continue;
+            };
             let Some(Value::String(args)) = f.get_mut("arguments") else {
                 continue;
             };
@@ -217,7 +223,10 @@ pub fn prune_old_tool_results(msgs: &[Value], p: &PruneParams) -> (Vec<Value>, u
             continue;
         }
         if !seen.insert(xxh3_128(s.as_bytes())) {
-            set_content(&mut out[i], Value::String(DUPLICATE_TOOL_OUTPUT.to_string()));
+            set_content(
+                &mut out[i],
+                Value::String(DUPLICATE_TOOL_OUTPUT.to_string()),
+            );
             changed[i] = true;
         }
     }
@@ -303,7 +312,9 @@ fn pressure_pass(
         }
     }
     // 2. Every protected tool row except the newest tool result.
-    let newest_tool = (boundary..n).rev().find(|&i| view::is_role(&out[i], "tool"));
+    let newest_tool = (boundary..n)
+        .rev()
+        .find(|&i| view::is_role(&out[i], "tool"));
     for i in boundary..n {
         if Some(i) != newest_tool {
             demote(out, changed, i, &mut region);

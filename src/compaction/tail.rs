@@ -240,7 +240,10 @@ fn oversized_active_turn(
     let Some(u) = view::last_real_user(msgs, head_end) else {
         return false;
     };
-    if u >= cut || costs[u] > soft || view::text(&msgs[u]).chars().count() > SPLIT_TURN_MAX_USER_CHARS {
+    if u >= cut
+        || costs[u] > soft
+        || view::text(&msgs[u]).chars().count() > SPLIT_TURN_MAX_USER_CHARS
+    {
         return false;
     }
     if !msgs[u..cut].iter().any(view::has_tool_calls) {

@@ -9,7 +9,7 @@ use std::sync::{Arc, Mutex};
 use compactor::compaction::compressor::Compressor;
 use compactor::compaction::config::CompactionConfig;
 use compactor::compaction::summariser::{
-    SummaryError, SummaryErrorKind, SummaryReply, SummaryRequest, Summariser,
+    Summariser, SummaryError, SummaryErrorKind, SummaryReply, SummaryRequest,
 };
 use compactor::compaction::trigger::{Clock, Trigger, WindowSource};
 use serde_json::{json, Value};
@@ -124,7 +124,11 @@ pub fn null_content() -> SummaryReply {
 
 /// A compressor over a known window with a manual clock; `f` edits the
 /// reference defaults (`DEFAULT_CONFIG`).
-pub fn compressor_with(model: &str, window: u64, f: impl FnOnce(&mut CompactionConfig)) -> Compressor {
+pub fn compressor_with(
+    model: &str,
+    window: u64,
+    f: impl FnOnce(&mut CompactionConfig),
+) -> Compressor {
     let mut cfg = CompactionConfig::default();
     f(&mut cfg);
     let cfg = Arc::new(cfg);
@@ -158,7 +162,12 @@ pub fn msg(role: &str, content: &str) -> Value {
 /// `[{"role": "user" if i % 2 == 0 else "assistant", "content": f"msg {i}"} for i in range(n)]`
 pub fn alternating(n: usize, prefix: &str) -> Vec<Value> {
     (0..n)
-        .map(|i| msg(if i % 2 == 0 { "user" } else { "assistant" }, &format!("{prefix}{i}")))
+        .map(|i| {
+            msg(
+                if i % 2 == 0 { "user" } else { "assistant" },
+                &format!("{prefix}{i}"),
+            )
+        })
         .collect()
 }
 
