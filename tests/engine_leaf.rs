@@ -277,3 +277,175 @@ mod key_partition {
         assert!(ALWAYS_REPLAYED_BUDGET_KEYS.contains(&"codex_message_items"));
     }
 }
+
+/// Timing probe (not a pass/fail test): `cargo test --test engine_leaf
+/// estimate_speed -- --ignored --nocapture`.
+#[test]
+#[ignore]
+fn estimate_speed_probe() {
+    let msgs: Vec<Value> = (0..1_000)
+        .map(|i| match i % 3 {
+            0 => json!({"role": "user", "content": format!("question {i} {}", "word ".repeat(100))}),
+            1 => json!({"role": "assistant", "content": "calling", "tool_calls": [
+                {"id": format!("c{i}"), "type": "function",
+                 "function": {"name": "read_file", "arguments": format!("{{\"path\":\"/src/f{i}.rs\"}}")}}]}),
+            _ => json!({"role": "tool", "tool_call_id": format!("c{}", i - 1), "content": "line of output\n".repeat(60)}),
+        })
+        .collect();
+    let runs = 50;
+    let t = std::time::Instant::now();
+    let mut sink = 0u64;
+    for _ in 0..runs {
+        sink += tokens::estimate_messages_tokens_rough(&msgs);
+    }
+    let wire = t.elapsed() / runs;
+    let t = std::time::Instant::now();
+    for _ in 0..runs {
+        sink += msgs
+            .iter()
+            .map(|m| tokens::estimate_msg_budget_tokens(m, true))
+            .sum::<u64>();
+    }
+    let walk = t.elapsed() / runs;
+    println!("1000 msgs: wire estimate {wire:?}, budget walk {walk:?} (sink {sink})");
+}
+
+/// Property tests over the leaf functions (beyond the reference).
+mod leaf_properties {
+    use super::*;
+    use markers::{
+        classify_handoff, merge_after_prior, normalize_summary_prefix, prepend_summary,
+        standalone_content, strip_handoff, summary_body, Handoff,
+    };
+    use proptest::prelude::*;
+
+    fn json_value() -> impl Strategy<Value = Value> {
+        let leaf = prop_oneof![
+            Just(Value::Null),
+            any::<bool>().prop_map(Value::Bool),
+            any::<i64>().prop_map(|n| json!(n)),
+            "[a-z é\"\\\\\n]{0,400}".prop_map(Value::String),
+        ];
+        leaf.prop_recursive(3, 24, 4, |inner| {
+            prop_oneof![
+                prop::collection::vec(inner.clone(), 0..4).prop_map(Value::Array),
+                prop::collection::btree_map("[a-z]{1,6}", inner, 0..4)
+                    .prop_map(|m| Value::Object(m.into_iter().collect())),
+            ]
+        })
+    }
+
+    /// Strips every string leaf to compare shapes.
+    fn shape(v: &Value) -> Value {
+        match v {
+            Value::String(_) => json!("s"),
+            Value::Array(a) => Value::Array(a.iter().map(shape).collect()),
+            Value::Object(o) => {
+                Value::Object(o.iter().map(|(k, x)| (k.clone(), shape(x))).collect())
+            }
+            other => other.clone(),
+        }
+    }
+
+    /// Text a user could type: never starts with a marker.
+    fn text() -> impl Strategy<Value = String> {
+        "[A-Za-z0-9 .,\n]{1,200}".prop_filter("non-blank", |s| !s.trim().is_empty())
+    }
+
+    proptest! {
+        #[test]
+        fn args_shrink_keeps_valid_json_and_shape(v in json_value()) {
+            let src = v.to_string();
+            let out = args::truncate_tool_call_args_json(&src, 50);
+            let parsed: Value = serde_json::from_str(&out).unwrap();
+            prop_assert_eq!(shape(&parsed), shape(&v));
+            prop_assert!(out.len() <= src.len());
+            if out != src {
+                prop_assert!(out.contains("...[truncated]"));
+            }
+        }
+
+        #[test]
+        fn bounded_input_fits_and_keeps_both_ends(len in 0usize..20_000, cap in 200usize..5_000) {
+            let text: String = (0..len).map(|i| char::from(b'a' + (i % 26) as u8)).collect();
+            let out = serialize::bound_summary_input(&text, cap);
+            prop_assert!(out.chars().count() <= cap.max(len.min(cap)));
+            if len <= cap {
+                prop_assert_eq!(out, text);
+            } else {
+                let head: String = text.chars().take(20).collect();
+                let tail: String = text.chars().skip(len - 20).collect();
+                prop_assert!(out.starts_with(&head));
+                prop_assert!(out.ends_with(&tail));
+                prop_assert!(matches!(markers::classify_text(&out), markers::TextHandoff::None));
+            }
+        }
+
+        #[test]
+        fn standalone_summary_round_trips(body in text()) {
+            let s = standalone_content(&normalize_summary_prefix(&body));
+            prop_assert_eq!(summary_body(&s), body.trim());
+            prop_assert_eq!(strip_handoff(&json!({"role": "user", "content": s})), None);
+        }
+
+        #[test]
+        fn merged_summary_unwraps_to_prior(prior in text(), body in text()) {
+            let c = merge_after_prior(&json!(prior.clone()), &normalize_summary_prefix(&body));
+            let msg = json!({"role": "user", "content": c});
+            match classify_handoff(&msg) {
+                Handoff::Merged { prior: p, body: b, live } => {
+                    prop_assert_eq!(p, json!(prior.clone()));
+                    prop_assert_eq!(b, body.trim());
+                    prop_assert_eq!(live, None);
+                }
+                other => prop_assert!(false, "not merged: {:?}", other),
+            }
+            prop_assert_eq!(strip_handoff(&msg), Some(json!({"role": "user", "content": prior})));
+        }
+
+        #[test]
+        fn prepended_summary_keeps_live_request(live in text(), body in text()) {
+            let c = prepend_summary(&json!(live.clone()), &normalize_summary_prefix(&body));
+            let msg = json!({"role": "user", "content": c});
+            prop_assert_eq!(
+                strip_handoff(&msg),
+                Some(json!({"role": "user", "content": live.trim()}))
+            );
+        }
+
+        #[test]
+        fn plain_text_is_never_a_handoff(t in text()) {
+            let msg = json!({"role": "user", "content": t});
+            prop_assert!(!markers::is_handoff(&msg));
+        }
+
+        #[test]
+        fn chunks_partition_turns_and_fit(
+            sizes in prop::collection::vec(1usize..3_000, 0..40),
+            budget in 500usize..8_000,
+        ) {
+            let turns: Vec<Value> = sizes
+                .iter()
+                .enumerate()
+                .map(|(i, n)| json!({"role": if i % 2 == 0 {"user"} else {"assistant"}, "content": "x".repeat(*n)}))
+                .collect();
+            let chunks = serialize::chunk_for_budget(&turns, budget);
+            let flat: Vec<Value> = chunks.iter().flatten().cloned().collect();
+            prop_assert_eq!(&flat, &turns);
+            for c in &chunks {
+                prop_assert!(!c.is_empty());
+                if c.len() > 1 {
+                    prop_assert!(serialize::serialize_for_summary(c).chars().count() <= budget);
+                }
+            }
+        }
+
+        #[test]
+        fn estimates_are_monotonic_in_content(a in "[a-z ]{0,500}", b in "[a-z ]{0,500}") {
+            let short = json!({"role": "user", "content": a.clone()});
+            let long = json!({"role": "user", "content": format!("{a}{b}")});
+            prop_assert!(tokens::estimate_msg_budget_tokens(&short, true) <= tokens::estimate_msg_budget_tokens(&long, true));
+            prop_assert!(tokens::estimate_messages_tokens_rough(&[short]) <= tokens::estimate_messages_tokens_rough(&[long]));
+        }
+    }
+}
