@@ -64,16 +64,41 @@ struct Counter {
 
 impl Counter {
     fn add_str(&mut self, s: &str) {
+        let b = s.as_bytes();
+        self.bytes += b.len() as u64;
         if s.is_ascii() {
-            self.bytes += s.len() as u64;
             return;
         }
-        for c in s.chars() {
-            if is_cjk(c) {
-                self.cjk += 1;
-            } else {
-                self.bytes += c.len_utf8() as u64;
+        // Every CJK-class codepoint is at or above U+1100, i.e. a 3- or
+        // 4-byte sequence, so only lead bytes >= 0xE0 need decoding; the
+        // rest of the text is already counted by its bytes.
+        let byte = |i: usize| u32::from(b.get(i).copied().unwrap_or(0) & 0x3F);
+        let mut i = 0;
+        while i < b.len() {
+            let lead = b[i];
+            if lead < 0xE0 {
+                i += 1;
+                continue;
             }
+            let (cp, width) = if lead < 0xF0 {
+                (
+                    (u32::from(lead & 0x0F) << 12) | (byte(i + 1) << 6) | byte(i + 2),
+                    3,
+                )
+            } else {
+                (
+                    (u32::from(lead & 0x07) << 18)
+                        | (byte(i + 1) << 12)
+                        | (byte(i + 2) << 6)
+                        | byte(i + 3),
+                    4,
+                )
+            };
+            if is_cjk(cp) {
+                self.cjk += 1;
+                self.bytes -= width as u64;
+            }
+            i += width;
         }
     }
 
@@ -162,8 +187,8 @@ fn digits(mut u: u64) -> u64 {
 
 /// True for codepoints that tokenisers typically encode as one token each:
 /// CJK ideographs, Hangul, Kana and full-width forms.
-fn is_cjk(c: char) -> bool {
-    matches!(c as u32,
+fn is_cjk(c: u32) -> bool {
+    matches!(c,
         0x1100..=0x11FF        // Hangul Jamo
         | 0x2E80..=0x2FDF      // CJK radicals, Kangxi
         | 0x3000..=0x303F      // CJK symbols and punctuation
@@ -490,6 +515,32 @@ mod tests {
         // Cyrillic: 2 bytes per char → 8 bytes → 2 tokens.
         assert_eq!(estimate_text_tokens("привет"), 3);
         assert_eq!(estimate_text_tokens("ab你"), 2);
+    }
+
+    /// The byte-level scan must agree with a per-char classification.
+    #[test]
+    fn fast_scan_matches_per_char_count() {
+        fn naive(s: &str) -> u64 {
+            let (mut bytes, mut cjk) = (0u64, 0u64);
+            for c in s.chars() {
+                if is_cjk(c as u32) {
+                    cjk += 1;
+                } else {
+                    bytes += c.len_utf8() as u64;
+                }
+            }
+            cjk + bytes.div_ceil(4)
+        }
+        for s in [
+            "plain",
+            "日本語のテキスト and ascii",
+            "한국어 텍스트",
+            "Привет, мир! Ελληνικά العربية",
+            "emoji 😀🎉 and 𠀀𠀁 (CJK ext B) ＡＢＣ full-width",
+            "mixed ä ö ü 中 文 ß ∑ ≠ →",
+        ] {
+            assert_eq!(estimate_text_tokens(s), naive(s), "{s}");
+        }
     }
 
     #[test]
