@@ -450,6 +450,27 @@ pub fn validate_summary_reply(
     Ok(neutralize_reserved_markers(&redact_secrets(body)))
 }
 
+static USER_ATTRIBUTION: LazyLock<Option<Regex>> = LazyLock::new(|| {
+    Regex::new(concat!(
+        r"(?i)\b(?:the )?user(?:'s|’s)? (?:asked|requested|wants|wanted|said|told|instructed|prefers|requires|goal|request|ask|instructions?)\b",
+        r"|\baccording to the user\b|\bas the user\b|\bUser asked:"
+    ))
+    .ok()
+});
+
+/// True when a summary attributes something to a user ("user requested",
+/// "the user's goal", "according to the user" …). In a session without
+/// user-authored turns such a summary is invented provenance and must be
+/// rejected (the grounded sentinel line is not an attribution).
+pub fn attributes_to_user(body: &str) -> bool {
+    let Some(re) = &*USER_ATTRIBUTION else {
+        return false;
+    };
+    body.lines()
+        .filter(|l| !l.contains(NO_USER_SENTINEL))
+        .any(|l| re.is_match(l))
+}
+
 /// What the deterministic task snapshot is built from.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Grounding<'a> {
@@ -861,6 +882,21 @@ mod tests {
         assert!(g.contains("## Goal\nx"));
         let g = ground_task_snapshot_with("body", Grounding::NoUserInSession);
         assert!(g.contains(NO_USER_SENTINEL));
+    }
+
+    #[test]
+    fn user_attribution_detected() {
+        assert!(attributes_to_user(
+            "## Goal\nThe user requested a refactor."
+        ));
+        assert!(attributes_to_user("- according to the user, tests pass"));
+        assert!(attributes_to_user("User asked: 'x'"));
+        assert!(!attributes_to_user(
+            "The cron job rotated logs; user-facing docs unchanged."
+        ));
+        let grounded =
+            ground_task_snapshot_with("## Goal\nrotate logs", Grounding::NoUserInSession);
+        assert!(!attributes_to_user(&grounded));
     }
 
     #[test]
