@@ -96,14 +96,30 @@ pub fn starts_with_summary_prefix(text: &str) -> bool {
     prefix_len(text.trim_start()).is_some()
 }
 
-/// Puts [`SUMMARY_PREFIX`] in front of a summary exactly once: a current or
-/// legacy prefix already at the start is replaced, not duplicated.
-pub fn normalize_summary_prefix(summary: &str) -> String {
-    let mut rest = summary.trim_start();
+/// Removes every summary prefix at the start of `text` (after whitespace),
+/// leaving the rest untouched.
+pub fn strip_leading_prefixes(text: &str) -> &str {
+    let mut rest = text.trim_start();
     while let Some(n) = prefix_len(rest) {
         rest = rest[n..].trim_start();
     }
-    format!("{SUMMARY_PREFIX}\n{rest}")
+    rest
+}
+
+/// Removes a leading [`INFLIGHT_HEADER`] (a restated in-flight request is
+/// the user's own text once the header is gone).
+pub fn strip_inflight_header(text: &str) -> &str {
+    let t = text.trim_start();
+    match t.strip_prefix(INFLIGHT_HEADER) {
+        Some(rest) => rest.trim_start(),
+        None => text,
+    }
+}
+
+/// Puts [`SUMMARY_PREFIX`] in front of a summary exactly once: a current or
+/// legacy prefix already at the start is replaced, not duplicated.
+pub fn normalize_summary_prefix(summary: &str) -> String {
+    format!("{SUMMARY_PREFIX}\n{}", strip_leading_prefixes(summary))
 }
 
 /// The body of a summary text: its prefix, any wrapper of a merged row and
@@ -111,13 +127,10 @@ pub fn normalize_summary_prefix(summary: &str) -> String {
 pub fn summary_body(text: &str) -> String {
     match classify_text(text) {
         TextHandoff::Standalone { body, .. } | TextHandoff::Merged { body, .. } => body,
-        TextHandoff::None => {
-            let mut rest = text.trim();
-            while let Some(n) = prefix_len(rest) {
-                rest = rest[n..].trim_start();
-            }
-            cut_at_end(rest).0.trim().to_string()
-        }
+        TextHandoff::None => cut_at_end(strip_leading_prefixes(text))
+            .0
+            .trim()
+            .to_string(),
     }
 }
 

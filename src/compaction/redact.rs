@@ -18,7 +18,11 @@ struct Rules {
     bearer: Option<Regex>,
     auth_header: Option<Regex>,
     known_tokens: Option<Regex>,
-    assignment: Option<Regex>,
+    env_assign: Option<Regex>,
+    quoted_field: Option<Regex>,
+    password_assign: Option<Regex>,
+    key_assign: Option<Regex>,
+    cli_flag: Option<Regex>,
 }
 
 // The patterns are constants covered by tests; a pattern that failed to
@@ -54,13 +58,40 @@ static RULES: LazyLock<Rules> = LazyLock::new(|| {
         r")"
     ))
     .ok(),
-    assignment: Regex::new(concat!(
-        r"(?i)([A-Za-z0-9_.\-]*(?:api[_\-]?key|apikey|secret|token|passwd|password|passphrase|pwd",
-        r"|access[_\-]?key|private[_\-]?key|credential|auth)[A-Za-z0-9_.\-]*)",
-        r#"(["']?\s*[:=]\s*)(["']?)([^\s"',;&}\]]+)"#
+    // SHELL_STYLE / .env names: `OPENAI_API_KEY=…`, `GITHUB_TOKEN: …`.
+    env_assign: Regex::new(concat!(
+        r"\b(?P<k>[A-Z0-9_]*(?:API_?KEY|TOKEN|SECRET|PASSWORD|PASSWD|PASSPHRASE|PWD|ACCESS_KEY|PRIVATE_KEY|CREDENTIALS?|AUTH)[A-Z0-9_]*)",
+        r#"(?P<sep>\s*[=:]\s*["']?)(?P<v>[^\s"',;]+)(?P<end>)"#
     ))
     .ok(),
-}
+    // Quoted values of secret-named fields in JSON, YAML, TOML or code:
+    // `"apiKey": "…"`, `token = '…'`.
+    quoted_field: Regex::new(concat!(
+        r#"(?i)(?P<k>["']?[A-Za-z0-9_.\-]*(?:api[_\-]?key|apikey|secret|token|passw(?:or)?d|passphrase|access[_\-]?key|private[_\-]?key|credential|auth)[A-Za-z0-9_.\-]*["']?)"#,
+        r#"(?P<sep>\s*[:=]\s*["'])(?P<v>[^"'\r\n]+)(?P<end>["'])"#
+    ))
+    .ok(),
+    // Unquoted password-class assignments in any case: `password=hunter2`.
+    password_assign: Regex::new(concat!(
+        r"(?i)\b(?P<k>[A-Za-z0-9_.\-]*(?:passw(?:or)?d|passphrase|pwd)[A-Za-z0-9_.\-]*)",
+        r#"(?P<sep>\s*[:=]\s*)(?P<v>[^\s"',;]+)(?P<end>)"#
+    ))
+    .ok(),
+    // Unquoted key-class assignments in any case (`api_key=…` in logs and
+    // query strings). The character after the value is captured so calls
+    // like `token = parse_token(x)` can be told apart.
+    key_assign: Regex::new(concat!(
+        r"(?i)\b(?P<k>[A-Za-z0-9_.\-]*(?:api[_\-]?key|apikey|access[_\-]?key|secret[_\-]?key|client[_\-]?secret|auth[_\-]?token|access[_\-]?token|refresh[_\-]?token|token|secret))",
+        r"(?P<sep>\s*[:=]\s*)(?P<v>[A-Za-z0-9_\-./+=]{8,})(?P<end>[^A-Za-z0-9_\-./+=]?)"
+    ))
+    .ok(),
+    // Command-line flags: `--api-key xyz`, `--password=xyz`, `--token xyz`.
+    cli_flag: Regex::new(concat!(
+        r"(?i)(?P<k>--(?:api[_\-]?key|token|auth[_\-]?token|password|passwd|secret|access[_\-]?key|client[_\-]?secret))",
+        r#"(?P<sep>[= ]["']?)(?P<v>[^\s"']+)(?P<end>)"#
+    ))
+    .ok(),
+    }
 });
 
 /// Redacts secrets in strict mode: private key blocks, credentials in URLs,
@@ -96,7 +127,16 @@ pub fn redact_cow(text: &str) -> Cow<'_, str> {
     if let Some(re) = &r.known_tokens {
         out = replace(out, re, |_| REDACTED.to_string());
     }
-    if let Some(re) = &r.assignment {
+    for re in [
+        &r.env_assign,
+        &r.quoted_field,
+        &r.password_assign,
+        &r.key_assign,
+        &r.cli_flag,
+    ]
+    .into_iter()
+    .flatten()
+    {
         out = replace(out, re, redact_assignment);
     }
     out
@@ -120,19 +160,17 @@ fn replace<'a>(
 
 /// Decides whether the value of a secret-looking assignment is a secret.
 /// Password-class keys always are; token/key-class keys only when the value
-/// looks like a credential (long enough, not a plain number or keyword), so
-/// `max_tokens: 4096` or `auth: true` survive.
+/// looks like a credential (6+ chars, not a plain number or keyword), so
+/// `MAX_TOKENS=4096` or `"auth": "none"` survive.
 fn redact_assignment(c: &Captures<'_>) -> String {
-    let key = &c[1];
-    let sep = &c[2];
-    let quote = &c[3];
-    let value = &c[4];
-    let whole = c.get(0).map(|m| m.as_str()).unwrap_or_default();
-    if value.contains(REDACTED) || value.starts_with('[') {
+    let get = |name: &str| c.name(name).map_or("", |m| m.as_str());
+    let (key, sep, value, end) = (get("k"), get("sep"), get("v"), get("end"));
+    let whole = c.get(0).map_or("", |m| m.as_str());
+    if value.contains(REDACTED) || value.starts_with('[') || end == "(" {
         return whole.to_string();
     }
     let lower = key.to_ascii_lowercase();
-    let password_class = ["passwd", "password", "passphrase", "pwd", "secret"]
+    let password_class = ["passw", "passphrase", "pwd"]
         .iter()
         .any(|k| lower.contains(k));
     let keyword = matches!(
@@ -146,22 +184,32 @@ fn redact_assignment(c: &Captures<'_>) -> String {
             | "redacted"
             | "required"
             | "optional"
+            | "string"
+            | "str"
+            | "bool"
+            | "int"
+            | "number"
+            | "object"
+            | "bearer"
+            | "basic"
     );
     let numeric = value
         .chars()
         .all(|ch| ch.is_ascii_digit() || ch == '.' || ch == '-');
+    let placeholder = value.starts_with('$') || value.starts_with('<') || value.starts_with('{');
     let secretish = if password_class {
-        !keyword && !value.is_empty()
+        !keyword && !placeholder
     } else {
-        !keyword && !numeric && value.len() >= 8
+        !keyword && !numeric && !placeholder && value.chars().count() >= 6
     };
-    // Keys like `tokens`, `max_tokens` or `author` are counters and names, not credentials.
-    let counter_like = lower.ends_with("tokens")
-        || lower.ends_with("_count")
+    // Keys like `tokens`, `max_tokens` or `author` are counters and names.
+    let counter_like = lower.trim_matches(['"', '\'']).ends_with("tokens")
+        || lower.contains("_count")
         || lower.contains("author")
-        || lower.ends_with("token_limit");
+        || lower.contains("token_limit")
+        || lower.contains("tokenizer");
     if secretish && !counter_like {
-        format!("{key}{sep}{quote}{REDACTED}")
+        format!("{key}{sep}{REDACTED}{end}")
     } else {
         whole.to_string()
     }
@@ -180,7 +228,11 @@ mod tests {
         assert!(r.bearer.is_some());
         assert!(r.auth_header.is_some());
         assert!(r.known_tokens.is_some());
-        assert!(r.assignment.is_some());
+        assert!(r.env_assign.is_some());
+        assert!(r.quoted_field.is_some());
+        assert!(r.password_assign.is_some());
+        assert!(r.cli_flag.is_some());
+        assert!(r.key_assign.is_some());
     }
 
     #[test]
@@ -239,6 +291,42 @@ mod tests {
         assert_eq!(r, "export OPENAI_API_KEY=[REDACTED]");
         let r = redact_secrets("DB_PASSWORD: 'x'");
         assert!(!r.contains("'x'"), "{r}");
+    }
+
+    #[test]
+    fn code_and_counters_survive() {
+        for t in [
+            "let token = parse_token(input);",
+            "MAX_TOKENS=4096",
+            r#"{"max_tokens": 4096, "auth": "none"}"#,
+            "tokenizer: cl100k_base",
+            "the secret of good code is tests",
+            "export API_KEY=$OPENAI_API_KEY",
+        ] {
+            assert_eq!(redact_secrets(t), t);
+        }
+    }
+
+    #[test]
+    fn env_quoted_and_cli_secrets() {
+        assert_eq!(
+            redact_secrets("GITHUB_TOKEN=abc123def456"),
+            "GITHUB_TOKEN=[REDACTED]"
+        );
+        assert_eq!(
+            redact_secrets(r#"config = {"apiKey": "live-abcdefgh"}"#),
+            r#"config = {"apiKey": "[REDACTED]"}"#
+        );
+        assert_eq!(redact_secrets("token = 'abcdefgh'"), "token = '[REDACTED]'");
+        assert_eq!(
+            redact_secrets("tool --api-key xyz123456 --verbose"),
+            "tool --api-key [REDACTED] --verbose"
+        );
+        assert_eq!(redact_secrets("--password=pw"), "--password=[REDACTED]");
+        assert_eq!(
+            redact_secrets("GET /v1?api_key=abcdef123456&x=1"),
+            "GET /v1?api_key=[REDACTED]&x=1"
+        );
     }
 
     #[test]

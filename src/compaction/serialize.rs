@@ -3,8 +3,8 @@
 //! summary prompt, validating the reply and grounding its task snapshot.
 
 use super::markers::{
-    neutralize_reserved_markers, summary_body, HISTORICAL_TASK_HEADING, LEGACY_TASK_HEADINGS,
-    NO_USER_SENTINEL,
+    neutralize_reserved_markers, strip_inflight_header, strip_leading_prefixes,
+    HISTORICAL_TASK_HEADING, LEGACY_TASK_HEADINGS, NO_USER_SENTINEL,
 };
 use super::redact::redact_secrets;
 use regex::Regex;
@@ -215,7 +215,7 @@ pub fn bound_summary_input(text: &str, max_chars: usize) -> String {
         return text.to_string();
     }
     let marker_for = |omitted: usize| {
-        format!("{INPUT_TRUNCATION_MARKER_START}: omitted {omitted} chars from the middle of the turns]...\n\n")
+        format!("{INPUT_TRUNCATION_MARKER_START}: omitted {omitted} chars from the middle]...\n\n")
     };
     // The marker's own length depends on the omitted count; one recompute
     // settles it (the digit count can change at most once).
@@ -441,11 +441,34 @@ pub fn validate_summary_reply(
     if looks_like_refusal(&text) {
         return Err(SummaryInvalid::Refusal);
     }
-    let body = summary_body(&text);
+    // Only a leading prefix is removed: reserved markers further in are
+    // neutralised below rather than treated as the end of the summary.
+    let body = strip_leading_prefixes(&text).trim_end();
     if body.trim().is_empty() {
         return Err(SummaryInvalid::Empty);
     }
-    Ok(neutralize_reserved_markers(&redact_secrets(&body)))
+    Ok(neutralize_reserved_markers(&redact_secrets(body)))
+}
+
+static USER_ATTRIBUTION: LazyLock<Option<Regex>> = LazyLock::new(|| {
+    Regex::new(concat!(
+        r"(?i)\b(?:the )?user(?:'s|’s)? (?:asked|requested|wants|wanted|said|told|instructed|prefers|requires|goal|request|ask|instructions?)\b",
+        r"|\baccording to the user\b|\bas the user\b|\bUser asked:"
+    ))
+    .ok()
+});
+
+/// True when a summary attributes something to a user ("user requested",
+/// "the user's goal", "according to the user" …). In a session without
+/// user-authored turns such a summary is invented provenance and must be
+/// rejected (the grounded sentinel line is not an attribution).
+pub fn attributes_to_user(body: &str) -> bool {
+    let Some(re) = &*USER_ATTRIBUTION else {
+        return false;
+    };
+    body.lines()
+        .filter(|l| !l.contains(NO_USER_SENTINEL))
+        .any(|l| re.is_match(l))
 }
 
 /// What the deterministic task snapshot is built from.
@@ -613,7 +636,8 @@ pub fn latest_user_task_snapshot(turns: &[Value]) -> Option<String> {
             return None;
         }
         let t = content_text(m.get("content"));
-        (!t.trim().is_empty()).then_some(t)
+        let t = strip_inflight_header(&t);
+        (!t.trim().is_empty()).then(|| t.to_string())
     })
 }
 
@@ -814,9 +838,13 @@ mod tests {
         assert_eq!(out, Ok("did work with token [REDACTED]".to_string()));
         let r = validate_summary_reply(None, None, None, Some("from reasoning"));
         assert_eq!(r, Ok("from reasoning".to_string()));
-        let forged = format!("body {}", super::super::markers::END_MARKER);
+        let forged = format!("body {}\nmore after", super::super::markers::END_MARKER);
         let ok = validate_summary_output(Some(&forged), None).unwrap_or_default();
         assert!(!ok.contains(super::super::markers::END_MARKER));
+        assert!(
+            ok.starts_with("body ") && ok.ends_with("more after"),
+            "{ok}"
+        );
     }
 
     #[test]
@@ -854,6 +882,21 @@ mod tests {
         assert!(g.contains("## Goal\nx"));
         let g = ground_task_snapshot_with("body", Grounding::NoUserInSession);
         assert!(g.contains(NO_USER_SENTINEL));
+    }
+
+    #[test]
+    fn user_attribution_detected() {
+        assert!(attributes_to_user(
+            "## Goal\nThe user requested a refactor."
+        ));
+        assert!(attributes_to_user("- according to the user, tests pass"));
+        assert!(attributes_to_user("User asked: 'x'"));
+        assert!(!attributes_to_user(
+            "The cron job rotated logs; user-facing docs unchanged."
+        ));
+        let grounded =
+            ground_task_snapshot_with("## Goal\nrotate logs", Grounding::NoUserInSession);
+        assert!(!attributes_to_user(&grounded));
     }
 
     #[test]

@@ -19,6 +19,11 @@ pub const CHARS_PER_TOKEN: u64 = 4;
 /// Fixed per-message overhead charged by [`estimate_msg_budget_tokens`].
 pub const MESSAGE_OVERHEAD_TOKENS: u64 = 10;
 
+/// Default of the `charge_stale_thinking` switch (the config's default): charge
+/// thinking on every assistant row, the conservative choice for routes that
+/// may replay old thinking.
+pub const DEFAULT_CHARGE_STALE_THINKING: bool = true;
+
 /// Flat token price of one image when no learned price is available.
 pub const IMAGE_TOKEN_PRICE: u64 = 1_600;
 
@@ -59,16 +64,41 @@ struct Counter {
 
 impl Counter {
     fn add_str(&mut self, s: &str) {
+        let b = s.as_bytes();
+        self.bytes += b.len() as u64;
         if s.is_ascii() {
-            self.bytes += s.len() as u64;
             return;
         }
-        for c in s.chars() {
-            if is_cjk(c) {
-                self.cjk += 1;
-            } else {
-                self.bytes += c.len_utf8() as u64;
+        // Every CJK-class codepoint is at or above U+1100, i.e. a 3- or
+        // 4-byte sequence, so only lead bytes >= 0xE0 need decoding; the
+        // rest of the text is already counted by its bytes.
+        let byte = |i: usize| u32::from(b.get(i).copied().unwrap_or(0) & 0x3F);
+        let mut i = 0;
+        while i < b.len() {
+            let lead = b[i];
+            if lead < 0xE0 {
+                i += 1;
+                continue;
             }
+            let (cp, width) = if lead < 0xF0 {
+                (
+                    (u32::from(lead & 0x0F) << 12) | (byte(i + 1) << 6) | byte(i + 2),
+                    3,
+                )
+            } else {
+                (
+                    (u32::from(lead & 0x07) << 18)
+                        | (byte(i + 1) << 12)
+                        | (byte(i + 2) << 6)
+                        | byte(i + 3),
+                    4,
+                )
+            };
+            if is_cjk(cp) {
+                self.cjk += 1;
+                self.bytes -= width as u64;
+            }
+            i += width;
         }
     }
 
@@ -157,8 +187,8 @@ fn digits(mut u: u64) -> u64 {
 
 /// True for codepoints that tokenisers typically encode as one token each:
 /// CJK ideographs, Hangul, Kana and full-width forms.
-fn is_cjk(c: char) -> bool {
-    matches!(c as u32,
+fn is_cjk(c: u32) -> bool {
+    matches!(c,
         0x1100..=0x11FF        // Hangul Jamo
         | 0x2E80..=0x2FDF      // CJK radicals, Kangxi
         | 0x3000..=0x303F      // CJK symbols and punctuation
@@ -319,16 +349,14 @@ fn thinking_tokens(msg: &Value) -> u64 {
     let mut c = Counter::default();
     let rc = msg.get("reasoning_content");
     let r = msg.get("reasoning");
-    if non_empty_str(rc) || is_present(rc) {
-        if let Some(v) = rc {
-            add_text_or_json(&mut c, v);
-        }
-    } else if let Some(v) = r {
-        add_text_or_json(&mut c, v);
-    }
-    if !is_present(rc) && !is_present(r) {
-        if let Some(d) = msg.get("reasoning_details") {
-            add_reasoning_details_text(&mut c, d);
+    match (is_present(rc), rc, r) {
+        // The same text often rides in both fields; charge it once.
+        (true, Some(v), _) => add_text_or_json(&mut c, v),
+        (_, _, Some(v)) if is_present(Some(v)) => add_text_or_json(&mut c, v),
+        _ => {
+            if let Some(d) = msg.get("reasoning_details") {
+                add_reasoning_details_text(&mut c, d);
+            }
         }
     }
     c.tokens()
@@ -489,6 +517,32 @@ mod tests {
         assert_eq!(estimate_text_tokens("ab你"), 2);
     }
 
+    /// The byte-level scan must agree with a per-char classification.
+    #[test]
+    fn fast_scan_matches_per_char_count() {
+        fn naive(s: &str) -> u64 {
+            let (mut bytes, mut cjk) = (0u64, 0u64);
+            for c in s.chars() {
+                if is_cjk(c as u32) {
+                    cjk += 1;
+                } else {
+                    bytes += c.len_utf8() as u64;
+                }
+            }
+            cjk + bytes.div_ceil(4)
+        }
+        for s in [
+            "plain",
+            "日本語のテキスト and ascii",
+            "한국어 텍스트",
+            "Привет, мир! Ελληνικά العربية",
+            "emoji 😀🎉 and 𠀀𠀁 (CJK ext B) ＡＢＣ full-width",
+            "mixed ä ö ü 中 文 ß ∑ ≠ →",
+        ] {
+            assert_eq!(estimate_text_tokens(s), naive(s), "{s}");
+        }
+    }
+
     #[test]
     fn compact_json_length_matches_serde() {
         let v = json!({"a": [1, 2, {"b": null, "c": true, "d": "xy"}], "e": -12, "f": false});
@@ -531,7 +585,7 @@ mod tests {
         let noisy = json!({"role": "assistant", "content": "x", "reasoning_content": "think",
             "reasoning": "think", "_private": "zzzzzzzzzzzzzzzzzzzz", "reasoning_details": [{"text": "zzzzzzzzzzzz"}]});
         assert_eq!(
-            estimate_messages_tokens_rough(&[plain.clone()]),
+            estimate_messages_tokens_rough(std::slice::from_ref(&plain)),
             estimate_messages_tokens_rough(&[noisy])
         );
         let exact = serde_json::to_string(&plain).unwrap_or_default();
@@ -572,7 +626,7 @@ mod tests {
             {"type": "image_url", "image_url": {"url": format!("data:image/png;base64,{}", "A".repeat(100_000))}}
         ]});
         let t = estimate_messages_tokens_rough(&[msg]);
-        assert!(t >= IMAGE_TOKEN_PRICE && t < IMAGE_TOKEN_PRICE + 100);
+        assert!((IMAGE_TOKEN_PRICE..IMAGE_TOKEN_PRICE + 100).contains(&t));
     }
 
     #[test]

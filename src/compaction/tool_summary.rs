@@ -91,7 +91,7 @@ pub fn summarize_tool_result(tool_name: &str, args_json: &str, content: &str) ->
     let lines = line_count(content);
     let a = |k: &str| arg_str(&args, k);
     match tool_name {
-        "terminal" | "shell" | "bash" => {
+        "terminal" => {
             let cmd = clip(&a("command").unwrap_or_default(), 80);
             let exit = json_field_str(content, "exit_code").unwrap_or_else(|| "?".into());
             format!("[{tool_name}] ran `{cmd}` -> exit {exit}, {lines} lines output")
@@ -185,7 +185,10 @@ pub fn summarize_tool_result(tool_name: &str, args_json: &str, content: &str) ->
             arg_or(&args, "action", "?"),
             arg_or(&args, "session_id", "?")
         ),
-        _ => {
+        other => {
+            if let Some(line) = common_tool_summary(other, &args, content) {
+                return line;
+            }
             let mut parts = String::new();
             for (k, v) in args.iter().take(2) {
                 parts.push_str(&format!("{k}={} ", clip(&v.to_plain(), 40)));
@@ -195,9 +198,124 @@ pub fn summarize_tool_result(tool_name: &str, args_json: &str, content: &str) ->
     }
 }
 
+/// First present argument among `keys`; arrays of strings (argv-style
+/// commands) are joined with spaces.
+fn first_arg(args: &Args, keys: &[&str]) -> Option<String> {
+    keys.iter().find_map(|k| match args.get(*k)? {
+        OrderedJson::Null => None,
+        OrderedJson::Array(items) if items.iter().all(|i| i.as_str().is_some()) => Some(
+            items
+                .iter()
+                .filter_map(OrderedJson::as_str)
+                .collect::<Vec<_>>()
+                .join(" "),
+        ),
+        v => Some(v.to_plain()),
+    })
+}
+
+const PATH_KEYS: &[&str] = &[
+    "path",
+    "file_path",
+    "filePath",
+    "filename",
+    "file",
+    "target_file",
+];
+
+/// Summaries for tool names common in other agents (shell, read/write/edit,
+/// search, fetch), matched case-insensitively. The reference only knows its
+/// own tool names; a proxy sees every client's, and a one-line summary that
+/// keeps the path or command is worth far more than the generic line.
+fn common_tool_summary(name: &str, args: &Args, content: &str) -> Option<String> {
+    let lower = name.to_ascii_lowercase();
+    let n = thousands(content.chars().count());
+    let lines = line_count(content);
+    let path = || first_arg(args, PATH_KEYS).unwrap_or_else(|| "?".into());
+    let line = match lower.as_str() {
+        "bash" | "shell" | "sh" | "run_command" | "execute_command" | "run_terminal_cmd"
+        | "exec" | "exec_command" | "local_shell" | "run_shell_command" => {
+            let cmd = clip(
+                &first_arg(args, &["command", "cmd", "script"]).unwrap_or_default(),
+                80,
+            );
+            let exit = ["exit_code", "returncode", "exit_status"]
+                .iter()
+                .find_map(|k| json_field_str(content, k))
+                .unwrap_or_else(|| "?".into());
+            format!("[{name}] ran `{cmd}` -> exit {exit}, {lines} lines output")
+        }
+        "read" | "view" | "open_file" | "readfile" | "view_file" | "cat" => {
+            format!("[{name}] read {} ({n} chars)", path())
+        }
+        "write" | "create_file" | "write_to_file" | "writefile" => {
+            let written = first_arg(args, &["content", "contents", "file_text", "text"])
+                .map(|c| line_count(&c).to_string())
+                .unwrap_or_else(|| "?".into());
+            format!("[{name}] wrote to {} ({written} lines)", path())
+        }
+        "edit"
+        | "multiedit"
+        | "edit_file"
+        | "str_replace"
+        | "str_replace_editor"
+        | "str_replace_based_edit_tool"
+        | "apply_patch"
+        | "replace_in_file"
+        | "apply_diff" => {
+            let target = first_arg(args, PATH_KEYS);
+            match target {
+                Some(p) => format!("[{name}] edited {p} ({n} chars result)"),
+                None => format!("[{name}] edit ({n} chars result)"),
+            }
+        }
+        "grep" | "glob" | "search" | "ripgrep" | "find" | "grep_search" | "file_search"
+        | "codebase_search" | "search_code" | "find_files" => {
+            let pattern =
+                first_arg(args, &["pattern", "query", "regex", "glob", "q"]).unwrap_or_default();
+            let within = first_arg(args, &["path", "dir", "directory", "include"])
+                .unwrap_or_else(|| ".".into());
+            format!(
+                "[{name}] search for '{}' in {within} ({n} chars result)",
+                clip(&pattern, 80)
+            )
+        }
+        "fetch" | "web_fetch" | "webfetch" | "fetch_url" | "http_get" | "browse" | "open_url" => {
+            let url = first_arg(args, &["url", "uri", "href"]).unwrap_or_else(|| "?".into());
+            format!("[{name}] {url} ({n} chars)")
+        }
+        _ => return None,
+    };
+    Some(line)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn common_agent_tools() {
+        let s = summarize_tool_result("Bash", r#"{"command":["git","status"]}"#, "a\nb");
+        assert_eq!(s, "[Bash] ran `git status` -> exit ?, 2 lines output");
+        let s = summarize_tool_result(
+            "Read",
+            r#"{"file_path":"/src/main.rs"}"#,
+            &"x".repeat(2_048),
+        );
+        assert_eq!(s, "[Read] read /src/main.rs (2,048 chars)");
+        let s = summarize_tool_result("Write", r#"{"file_path":"/a.txt","content":"1\n2"}"#, "ok");
+        assert_eq!(s, "[Write] wrote to /a.txt (2 lines)");
+        let s = summarize_tool_result(
+            "Edit",
+            r#"{"file_path":"/b.rs","old_string":"a","new_string":"b"}"#,
+            "done",
+        );
+        assert_eq!(s, "[Edit] edited /b.rs (4 chars result)");
+        let s = summarize_tool_result("Grep", r#"{"pattern":"TODO","path":"src"}"#, "x");
+        assert_eq!(s, "[Grep] search for 'TODO' in src (1 chars result)");
+        let s = summarize_tool_result("WebFetch", r#"{"url":"https://x.y/z"}"#, "abc");
+        assert_eq!(s, "[WebFetch] https://x.y/z (3 chars)");
+    }
 
     #[test]
     fn thousands_separators() {
