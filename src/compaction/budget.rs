@@ -147,9 +147,7 @@ pub fn lean_tail_token_budget(window: u64) -> u64 {
 
 /// Upper bound of one summary: `min(5% of window, 10,000)`, at least 1.
 pub fn max_summary_tokens(window: u64) -> u64 {
-    floor_mul(window, MAX_SUMMARY_WINDOW_RATIO)
-        .min(MAX_SUMMARY_TOKENS_CAP)
-        .max(1)
+    floor_mul(window, MAX_SUMMARY_WINDOW_RATIO).clamp(1, MAX_SUMMARY_TOKENS_CAP)
 }
 
 /// Summary target for one compaction: `max(floor, min(20% of middle, max_summary))`.
