@@ -1068,3 +1068,48 @@ fn reset_session_clears_everything_per_session() {
     // The window and budgets survive.
     assert_eq!(t.threshold_tokens(), 85_000);
 }
+
+// ---------------------------------------------------------------- calibration by real usage
+
+#[test]
+fn calibration_pairs_sent_estimate_with_real_usage() {
+    let mut t = compressor();
+    assert_eq!(t.calibrated_estimate(10_000, None), 10_000); // nothing learned yet
+    t.note_request_estimate(10_000);
+    t.update_from_response(&usage(8_000, 100, 8_100));
+    assert_eq!(t.calibration(), Some((10_000, 8_000)));
+    assert_eq!(t.calibration_ratio(), Some(0.8));
+    // Whole-request scaling, and the extension form anchored on the real count.
+    assert_eq!(t.calibrated_estimate(20_000, None), 16_000);
+    assert_eq!(t.calibrated_estimate(12_000, Some(2_000)), 9_600);
+    // A response without usage keeps the old pair; the pending estimate is consumed.
+    t.note_request_estimate(50_000);
+    t.update_from_response(&Usage::default());
+    assert_eq!(t.calibration(), Some((10_000, 8_000)));
+    t.update_from_response(&usage(9_000, 0, 0));
+    assert_eq!(t.calibration(), Some((10_000, 8_000)));
+}
+
+#[test]
+fn calibration_ratio_is_clamped_and_reset_on_model_change() {
+    let mut t = compressor();
+    t.note_request_estimate(1_000);
+    t.update_from_response(&usage(100_000, 0, 0));
+    assert_eq!(t.calibration_ratio(), Some(4.0));
+    assert_eq!(t.calibrated_estimate(1_000, None), 4_000);
+    t.update_model("other", None, "", None);
+    assert_eq!(t.calibration(), None);
+    t.note_request_estimate(1_000);
+    t.update_from_response(&usage(1, 0, 0));
+    assert_eq!(t.calibration_ratio(), Some(0.25));
+    t.reset_session();
+    assert_eq!(t.calibration(), None);
+}
+
+#[test]
+fn trigger_is_send_and_sync() {
+    fn assert_send_sync<T: Send + Sync>() {}
+    assert_send_sync::<Trigger>();
+    assert_send_sync::<Clock>();
+    assert_send_sync::<TriggerSnapshot>();
+}
