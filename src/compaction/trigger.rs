@@ -42,10 +42,6 @@ pub const ERROR_TEXT_MAX_CHARS: usize = 220;
 pub const DEFER_TOLERANCE_MIN_TOKENS: u64 = 4_096;
 /// Deferral tolerance as a fraction of the threshold.
 pub const DEFER_TOLERANCE_RATIO: f64 = 0.05;
-/// Lower clamp of the real-to-rough calibration ratio.
-pub const MIN_CALIBRATION_RATIO: f64 = 0.25;
-/// Upper clamp of the real-to-rough calibration ratio.
-pub const MAX_CALIBRATION_RATIO: f64 = 4.0;
 
 /// Token usage as reported by the upstream (`usage` of a chat completion).
 /// Missing fields count as 0.
@@ -303,9 +299,6 @@ pub struct Trigger {
     timeout_failures: u32,
     truncated_failures: u32,
     clock: Clock,
-    // Rough estimate of the request in flight, paired with its real usage.
-    pending_sent_rough: u64,
-    calibration: Option<(u64, u64)>,
 }
 
 impl fmt::Debug for Trigger {
@@ -366,8 +359,6 @@ impl Trigger {
             timeout_failures: 0,
             truncated_failures: 0,
             clock: Clock::system(),
-            pending_sent_rough: 0,
-            calibration: None,
         };
         // A known window is stored without the first-resolution log: that
         // line is emitted on first use, like a lazy one.
@@ -663,12 +654,8 @@ impl Trigger {
         self.last_completion_tokens = usage.completion_tokens.unwrap_or(0);
         self.last_total_tokens = usage.total_tokens.unwrap_or(0);
         self.provider_omits_usage = usage.prompt_tokens.is_none();
-        let sent_rough = std::mem::take(&mut self.pending_sent_rough);
         if prompt > 0 {
             self.last_real_prompt_tokens = prompt;
-            if sent_rough > 0 {
-                self.calibration = Some((sent_rough, prompt));
-            }
             let threshold = self.threshold_tokens();
             let fits = prompt < threshold;
             if fits {
@@ -777,9 +764,6 @@ impl Trigger {
         self.ineffective_compression_count = 0;
         self.prellm_skip_count = 0;
         self.verify_pending = false;
-        // Another model may tokenize differently.
-        self.pending_sent_rough = 0;
-        self.calibration = None;
         if runtime_changed {
             self.fallback_streak = 0;
             self.clear_failure_cooldown();
@@ -945,46 +929,6 @@ impl Trigger {
         self.verify_pending = false;
         self.timeout_failures = 0;
         self.truncated_failures = 0;
-        self.pending_sent_rough = 0;
-        self.calibration = None;
-    }
-
-    /// Remember the rough estimate of the request about to be sent upstream,
-    /// so the next [`Trigger::update_from_response`] pairs it with the real
-    /// `prompt_tokens` (design §3, calibration by real usage).
-    pub fn note_request_estimate(&mut self, rough: u64) {
-        self.pending_sent_rough = rough;
-    }
-
-    /// The last (rough estimate sent, real prompt tokens) pair, if any.
-    pub fn calibration(&self) -> Option<(u64, u64)> {
-        self.calibration
-    }
-
-    /// Real-to-rough ratio of the last calibrated request, clamped to
-    /// [0.25, 4]: a wild ratio (a request dominated by images or tool
-    /// schemas) must not make later estimates absurd.
-    pub fn calibration_ratio(&self) -> Option<f64> {
-        let (rough, real) = self.calibration?;
-        (rough > 0).then(|| {
-            (real as f64 / rough as f64).clamp(MIN_CALIBRATION_RATIO, MAX_CALIBRATION_RATIO)
-        })
-    }
-
-    /// Prompt-token estimate calibrated by real usage (design §3). When the
-    /// request extends the calibrated one, `rough_new_since_last` is the rough
-    /// estimate of only what was appended, and the result is the last real
-    /// count plus that part scaled by the ratio. Otherwise the whole rough
-    /// estimate is scaled. Without calibration the rough estimate is returned.
-    pub fn calibrated_estimate(&self, rough_total: u64, rough_new_since_last: Option<u64>) -> u64 {
-        let Some(ratio) = self.calibration_ratio() else {
-            return rough_total;
-        };
-        let scale = |n: u64| (n as f64 * ratio).ceil() as u64;
-        match (rough_new_since_last, self.calibration) {
-            (Some(new), Some((_, real))) => real.saturating_add(scale(new)),
-            _ => scale(rough_total),
-        }
     }
 
     /// The fields to persist for this conversation.
