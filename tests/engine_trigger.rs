@@ -1139,3 +1139,49 @@ fn config_debug_never_prints_summary_key() {
     assert!(dbg.contains("<redacted>"));
     assert!(dbg.contains("http://127.0.0.1:9"));
 }
+
+// ---------------------------------------------------------------- per-request inputs
+
+#[test]
+fn update_model_without_change_is_a_no_op() {
+    let mut t = Trigger::new(
+        Arc::new(CompactionConfig::default()),
+        "m",
+        WindowSource::Known(100_000),
+        None,
+    )
+    .with_base_url("http://up")
+    .with_clock(Clock::manual());
+    t.last_real_prompt_tokens = 50_000;
+    t.ineffective_compression_count = 1;
+    t.set_failure_cooldown(60, "x");
+    t.update_model("m", None, "http://up", None);
+    t.update_model("m", Some(100_000), "http://up", None);
+    assert_eq!(t.last_real_prompt_tokens, 50_000);
+    assert_eq!(t.ineffective_compression_count, 1);
+    assert!(t.cooldown_active());
+    // A real change still resets.
+    t.update_model("m", Some(90_000), "http://up", None);
+    assert_eq!(t.last_real_prompt_tokens, 0);
+    assert!(t.cooldown_active()); // same route: cooldown kept
+}
+
+#[test]
+fn set_max_tokens_rederives_threshold_and_keeps_calibration() {
+    let mut t = trig(Arc::new(CompactionConfig::default()), "m", 200_000);
+    assert_eq!(t.threshold_tokens(), 150_000);
+    t.last_real_prompt_tokens = 42;
+    t.fallback_streak = 1;
+    t.set_max_tokens(Some(80_000));
+    assert_eq!(t.threshold_tokens(), 90_000);
+    assert_eq!(t.tail_token_budget(), 18_000);
+    assert_eq!(t.last_real_prompt_tokens, 42);
+    assert_eq!(t.fallback_streak, 1);
+    t.set_max_tokens(Some(0)); // zero = no reservation
+    assert_eq!(t.max_tokens(), None);
+    assert_eq!(t.threshold_tokens(), 150_000);
+    // A pinned threshold survives an unchanged reservation.
+    t.set_threshold_tokens(1_234);
+    t.set_max_tokens(None);
+    assert_eq!(t.threshold_tokens(), 1_234);
+}

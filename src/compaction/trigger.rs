@@ -367,8 +367,16 @@ impl Trigger {
     }
 
     /// Use `clock` (builder form, typically [`Clock::manual`] in tests).
+    /// Call before any deadline is set: deadlines are not carried over.
     pub fn with_clock(mut self, clock: Clock) -> Self {
         self.clock = clock;
+        self
+    }
+
+    /// Record the upstream base URL the conversation goes to (builder form),
+    /// so a later [`Trigger::update_model`] can tell a route change.
+    pub fn with_base_url(mut self, base_url: &str) -> Self {
+        self.base_url = base_url.to_owned();
         self
     }
 
@@ -426,11 +434,7 @@ impl Trigger {
         let w = match self.window {
             Some(w) => w,
             None => {
-                let pending = match self.pending_window.lock() {
-                    Ok(mut g) => g.take(),
-                    Err(poisoned) => poisoned.into_inner().take(),
-                };
-                let raw = pending.map(|f| f()).unwrap_or(0);
+                let raw = self.take_pending_window().map(|f| f()).unwrap_or(0);
                 if raw == 0 {
                     tracing::warn!(
                         fallback = DEFAULT_CONTEXT_LENGTH,
@@ -465,14 +469,34 @@ impl Trigger {
             return;
         }
         // A set before first resolution replaces the lazy probe entirely.
-        if let Ok(mut g) = self.pending_window.lock() {
-            g.take();
-        }
+        drop(self.take_pending_window());
         self.window = Some(window);
         self.invalidate_budgets();
         if self.window_resolutions == 0 {
             self.resolve_window();
         }
+    }
+
+    fn take_pending_window(&mut self) -> Option<LazyWindow> {
+        match self.pending_window.get_mut() {
+            Ok(p) => p.take(),
+            Err(poisoned) => poisoned.into_inner().take(),
+        }
+    }
+
+    /// Set the output reservation of the current request (from
+    /// [`budget::coerce_max_tokens`]); `None` means no reservation. A change
+    /// re-derives the threshold and tail budget but, unlike
+    /// [`Trigger::update_model`], keeps calibration and breakers: clients
+    /// vary `max_tokens` from request to request.
+    pub fn set_max_tokens(&mut self, max_tokens: Option<u64>) {
+        let max_tokens = max_tokens.filter(|&m| m > 0);
+        if max_tokens == self.max_tokens {
+            return;
+        }
+        self.max_tokens = max_tokens;
+        self.threshold = None;
+        self.tail_budget = None;
     }
 
     fn invalidate_budgets(&mut self) {
@@ -724,7 +748,8 @@ impl Trigger {
     /// zeroed (0, not −1) and strikes reset (#23767). A runtime change (model
     /// or base URL) also resets the fallback streak and clears the failure
     /// cooldown: cooldowns belong to the failed route. `window`/`max_tokens`
-    /// replace the current values only when given.
+    /// replace the current values only when given. A call that changes
+    /// nothing is a no-op, so calling it on every request is safe.
     pub fn update_model(
         &mut self,
         model: &str,
@@ -733,6 +758,11 @@ impl Trigger {
         max_tokens: Option<u64>,
     ) {
         let runtime_changed = model != self.model || base_url != self.base_url;
+        let window_same = window.is_none_or(|w| Some(sanitize_window(w)) == self.window);
+        let max_same = max_tokens.is_none_or(|m| Some(m).filter(|&m| m > 0) == self.max_tokens);
+        if !runtime_changed && window_same && max_same {
+            return;
+        }
         self.model = model.to_owned();
         self.base_url = base_url.to_owned();
         if let Some(m) = max_tokens {
@@ -741,9 +771,7 @@ impl Trigger {
         match window {
             Some(w) => {
                 let w = sanitize_window(w);
-                if let Ok(mut g) = self.pending_window.lock() {
-                    g.take();
-                }
+                drop(self.take_pending_window());
                 let first = self.window_resolutions == 0;
                 self.window = Some(w);
                 self.invalidate_budgets();
