@@ -1185,3 +1185,41 @@ fn set_max_tokens_rederives_threshold_and_keeps_calibration() {
     t.set_max_tokens(None);
     assert_eq!(t.threshold_tokens(), 1_234);
 }
+
+#[test]
+fn status_is_content_free_and_never_resolves() {
+    let calls = Arc::new(AtomicUsize::new(0));
+    let calls2 = calls.clone();
+    let mut t = Trigger::new(
+        Arc::new(CompactionConfig::default()),
+        "m",
+        WindowSource::Lazy(Box::new(move || {
+            calls2.fetch_add(1, Ordering::SeqCst);
+            100_000
+        })),
+        None,
+    )
+    .with_clock(Clock::manual());
+    let s = t.status();
+    assert_eq!(calls.load(Ordering::SeqCst), 0);
+    assert_eq!(s.window, None);
+    assert_eq!(s.threshold_tokens, None);
+    assert_eq!(s.model, "m");
+
+    let _ = t.threshold_tokens();
+    t.set_failure_cooldown(30, "secret-bearing error text sk-123");
+    t.fallback_streak = 2;
+    let _ = t.block_reason();
+    let s = t.status();
+    assert_eq!(s.window, Some(100_000));
+    assert_eq!(s.threshold_tokens, Some(75_000));
+    assert_eq!(s.cooldown_remaining_secs, Some(30));
+    assert_eq!(s.fallback_streak, 2);
+    let json = serde_json::to_string(&s).unwrap();
+    assert!(!json.contains("sk-123"), "{json}");
+    // The breaker arms only when no cooldown blocks first.
+    assert_eq!(s.recovery_probe_in_secs, None);
+    t.clear_failure_cooldown();
+    let _ = t.block_reason();
+    assert_eq!(t.status().recovery_probe_in_secs, Some(300));
+}

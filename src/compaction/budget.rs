@@ -155,7 +155,7 @@ pub fn max_summary_tokens(window: u64) -> u64 {
 /// The reference floor is 2,000 tokens, which wins even over a lower cap. For
 /// small windows that floor alone could exceed the trigger, so it is clamped
 /// to `2 × max_summary` (10% of the window whenever `max_summary` comes from
-/// [`max_summary_tokens`]); from 40k windows up this is exactly the reference.
+/// [`max_summary_tokens`]); from 20k windows up this is exactly the reference.
 pub fn summary_budget(middle_tokens: u64, max_summary: u64) -> u64 {
     let floor = SUMMARY_BUDGET_FLOOR
         .min(max_summary.saturating_mul(2))

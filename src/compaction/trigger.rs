@@ -248,6 +248,42 @@ pub struct TriggerSnapshot {
 
 type LazyWindow = Box<dyn FnOnce() -> u64 + Send>;
 
+/// Content-free view of a trigger for the admin endpoint and logs. Built
+/// from cached values only: reading it never resolves the window.
+#[derive(Clone, Debug, Default, PartialEq, Serialize)]
+pub struct TriggerStatus {
+    /// Model name.
+    pub model: String,
+    /// Context window, if resolved.
+    pub window: Option<u64>,
+    /// Compaction trigger, if computed.
+    pub threshold_tokens: Option<u64>,
+    /// Output reservation in use.
+    pub max_tokens: Option<u64>,
+    /// Last prompt tokens (0 = none, −1 = just compacted).
+    pub last_prompt_tokens: i64,
+    /// Last positive real prompt tokens.
+    pub last_real_prompt_tokens: u64,
+    /// Committed compactions.
+    pub compression_count: u32,
+    /// Ineffective-compaction strikes.
+    pub ineffective_compression_count: u32,
+    /// Consecutive fallback summaries.
+    pub fallback_streak: u32,
+    /// Feasibility skips.
+    pub prellm_skip_count: u32,
+    /// Seconds left on the failure cooldown.
+    pub cooldown_remaining_secs: Option<u64>,
+    /// Seconds left on the structural backoff.
+    pub structural_backoff_remaining_secs: Option<u64>,
+    /// Seconds until the anti-thrash recovery probe, if armed.
+    pub recovery_probe_in_secs: Option<u64>,
+    /// Waiting for real usage after a compaction.
+    pub awaiting_real_usage: bool,
+    /// The upstream's last response had no usage.
+    pub provider_omits_usage: bool,
+}
+
 /// Per-conversation trigger, calibration and breaker state.
 ///
 /// The `pub` fields mirror the reference's attributes so callers and tests can
@@ -425,7 +461,8 @@ impl Trigger {
         self.window
     }
 
-    /// How many times the window was resolved (0 or 1 unless re-set).
+    /// 0 before the window is first resolved, 1 after (later changes through
+    /// [`Trigger::set_context_length`] are not resolutions).
     pub fn window_resolutions(&self) -> u32 {
         self.window_resolutions
     }
@@ -957,6 +994,30 @@ impl Trigger {
         self.verify_pending = false;
         self.timeout_failures = 0;
         self.truncated_failures = 0;
+    }
+
+    /// Content-free status from cached values (never resolves the window).
+    pub fn status(&self) -> TriggerStatus {
+        let wall = self.clock.wall_now();
+        TriggerStatus {
+            model: self.model.clone(),
+            window: self.window.filter(|_| self.window_resolutions > 0),
+            threshold_tokens: self.threshold,
+            max_tokens: self.max_tokens,
+            last_prompt_tokens: self.last_prompt_tokens,
+            last_real_prompt_tokens: self.last_real_prompt_tokens,
+            compression_count: self.compression_count,
+            ineffective_compression_count: self.ineffective_compression_count,
+            fallback_streak: self.fallback_streak,
+            prellm_skip_count: self.prellm_skip_count,
+            cooldown_remaining_secs: self.cooldown_remaining().map(ceil_secs),
+            structural_backoff_remaining_secs: self.structural_backoff_remaining().map(ceil_secs),
+            recovery_probe_in_secs: self
+                .recovery_deadline
+                .map(|d| d.duration_since(wall).map(ceil_secs).unwrap_or(0)),
+            awaiting_real_usage: self.awaiting_real_usage_after_compression,
+            provider_omits_usage: self.provider_omits_usage,
+        }
     }
 
     /// The fields to persist for this conversation.
