@@ -1223,3 +1223,79 @@ fn status_is_content_free_and_never_resolves() {
     let _ = t.block_reason();
     assert_eq!(t.status().recovery_probe_in_secs, Some(300));
 }
+
+// ---------------------------------------------------------------- budget invariants (proptest)
+
+mod props {
+    use super::*;
+    use proptest::prelude::*;
+
+    fn cfg(percent: f64, cap: Option<u64>) -> CompactionConfig {
+        CompactionConfig {
+            threshold_percent: percent,
+            threshold_tokens: cap,
+            ..CompactionConfig::default()
+        }
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(2_000))]
+
+        /// Any window, reservation, percent and cap: a positive trigger below
+        /// the usable input, a tail within the trigger, a soft ceiling within
+        /// [tail, max(tail, 20% window)], and a summary far below the trigger.
+        #[test]
+        fn budgets_are_coherent(
+            window in 256u64..4_000_000,
+            reserve_frac in prop::option::of(0.0f64..0.95),
+            percent in 0.01f64..1.0,
+            cap in prop::option::of(1u64..2_000_000),
+            middle in 0u64..10_000_000,
+        ) {
+            let max_tokens = reserve_frac.map(|f| (window as f64 * f) as u64);
+            let b = Budgets::compute(&cfg(percent, cap), "m", window, max_tokens);
+            let eff = window - max_tokens.unwrap_or(0);
+            prop_assert!(b.threshold_tokens >= 1);
+            prop_assert!(b.threshold_tokens < eff, "{b:?} eff={eff}");
+            prop_assert!(b.tail_token_budget <= b.threshold_tokens);
+            prop_assert!(b.tail_token_budget <= window / 5);
+            let soft = b.soft_tail_ceiling();
+            prop_assert!(soft >= b.tail_token_budget);
+            prop_assert!(soft <= b.tail_token_budget.max(window / 5));
+            let summary = b.summary_budget(middle);
+            prop_assert!(summary >= 1);
+            prop_assert!(summary <= window / 10 || summary <= 2_000, "{summary} {b:?}");
+            // Without a user cap, what a compaction keeps (summary + soft
+            // tail) fits under the trigger, so it cannot re-fire at once.
+            if cap.is_none() {
+                prop_assert!(summary + soft < b.threshold_tokens, "{summary}+{soft} {b:?}");
+            }
+        }
+
+        /// Small windows with a sane reservation: compacted size + reply fit.
+        #[test]
+        fn small_windows_leave_room_for_reply(
+            window in 1_024u64..65_536,
+            reserve_frac in prop::option::of(0.0f64..0.5),
+            percent in 0.05f64..1.0,
+        ) {
+            let max_tokens = reserve_frac.map(|f| (window as f64 * f) as u64);
+            let b = Budgets::compute(&cfg(percent, None), "m", window, max_tokens);
+            let summary = b.summary_budget(u64::MAX / 8);
+            let soft = b.soft_tail_ceiling();
+            let reply = max_tokens.unwrap_or(0);
+            prop_assert!(b.threshold_tokens + reply < window || reply == 0 && b.threshold_tokens < window);
+            prop_assert!(summary + soft + reply < window);
+            prop_assert!(summary + soft <= b.threshold_tokens / 2 + b.threshold_tokens / 4);
+        }
+
+        /// Trigger math is monotonic in the window for a fixed percent and
+        /// no reservation (a bigger window never triggers earlier).
+        #[test]
+        fn threshold_monotonic_in_window(w in 256u64..2_000_000, d in 1u64..100_000, percent in 0.5f64..1.0) {
+            let a = compute_threshold_tokens(w, None, percent, None);
+            let b = compute_threshold_tokens(w + d, None, percent, None);
+            prop_assert!(b >= a, "w={w} d={d} a={a} b={b}");
+        }
+    }
+}

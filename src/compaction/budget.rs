@@ -150,6 +150,18 @@ pub fn max_summary_tokens(window: u64) -> u64 {
     floor_mul(window, MAX_SUMMARY_WINDOW_RATIO).clamp(1, MAX_SUMMARY_TOKENS_CAP)
 }
 
+/// [`max_summary_tokens`] further limited to a quarter of the trigger.
+///
+/// The reference sizes the summary from the window alone; when a large
+/// output reservation or a low absolute cap makes the trigger small, a
+/// window-sized summary could approach the trigger itself and re-fire
+/// compaction at once. The clamp only binds when the trigger is below
+/// 4 × `max_summary_tokens(window)`, which never happens at ≥ 64k windows
+/// without a reservation or cap.
+pub fn max_summary_tokens_for(window: u64, threshold: u64) -> u64 {
+    max_summary_tokens(window).min((threshold / 4).max(1))
+}
+
 /// Summary target for one compaction: `max(floor, min(20% of middle, max_summary))`.
 ///
 /// The reference floor is 2,000 tokens, which wins even over a lower cap. For
@@ -226,7 +238,7 @@ impl Budgets {
                 window,
                 cfg.effective_summary_target_ratio(),
             ),
-            max_summary_tokens: max_summary_tokens(window),
+            max_summary_tokens: max_summary_tokens_for(window, threshold_tokens),
         }
     }
 

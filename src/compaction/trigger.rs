@@ -523,7 +523,7 @@ impl Trigger {
 
     /// Set the output reservation of the current request (from
     /// [`budget::coerce_max_tokens`]); `None` means no reservation. A change
-    /// re-derives the threshold and tail budget but, unlike
+    /// re-derives the threshold, tail budget and summary cap but, unlike
     /// [`Trigger::update_model`], keeps calibration and breakers: clients
     /// vary `max_tokens` from request to request.
     pub fn set_max_tokens(&mut self, max_tokens: Option<u64>) {
@@ -534,6 +534,7 @@ impl Trigger {
         self.max_tokens = max_tokens;
         self.threshold = None;
         self.tail_budget = None;
+        self.max_summary = None;
     }
 
     fn invalidate_budgets(&mut self) {
@@ -594,12 +595,13 @@ impl Trigger {
         self.tail_budget = Some(t.max(1));
     }
 
-    /// Upper bound of one summary in tokens.
+    /// Upper bound of one summary in tokens (see [`budget::max_summary_tokens_for`]).
     pub fn max_summary_tokens(&mut self) -> u64 {
         if let Some(m) = self.max_summary {
             return m;
         }
-        let m = budget::max_summary_tokens(self.context_length());
+        let threshold = self.threshold_tokens();
+        let m = budget::max_summary_tokens_for(self.context_length(), threshold);
         self.max_summary = Some(m);
         m
     }
