@@ -1299,3 +1299,23 @@ mod props {
         }
     }
 }
+
+#[test]
+fn summary_cap_clamped_only_when_trigger_is_small() {
+    // Huge reservation: the usable input is 10k of a 1M window.
+    let b = Budgets::compute(&CompactionConfig::default(), "m", 1_000_000, Some(990_000));
+    assert_eq!(b.threshold_tokens, 8_500);
+    assert_eq!(b.max_summary_tokens, 2_125);
+    assert_eq!(b.summary_budget(1_000_000), 2_125);
+    // A low user cap.
+    let cfg = cfg_with(|c| c.threshold_tokens = Some(20_000));
+    let b = Budgets::compute(&cfg, "m", 1_000_000, None);
+    assert_eq!(b.threshold_tokens, 20_000);
+    assert_eq!(b.max_summary_tokens, 5_000);
+    // The same through the Trigger.
+    let mut t = trig(cfg, "m", 1_000_000);
+    assert_eq!(t.max_summary_tokens(), 5_000);
+    // Reference numbers otherwise.
+    let b = Budgets::compute(&CompactionConfig::default(), "m", 1_000_000, None);
+    assert_eq!(b.max_summary_tokens, 10_000);
+}
