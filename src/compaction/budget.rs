@@ -147,9 +147,19 @@ pub fn lean_tail_token_budget(window: u64) -> u64 {
 
 /// Upper bound of one summary: `min(5% of window, 10,000)`, at least 1.
 pub fn max_summary_tokens(window: u64) -> u64 {
-    floor_mul(window, MAX_SUMMARY_WINDOW_RATIO)
-        .min(MAX_SUMMARY_TOKENS_CAP)
-        .max(1)
+    floor_mul(window, MAX_SUMMARY_WINDOW_RATIO).clamp(1, MAX_SUMMARY_TOKENS_CAP)
+}
+
+/// [`max_summary_tokens`] further limited to a quarter of the trigger.
+///
+/// The reference sizes the summary from the window alone; when a large
+/// output reservation or a low absolute cap makes the trigger small, a
+/// window-sized summary could approach the trigger itself and re-fire
+/// compaction at once. The clamp only binds when the trigger is below
+/// 4 × `max_summary_tokens(window)`, which never happens at ≥ 64k windows
+/// without a reservation or cap.
+pub fn max_summary_tokens_for(window: u64, threshold: u64) -> u64 {
+    max_summary_tokens(window).min((threshold / 4).max(1))
 }
 
 /// Summary target for one compaction: `max(floor, min(20% of middle, max_summary))`.
@@ -157,7 +167,7 @@ pub fn max_summary_tokens(window: u64) -> u64 {
 /// The reference floor is 2,000 tokens, which wins even over a lower cap. For
 /// small windows that floor alone could exceed the trigger, so it is clamped
 /// to `2 × max_summary` (10% of the window whenever `max_summary` comes from
-/// [`max_summary_tokens`]); from 40k windows up this is exactly the reference.
+/// [`max_summary_tokens`]); from 20k windows up this is exactly the reference.
 pub fn summary_budget(middle_tokens: u64, max_summary: u64) -> u64 {
     let floor = SUMMARY_BUDGET_FLOOR
         .min(max_summary.saturating_mul(2))
@@ -228,7 +238,7 @@ impl Budgets {
                 window,
                 cfg.effective_summary_target_ratio(),
             ),
-            max_summary_tokens: max_summary_tokens(window),
+            max_summary_tokens: max_summary_tokens_for(window, threshold_tokens),
         }
     }
 

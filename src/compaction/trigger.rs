@@ -248,6 +248,42 @@ pub struct TriggerSnapshot {
 
 type LazyWindow = Box<dyn FnOnce() -> u64 + Send>;
 
+/// Content-free view of a trigger for the admin endpoint and logs. Built
+/// from cached values only: reading it never resolves the window.
+#[derive(Clone, Debug, Default, PartialEq, Serialize)]
+pub struct TriggerStatus {
+    /// Model name.
+    pub model: String,
+    /// Context window, if resolved.
+    pub window: Option<u64>,
+    /// Compaction trigger, if computed.
+    pub threshold_tokens: Option<u64>,
+    /// Output reservation in use.
+    pub max_tokens: Option<u64>,
+    /// Last prompt tokens (0 = none, −1 = just compacted).
+    pub last_prompt_tokens: i64,
+    /// Last positive real prompt tokens.
+    pub last_real_prompt_tokens: u64,
+    /// Committed compactions.
+    pub compression_count: u32,
+    /// Ineffective-compaction strikes.
+    pub ineffective_compression_count: u32,
+    /// Consecutive fallback summaries.
+    pub fallback_streak: u32,
+    /// Feasibility skips.
+    pub prellm_skip_count: u32,
+    /// Seconds left on the failure cooldown.
+    pub cooldown_remaining_secs: Option<u64>,
+    /// Seconds left on the structural backoff.
+    pub structural_backoff_remaining_secs: Option<u64>,
+    /// Seconds until the anti-thrash recovery probe, if armed.
+    pub recovery_probe_in_secs: Option<u64>,
+    /// Waiting for real usage after a compaction.
+    pub awaiting_real_usage: bool,
+    /// The upstream's last response had no usage.
+    pub provider_omits_usage: bool,
+}
+
 /// Per-conversation trigger, calibration and breaker state.
 ///
 /// The `pub` fields mirror the reference's attributes so callers and tests can
@@ -367,8 +403,16 @@ impl Trigger {
     }
 
     /// Use `clock` (builder form, typically [`Clock::manual`] in tests).
+    /// Call before any deadline is set: deadlines are not carried over.
     pub fn with_clock(mut self, clock: Clock) -> Self {
         self.clock = clock;
+        self
+    }
+
+    /// Record the upstream base URL the conversation goes to (builder form),
+    /// so a later [`Trigger::update_model`] can tell a route change.
+    pub fn with_base_url(mut self, base_url: &str) -> Self {
+        self.base_url = base_url.to_owned();
         self
     }
 
@@ -417,7 +461,8 @@ impl Trigger {
         self.window
     }
 
-    /// How many times the window was resolved (0 or 1 unless re-set).
+    /// 0 before the window is first resolved, 1 after (later changes through
+    /// [`Trigger::set_context_length`] are not resolutions).
     pub fn window_resolutions(&self) -> u32 {
         self.window_resolutions
     }
@@ -426,11 +471,7 @@ impl Trigger {
         let w = match self.window {
             Some(w) => w,
             None => {
-                let pending = match self.pending_window.lock() {
-                    Ok(mut g) => g.take(),
-                    Err(poisoned) => poisoned.into_inner().take(),
-                };
-                let raw = pending.map(|f| f()).unwrap_or(0);
+                let raw = self.take_pending_window().map(|f| f()).unwrap_or(0);
                 if raw == 0 {
                     tracing::warn!(
                         fallback = DEFAULT_CONTEXT_LENGTH,
@@ -465,14 +506,35 @@ impl Trigger {
             return;
         }
         // A set before first resolution replaces the lazy probe entirely.
-        if let Ok(mut g) = self.pending_window.lock() {
-            g.take();
-        }
+        drop(self.take_pending_window());
         self.window = Some(window);
         self.invalidate_budgets();
         if self.window_resolutions == 0 {
             self.resolve_window();
         }
+    }
+
+    fn take_pending_window(&mut self) -> Option<LazyWindow> {
+        match self.pending_window.get_mut() {
+            Ok(p) => p.take(),
+            Err(poisoned) => poisoned.into_inner().take(),
+        }
+    }
+
+    /// Set the output reservation of the current request (from
+    /// [`budget::coerce_max_tokens`]); `None` means no reservation. A change
+    /// re-derives the threshold, tail budget and summary cap but, unlike
+    /// [`Trigger::update_model`], keeps calibration and breakers: clients
+    /// vary `max_tokens` from request to request.
+    pub fn set_max_tokens(&mut self, max_tokens: Option<u64>) {
+        let max_tokens = max_tokens.filter(|&m| m > 0);
+        if max_tokens == self.max_tokens {
+            return;
+        }
+        self.max_tokens = max_tokens;
+        self.threshold = None;
+        self.tail_budget = None;
+        self.max_summary = None;
     }
 
     fn invalidate_budgets(&mut self) {
@@ -533,12 +595,13 @@ impl Trigger {
         self.tail_budget = Some(t.max(1));
     }
 
-    /// Upper bound of one summary in tokens.
+    /// Upper bound of one summary in tokens (see [`budget::max_summary_tokens_for`]).
     pub fn max_summary_tokens(&mut self) -> u64 {
         if let Some(m) = self.max_summary {
             return m;
         }
-        let m = budget::max_summary_tokens(self.context_length());
+        let threshold = self.threshold_tokens();
+        let m = budget::max_summary_tokens_for(self.context_length(), threshold);
         self.max_summary = Some(m);
         m
     }
@@ -724,7 +787,8 @@ impl Trigger {
     /// zeroed (0, not −1) and strikes reset (#23767). A runtime change (model
     /// or base URL) also resets the fallback streak and clears the failure
     /// cooldown: cooldowns belong to the failed route. `window`/`max_tokens`
-    /// replace the current values only when given.
+    /// replace the current values only when given. A call that changes
+    /// nothing is a no-op, so calling it on every request is safe.
     pub fn update_model(
         &mut self,
         model: &str,
@@ -733,6 +797,11 @@ impl Trigger {
         max_tokens: Option<u64>,
     ) {
         let runtime_changed = model != self.model || base_url != self.base_url;
+        let window_same = window.is_none_or(|w| Some(sanitize_window(w)) == self.window);
+        let max_same = max_tokens.is_none_or(|m| Some(m).filter(|&m| m > 0) == self.max_tokens);
+        if !runtime_changed && window_same && max_same {
+            return;
+        }
         self.model = model.to_owned();
         self.base_url = base_url.to_owned();
         if let Some(m) = max_tokens {
@@ -741,9 +810,7 @@ impl Trigger {
         match window {
             Some(w) => {
                 let w = sanitize_window(w);
-                if let Ok(mut g) = self.pending_window.lock() {
-                    g.take();
-                }
+                drop(self.take_pending_window());
                 let first = self.window_resolutions == 0;
                 self.window = Some(w);
                 self.invalidate_budgets();
@@ -929,6 +996,30 @@ impl Trigger {
         self.verify_pending = false;
         self.timeout_failures = 0;
         self.truncated_failures = 0;
+    }
+
+    /// Content-free status from cached values (never resolves the window).
+    pub fn status(&self) -> TriggerStatus {
+        let wall = self.clock.wall_now();
+        TriggerStatus {
+            model: self.model.clone(),
+            window: self.window.filter(|_| self.window_resolutions > 0),
+            threshold_tokens: self.threshold,
+            max_tokens: self.max_tokens,
+            last_prompt_tokens: self.last_prompt_tokens,
+            last_real_prompt_tokens: self.last_real_prompt_tokens,
+            compression_count: self.compression_count,
+            ineffective_compression_count: self.ineffective_compression_count,
+            fallback_streak: self.fallback_streak,
+            prellm_skip_count: self.prellm_skip_count,
+            cooldown_remaining_secs: self.cooldown_remaining().map(ceil_secs),
+            structural_backoff_remaining_secs: self.structural_backoff_remaining().map(ceil_secs),
+            recovery_probe_in_secs: self
+                .recovery_deadline
+                .map(|d| d.duration_since(wall).map(ceil_secs).unwrap_or(0)),
+            awaiting_real_usage: self.awaiting_real_usage_after_compression,
+            provider_omits_usage: self.provider_omits_usage,
+        }
     }
 
     /// The fields to persist for this conversation.
