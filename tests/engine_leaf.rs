@@ -440,6 +440,50 @@ mod leaf_properties {
             }
         }
 
+        /// Arbitrary text mixed with marker fragments never panics the
+        /// classifier, and stripping is stable (a stripped row is no longer a
+        /// handoff, or is left exactly as it was).
+        #[test]
+        fn classifier_total_on_marker_soup(
+            pieces in prop::collection::vec(prop_oneof![
+                Just(markers::SUMMARY_PREFIX.to_string()),
+                Just(markers::SUMMARY_HEADLINE.to_string()),
+                Just(markers::END_MARKER.to_string()),
+                Just(markers::PRIOR_HEADER.to_string()),
+                Just(markers::MERGE_DELIMITER.to_string()),
+                Just("\n\n".to_string()),
+                "[a-zé 中\n]{0,30}",
+            ], 0..8),
+            as_list in any::<bool>(),
+        ) {
+            let text: String = pieces.concat();
+            let content = if as_list {
+                json!([{"type": "text", "text": text.clone()}, {"type": "image_url", "image_url": {"url": "http://i"}}])
+            } else {
+                json!(text.clone())
+            };
+            let msg = json!({"role": "user", "content": content});
+            let _ = summary_body(&text);
+            match strip_handoff(&msg) {
+                None => prop_assert!(markers::is_handoff(&msg)),
+                Some(out) => {
+                    if !markers::is_handoff(&msg) {
+                        prop_assert_eq!(out, msg);
+                    }
+                }
+            }
+        }
+
+        #[test]
+        fn redaction_is_idempotent_and_total(t in "[ -~\n]{0,300}", secret in "[A-Za-z0-9]{36}") {
+            let once = compactor::compaction::redact::redact_secrets(&t);
+            prop_assert_eq!(compactor::compaction::redact::redact_secrets(&once), once.clone());
+            let with = format!("{t} ghp_{secret} {t}");
+            let r = compactor::compaction::redact::redact_secrets(&with);
+            let token = format!("ghp_{secret}");
+            prop_assert!(!r.contains(&token));
+        }
+
         #[test]
         fn estimates_are_monotonic_in_content(a in "[a-z ]{0,500}", b in "[a-z ]{0,500}") {
             let short = json!({"role": "user", "content": a.clone()});

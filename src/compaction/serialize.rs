@@ -224,7 +224,12 @@ pub fn bound_summary_input(text: &str, max_chars: usize) -> String {
         let keep = max_chars.saturating_sub(char_count(&marker));
         marker = marker_for(n - keep);
     }
-    let keep = max_chars.saturating_sub(char_count(&marker));
+    let marker_len = char_count(&marker);
+    if max_chars < marker_len * 2 {
+        // No room for a marker plus meaningful context: plain cut.
+        return text[..byte_at_char(text, max_chars)].to_string();
+    }
+    let keep = max_chars - marker_len;
     let head = keep * 45 / 100;
     let tail = keep - head;
     let h = byte_at_char(text, head);
@@ -751,6 +756,7 @@ mod tests {
         assert!(b.starts_with("HEAD") && b.ends_with("TAIL"));
         assert!(b.contains("summary input truncated"));
         assert_eq!(bound_summary_input("short", 100), "short");
+        assert_eq!(bound_summary_input(&"q".repeat(500), 20), "q".repeat(20));
     }
 
     #[test]

@@ -292,7 +292,8 @@ fn add_text_or_json(c: &mut Counter, v: &Value) {
 
 /// Per-message budget estimate used by the tail and prune walks (reference
 /// §2.3): wire content (string sidecar on user/assistant rows) as text, list
-/// content by characters with images at `IMAGE_TOKEN_PRICE × 4` characters,
+/// content by characters with images at `IMAGE_TOKEN_PRICE × 4` characters
+/// (other non-text parts by their JSON size),
 /// `+10` overhead, each tool call as its whole compact-JSON envelope, Codex
 /// replay items always (ciphertext blanked), and the thinking fields only when
 /// `charge_thinking` (the newest assistant turn, or a route that replays old
@@ -311,6 +312,10 @@ pub fn estimate_msg_budget_tokens(msg: &Value, charge_thinking: bool) -> u64 {
                     c.add_str(t);
                 } else if let Value::String(s) = part {
                     c.add_str(s);
+                } else {
+                    // Audio, files and unknown parts: their JSON size is a
+                    // conservative stand-in (never zero).
+                    c.add_json(part);
                 }
             }
             tokens += c.tokens();
@@ -577,6 +582,14 @@ mod tests {
             estimate_msg_budget_tokens(&msg, true),
             10 + 2 + IMAGE_TOKEN_PRICE
         );
+    }
+
+    #[test]
+    fn unknown_parts_are_not_free() {
+        let msg = json!({"role": "user", "content": [
+            {"type": "input_audio", "input_audio": {"data": "A".repeat(4_000), "format": "wav"}}
+        ]});
+        assert!(estimate_msg_budget_tokens(&msg, true) > 1_000);
     }
 
     #[test]
