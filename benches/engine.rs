@@ -7,7 +7,7 @@ use std::sync::Arc;
 
 use compactor::compaction::compressor::{CompressOptions, Compressor};
 use compactor::compaction::config::CompactionConfig;
-use compactor::compaction::summariser::{SummaryError, SummaryReply, SummaryRequest, Summariser};
+use compactor::compaction::summariser::{Summariser, SummaryError, SummaryReply, SummaryRequest};
 use compactor::compaction::tokens::estimate_request_tokens_rough;
 use compactor::compaction::trigger::{Trigger, WindowSource};
 use criterion::{criterion_group, criterion_main, BatchSize, BenchmarkId, Criterion};
@@ -38,7 +38,9 @@ fn conversation(n: usize) -> Vec<Value> {
         i += 1;
     }
     v.truncate(n);
-    if v.last().is_some_and(|m| m["role"] == "assistant" && m.get("tool_calls").is_some()) {
+    if v.last()
+        .is_some_and(|m| m["role"] == "assistant" && m.get("tool_calls").is_some())
+    {
         v.pop();
     }
     v
@@ -46,12 +48,19 @@ fn conversation(n: usize) -> Vec<Value> {
 
 fn compressor(window: u64) -> Compressor {
     let cfg = Arc::new(CompactionConfig::default());
-    let t = Trigger::new(cfg.clone(), "bench-model", WindowSource::Known(window), Some(4_096));
+    let t = Trigger::new(
+        cfg.clone(),
+        "bench-model",
+        WindowSource::Known(window),
+        Some(4_096),
+    );
     Compressor::new(cfg, t)
 }
 
 fn bench(c: &mut Criterion) {
-    let rt = tokio::runtime::Builder::new_current_thread().build().unwrap();
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .build()
+        .unwrap();
     let sizes = [10usize, 100, 1_000, 5_000];
 
     let mut g = c.benchmark_group("decision_no_compaction");
@@ -77,11 +86,13 @@ fn bench(c: &mut Criterion) {
             b.iter_batched(
                 || {
                     let mut comp = compressor(1_000_000);
-                    comp.trigger.set_threshold_tokens(est.saturating_sub(1).max(1));
+                    comp.trigger
+                        .set_threshold_tokens(est.saturating_sub(1).max(1));
                     comp
                 },
                 |mut comp| {
-                    let res = rt.block_on(comp.compress(msgs, &Instant, CompressOptions::default()));
+                    let res =
+                        rt.block_on(comp.compress(msgs, &Instant, CompressOptions::default()));
                     black_box(res.messages.len())
                 },
                 BatchSize::SmallInput,

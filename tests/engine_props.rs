@@ -23,14 +23,24 @@ struct Turn {
 fn turn() -> impl Strategy<Value = Turn> {
     (
         1usize..40,
-        prop::collection::vec(prop::collection::vec(prop_oneof![0usize..150, 150usize..3000], 1..4), 0..3),
+        prop::collection::vec(
+            prop::collection::vec(prop_oneof![0usize..150, 150usize..3000], 1..4),
+            0..3,
+        ),
         1usize..60,
     )
-        .prop_map(|(user_words, rounds, reply_words)| Turn { user_words, rounds, reply_words })
+        .prop_map(|(user_words, rounds, reply_words)| Turn {
+            user_words,
+            rounds,
+            reply_words,
+        })
 }
 
 fn words(n: usize, seed: usize) -> String {
-    (0..n).map(|i| format!("w{}", (i * 7 + seed) % 97)).collect::<Vec<_>>().join(" ")
+    (0..n)
+        .map(|i| format!("w{}", (i * 7 + seed) % 97))
+        .collect::<Vec<_>>()
+        .join(" ")
 }
 
 fn build(system: bool, turns: &[Turn], ends_with_user: bool) -> Vec<Value> {
@@ -40,9 +50,18 @@ fn build(system: bool, turns: &[Turn], ends_with_user: bool) -> Vec<Value> {
     }
     let mut id = 0;
     for (t, turn) in turns.iter().enumerate() {
-        v.push(msg("user", &format!("ask {t}: {}", words(turn.user_words, t))));
+        v.push(msg(
+            "user",
+            &format!("ask {t}: {}", words(turn.user_words, t)),
+        ));
         for round in &turn.rounds {
-            let ids: Vec<String> = round.iter().map(|_| { id += 1; format!("call_{id}") }).collect();
+            let ids: Vec<String> = round
+                .iter()
+                .map(|_| {
+                    id += 1;
+                    format!("call_{id}")
+                })
+                .collect();
             let calls: Vec<Value> = ids
                 .iter()
                 .map(|i| json!({"id": i, "type": "function", "function": {"name": "read_file", "arguments": format!("{{\"path\":\"/src/{i}.rs\"}}")}}))
@@ -52,7 +71,10 @@ fn build(system: bool, turns: &[Turn], ends_with_user: bool) -> Vec<Value> {
                 v.push(json!({"role": "tool", "tool_call_id": i, "content": "r".repeat(*size)}));
             }
         }
-        v.push(msg("assistant", &format!("reply {t}: {}", words(turn.reply_words, t + 3))));
+        v.push(msg(
+            "assistant",
+            &format!("reply {t}: {}", words(turn.reply_words, t + 3)),
+        ));
     }
     if ends_with_user {
         v.push(msg("user", "final question: what changed?"));

@@ -17,11 +17,17 @@ fn conversation(target_tokens: u64) -> Vec<Value> {
     let mut v = vec![msg("system", "You are a coding assistant. Be brief.")];
     let mut i = 0;
     while estimate_request_tokens_rough(&v, None) < target_tokens {
-        v.push(msg("user", &format!("step {i}: please check file src/mod{i}.rs for problems")));
+        v.push(msg(
+            "user",
+            &format!("step {i}: please check file src/mod{i}.rs for problems"),
+        ));
         v.push(json!({"role": "assistant", "content": null, "tool_calls": [{"id": format!("c{i}"), "type": "function",
             "function": {"name": "read_file", "arguments": format!("{{\"path\":\"src/mod{i}.rs\"}}")}}]}));
         v.push(json!({"role": "tool", "tool_call_id": format!("c{i}"), "content": format!("fn f{i}() {{ {} }}", "let x = 1; ".repeat(12))}));
-        v.push(msg("assistant", &format!("src/mod{i}.rs looks fine; nothing to change in f{i}.")));
+        v.push(msg(
+            "assistant",
+            &format!("src/mod{i}.rs looks fine; nothing to change in f{i}."),
+        ));
         i += 1;
     }
     v.push(msg("user", "now summarise what you found"));
@@ -31,33 +37,61 @@ fn conversation(target_tokens: u64) -> Vec<Value> {
 fn fits_after_compaction(window: u64) {
     let max_tokens = window / 8;
     let mut c = compressor_with("llama", window, |_| {});
-    c.trigger = Trigger::new(c.cfg.clone(), "llama", WindowSource::Known(window), Some(max_tokens))
-        .with_clock(Clock::manual());
+    c.trigger = Trigger::new(
+        c.cfg.clone(),
+        "llama",
+        WindowSource::Known(window),
+        Some(max_tokens),
+    )
+    .with_clock(Clock::manual());
     let threshold = c.trigger.threshold_tokens();
-    assert!(threshold < window - max_tokens, "threshold {threshold} must leave room for the reply");
+    assert!(
+        threshold < window - max_tokens,
+        "threshold {threshold} must leave room for the reply"
+    );
     let msgs = conversation(threshold * 3 / 2);
     let before = estimate_request_tokens_rough(&msgs, None);
     assert!(before >= threshold);
     // A summariser on the same small window: its prompt budget is the usable
     // window in characters (≈ 3 chars per token to stay on the safe side).
     let budget = ((window - max_tokens) * 3) as usize;
-    let s = Stub::ok("## Historical Task Snapshot\nchecked files\n\n## Completed Actions\n1. READ src — fine").with_budget(budget);
-    let res = block_on(c.compress(&msgs, &s, CompressOptions { force: true, ..Default::default() }));
+    let s = Stub::ok(
+        "## Historical Task Snapshot\nchecked files\n\n## Completed Actions\n1. READ src — fine",
+    )
+    .with_budget(budget);
+    let res = block_on(c.compress(
+        &msgs,
+        &s,
+        CompressOptions {
+            force: true,
+            ..Default::default()
+        },
+    ));
     assert_eq!(res.outcome, Outcome::Compacted, "window {window}");
     let after = estimate_request_tokens_rough(&res.messages, None);
     assert!(
         after + max_tokens <= window,
         "window {window}: {after} tokens + {max_tokens} reply do not fit"
     );
-    assert!(after < threshold, "window {window}: compacted {after} not under threshold {threshold}");
+    assert!(
+        after < threshold,
+        "window {window}: compacted {after} not under threshold {threshold}"
+    );
     let limit = budget;
     let reqs = s.requests.lock().unwrap().clone();
     assert!(!reqs.is_empty());
     for r in &reqs {
-        assert!(r.prompt.chars().count() <= limit, "window {window}: prompt {} > {limit}", r.prompt.len());
+        assert!(
+            r.prompt.chars().count() <= limit,
+            "window {window}: prompt {} > {limit}",
+            r.prompt.len()
+        );
     }
     // The newest user ask is kept verbatim.
-    assert_eq!(content_str(res.messages.last().unwrap()), "now summarise what you found");
+    assert_eq!(
+        content_str(res.messages.last().unwrap()),
+        "now summarise what you found"
+    );
 }
 
 #[test]
@@ -95,18 +129,32 @@ fn long_middle_is_summarised_in_rolling_chunks_within_budget() {
             .collect(),
     )
     .with_budget(budget);
-    let res = block_on(c.compress(&msgs, &s, CompressOptions { force: true, ..Default::default() }));
+    let res = block_on(c.compress(
+        &msgs,
+        &s,
+        CompressOptions {
+            force: true,
+            ..Default::default()
+        },
+    ));
     assert_eq!(res.outcome, Outcome::Compacted);
     let reqs = s.requests.lock().unwrap().clone();
     assert!(reqs.len() > 1, "the middle must be chunked");
     assert!(reqs.len() <= 8, "chunking is bounded");
     for r in &reqs {
-        assert!(r.prompt.chars().count() <= budget, "{} > {budget}", r.prompt.chars().count());
+        assert!(
+            r.prompt.chars().count() <= budget,
+            "{} > {budget}",
+            r.prompt.chars().count()
+        );
         assert_eq!(r.max_tokens, None);
     }
     // Rolling: every later chunk updates the running summary of the previous one.
     for (k, r) in reqs.iter().enumerate().skip(1) {
-        assert!(r.prompt.contains(&format!("RUNNING-{}", k - 1)), "chunk {k} lacks the running summary");
+        assert!(
+            r.prompt.contains(&format!("RUNNING-{}", k - 1)),
+            "chunk {k} lacks the running summary"
+        );
     }
     let last = format!("RUNNING-{}", reqs.len() - 1);
     assert!(content_str(&res.messages[res.summary_index.unwrap()]).contains(&last));
@@ -117,7 +165,14 @@ fn unchunked_when_middle_fits() {
     let mut c = compressor(1, 2);
     let s = Stub::ok("one summary");
     let msgs = alternating(12, "msg ");
-    block_on(c.compress(&msgs, &s, CompressOptions { force: true, ..Default::default() }));
+    block_on(c.compress(
+        &msgs,
+        &s,
+        CompressOptions {
+            force: true,
+            ..Default::default()
+        },
+    ));
     assert_eq!(s.calls(), 1);
 }
 
@@ -127,4 +182,3 @@ fn arc_config_is_shared() {
     let c = compressor(1, 2);
     assert!(Arc::ptr_eq(&c.cfg, c.trigger.config()));
 }
-

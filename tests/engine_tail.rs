@@ -275,7 +275,7 @@ fn no_orphan_after_full_compaction_cycle() {
 
 // -------------------------------------------------- TestSanitizerStripsOrphanedToolCalls
 
-fn asst<'a>(out: &'a [Value]) -> &'a Value {
+fn asst(out: &[Value]) -> &Value {
     out.iter().find(|m| m["role"] == "assistant").unwrap()
 }
 
