@@ -172,3 +172,53 @@ proptest! {
         prop_assert_eq!(&out[out.len() - k..], &input[input.len() - k..]);
     }
 }
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 48, .. ProptestConfig::default() })]
+
+    /// The proxy's life cycle: compact, let the conversation grow, compact
+    /// again. Each round keeps the invariants and at most one summary row.
+    #[test]
+    fn repeated_compactions_keep_one_summary(
+        rounds in prop::collection::vec(prop::collection::vec(turn(), 3..8), 2..4),
+        first in 0usize..4,
+        tail_budget in 40u64..1_500,
+    ) {
+        let mut c = compressor_with("prop-model", 100_000, |c| {
+            c.protect_first_n = first;
+            c.protect_last_n = 3;
+        });
+        c.trigger.set_tail_token_budget(tail_budget);
+        let mut convo: Vec<Value> = Vec::new();
+        for (r, turns) in rounds.iter().enumerate() {
+            let mut fresh = build(r == 0, turns, false);
+            // Keep ids unique across rounds.
+            for m in fresh.iter_mut() {
+                if let Some(calls) = m.get_mut("tool_calls").and_then(Value::as_array_mut) {
+                    for tc in calls { tc["id"] = json!(format!("r{r}_{}", tc["id"].as_str().unwrap())); }
+                }
+                if let Some(id) = m.get("tool_call_id").and_then(Value::as_str).map(str::to_owned) {
+                    m["tool_call_id"] = json!(format!("r{r}_{id}"));
+                }
+            }
+            if convo.last().is_some_and(|m| view::is_role(m, "assistant")) {
+                convo.extend(fresh);
+            } else {
+                convo.extend(fresh.into_iter().skip_while(|m| !view::is_role(m, "user")).skip(1));
+            }
+            let before = estimate_messages_tokens_rough(&convo);
+            c.trigger.set_threshold_tokens(before.saturating_sub(1).max(1));
+            let s = Stub::ok(&format!("## Historical Task Snapshot\nround {r}"));
+            let res = block_on(c.compress(&convo, &s, CompressOptions { force: true, ..Default::default() }));
+            if let Err(e) = check_tool_pairs(&res.messages) {
+                prop_assert!(false, "{}", e);
+            }
+            prop_assert!(res.messages.iter().filter(|m| view::is_summary(m)).count() <= 1);
+            if res.outcome == Outcome::Compacted {
+                prop_assert!(res.tokens_after < before);
+                prop_assert_eq!(same_role_pairs(&res.messages), 0);
+            }
+            convo = res.messages;
+        }
+    }
+}

@@ -808,13 +808,11 @@ impl Compressor {
         let snapshot = (self.previous_summary.clone(), self.summary_has_user_turn);
         let sys = usize::from(view::is_role(&working[0], "system"));
         let mut handoff_bodies = Vec::new();
-        let mut newest_handoff = None;
-        for (i, m) in working.iter().enumerate().skip(sys) {
+        for m in working.iter().skip(sys) {
             match markers::classify_handoff(m) {
                 Handoff::None => {}
                 Handoff::Standalone { body, .. } | Handoff::Merged { body, .. } => {
                     handoff_bodies.push(body);
-                    newest_handoff = Some(i);
                 }
             }
         }
@@ -831,10 +829,10 @@ impl Compressor {
                 .previous_summary
                 .as_deref()
                 .is_some_and(|p| p.contains(markers::NO_USER_SENTINEL));
-        let tail_start = match newest_handoff {
-            Some(h) if h >= compress_end => h + 1,
-            _ => compress_end,
-        };
+        // A handoff inside the tail is unwrapped in place (its body is in the
+        // running summary); the tail is not advanced past it, which could
+        // summarise the live ask that a user-leading merge carries.
+        let tail_start = compress_end;
         let middle: Vec<Value> = working[compress_start..compress_end]
             .iter()
             .filter_map(markers::strip_handoff)
