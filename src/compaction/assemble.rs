@@ -116,7 +116,10 @@ pub fn choose_placement(head: &[Value], tail: &[Value]) -> Placement {
         return Placement::Standalone(preferred);
     }
     if forced {
-        if tail.iter().any(|m| view::is_role(m, "user")) {
+        // The summary must lead as a user turn. Merge only into a user row
+        // right at the boundary; merging into a later one would make an
+        // assistant row the first visible message.
+        if nb.raw_tail == Some("user") {
             Placement::MergeUserLeading
         } else {
             Placement::Standalone(preferred)
@@ -147,12 +150,8 @@ pub fn assemble(head: Vec<Value>, summary: &str, tail: Vec<Value>) -> Assembled 
             base
         }
         Placement::MergeUserLeading => {
-            let target = tail
-                .iter()
-                .position(|m| view::is_role(m, "user"))
-                .unwrap_or(0);
             messages.extend(tail);
-            let idx = base + target;
+            let idx = base;
             let merged = markers::prepend_summary(
                 messages[idx].get("content").unwrap_or(&Value::Null),
                 summary,
@@ -263,4 +262,76 @@ pub fn ensure_user_turn(messages: &mut Vec<Value>, original: &[Value]) -> bool {
         None => append_user_text(messages, NO_USER_TURN_MARKER),
     }
     true
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn m(role: &str, c: &str) -> Value {
+        json!({"role": role, "content": c})
+    }
+
+    fn tc() -> Value {
+        json!({"role": "assistant", "content": null, "tool_calls": [{"id": "a", "function": {"name": "f", "arguments": "{}"}}]})
+    }
+
+    #[test]
+    fn forced_user_never_puts_an_assistant_first() {
+        let head = vec![m("system", "s")];
+        let tail = vec![
+            tc(),
+            json!({"role": "tool", "tool_call_id": "a", "content": "r"}),
+            m("user", "u"),
+        ];
+        assert_eq!(
+            choose_placement(&head, &tail),
+            Placement::Standalone("user")
+        );
+    }
+
+    #[test]
+    fn forced_user_merges_into_a_leading_user_row() {
+        let head = vec![m("system", "s")];
+        let tail = vec![m("user", "u"), m("assistant", "a")];
+        assert_eq!(choose_placement(&head, &tail), Placement::MergeUserLeading);
+        let out = assemble(head, "SUM", tail);
+        assert_eq!(out.summary_index, 1);
+        let t = view::text(&out.messages[1]);
+        assert!(t.starts_with("SUM") && t.ends_with("u"));
+    }
+
+    #[test]
+    fn double_collision_merges_into_tail_and_flip_is_used_when_free() {
+        let head = vec![m("system", "s"), m("user", "u"), m("assistant", "a")];
+        assert_eq!(
+            choose_placement(&head, &[m("user", "u2")]),
+            Placement::MergeIntoTail
+        );
+        assert_eq!(
+            choose_placement(&head, &[m("assistant", "a2")]),
+            Placement::Standalone("user")
+        );
+        let head = vec![m("system", "s"), m("user", "u")];
+        assert_eq!(
+            choose_placement(&head, &[m("user", "u2")]),
+            Placement::Standalone("assistant")
+        );
+    }
+
+    #[test]
+    fn tool_rows_are_invisible_but_raw_neighbours_still_count() {
+        // head ends user → assistant(tc) → tool: the visible last head role is
+        // user, the raw one is tool; a following user row forbids a user summary.
+        let head = vec![
+            m("system", "s"),
+            m("user", "u"),
+            tc(),
+            json!({"role": "tool", "tool_call_id": "a", "content": "r"}),
+        ];
+        assert_eq!(
+            choose_placement(&head, &[m("user", "next")]),
+            Placement::Standalone("assistant")
+        );
+    }
 }
