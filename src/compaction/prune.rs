@@ -328,3 +328,89 @@ fn pressure_pass(
         demote(out, changed, i, &mut region);
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    fn call(id: &str) -> Value {
+        json!({"role": "assistant", "content": null, "tool_calls": [{"id": id, "type": "function",
+            "function": {"name": "read_file", "arguments": format!("{{\"path\":\"/x/{id}\"}}")}}]})
+    }
+    fn result(id: &str, content: Value) -> Value {
+        json!({"role": "tool", "tool_call_id": id, "content": content})
+    }
+
+    #[test]
+    fn older_identical_outputs_are_deduplicated_even_in_the_tail() {
+        let body = "same ".repeat(100);
+        let msgs = vec![
+            call("a"),
+            result("a", json!(body)),
+            call("b"),
+            result("b", json!(body)),
+        ];
+        let (out, n) = prune_old_tool_results(&msgs, &PruneParams::by_count(10));
+        assert_eq!(n, 1);
+        assert_eq!(out[1]["content"], DUPLICATE_TOOL_OUTPUT);
+        assert_eq!(out[3]["content"], json!(body));
+    }
+
+    #[test]
+    fn old_results_become_one_line_summaries_and_tail_stays() {
+        let msgs = vec![
+            call("a"),
+            result("a", json!("x".repeat(1_000))),
+            json!({"role": "user", "content": "next"}),
+            call("b"),
+            result("b", json!("y".repeat(1_000))),
+        ];
+        let (out, n) = prune_old_tool_results(&msgs, &PruneParams::by_count(2));
+        assert_eq!(n, 1);
+        let line = out[1]["content"].as_str().unwrap();
+        assert!(
+            line.starts_with("[read_file]") && line.contains("/x/a"),
+            "{line}"
+        );
+        assert_eq!(out[4]["content"], json!("y".repeat(1_000)));
+    }
+
+    #[test]
+    fn only_the_newest_three_tool_images_survive() {
+        let img = json!([{"type": "text", "text": "shot"}, {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}]);
+        let mut msgs = Vec::new();
+        for i in 0..5 {
+            let id = format!("c{i}");
+            msgs.push(call(&id));
+            msgs.push(result(&id, img.clone()));
+        }
+        let (out, _) = prune_old_tool_results(&msgs, &PruneParams::by_count(100));
+        let with_images = out.iter().filter(|m| view::has_image(m)).count();
+        assert_eq!(with_images, KEEP_RECENT_TOOL_IMAGES);
+        assert!(!view::has_image(&out[1]) && view::has_image(&out[9]));
+    }
+
+    #[test]
+    fn pressure_pass_demotes_an_oversized_protected_tail() {
+        let mut msgs = vec![json!({"role": "user", "content": "go"})];
+        for i in 0..6 {
+            let id = format!("c{i}");
+            msgs.push(call(&id));
+            msgs.push(result(&id, json!(format!("{i}{}", "z".repeat(4_000)))));
+        }
+        msgs.push(json!({"role": "assistant", "content": "done"}));
+        let p = PruneParams {
+            protect_tail_count: 20,
+            protect_tail_tokens: Some(100_000),
+            soft_ceiling: Some(3_000),
+            min_prune_chars: PRUNE_MIN_CHARS,
+        };
+        let (out, n) = prune_old_tool_results(&msgs, &p);
+        assert!(n > 0);
+        let total: u64 = super::super::tail::row_costs(&out).iter().sum();
+        assert!(total <= 3_000, "{total}");
+        // The user's ask is never rewritten.
+        assert_eq!(out[0], msgs[0]);
+    }
+}
