@@ -552,6 +552,19 @@ mod tests {
         );
     }
 
+    /// The exact shape of the reference's merged-tail regression test.
+    #[test]
+    fn spec_merged_shape_detected_and_stripped() {
+        let merged = format!(
+            "{PRIOR_HEADER}\nold tail content here\n\n{MERGE_DELIMITER}\n\n{SUMMARY_PREFIX}\nTHE_SUMMARY_BODY\n\n{END_MARKER}"
+        );
+        assert!(is_handoff(&json!({"role": "user", "content": merged})));
+        assert_eq!(summary_body(&merged), "THE_SUMMARY_BODY");
+        let standalone = format!("{SUMMARY_PREFIX}\nSTANDALONE_BODY\n\n{END_MARKER}");
+        assert!(is_handoff(&json!({"role": "user", "content": standalone})));
+        assert_eq!(summary_body(&standalone), "STANDALONE_BODY");
+    }
+
     #[test]
     fn legacy_prefix_recognised() {
         assert!(is_handoff(

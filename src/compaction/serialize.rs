@@ -40,13 +40,16 @@ static THINK_BLOCK: LazyLock<Option<Regex>> = LazyLock::new(|| {
         .ok()
 });
 static THINK_OPEN: LazyLock<Option<Regex>> = LazyLock::new(|| {
-    // An unterminated block at the end: a cut-off reasoning preamble.
-    Regex::new(r"(?is)<(think|thinking|reasoning|thought|reflection)>.*\z").ok()
+    // A reply that opens with a reasoning block and never closes it (cut-off
+    // preamble). Only at the very start: a stray tag mentioned in prose must
+    // not swallow the rest of the message.
+    Regex::new(r"(?is)\A\s*<(think|thinking|reasoning|thought|reflection)>.*\z").ok()
 });
 static MEDIA_DIRECTIVE: LazyLock<Option<Regex>> =
     LazyLock::new(|| Regex::new(r"(?m)\bMEDIA:\s*\S+").ok());
 
-/// Removes inline `<think>`-style blocks (closed, or left open at the end).
+/// Removes inline `<think>`-style blocks (closed ones anywhere, and an
+/// unclosed one that opens the text).
 pub fn strip_think_blocks(text: &str) -> String {
     let mut out = text.to_string();
     for re in [&*THINK_BLOCK, &*THINK_OPEN].into_iter().flatten() {
@@ -694,6 +697,17 @@ mod tests {
         assert_eq!(
             s,
             "[USER]: hi\n\n[ASSISTANT]: ok\n[Tool calls:\n  read_file({\"path\":\"/a\"})\n]\n\n[TOOL RESULT c1]: data"
+        );
+    }
+
+    #[test]
+    fn think_blocks() {
+        assert_eq!(strip_think_blocks("<think>a\nb</think>answer"), "answer");
+        assert_eq!(strip_think_blocks("x <THINKING>y</THINKING> z"), "x  z");
+        assert_eq!(strip_think_blocks("<think>never closed"), "");
+        assert_eq!(
+            strip_think_blocks("use a <reasoning> tag here, then more"),
+            "use a <reasoning> tag here, then more"
         );
     }
 

@@ -163,7 +163,15 @@ pub fn summarize_tool_result(tool_name: &str, args_json: &str, content: &str) ->
             let more = if code.chars().count() > 60 { "..." } else { "" };
             format!("[execute_code] `{head}{more}` ({lines} lines output)")
         }
-        "skill_view" | "skills_list" | "skill_manage" => format!(
+        "skill_view" => {
+            let name = arg_or(&args, "name", "?");
+            if content.chars().count() > SKILL_RELOAD_OVER_CHARS {
+                format!("[skill_view] name={name} ({n} chars; body pruned, call skill_view again to reload it)")
+            } else {
+                format!("[skill_view] name={name} ({n} chars)")
+            }
+        }
+        "skills_list" | "skill_manage" => format!(
             "[{tool_name}] name={} ({n} chars)",
             arg_or(&args, "name", "?")
         ),
@@ -178,7 +186,7 @@ pub fn summarize_tool_result(tool_name: &str, args_json: &str, content: &str) ->
         ),
         "todo" => "[todo] updated task list".to_string(),
         "text_to_speech" => format!("[text_to_speech] generated audio ({n} chars)"),
-        "clarify" => "[clarify] asked user a question".to_string(),
+        "clarify" => clarify_summary(content),
         "cronjob" => format!("[cronjob] {}", arg_or(&args, "action", "?")),
         "process" => format!(
             "[process] {} session={}",
@@ -196,6 +204,45 @@ pub fn summarize_tool_result(tool_name: &str, args_json: &str, content: &str) ->
             format!("[{tool_name}] {parts}({n} chars result)")
         }
     }
+}
+
+/// skill_view bodies above this size get a reload hint in their summary.
+const SKILL_RELOAD_OVER_CHARS: usize = 5_000;
+
+/// A clarify result keeps the user's answer (it is the user's own words and
+/// often decides the task), short enough that the line stays under the
+/// 200-char prune floor and survives later passes. Timeouts and "no user"
+/// sentinels are never quoted as if the user had said them.
+fn clarify_summary(content: &str) -> String {
+    const BASE: &str = "[clarify] asked user a question";
+    let answer = match serde_json::from_str::<Value>(content) {
+        Ok(Value::Object(o)) => ["answer", "response", "user_response", "result"]
+            .iter()
+            .find_map(|k| o.get(*k).and_then(Value::as_str).map(str::to_string)),
+        Ok(Value::String(s)) => Some(s),
+        Ok(_) => None,
+        Err(_) => Some(content.to_string()),
+    };
+    let Some(answer) = answer.map(|a| a.split_whitespace().collect::<Vec<_>>().join(" ")) else {
+        return BASE.to_string();
+    };
+    let lower = answer.to_ascii_lowercase();
+    let sentinel = answer.is_empty()
+        || [
+            "timed out",
+            "timeout",
+            "no user",
+            "no response",
+            "not available",
+            "unavailable",
+        ]
+        .iter()
+        .any(|s| lower.contains(s));
+    if sentinel {
+        return BASE.to_string();
+    }
+    let quoted = serde_json::to_string(&clip(&answer, 120)).unwrap_or_default();
+    format!("{BASE}; answer: {quoted}")
 }
 
 /// First present argument among `keys`; arrays of strings (argv-style
@@ -315,6 +362,33 @@ mod tests {
         assert_eq!(s, "[Grep] search for 'TODO' in src (1 chars result)");
         let s = summarize_tool_result("WebFetch", r#"{"url":"https://x.y/z"}"#, "abc");
         assert_eq!(s, "[WebFetch] https://x.y/z (3 chars)");
+    }
+
+    #[test]
+    fn clarify_keeps_answer_but_not_sentinels() {
+        let s = summarize_tool_result("clarify", "{}", r#"{"answer": "use Postgres, not MySQL"}"#);
+        assert_eq!(
+            s,
+            r#"[clarify] asked user a question; answer: "use Postgres, not MySQL""#
+        );
+        let s = summarize_tool_result(
+            "clarify",
+            "{}",
+            r#"{"answer": "Clarify timed out waiting for user"}"#,
+        );
+        assert_eq!(s, "[clarify] asked user a question");
+        let long = "y".repeat(1_000);
+        let s = summarize_tool_result("clarify", "{}", &long);
+        assert!(s.len() < 200, "{s}");
+    }
+
+    #[test]
+    fn skill_view_reload_hint_only_for_big_bodies() {
+        let small = summarize_tool_result("skill_view", r#"{"name":"git"}"#, "short");
+        assert_eq!(small, "[skill_view] name=git (5 chars)");
+        let big = summarize_tool_result("skill_view", r#"{"name":"git"}"#, &"b".repeat(6_000));
+        assert!(big.starts_with("[skill_view] name=git (6,000 chars;"));
+        assert!(big.contains("reload"));
     }
 
     #[test]
