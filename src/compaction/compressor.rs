@@ -459,7 +459,11 @@ impl Compressor {
             soft_ceiling: super::budget::soft_tail_ceiling(budget, window),
             protect_last_n: self.cfg.protect_last_n,
             min_tail_user_messages: self.cfg.min_tail_user_messages,
-            allow_split_turn: true,
+            // The newest user ask always stays verbatim in the tail (a hard
+            // guarantee of compactor); the reference's oversized-active-turn
+            // split (#80449) is available to callers of `tail` but off here.
+            // Pruning pass 4 keeps such a tail within bounds instead.
+            allow_split_turn: false,
         }
     }
 
