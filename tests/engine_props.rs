@@ -222,3 +222,87 @@ proptest! {
         }
     }
 }
+
+fn arb_leaf() -> impl Strategy<Value = Value> {
+    prop_oneof![
+        Just(Value::Null),
+        any::<bool>().prop_map(Value::from),
+        any::<i64>().prop_map(Value::from),
+        "[a-z ]{0,30}".prop_map(Value::from),
+        "\\PC{0,300}".prop_map(Value::from),
+    ]
+}
+
+fn arb_message() -> impl Strategy<Value = Value> {
+    let role = prop_oneof![
+        Just("user"),
+        Just("assistant"),
+        Just("tool"),
+        Just("system"),
+        Just("developer"),
+        Just("weird")
+    ];
+    let content = prop_oneof![
+        arb_leaf(),
+        prop::collection::vec(
+            prop_oneof![
+                "\\PC{0,80}".prop_map(|t| json!({"type": "text", "text": t})),
+                Just(
+                    json!({"type": "image_url", "image_url": {"url": "data:image/png;base64,AA"}})
+                ),
+                arb_leaf(),
+            ],
+            0..4
+        )
+        .prop_map(Value::from),
+    ];
+    let calls = prop::option::of(prop::collection::vec(
+        ("[a-c]{1,2}", "\\PC{0,600}").prop_map(|(id, args)| {
+            json!({"id": id, "type": "function", "function": {"name": "f", "arguments": args}})
+        }),
+        0..3,
+    ));
+    (role, content, calls, prop::option::of("[a-c]{1,2}")).prop_map(|(r, c, calls, tcid)| {
+        let mut m = json!({"role": r, "content": c});
+        if let Some(calls) = calls {
+            m["tool_calls"] = Value::from(calls);
+        }
+        if let Some(id) = tcid {
+            m["tool_call_id"] = Value::from(id);
+        }
+        m
+    })
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 128, .. ProptestConfig::default() })]
+
+    /// Arbitrary (even malformed) message arrays never make the engine
+    /// panic, and anything not committed comes back unchanged.
+    #[test]
+    fn arbitrary_messages_never_panic(
+        msgs in prop::collection::vec(prop_oneof![9 => arb_message(), 1 => arb_leaf()], 0..40),
+        force in any::<bool>(),
+        fail in any::<bool>(),
+        budget in 1u64..500,
+    ) {
+        let mut c = compressor(2, 2);
+        c.trigger.set_tail_token_budget(budget);
+        let s = if fail { Stub::err(plain("boom")) } else { Stub::ok("sum") };
+        let res = block_on(c.compress(&msgs, &s, CompressOptions { force, ..Default::default() }));
+        if res.outcome != Outcome::Compacted {
+            prop_assert_eq!(&res.messages, &msgs);
+        }
+        let mut m = compressor_with("prop-model", 40_960, |c| {
+            c.strategy = compactor::compaction::config::Strategy::Micro;
+            c.protect_first_n = 1;
+        });
+        m.trigger.set_tail_token_budget(budget);
+        for _ in 0..3 {
+            let r = block_on(m.micro_compact(&msgs, &s));
+            if r.outcome != compactor::compaction::micro::MicroOutcome::Absorbed {
+                prop_assert_eq!(&r.messages, &msgs);
+            }
+        }
+    }
+}
