@@ -182,3 +182,71 @@ fn arc_config_is_shared() {
     let c = compressor(1, 2);
     assert!(Arc::ptr_eq(&c.cfg, c.trigger.config()));
 }
+
+#[test]
+fn large_previous_summary_is_bounded_to_the_summariser_budget() {
+    let mut c = compressor(1, 2);
+    c.previous_summary = Some(format!("PREV {}", "p".repeat(50_000)));
+    let mut msgs = vec![
+        msg("system", "sys"),
+        msg(
+            "user",
+            &format!("{}\nold", compactor::compaction::markers::SUMMARY_PREFIX),
+        ),
+    ];
+    msgs.extend(alternating(12, "turn "));
+    let budget = prompt_overhead_chars(None) + 6_000;
+    let s = Stub::ok("sum").with_budget(budget);
+    let res = block_on(c.compress(
+        &msgs,
+        &s,
+        CompressOptions {
+            force: true,
+            ..Default::default()
+        },
+    ));
+    assert_eq!(res.outcome, Outcome::Compacted);
+    for r in s.requests.lock().unwrap().iter() {
+        assert!(
+            r.prompt.chars().count() <= budget,
+            "{} > {budget}",
+            r.prompt.chars().count()
+        );
+        assert!(r.prompt.contains("PREV"));
+    }
+}
+
+#[test]
+fn verbose_summariser_still_fits_a_2048_window() {
+    let window = 2_048;
+    let max_tokens = 256;
+    let mut c = compressor_with("llama", window, |_| {});
+    c.trigger = Trigger::new(
+        c.cfg.clone(),
+        "llama",
+        WindowSource::Known(window),
+        Some(max_tokens),
+    )
+    .with_clock(Clock::manual());
+    let threshold = c.trigger.threshold_tokens();
+    let msgs = conversation(threshold * 3 / 2);
+    // The model ignores "Target ~N tokens" and writes ~2,500 tokens.
+    let s = Stub::ok(&format!(
+        "## Historical Task Snapshot\nx\n\n## Completed Actions\n{}",
+        "did a thing. ".repeat(800)
+    ));
+    let res = block_on(c.compress(
+        &msgs,
+        &s,
+        CompressOptions {
+            force: true,
+            ..Default::default()
+        },
+    ));
+    assert_eq!(res.outcome, Outcome::Compacted);
+    let after = estimate_request_tokens_rough(&res.messages, None);
+    assert!(
+        after + max_tokens <= window,
+        "{after} + {max_tokens} > {window}"
+    );
+}

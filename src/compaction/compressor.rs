@@ -651,7 +651,8 @@ impl Compressor {
             .map_or(0, |p| p.chars().count().min(SUMMARY_INPUT_MAX_CHARS));
         let turns_len = serialized.chars().count().min(SUMMARY_INPUT_MAX_CHARS);
 
-        let chunks: Vec<String> = if overhead + prev_len + turns_len <= budget {
+        let fits = overhead + prev_len + turns_len <= budget;
+        let chunks: Vec<String> = if fits {
             vec![serialized]
         } else {
             let room = budget.saturating_sub(overhead).max(1_000);
@@ -673,10 +674,12 @@ impl Compressor {
             parts
         };
         out.chunks = chunks.len();
-        let prev_cap = if out.chunks > 1 {
-            (budget.saturating_sub(overhead) / 3).max(500)
-        } else {
+        // In chunked mode the running summary gets a third of the room, the
+        // chunk the rest, so every prompt fits the summariser.
+        let prev_cap = if fits {
             SUMMARY_INPUT_MAX_CHARS
+        } else {
+            (budget.saturating_sub(overhead) / 3).max(500)
         };
 
         let mut running = self.previous_summary.clone();
@@ -704,7 +707,7 @@ impl Compressor {
             return out;
         };
         let ask = serialize::latest_user_task_snapshot(turns);
-        let body = ground_task_snapshot(&body, ask.as_deref());
+        let body = clip_summary(ground_task_snapshot(&body, ask.as_deref()), target);
         self.trigger.note_summary_success();
         self.clear_terminal_flags();
         self.last_summary_error = None;
@@ -1040,6 +1043,27 @@ impl Compressor {
             telemetry: tel,
         }
     }
+}
+
+/// Summaries longer than this many times their token target are clipped.
+pub const SUMMARY_OVERSHOOT_FACTOR: u64 = 2;
+
+/// Clips a summary body that ignored its "Target ~N tokens" guidance by more
+/// than [`SUMMARY_OVERSHOOT_FACTOR`]. On small windows an over-long summary
+/// would not fit; the grounded task snapshot comes first and is kept.
+pub fn clip_summary(body: String, target_tokens: u64) -> String {
+    let max_chars = usize::try_from(
+        target_tokens
+            .saturating_mul(SUMMARY_OVERSHOOT_FACTOR)
+            .saturating_mul(tokens::CHARS_PER_TOKEN),
+    )
+    .unwrap_or(usize::MAX);
+    if body.chars().count() <= max_chars {
+        return body;
+    }
+    let mut clipped: String = body.chars().take(max_chars).collect();
+    clipped.push_str("\n...[summary clipped to fit the context window]");
+    clipped
 }
 
 /// Whether a candidate is smaller than its input. At or over the trigger
