@@ -306,3 +306,32 @@ proptest! {
         }
     }
 }
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 64, .. ProptestConfig::default() })]
+
+    /// Small windows: a committed compaction of a conversation over the
+    /// trigger leaves room for the reply inside the window.
+    #[test]
+    fn small_window_compaction_fits(
+        window in prop_oneof![Just(2_048u64), Just(4_096), Just(8_192), Just(32_768)],
+        turns in prop::collection::vec(turn(), 3..80),
+        ends_with_user in any::<bool>(),
+    ) {
+        use compactor::compaction::trigger::{Clock, Trigger, WindowSource};
+        let max_tokens = window / 8;
+        let mut c = compressor_with("llama", window, |_| {});
+        c.trigger = Trigger::new(c.cfg.clone(), "llama", WindowSource::Known(window), Some(max_tokens))
+            .with_clock(Clock::manual());
+        let threshold = c.trigger.threshold_tokens();
+        let input = build(true, &turns, ends_with_user);
+        let before = estimate_messages_tokens_rough(&input);
+        prop_assume!(before >= threshold);
+        let s = Stub::ok("## Historical Task Snapshot\nsummary of the work").with_budget(((window - max_tokens) * 3) as usize);
+        let res = block_on(c.compress(&input, &s, CompressOptions { force: true, ..Default::default() }));
+        if res.outcome == Outcome::Compacted {
+            prop_assert!(res.tokens_after + max_tokens <= window,
+                "window {}: {} + {} does not fit", window, res.tokens_after, max_tokens);
+        }
+    }
+}
