@@ -275,3 +275,18 @@ fn oversized_tool_outputs_in_the_middle_become_one_line_summaries() {
     );
     assert!(!prompt.contains(&"o".repeat(1_000)));
 }
+
+#[test]
+fn compress_and_micro_futures_are_send() {
+    // The proxy runs compaction inside spawned tasks while holding the
+    // session lock: the futures must be Send.
+    fn assert_send<T: Send>(_: T) {}
+    let mut c = compressor(1, 2);
+    let s = Stub::ok("x");
+    let msgs = alternating(4, "m");
+    assert_send(c.compress(&msgs, &s, CompressOptions::default()));
+    let mut c = compressor(1, 2);
+    assert_send(c.micro_compact(&msgs, &s));
+    fn assert_send_sync<T: Send + Sync>() {}
+    assert_send_sync::<compactor::compaction::Compressor>();
+}
