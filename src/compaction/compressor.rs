@@ -757,11 +757,6 @@ impl Compressor {
                 tel,
             );
         }
-        let mut compress_start = head_size;
-        while compress_start < n && view::is_role(&messages[compress_start], "tool") {
-            compress_start += 1;
-        }
-
         // Phase 1: prune tool outputs (no LLM).
         let tp = self.tail_params();
         let (pruned, pruned_rows) = prune::prune_old_tool_results(
@@ -776,6 +771,12 @@ impl Compressor {
         tel.pruned_rows = pruned_rows;
         let working = remove_blank_echoes(pruned);
         let wn = working.len();
+        // The head is measured on the working list (a removed blank echo
+        // shifts rows) and never ends inside a tool group.
+        let mut compress_start = self.protect_head_size(&working);
+        while compress_start < wn && view::is_role(&working[compress_start], "tool") {
+            compress_start += 1;
+        }
         if compress_start >= wn {
             return self.no_op(
                 messages,
