@@ -1202,3 +1202,79 @@ fn salvage(out: &mut [Value], summary_index: Option<usize>) {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn err(kind: SummaryErrorKind, status: Option<u16>, msg: &str) -> FailureInfo {
+        classify_error(&SummaryError::new(kind, status, msg))
+    }
+
+    #[test]
+    fn access_and_quota_classification() {
+        assert!(is_access_or_quota_error(Some(401), "bad key"));
+        assert!(is_access_or_quota_error(Some(403), "forbidden"));
+        assert!(is_access_or_quota_error(None, "insufficient_quota"));
+        assert!(is_access_or_quota_error(
+            Some(400),
+            "You are out of credits"
+        ));
+        assert!(!is_access_or_quota_error(Some(429), "rate limit reached"));
+        assert!(!is_access_or_quota_error(
+            Some(402),
+            "quota exceeded, retry after 60s"
+        ));
+        assert!(!is_access_or_quota_error(Some(500), "internal error"));
+    }
+
+    #[test]
+    fn failure_classes_and_terminal_flags() {
+        use SummaryErrorKind::*;
+        assert_eq!(err(NoProvider, None, "x").class, FailureClass::NoProvider);
+        let t = err(Timeout, None, "deadline");
+        assert_eq!(t.class, FailureClass::Timeout);
+        assert!(!t.network && !t.auth);
+        assert_eq!(err(Http, Some(504), "gateway").class, FailureClass::Timeout);
+        assert_eq!(
+            err(Http, None, "request timed out").class,
+            FailureClass::Timeout
+        );
+        assert_eq!(err(Decode, None, "bad body").class, FailureClass::Decode);
+        let n = err(Network, None, "connection refused");
+        assert!(n.network);
+        assert_eq!(n.class, FailureClass::StreamClosed);
+        assert!(err(Http, None, "peer closed connection without sending").network);
+        let o = err(Http, Some(529), "Overloaded");
+        assert!(o.overload);
+        assert_eq!(
+            err(Http, Some(404), "no such model").class,
+            FailureClass::ModelNotFound
+        );
+        assert_eq!(err(Http, Some(500), "boom").class, FailureClass::Other);
+        assert!(err(Http, Some(401), "nope").auth);
+    }
+
+    #[test]
+    fn progress_rule() {
+        assert!(is_progress(100, 99, 10, 10, 50));
+        assert!(
+            !is_progress(100, 100, 10, 5, 50),
+            "over threshold: tokens must drop"
+        );
+        assert!(
+            is_progress(40, 45, 10, 5, 50),
+            "under threshold: fewer rows count"
+        );
+        assert!(!is_progress(40, 45, 10, 10, 50));
+    }
+
+    #[test]
+    fn clip_summary_keeps_the_head() {
+        let body = format!("HEAD {}", "x".repeat(10_000));
+        let out = clip_summary(body, 100);
+        assert!(out.starts_with("HEAD "));
+        assert!(out.chars().count() < 900);
+        assert_eq!(clip_summary("short".into(), 100), "short");
+    }
+}
