@@ -252,3 +252,53 @@ fn oversized_active_turn(
     let from_user: u64 = costs[u..].iter().sum();
     from_user > soft
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    fn m(role: &str) -> Value {
+        json!({"role": role, "content": "x"})
+    }
+
+    #[test]
+    fn min_tail_floor_rules() {
+        assert_eq!(min_tail_floor(20, 100), 8);
+        assert_eq!(min_tail_floor(2, 100), 3);
+        assert_eq!(min_tail_floor(20, 6), 4);
+        assert_eq!(min_tail_floor(20, 3), 3);
+        assert_eq!(min_tail_floor(20, 2), 2);
+        assert_eq!(min_tail_floor(20, 1), 0);
+    }
+
+    #[test]
+    fn alignment_keeps_tool_groups_whole() {
+        let calls = json!({"role": "assistant", "content": null, "tool_calls": [{"id": "a"}]});
+        let msgs = vec![m("user"), calls, m("tool"), m("tool"), m("assistant")];
+        assert_eq!(align_backward(&msgs, 3), 1);
+        assert_eq!(align_backward(&msgs, 4), 1);
+        assert_eq!(align_backward(&msgs, 2), 1);
+        assert_eq!(align_backward(&msgs, 1), 1);
+        assert_eq!(align_forward(&msgs, 2), 4);
+        assert_eq!(find_turn_pair_end(&msgs, 0), 4);
+    }
+
+    #[test]
+    fn cut_never_lands_in_the_head_or_past_the_end() {
+        let msgs: Vec<Value> = (0..10)
+            .map(|i| m(if i % 2 == 0 { "user" } else { "assistant" }))
+            .collect();
+        let p = TailParams {
+            budget: 1,
+            soft_ceiling: 1,
+            protect_last_n: 0,
+            min_tail_user_messages: 1,
+            allow_split_turn: false,
+        };
+        for head in 0..9 {
+            let cut = find_tail_cut_by_tokens(&msgs, head, &p);
+            assert!(cut > head && cut <= msgs.len(), "head {head} cut {cut}");
+        }
+    }
+}
