@@ -219,7 +219,7 @@ pub fn prune_old_tool_results(msgs: &[Value], p: &PruneParams) -> (Vec<Value>, u
         let Some(s) = out[i].get("content").and_then(Value::as_str) else {
             continue;
         };
-        if s.len() < PRUNE_MIN_CHARS {
+        if s.chars().count() < PRUNE_MIN_CHARS {
             continue;
         }
         if !seen.insert(xxh3_128(s.as_bytes())) {
