@@ -290,3 +290,41 @@ fn compress_and_micro_futures_are_send() {
     fn assert_send_sync<T: Send + Sync>() {}
     assert_send_sync::<compactor::compaction::Compressor>();
 }
+
+#[test]
+fn proxy_lifecycle_trigger_compact_verify() {
+    use compactor::compaction::trigger::Usage;
+    let mut c = compressor_with("m", 8_192, |c| c.protect_first_n = 1);
+    let threshold = c.trigger.threshold_tokens();
+    let mut msgs = vec![msg("system", "sys")];
+    for i in 0..40 {
+        msgs.push(msg("user", &format!("question {i} {}", "q".repeat(200))));
+        msgs.push(msg("assistant", &format!("answer {i} {}", "a".repeat(400))));
+    }
+    msgs.push(msg("user", "latest"));
+    // The upstream reported a prompt over the trigger.
+    c.trigger.update_from_response(&Usage {
+        prompt_tokens: Some(threshold + 500),
+        completion_tokens: Some(10),
+        total_tokens: Some(threshold + 510),
+    });
+    assert!(c.trigger.should_compress(None));
+    let res = block_on(c.compress(&msgs, &Stub::ok("sum"), CompressOptions::default()));
+    assert_eq!(res.outcome, Outcome::Compacted);
+    assert!(res.tokens_after < threshold);
+    c.trigger.record_completed_compaction(
+        res.fallback_used,
+        res.feasibility_skip,
+        res.tokens_after,
+    );
+    // Waiting for real usage: no second compaction on a stale reading.
+    assert!(!c.trigger.should_compress(None));
+    c.trigger.update_from_response(&Usage {
+        prompt_tokens: Some(res.tokens_after),
+        completion_tokens: Some(10),
+        total_tokens: None,
+    });
+    assert_eq!(c.trigger.ineffective_compression_count, 0);
+    assert_eq!(c.trigger.fallback_streak, 0);
+    assert_eq!(c.trigger.compression_count, 1);
+}
