@@ -328,3 +328,27 @@ fn proxy_lifecycle_trigger_compact_verify() {
     assert_eq!(c.trigger.fallback_streak, 0);
     assert_eq!(c.trigger.compression_count, 1);
 }
+
+#[test]
+fn focus_topic_and_date_reach_the_summary_prompt() {
+    let mut c = compressor(1, 2);
+    let mut msgs = vec![msg("system", "sys")];
+    msgs.extend(alternating(14, "m"));
+    let s = Stub::ok("sum");
+    block_on(c.compress(
+        &msgs,
+        &s,
+        CompressOptions {
+            focus_topic: Some("the database migration".into()),
+            today: Some("2026-11-30".into()),
+            ..Default::default()
+        },
+    ));
+    let p = s.last_request().prompt;
+    assert!(p.contains("the database migration"));
+    assert!(p.contains("2026-11-30"));
+    assert!(
+        p.rfind("the database migration") > p.find("TURNS TO SUMMARIZE"),
+        "focus comes last"
+    );
+}

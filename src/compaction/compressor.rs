@@ -59,6 +59,9 @@ pub struct CompressOptions {
     pub bypass_cooldown: bool,
     /// What the summary should focus on.
     pub focus_topic: Option<String>,
+    /// Today's date (`YYYY-MM-DD`) for temporal anchoring in the summary
+    /// prompt; the engine has no clock of its own.
+    pub today: Option<String>,
 }
 
 /// Why a compaction was abandoned with the input unchanged.
@@ -607,7 +610,7 @@ impl Compressor {
         turns: &[Value],
         focus_topic: Option<&str>,
     ) -> Option<String> {
-        self.generate_summary_inner(s, turns, focus_topic, false)
+        self.generate_summary_inner(s, turns, focus_topic, false, None)
             .await
             .summary
     }
@@ -618,6 +621,7 @@ impl Compressor {
         turns: &[Value],
         focus_topic: Option<&str>,
         bypass_cooldown: bool,
+        today: Option<&str>,
     ) -> SummaryOutcome {
         let mut out = SummaryOutcome {
             summary: None,
@@ -691,7 +695,7 @@ impl Compressor {
                 previous_summary: prev.as_deref(),
                 focus_topic: focus.as_deref(),
                 target_tokens: target,
-                today: None,
+                today,
                 no_user_turns,
                 chunk: (n > 1).then_some((i, n)),
             });
@@ -876,6 +880,7 @@ impl Compressor {
                     &middle,
                     opts.focus_topic.as_deref(),
                     opts.bypass_cooldown,
+                    opts.today.as_deref(),
                 )
                 .await;
             tel.summary_calls = so.calls;
