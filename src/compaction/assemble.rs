@@ -1,1 +1,337 @@
-//! (to be written)
+//! Assembly of the compacted conversation (reference §3.11, §3.13 step 2,
+//! §3.15 user-turn guarantee): head + summary + tail, with the summary's role
+//! chosen so that no two user or two assistant rows end up side by side, and
+//! merged into the first tail row when neither role fits.
+
+use serde_json::{json, Value};
+
+use super::markers::{self, END_MARKER, INFLIGHT_HEADER};
+use super::view;
+
+/// User message appended when a conversation has no human-authored turn at
+/// all, so strict chat templates ("No user query found") accept it.
+pub const NO_USER_TURN_MARKER: &str = "Continue from the compressed conversation context above. \
+This marker exists because no human user turn was available.";
+
+/// Where the summary went.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Placement {
+    /// A message of its own with this role.
+    Standalone(&'static str),
+    /// Prepended to the first user row of the tail (the summary had to be the
+    /// user turn and the tail already starts with one).
+    MergeUserLeading,
+    /// Wrapped around the first tail row, whose old content is kept as
+    /// delimited prior context before the summary.
+    MergeIntoTail,
+}
+
+/// The assembled conversation and the index of the row carrying the summary.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Assembled {
+    /// The messages to send.
+    pub messages: Vec<Value>,
+    /// Index of the summary carrier in `messages`.
+    pub summary_index: usize,
+    /// How the summary was placed.
+    pub placement: Placement,
+}
+
+fn role_kind(m: &Value) -> Option<&'static str> {
+    match view::role(m) {
+        "user" => Some("user"),
+        "assistant" => Some("assistant"),
+        "system" | "developer" => Some("system"),
+        "tool" => Some("tool"),
+        _ => None,
+    }
+}
+
+/// Roles next to the gap, raw and as strict alternation checks see them.
+struct Neighbours {
+    raw_head: Option<&'static str>,
+    vis_head: Option<&'static str>,
+    raw_tail: Option<&'static str>,
+    vis_tail: Option<&'static str>,
+}
+
+impl Neighbours {
+    fn of(head: &[Value], tail: &[Value]) -> Self {
+        Self {
+            raw_head: head.last().and_then(role_kind),
+            vis_head: head
+                .iter()
+                .rev()
+                .find(|m| !view::is_alternation_exempt(m))
+                .and_then(role_kind),
+            raw_tail: tail.first().and_then(role_kind),
+            vis_tail: tail
+                .iter()
+                .find(|m| !view::is_alternation_exempt(m))
+                .and_then(role_kind),
+        }
+    }
+
+    fn conflicts(&self, role: &str) -> bool {
+        [self.raw_head, self.vis_head, self.raw_tail, self.vis_tail].contains(&Some(role))
+    }
+}
+
+/// True when the summary must be a user message: it would be the first
+/// visible message (Anthropic/Bedrock move the system prompt out, #52160), or
+/// no user text survives in head and tail ("No user query found", #58753).
+pub fn must_force_user(head: &[Value], tail: &[Value]) -> bool {
+    let only_system_head = head
+        .last()
+        .map(|m| role_kind(m) == Some("system"))
+        .unwrap_or(true);
+    let user_survives = head
+        .iter()
+        .chain(tail.iter())
+        .any(|m| view::is_role(m, "user") && !view::is_blank(m));
+    only_system_head || !user_survives
+}
+
+/// Chooses where the summary goes.
+pub fn choose_placement(head: &[Value], tail: &[Value]) -> Placement {
+    let forced = must_force_user(head, tail);
+    let nb = Neighbours::of(head, tail);
+    let preferred = if forced || matches!(nb.vis_head, None | Some("assistant" | "tool")) {
+        "user"
+    } else {
+        "assistant"
+    };
+    if !nb.conflicts(preferred) {
+        return Placement::Standalone(preferred);
+    }
+    let flipped = if preferred == "user" {
+        "assistant"
+    } else {
+        "user"
+    };
+    if !forced && nb.vis_head.is_some() && !nb.conflicts(flipped) {
+        return Placement::Standalone(flipped);
+    }
+    if tail.is_empty() {
+        return Placement::Standalone(preferred);
+    }
+    if forced {
+        // The summary must lead as a user turn. Merge only into a user row
+        // right at the boundary; merging into a later one would make an
+        // assistant row the first visible message.
+        if nb.raw_tail == Some("user") {
+            Placement::MergeUserLeading
+        } else {
+            Placement::Standalone(preferred)
+        }
+    } else {
+        Placement::MergeIntoTail
+    }
+}
+
+fn set_content(m: &mut Value, c: Value) {
+    if let Some(o) = m.as_object_mut() {
+        o.insert("content".to_string(), c);
+        // The sidecar would replace the merged content on the wire.
+        o.remove("api_content");
+    }
+}
+
+/// Joins head, summary and tail. `summary` is the prefixed summary text
+/// (prefix + body), without the END marker.
+pub fn assemble(head: Vec<Value>, summary: &str, tail: Vec<Value>) -> Assembled {
+    let placement = choose_placement(&head, &tail);
+    let mut messages = head;
+    let base = messages.len();
+    let summary_index = match placement {
+        Placement::Standalone(role) => {
+            messages.push(json!({"role": role, "content": markers::standalone_content(summary)}));
+            messages.extend(tail);
+            base
+        }
+        Placement::MergeUserLeading => {
+            messages.extend(tail);
+            let idx = base;
+            let merged = markers::prepend_summary(
+                messages[idx].get("content").unwrap_or(&Value::Null),
+                summary,
+            );
+            set_content(&mut messages[idx], merged);
+            idx
+        }
+        Placement::MergeIntoTail => {
+            messages.extend(tail);
+            let idx = base;
+            let merged = markers::merge_after_prior(
+                messages[idx].get("content").unwrap_or(&Value::Null),
+                summary,
+            );
+            set_content(&mut messages[idx], merged);
+            idx
+        }
+    };
+    Assembled {
+        messages,
+        summary_index,
+        placement,
+    }
+}
+
+/// True when a real user row follows the summary carrier, or the carrier has
+/// live content after its END marker (the user-leading merge).
+fn live_user_after(messages: &[Value], summary_index: usize) -> bool {
+    if messages[summary_index + 1..].iter().any(view::is_real_user) {
+        return true;
+    }
+    let text = view::text(&messages[summary_index]);
+    text.rfind(END_MARKER)
+        .map(|p| !text[p + END_MARKER.len()..].trim().is_empty())
+        .unwrap_or(false)
+}
+
+/// Re-appends the newest real user ask when it went into the head or the
+/// summary and is still unfinished (#100818): without it, the summary prefix
+/// tells the model to act only on user messages after it, and there are none.
+/// Returns true when something was added.
+pub fn reappend_inflight_task(
+    messages: &mut Vec<Value>,
+    summary_index: usize,
+    original: &[Value],
+) -> bool {
+    let Some(u) = view::last_real_user(original, 0) else {
+        return false;
+    };
+    let finished = original.last().is_some_and(|m| {
+        view::is_role(m, "assistant") && !view::is_blank(m) && !view::has_tool_calls(m)
+    });
+    if finished || summary_index >= messages.len() || live_user_after(messages, summary_index) {
+        return false;
+    }
+    let ask = strip_inflight_header(&view::text(&original[u]));
+    let copy = format!("{INFLIGHT_HEADER}\n{ask}");
+    append_user_text(messages, &copy);
+    true
+}
+
+fn strip_inflight_header(text: &str) -> String {
+    let mut t = text.trim_start();
+    while let Some(rest) = t.strip_prefix(INFLIGHT_HEADER) {
+        t = rest.trim_start();
+    }
+    t.to_string()
+}
+
+/// Appends user text, merged into a trailing user row rather than creating a
+/// user/user pair.
+fn append_user_text(messages: &mut Vec<Value>, text: &str) {
+    let last_visible_user = messages
+        .iter()
+        .rev()
+        .find(|m| !view::is_alternation_exempt(m))
+        .is_some_and(|m| view::is_role(m, "user"));
+    let last_is_user = messages.last().is_some_and(|m| view::is_role(m, "user"));
+    if last_is_user
+        || (last_visible_user && messages.last().is_some_and(|m| !view::is_role(m, "tool")))
+    {
+        if let Some(last) = messages.iter_mut().rev().find(|m| view::is_role(m, "user")) {
+            let c = last.get("content").cloned().unwrap_or(Value::Null);
+            let merged = match c {
+                Value::Array(mut parts) => {
+                    parts.push(json!({"type": "text", "text": format!("\n\n{text}")}));
+                    Value::Array(parts)
+                }
+                Value::String(s) if !s.is_empty() => Value::String(format!("{s}\n\n{text}")),
+                _ => Value::String(text.to_string()),
+            };
+            set_content(last, merged);
+            return;
+        }
+    }
+    messages.push(json!({"role": "user", "content": text}));
+}
+
+/// The caller's guarantee (§3.15): some real user row survives. The newest one
+/// from the original is re-inserted when none does; a fixed marker is used
+/// when the conversation never had one. Returns true when something was added.
+pub fn ensure_user_turn(messages: &mut Vec<Value>, original: &[Value]) -> bool {
+    if messages.iter().any(view::is_real_user) {
+        return false;
+    }
+    match view::last_real_user(original, 0) {
+        Some(u) => append_user_text(messages, &view::text(&original[u])),
+        None => append_user_text(messages, NO_USER_TURN_MARKER),
+    }
+    true
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn m(role: &str, c: &str) -> Value {
+        json!({"role": role, "content": c})
+    }
+
+    fn tc() -> Value {
+        json!({"role": "assistant", "content": null, "tool_calls": [{"id": "a", "function": {"name": "f", "arguments": "{}"}}]})
+    }
+
+    #[test]
+    fn forced_user_never_puts_an_assistant_first() {
+        let head = vec![m("system", "s")];
+        let tail = vec![
+            tc(),
+            json!({"role": "tool", "tool_call_id": "a", "content": "r"}),
+            m("user", "u"),
+        ];
+        assert_eq!(
+            choose_placement(&head, &tail),
+            Placement::Standalone("user")
+        );
+    }
+
+    #[test]
+    fn forced_user_merges_into_a_leading_user_row() {
+        let head = vec![m("system", "s")];
+        let tail = vec![m("user", "u"), m("assistant", "a")];
+        assert_eq!(choose_placement(&head, &tail), Placement::MergeUserLeading);
+        let out = assemble(head, "SUM", tail);
+        assert_eq!(out.summary_index, 1);
+        let t = view::text(&out.messages[1]);
+        assert!(t.starts_with("SUM") && t.ends_with("u"));
+    }
+
+    #[test]
+    fn double_collision_merges_into_tail_and_flip_is_used_when_free() {
+        let head = vec![m("system", "s"), m("user", "u"), m("assistant", "a")];
+        assert_eq!(
+            choose_placement(&head, &[m("user", "u2")]),
+            Placement::MergeIntoTail
+        );
+        assert_eq!(
+            choose_placement(&head, &[m("assistant", "a2")]),
+            Placement::Standalone("user")
+        );
+        let head = vec![m("system", "s"), m("user", "u")];
+        assert_eq!(
+            choose_placement(&head, &[m("user", "u2")]),
+            Placement::Standalone("assistant")
+        );
+    }
+
+    #[test]
+    fn tool_rows_are_invisible_but_raw_neighbours_still_count() {
+        // head ends user → assistant(tc) → tool: the visible last head role is
+        // user, the raw one is tool; a following user row forbids a user summary.
+        let head = vec![
+            m("system", "s"),
+            m("user", "u"),
+            tc(),
+            json!({"role": "tool", "tool_call_id": "a", "content": "r"}),
+        ];
+        assert_eq!(
+            choose_placement(&head, &[m("user", "next")]),
+            Placement::Standalone("assistant")
+        );
+    }
+}

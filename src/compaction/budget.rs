@@ -1,1 +1,301 @@
-//! (to be written)
+//! Pure threshold and budget math (reference notes §1.1–§1.3).
+//!
+//! Owner: trigger helper. For windows of 64k and more every number equals the
+//! reference's. Below that the reference's fixed floors (64,000-token trigger,
+//! 2,000-token summary floor) would not fit, so each floor is clamped by a
+//! fraction of the real window: small windows (2k–32k, usual for llama.cpp)
+//! get a trigger below the usable window and a tail + summary that fit under
+//! the trigger with room for the reply.
+
+use serde_json::Value;
+
+use super::config::{sanitize_percent, CompactionConfig};
+
+/// Reference `MINIMUM_CONTEXT_LENGTH`: the absolute floor of the trigger.
+pub const MINIMUM_CONTEXT_LENGTH: u64 = 64_000;
+/// Trigger ratio used when the 64k floor would exceed the usable window.
+pub const MIN_WINDOW_TRIGGER_RATIO: f64 = 0.85;
+/// Windows below this get the small-context percent floor.
+pub const SMALL_CONTEXT_WINDOW: u64 = 512_000;
+/// Raise-only percent floor for windows below [`SMALL_CONTEXT_WINDOW`].
+pub const SMALL_CONTEXT_PERCENT_FLOOR: f64 = 0.75;
+/// Reference per-compaction summary budget floor.
+pub const SUMMARY_BUDGET_FLOOR: u64 = 2_000;
+/// Fraction of the middle the summary budget aims for.
+pub const SUMMARY_MIDDLE_RATIO: f64 = 0.20;
+/// Upper bound of `max_summary_tokens`.
+pub const MAX_SUMMARY_TOKENS_CAP: u64 = 10_000;
+/// `max_summary_tokens` as a fraction of the window.
+pub const MAX_SUMMARY_WINDOW_RATIO: f64 = 0.05;
+/// The tail budget never exceeds this fraction of the window.
+pub const TAIL_WINDOW_CAP_RATIO: f64 = 0.20;
+/// The tail walk may overshoot its budget by this factor (soft ceiling).
+pub const SOFT_CEILING_FACTOR: f64 = 1.5;
+/// Lean tail mode: fraction of the window.
+pub const LEAN_TAIL_WINDOW_RATIO: f64 = 0.025;
+/// Lean tail mode: floor (clamped for small windows, see [`lean_tail_token_budget`]).
+pub const LEAN_TAIL_FLOOR: u64 = 10_000;
+/// Lean tail mode: ceiling.
+pub const LEAN_TAIL_CEILING: u64 = 25_000;
+/// Window assumed when nothing else is known (reference fallback).
+pub const DEFAULT_CONTEXT_LENGTH: u64 = 256_000;
+
+fn floor_mul(n: u64, f: f64) -> u64 {
+    // Same rounding as the reference's `int(n * f)` for non-negative inputs.
+    let v = (n as f64 * f).floor();
+    if v <= 0.0 {
+        0
+    } else {
+        v as u64
+    }
+}
+
+/// Trigger in tokens (reference `_compute_threshold_tokens`, v-B, §1.1).
+///
+/// The usable input is `window − max_tokens` (the whole window when the
+/// reservation leaves nothing). The ratio trigger is floored at 64,000 tokens,
+/// but never above 85% of the usable window, and never equal to it
+/// (#14690). `cap` (the absolute `threshold_tokens`) then applies, itself
+/// bounded by the window. The result is at least 1.
+pub fn compute_threshold_tokens(
+    window: u64,
+    max_tokens: Option<u64>,
+    percent: f64,
+    cap: Option<u64>,
+) -> u64 {
+    let window = window.max(1);
+    let percent = sanitize_percent(percent);
+    let reserve = max_tokens.unwrap_or(0);
+    let eff = if reserve >= window {
+        window
+    } else {
+        window - reserve
+    };
+
+    let pct = floor_mul(eff, percent);
+    let mut floored = pct.max(MINIMUM_CONTEXT_LENGTH);
+    let cap85 = floor_mul(eff, MIN_WINDOW_TRIGGER_RATIO);
+    if floored > pct && floored > cap85 {
+        floored = pct.max(cap85);
+    }
+    let ratio_trigger = if floored >= eff {
+        cap85.min(eff.saturating_sub(1)).max(1)
+    } else {
+        floored.max(1)
+    };
+    match cap.filter(|&c| c > 0) {
+        Some(c) => ratio_trigger.min(c.min(window)).max(1),
+        None => ratio_trigger,
+    }
+}
+
+/// Threshold percent for `model` at `window`: the longest `model_thresholds`
+/// key contained in the model name overrides the configured percent, then
+/// windows below 512k raise it to at least 0.75 (a higher value wins).
+pub fn effective_percent(cfg: &CompactionConfig, model: &str, window: u64) -> f64 {
+    let base = model_override(cfg, model).unwrap_or(cfg.threshold_percent);
+    apply_small_window_floor(sanitize_percent(base), window)
+}
+
+/// The longest `model_thresholds` key that is a substring of `model`
+/// (case-insensitive), if any. Ties go to the lexicographically first key so
+/// the choice is deterministic.
+pub fn model_override(cfg: &CompactionConfig, model: &str) -> Option<f64> {
+    let lower = model.to_ascii_lowercase();
+    let mut best: Option<(usize, f64)> = None;
+    for (key, &pct) in &cfg.model_thresholds {
+        if key.is_empty() || !lower.contains(&key.to_ascii_lowercase()) {
+            continue;
+        }
+        if best.is_none_or(|(len, _)| key.len() > len) {
+            best = Some((key.len(), pct));
+        }
+    }
+    best.map(|(_, p)| p)
+}
+
+/// Raise-only 0.75 floor for windows below 512k.
+pub fn apply_small_window_floor(percent: f64, window: u64) -> f64 {
+    if window < SMALL_CONTEXT_WINDOW {
+        percent.max(SMALL_CONTEXT_PERCENT_FLOOR)
+    } else {
+        percent
+    }
+}
+
+/// Tail token budget: `floor(threshold × ratio)` (reference v-A / v-B legacy
+/// mode, the mode the reference tests pin), reduced to at most 20% of the
+/// window, at least 1. `ratio` is clamped to [0.10, 0.80].
+pub fn tail_token_budget(threshold: u64, window: u64, ratio: f64) -> u64 {
+    let ratio = super::config::clamp_ratio(ratio);
+    floor_mul(threshold, ratio)
+        .min(floor_mul(window, TAIL_WINDOW_CAP_RATIO))
+        .max(1)
+}
+
+/// Lean-mode tail budget (reference v-B default, not used by the engine's
+/// default path): `clamp(2.5% of window, 10,000, 25,000)`, reduced to 20% of
+/// the window. The 10,000 floor is itself clamped to 10% of the window so a
+/// small window keeps room for head, summary and reply.
+pub fn lean_tail_token_budget(window: u64) -> u64 {
+    let floor = LEAN_TAIL_FLOOR.min(floor_mul(window, 0.10));
+    floor_mul(window, LEAN_TAIL_WINDOW_RATIO)
+        .clamp(floor, LEAN_TAIL_CEILING.max(floor))
+        .min(floor_mul(window, TAIL_WINDOW_CAP_RATIO))
+        .max(1)
+}
+
+/// Upper bound of one summary: `min(5% of window, 10,000)`, at least 1.
+pub fn max_summary_tokens(window: u64) -> u64 {
+    floor_mul(window, MAX_SUMMARY_WINDOW_RATIO).clamp(1, MAX_SUMMARY_TOKENS_CAP)
+}
+
+/// [`max_summary_tokens`] further limited to a quarter of the trigger.
+///
+/// The reference sizes the summary from the window alone; when a large
+/// output reservation or a low absolute cap makes the trigger small, a
+/// window-sized summary could approach the trigger itself and re-fire
+/// compaction at once. The clamp only binds when the trigger is below
+/// 4 × `max_summary_tokens(window)`, which never happens at ≥ 64k windows
+/// without a reservation or cap.
+pub fn max_summary_tokens_for(window: u64, threshold: u64) -> u64 {
+    max_summary_tokens(window).min((threshold / 4).max(1))
+}
+
+/// Summary target for one compaction: `max(floor, min(20% of middle, max_summary))`.
+///
+/// The reference floor is 2,000 tokens, which wins even over a lower cap. For
+/// small windows that floor alone could exceed the trigger, so it is clamped
+/// to `2 × max_summary` (10% of the window whenever `max_summary` comes from
+/// [`max_summary_tokens`]); from 20k windows up this is exactly the reference.
+pub fn summary_budget(middle_tokens: u64, max_summary: u64) -> u64 {
+    let floor = SUMMARY_BUDGET_FLOOR
+        .min(max_summary.saturating_mul(2))
+        .max(1);
+    floor.max(floor_mul(middle_tokens, SUMMARY_MIDDLE_RATIO).min(max_summary))
+}
+
+/// Soft ceiling of the tail walk: 1.5 × budget, capped at 20% of the window,
+/// never below the budget itself.
+pub fn soft_tail_ceiling(budget: u64, window: u64) -> u64 {
+    let soft = floor_mul(budget, SOFT_CEILING_FACTOR).min(floor_mul(window, TAIL_WINDOW_CAP_RATIO));
+    soft.max(budget)
+}
+
+/// Reference `_coerce_max_tokens` for the request's `max_tokens` /
+/// `max_completion_tokens`: a positive integer is an output reservation;
+/// anything else (absent, null, zero, negative, fractional, non-numeric)
+/// means none, so the threshold math never sees garbage. Numeric strings
+/// are accepted as the reference's `int()` does.
+pub fn coerce_max_tokens(v: Option<&Value>) -> Option<u64> {
+    match v? {
+        Value::Number(n) => {
+            if let Some(u) = n.as_u64() {
+                (u > 0).then_some(u)
+            } else if let Some(f) = n.as_f64() {
+                (f.is_finite() && f >= 1.0 && f.fract() == 0.0 && f <= u64::MAX as f64)
+                    .then_some(f as u64)
+            } else {
+                None
+            }
+        }
+        Value::String(s) => s.trim().parse::<u64>().ok().filter(|&u| u > 0),
+        _ => None,
+    }
+}
+
+/// The budgets derived from one (config, model, window, reservation).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Budgets {
+    /// Context window in tokens.
+    pub window: u64,
+    /// Prompt size at which compaction triggers.
+    pub threshold_tokens: u64,
+    /// Tokens the protected tail aims for.
+    pub tail_token_budget: u64,
+    /// Upper bound of one summary in tokens.
+    pub max_summary_tokens: u64,
+}
+
+impl Budgets {
+    /// Derive every budget from the raw config (per-model override, small
+    /// window floor, trigger math, cap), as the reference's `update_model` does.
+    pub fn compute(
+        cfg: &CompactionConfig,
+        model: &str,
+        window: u64,
+        max_tokens: Option<u64>,
+    ) -> Budgets {
+        let window = window.max(1);
+        let percent = effective_percent(cfg, model, window);
+        let threshold_tokens =
+            compute_threshold_tokens(window, max_tokens, percent, cfg.threshold_tokens_cap());
+        Budgets {
+            window,
+            threshold_tokens,
+            tail_token_budget: tail_token_budget(
+                threshold_tokens,
+                window,
+                cfg.effective_summary_target_ratio(),
+            ),
+            max_summary_tokens: max_summary_tokens_for(window, threshold_tokens),
+        }
+    }
+
+    /// Soft ceiling of the tail walk for these budgets.
+    pub fn soft_tail_ceiling(&self) -> u64 {
+        soft_tail_ceiling(self.tail_token_budget, self.window)
+    }
+
+    /// Summary target for a middle of `middle_tokens`.
+    pub fn summary_budget(&self, middle_tokens: u64) -> u64 {
+        summary_budget(middle_tokens, self.max_summary_tokens)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn worked_examples_from_notes() {
+        assert_eq!(
+            compute_threshold_tokens(1_000_000, Some(32_000), 0.50, None),
+            484_000
+        );
+        assert_eq!(
+            compute_threshold_tokens(200_000, Some(80_000), 0.75, None),
+            90_000
+        );
+        assert_eq!(compute_threshold_tokens(64_000, None, 0.75, None), 54_400);
+        assert_eq!(compute_threshold_tokens(80_000, None, 0.75, None), 64_000);
+        assert_eq!(compute_threshold_tokens(128_000, None, 0.75, None), 96_000);
+    }
+
+    #[test]
+    fn reservation_covering_window_uses_whole_window() {
+        assert_eq!(
+            compute_threshold_tokens(64_000, Some(64_000), 0.5, None),
+            compute_threshold_tokens(64_000, None, 0.5, None)
+        );
+    }
+
+    #[test]
+    fn degenerate_windows_stay_positive_and_below_window() {
+        for w in [1u64, 2, 3, 10, 100] {
+            let t = compute_threshold_tokens(w, None, 0.5, None);
+            assert!(t >= 1);
+            assert!(t < w || w == 1, "w={w} t={t}");
+        }
+    }
+
+    #[test]
+    fn summary_budget_reference_floor_above_40k() {
+        // 32k window: max_summary 1,600 but the 2,000 floor still wins (reference).
+        assert_eq!(summary_budget(1_000, max_summary_tokens(32_000)), 2_000);
+        assert_eq!(summary_budget(100_000, max_summary_tokens(200_000)), 10_000);
+        assert_eq!(summary_budget(30_000, max_summary_tokens(200_000)), 6_000);
+        // 2k window: the floor is clamped to 10% of the window.
+        assert_eq!(summary_budget(0, max_summary_tokens(2_048)), 204);
+    }
+}

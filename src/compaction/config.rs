@@ -1,1 +1,293 @@
-//! (to be written)
+//! Compaction settings (`[compaction]` in `proxy.toml`) with the reference
+//! compressor's defaults.
+//!
+//! Owner: trigger helper. Values are stored as configured; the accessors
+//! (`effective_*`) apply the clamps the engine relies on so a bad config can
+//! never produce nonsensical budgets.
+
+use std::collections::BTreeMap;
+
+use serde::{Deserialize, Deserializer};
+
+/// Default trigger ratio (reference PR #1096 lowered it from 0.85).
+pub const DEFAULT_THRESHOLD_PERCENT: f64 = 0.50;
+/// Default number of leading non-system messages protected on the first compaction.
+pub const DEFAULT_PROTECT_FIRST_N: usize = 3;
+/// Default soft tail floor in messages (capped at 8 by the tail walk).
+pub const DEFAULT_PROTECT_LAST_N: usize = 20;
+/// Default summary/tail sizing ratio.
+pub const DEFAULT_SUMMARY_TARGET_RATIO: f64 = 0.20;
+/// Lower clamp of `summary_target_ratio`.
+pub const MIN_SUMMARY_TARGET_RATIO: f64 = 0.10;
+/// Upper clamp of `summary_target_ratio`.
+pub const MAX_SUMMARY_TARGET_RATIO: f64 = 0.80;
+/// Default preflight passes per turn.
+pub const DEFAULT_MAX_ATTEMPTS: u32 = 3;
+/// Default idle timeout of a summary call (progress extends it).
+pub const DEFAULT_SUMMARY_IDLE_TIMEOUT_SECS: u64 = 120;
+/// Default hard ceiling of a summary call.
+pub const DEFAULT_SUMMARY_TIMEOUT_SECS: u64 = 600;
+
+/// A `[compaction]` table that does not describe a valid [`CompactionConfig`].
+#[derive(Debug, thiserror::Error)]
+#[error("invalid setting compaction{}: {message}", key.as_deref().map(|k| format!(".{k}")).unwrap_or_default())]
+pub struct ConfigError {
+    /// The offending key inside `[compaction]`, when known.
+    pub key: Option<String>,
+    /// What is wrong with it.
+    pub message: String,
+}
+
+impl ConfigError {
+    fn new(key: &str, message: impl Into<String>) -> Self {
+        Self {
+            key: Some(key.to_owned()),
+            message: message.into(),
+        }
+    }
+}
+
+/// Which compaction strategy runs when a conversation crosses its threshold.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Deserialize, serde::Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Strategy {
+    /// One summary of the whole middle per compaction (reference default).
+    #[default]
+    Batch,
+    /// Rolling per-exchange summaries (off by default upstream: breaks the prompt cache every turn).
+    Micro,
+}
+
+/// Settings of the compaction engine. Every field has the reference default,
+/// so an empty `[compaction]` table equals [`CompactionConfig::default`]
+/// (the reference's `DEFAULT_CONFIG`).
+#[derive(Clone, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct CompactionConfig {
+    /// Trigger as a fraction of the usable window (raised to 0.75 below 512k
+    /// windows). Values in (1, 100] are read as percentages (`75` = 0.75).
+    pub threshold_percent: f64,
+    /// Absolute trigger cap in tokens; `None` = ratio only. Zero, negative or
+    /// non-numeric values deserialise to `None`, as the reference treats an invalid cap.
+    #[serde(deserialize_with = "de_positive_cap")]
+    pub threshold_tokens: Option<u64>,
+    /// Leading non-system messages kept verbatim on the first compaction.
+    pub protect_first_n: usize,
+    /// Soft tail floor in messages (the tail walk caps it at 8).
+    pub protect_last_n: usize,
+    /// Newest real user messages the tail must contain.
+    pub min_tail_user_messages: usize,
+    /// Tail/summary sizing ratio; see [`CompactionConfig::effective_summary_target_ratio`].
+    pub summary_target_ratio: f64,
+    /// Model-name substring → threshold percent (same scale rules as
+    /// `threshold_percent`); the longest matching key wins.
+    pub model_thresholds: BTreeMap<String, f64>,
+    /// Abort (forward the original messages) instead of inserting a fallback summary.
+    pub abort_on_summary_failure: bool,
+    /// Model used for summaries; `None` = the conversation's own model.
+    pub summary_model: Option<String>,
+    /// Base URL of a separate summary endpoint; `None` = the proxy's upstream.
+    pub summary_endpoint: Option<String>,
+    /// Bearer key for the summary endpoint; `None` = the client's own
+    /// credentials. Never printed by `Debug`.
+    pub summary_api_key: Option<String>,
+    /// Idle timeout of one summary call in seconds (progress extends it).
+    pub summary_idle_timeout_secs: u64,
+    /// Hard ceiling of one summary call in seconds.
+    pub summary_timeout_secs: u64,
+    /// Batch or micro compaction.
+    pub strategy: Strategy,
+    /// Charge reasoning of every assistant turn (not only the newest) in estimates.
+    pub charge_stale_thinking: bool,
+    /// Preflight compaction passes allowed per request.
+    pub max_attempts: u32,
+    /// Micro strategy: run on every Nth turn (1 = every turn).
+    pub micro_every_n_turns: u32,
+}
+
+impl std::fmt::Debug for CompactionConfig {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("CompactionConfig")
+            .field("threshold_percent", &self.threshold_percent)
+            .field("threshold_tokens", &self.threshold_tokens)
+            .field("protect_first_n", &self.protect_first_n)
+            .field("protect_last_n", &self.protect_last_n)
+            .field("min_tail_user_messages", &self.min_tail_user_messages)
+            .field("summary_target_ratio", &self.summary_target_ratio)
+            .field("model_thresholds", &self.model_thresholds)
+            .field("abort_on_summary_failure", &self.abort_on_summary_failure)
+            .field("summary_model", &self.summary_model)
+            .field("summary_endpoint", &self.summary_endpoint)
+            .field(
+                "summary_api_key",
+                &self.summary_api_key.as_ref().map(|_| "<redacted>"),
+            )
+            .field("summary_idle_timeout_secs", &self.summary_idle_timeout_secs)
+            .field("summary_timeout_secs", &self.summary_timeout_secs)
+            .field("strategy", &self.strategy)
+            .field("charge_stale_thinking", &self.charge_stale_thinking)
+            .field("max_attempts", &self.max_attempts)
+            .field("micro_every_n_turns", &self.micro_every_n_turns)
+            .finish()
+    }
+}
+
+impl Default for CompactionConfig {
+    fn default() -> Self {
+        Self {
+            threshold_percent: DEFAULT_THRESHOLD_PERCENT,
+            threshold_tokens: None,
+            protect_first_n: DEFAULT_PROTECT_FIRST_N,
+            protect_last_n: DEFAULT_PROTECT_LAST_N,
+            min_tail_user_messages: 1,
+            summary_target_ratio: DEFAULT_SUMMARY_TARGET_RATIO,
+            model_thresholds: BTreeMap::new(),
+            abort_on_summary_failure: false,
+            summary_model: None,
+            summary_endpoint: None,
+            summary_api_key: None,
+            summary_idle_timeout_secs: DEFAULT_SUMMARY_IDLE_TIMEOUT_SECS,
+            summary_timeout_secs: DEFAULT_SUMMARY_TIMEOUT_SECS,
+            strategy: Strategy::Batch,
+            charge_stale_thinking: true,
+            max_attempts: DEFAULT_MAX_ATTEMPTS,
+            micro_every_n_turns: 1,
+        }
+    }
+}
+
+impl CompactionConfig {
+    /// Build from the raw `[compaction]` table of `proxy.toml` (missing keys
+    /// take their defaults; unknown keys and wrong types are errors naming
+    /// the key), then check the values that have no safe reading.
+    pub fn from_table(table: &toml::Table) -> Result<Self, ConfigError> {
+        let parse = |t: toml::Table| -> Result<CompactionConfig, toml::de::Error> {
+            toml::Value::Table(t).try_into()
+        };
+        let cfg = match parse(table.clone()) {
+            Ok(cfg) => cfg,
+            Err(e) => {
+                // Type errors from a `Value` carry no key; find the culprit
+                // by parsing one key at a time so the message names it.
+                let culprit = table.iter().find_map(|(k, v)| {
+                    let mut one = toml::Table::new();
+                    one.insert(k.clone(), v.clone());
+                    parse(one).err().map(|e| (k.clone(), e))
+                });
+                return Err(match culprit {
+                    Some((k, e)) => ConfigError::new(&k, e.message().trim()),
+                    None => ConfigError {
+                        key: None,
+                        message: e.message().trim().to_owned(),
+                    },
+                });
+            }
+        };
+        cfg.validate()?;
+        Ok(cfg)
+    }
+
+    /// Reject values the engine cannot interpret. Out-of-range ratios are
+    /// clamped by the accessors instead, as the reference does.
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        let pct_ok = |p: f64| p.is_finite() && p > 0.0 && p <= 100.0;
+        if !pct_ok(self.threshold_percent) {
+            return Err(ConfigError::new(
+                "threshold_percent",
+                format!(
+                    "must be in (0, 1], or (1, 100] as a percentage; got {}",
+                    self.threshold_percent
+                ),
+            ));
+        }
+        if let Some((k, v)) = self.model_thresholds.iter().find(|(_, &v)| !pct_ok(v)) {
+            return Err(ConfigError::new(
+                &format!("model_thresholds.\"{k}\""),
+                format!("must be in (0, 1], or (1, 100] as a percentage; got {v}"),
+            ));
+        }
+        if self.max_attempts == 0 {
+            return Err(ConfigError::new("max_attempts", "must be at least 1"));
+        }
+        if self.summary_timeout_secs == 0 || self.summary_idle_timeout_secs == 0 {
+            let key = if self.summary_timeout_secs == 0 {
+                "summary_timeout_secs"
+            } else {
+                "summary_idle_timeout_secs"
+            };
+            return Err(ConfigError::new(key, "must be positive"));
+        }
+        if self.micro_every_n_turns == 0 {
+            return Err(ConfigError::new(
+                "micro_every_n_turns",
+                "must be at least 1",
+            ));
+        }
+        Ok(())
+    }
+
+    /// `summary_target_ratio` clamped to [0.10, 0.80]; a non-finite value means the default.
+    pub fn effective_summary_target_ratio(&self) -> f64 {
+        clamp_ratio(self.summary_target_ratio)
+    }
+
+    /// `threshold_percent` made usable: non-finite or ≤ 0 means the default,
+    /// above 1 means 1 (the trigger math keeps the result below the window).
+    pub fn effective_threshold_percent(&self) -> f64 {
+        sanitize_percent(self.threshold_percent)
+    }
+
+    /// The absolute cap, `None` when disabled.
+    pub fn threshold_tokens_cap(&self) -> Option<u64> {
+        self.threshold_tokens.filter(|&c| c > 0)
+    }
+}
+
+/// Clamp a summary ratio to the reference's [0.10, 0.80] range.
+pub fn clamp_ratio(r: f64) -> f64 {
+    if !r.is_finite() {
+        return DEFAULT_SUMMARY_TARGET_RATIO;
+    }
+    r.clamp(MIN_SUMMARY_TARGET_RATIO, MAX_SUMMARY_TARGET_RATIO)
+}
+
+/// Make a threshold percent usable by the trigger math: values in (1, 100]
+/// are percentages (`75` → 0.75), larger ones mean 1; non-finite or ≤ 0
+/// means the default.
+pub fn sanitize_percent(p: f64) -> f64 {
+    if !p.is_finite() || p <= 0.0 {
+        DEFAULT_THRESHOLD_PERCENT
+    } else if p <= 1.0 {
+        p
+    } else if p <= 100.0 {
+        p / 100.0
+    } else {
+        1.0
+    }
+}
+
+/// Accept any TOML scalar for the cap; only a positive number enables it.
+/// The reference treats zero, negative and non-numeric caps as "no cap"
+/// rather than failing, so a typo never disables compaction altogether.
+fn de_positive_cap<'de, D: Deserializer<'de>>(d: D) -> Result<Option<u64>, D::Error> {
+    #[derive(Deserialize)]
+    #[serde(untagged)]
+    enum Raw {
+        Int(i64),
+        Float(f64),
+        Str(String),
+        Other(serde::de::IgnoredAny),
+    }
+    let raw = Option::<Raw>::deserialize(d)?;
+    Ok(match raw {
+        Some(Raw::Int(i)) if i > 0 => Some(i as u64),
+        Some(Raw::Float(f)) if f.is_finite() && f >= 1.0 => Some(f.floor() as u64),
+        Some(Raw::Str(s)) => s
+            .trim()
+            .parse::<i64>()
+            .ok()
+            .filter(|&i| i > 0)
+            .map(|i| i as u64),
+        _ => None,
+    })
+}

@@ -1,1 +1,507 @@
-//! (to be written)
+//! Deterministic fallback summary (reference §3.12): what replaces the
+//! compacted turns when the summariser failed and the failure is not one
+//! that aborts. Built locally from the dropped turns, strictly redacted,
+//! capped at 8,000 characters. The latest user ask is recorded exactly once,
+//! as history (#49307: repeating it under "in progress" / "pending" headings
+//! made the model answer it again).
+
+use super::markers::{HISTORICAL_TASK_HEADING, SUMMARY_PREFIX};
+use super::redact::redact_secrets;
+use super::serialize::{content_text, is_synthetic_user, py_quote};
+use super::tool_summary::summarize_tool_result;
+use regex::Regex;
+use serde_json::Value;
+use std::collections::HashMap;
+use std::sync::LazyLock;
+
+/// Cap of the whole fallback summary (prefix included).
+pub const FALLBACK_MAX_CHARS: usize = 8_000;
+/// Cap of the previous-summary snapshot quoted in the fallback.
+pub const PREVIOUS_SNAPSHOT_MAX_CHARS: usize = 3_000;
+/// Cap of each dropped turn's text.
+pub const TURN_MAX_CHARS: usize = 700;
+/// Phrase every fallback carries so callers and users can tell it apart
+/// from a model-written summary.
+pub const FALLBACK_NOTICE: &str = "Summary generation was unavailable";
+
+const MAX_ACTIONS: usize = 12;
+const MAX_BLOCKED: usize = 5;
+const MAX_FILES: usize = 12;
+const MAX_LAST_TURNS: usize = 8;
+const MAX_TOOL_NAMES: usize = 6;
+const TRUNCATED_TAIL: &str = "\n...[fallback summary truncated]";
+
+static ERROR_WORDS: LazyLock<Option<Regex>> = LazyLock::new(|| {
+    Regex::new(r"(?i)error|failed|exception|traceback|timeout|timed out|fatal").ok()
+});
+static PATH_LIKE: LazyLock<Option<Regex>> = LazyLock::new(|| {
+    Regex::new(concat!(
+        r"(?:~|\.{1,2})?(?:/[A-Za-z0-9_.@+\-]+){2,}",
+        r"|[A-Za-z0-9_\-][A-Za-z0-9_.\-]*(?:/[A-Za-z0-9_.\-]+)+\.[A-Za-z0-9]{1,8}\b"
+    ))
+    .ok()
+});
+
+/// Redacted, whitespace-collapsed text capped at `max` chars.
+fn clean(text: &str, max: usize) -> String {
+    let t = redact_secrets(text)
+        .split_whitespace()
+        .collect::<Vec<_>>()
+        .join(" ");
+    if t.chars().count() <= max {
+        return t;
+    }
+    let mut out: String = t.chars().take(max).collect();
+    out.push_str(" ...[truncated]");
+    out
+}
+
+/// Asks and actions over 600 chars keep 420 head + " ... " + 160 tail.
+fn shorten(text: &str) -> String {
+    let n = text.chars().count();
+    if n <= 600 {
+        return text.to_string();
+    }
+    let head: String = text.chars().take(420).collect();
+    let tail: String = text.chars().skip(n - 160).collect();
+    format!("{head} ... {tail}")
+}
+
+fn role(m: &Value) -> &str {
+    m.get("role").and_then(Value::as_str).unwrap_or("")
+}
+
+fn tool_calls(m: &Value) -> &[Value] {
+    match m.get("tool_calls") {
+        Some(Value::Array(a)) => a,
+        _ => &[],
+    }
+}
+
+fn call_name(call: &Value) -> String {
+    call.get("function")
+        .unwrap_or(call)
+        .get("name")
+        .and_then(Value::as_str)
+        .unwrap_or("?")
+        .to_string()
+}
+
+fn call_args(call: &Value) -> String {
+    match call.get("function").unwrap_or(call).get("arguments") {
+        Some(Value::String(s)) => s.clone(),
+        None | Some(Value::Null) => String::new(),
+        Some(v) => v.to_string(),
+    }
+}
+
+fn call_ids(call: &Value) -> impl Iterator<Item = &str> {
+    ["id", "call_id"]
+        .into_iter()
+        .filter_map(|k| call.get(k).and_then(Value::as_str))
+}
+
+fn called_tools_line(calls: &[Value]) -> String {
+    let mut names: Vec<String> = Vec::new();
+    for c in calls {
+        let n = call_name(c);
+        if !names.contains(&n) {
+            names.push(n);
+        }
+    }
+    let extra = names.len().saturating_sub(MAX_TOOL_NAMES);
+    names.truncate(MAX_TOOL_NAMES);
+    let mut line = format!("Called tool(s): {}", names.join(", "));
+    if extra > 0 {
+        line.push_str(&format!(" (+{extra} more)"));
+    }
+    line
+}
+
+fn push_unique(list: &mut Vec<String>, item: String, max: usize) {
+    if list.len() < max && !item.is_empty() && !list.contains(&item) {
+        list.push(item);
+    }
+}
+
+fn collect_paths(text: &str, files: &mut Vec<String>) {
+    let Some(re) = &*PATH_LIKE else { return };
+    for m in re.find_iter(text) {
+        // Skip URL paths (`https://host/x`) and mid-word matches.
+        let before = text[..m.start()].chars().next_back();
+        if before.is_some_and(|c| c == ':' || c == '/' || c.is_alphanumeric()) {
+            continue;
+        }
+        let p = m.as_str().trim_end_matches(['.', ',', ')', ':']);
+        if p.contains("[REDACTED") {
+            continue;
+        }
+        push_unique(files, p.to_string(), MAX_FILES);
+    }
+}
+
+fn previous_snapshot_line(previous: &str) -> Option<String> {
+    let start = previous.find(HISTORICAL_TASK_HEADING)? + HISTORICAL_TASK_HEADING.len();
+    let rest = &previous[start..];
+    let end = rest.find("\n## ").unwrap_or(rest.len());
+    let t = clean(rest[..end].trim(), 1_400);
+    (!t.is_empty()).then_some(t)
+}
+
+/// What the fallback extracts from the dropped turns.
+#[derive(Default)]
+struct Facts {
+    last_ask: Option<String>,
+    actions: Vec<String>,
+    blocked: Vec<String>,
+    files: Vec<String>,
+    last_turns: Vec<String>,
+}
+
+fn extract(dropped: &[Value]) -> Facts {
+    let mut f = Facts::default();
+    let mut calls_by_id: HashMap<&str, (String, String)> = HashMap::new();
+    for m in dropped {
+        for c in tool_calls(m) {
+            for id in call_ids(c) {
+                calls_by_id.insert(id, (call_name(c), call_args(c)));
+            }
+        }
+    }
+    let mut actions: Vec<String> = Vec::new();
+    for m in dropped {
+        let text = content_text(m.get("content"));
+        match role(m) {
+            "user" => {
+                let synthetic = is_synthetic_user(m);
+                if !synthetic && !text.trim().is_empty() {
+                    f.last_ask = Some(shorten(&clean(&text, usize::MAX)));
+                }
+                collect_paths(&redact_secrets(&text), &mut f.files);
+                let label = if synthetic {
+                    "INTERNAL CONTEXT"
+                } else {
+                    "USER"
+                };
+                f.last_turns
+                    .push(format!("{label}: {}", clean(&text, TURN_MAX_CHARS)));
+            }
+            "assistant" => {
+                let calls = tool_calls(m);
+                for c in calls {
+                    if let Ok(Value::Object(args)) = serde_json::from_str::<Value>(&call_args(c)) {
+                        for key in ["path", "workdir", "file_path", "output_path"] {
+                            if let Some(p) = args.get(key).and_then(Value::as_str) {
+                                push_unique(&mut f.files, clean(p, 300), MAX_FILES);
+                            }
+                        }
+                    }
+                }
+                collect_paths(&redact_secrets(&text), &mut f.files);
+                let cleaned = clean(&text, TURN_MAX_CHARS);
+                if calls.is_empty() {
+                    if !cleaned.is_empty() {
+                        actions.push(shorten(&cleaned));
+                    }
+                    f.last_turns.push(format!("ASSISTANT: {cleaned}"));
+                } else {
+                    let line = called_tools_line(calls);
+                    actions.push(line.clone());
+                    let names = line.trim_start_matches("Called tool(s): ");
+                    let sep = if cleaned.is_empty() { "" } else { " — " };
+                    f.last_turns
+                        .push(format!("ASSISTANT: tool calls: {names}{sep}{cleaned}"));
+                }
+            }
+            "tool" => {
+                let id = m.get("tool_call_id").and_then(Value::as_str).unwrap_or("");
+                let (name, args) = calls_by_id
+                    .get(id)
+                    .cloned()
+                    .unwrap_or_else(|| ("tool".to_string(), String::new()));
+                actions.push(shorten(&clean(
+                    &summarize_tool_result(&name, &args, &text),
+                    TURN_MAX_CHARS,
+                )));
+                if ERROR_WORDS.as_ref().is_some_and(|re| re.is_match(&text))
+                    && f.blocked.len() < MAX_BLOCKED
+                {
+                    f.blocked.push(clean(&text, 500));
+                }
+                collect_paths(&redact_secrets(&text), &mut f.files);
+                f.last_turns
+                    .push(format!("TOOL: {}", clean(&text, TURN_MAX_CHARS)));
+            }
+            other => {
+                if !text.trim().is_empty() {
+                    f.last_turns.push(format!(
+                        "{}: {}",
+                        other.to_uppercase(),
+                        clean(&text, TURN_MAX_CHARS)
+                    ));
+                }
+            }
+        }
+    }
+    let skip = actions.len().saturating_sub(MAX_ACTIONS);
+    f.actions = actions.into_iter().skip(skip).collect();
+    let skip = f.last_turns.len().saturating_sub(MAX_LAST_TURNS);
+    f.last_turns.drain(..skip);
+    f
+}
+
+/// The fallback body (no prefix): the five leading sections, then optional
+/// sections in priority order as long as the whole summary (prefix
+/// included) stays within [`FALLBACK_MAX_CHARS`].
+pub fn build_fallback_body(
+    dropped: &[Value],
+    previous_summary: Option<&str>,
+    reason: &str,
+) -> String {
+    let f = extract(dropped);
+    let n = dropped.len();
+    let reason = clean(reason, 220);
+    let snapshot = match (&f.last_ask, previous_summary.and_then(previous_snapshot_line)) {
+        (Some(ask), _) => format!(
+            "User asked: {}\nHistorical only; the messages after this summary take precedence.",
+            py_quote(ask)
+        ),
+        (None, Some(prev)) => format!("No new user request in the compacted turns. From the previous summary (reference only): {prev}"),
+        (None, None) => "No user request in the compacted turns.".to_string(),
+    };
+    let mut required = format!(
+        "{HISTORICAL_TASK_HEADING}\n{snapshot}\n\n\
+## Governing User Outcome\nUnknown from deterministic fallback — do not infer one; follow the user messages after this summary.\n\n\
+## Current Subtask\nUnknown from deterministic fallback.\n\n\
+## Latest User Correction\nUnknown from deterministic fallback.\n\n\
+## Next Outcome-Relevant Step (Reference Only)\nNone. Do not answer the recorded ask again; respond to the messages after this summary.\n\n\
+## Constraints & Preferences\n- {FALLBACK_NOTICE} ({reason}), so this summary was assembled locally from {n} compacted messages without a model. Secrets were redacted and details may be missing: verify the current state before acting."
+    );
+    let numbered = |items: &[String]| {
+        items
+            .iter()
+            .enumerate()
+            .map(|(i, a)| format!("{}. {a}", i + 1))
+            .collect::<Vec<_>>()
+            .join("\n")
+    };
+    let bullets = |items: &[String]| {
+        items
+            .iter()
+            .map(|a| format!("- {a}"))
+            .collect::<Vec<_>>()
+            .join("\n")
+    };
+    // (canonical position, text) in priority order.
+    let mut optional: Vec<(usize, String)> = Vec::new();
+    optional.push((
+        6,
+        format!("## Critical Context\nBest-effort fallback for {n} compacted messages. Reason: {reason}."),
+    ));
+    if !f.actions.is_empty() {
+        optional.push((0, format!("## Completed Actions\n{}", numbered(&f.actions))));
+    }
+    if !f.blocked.is_empty() {
+        optional.push((1, format!("## Blocked\n{}", bullets(&f.blocked))));
+    }
+    if !f.files.is_empty() {
+        optional.push((2, format!("## Relevant Files\n{}", bullets(&f.files))));
+    }
+    if !f.last_turns.is_empty() {
+        optional.push((
+            3,
+            format!("## Last Dropped Turns\n{}", f.last_turns.join("\n")),
+        ));
+    }
+    if let Some(prev) = previous_summary.filter(|p| !p.trim().is_empty()) {
+        let p = redact_secrets(prev.trim());
+        let quoted: String = p.chars().take(PREVIOUS_SNAPSHOT_MAX_CHARS).collect();
+        let quoted = quoted
+            .lines()
+            .map(|l| format!("> {l}"))
+            .collect::<Vec<_>>()
+            .join("\n");
+        optional.push((
+            4,
+            format!("## Previous Summary Snapshot (reference only)\n{quoted}"),
+        ));
+    }
+    optional.push((
+        5,
+        "## Active State\nUnknown — check the working tree and running processes before acting."
+            .to_string(),
+    ));
+    let budget = FALLBACK_MAX_CHARS.saturating_sub(SUMMARY_PREFIX.chars().count() + 1);
+    let mut used = required.chars().count();
+    let mut chosen: Vec<(usize, String)> = Vec::new();
+    for (pos, text) in optional {
+        let len = text.chars().count() + 2;
+        if used + len <= budget {
+            used += len;
+            chosen.push((pos, text));
+        }
+    }
+    chosen.sort_by_key(|(pos, _)| *pos);
+    for (_, text) in chosen {
+        required.push_str("\n\n");
+        required.push_str(&text);
+    }
+    if required.chars().count() > budget {
+        let keep = budget.saturating_sub(TRUNCATED_TAIL.len());
+        required = required.chars().take(keep).collect();
+        required.push_str(TRUNCATED_TAIL);
+    }
+    required
+}
+
+/// The deterministic fallback summary, prefixed with
+/// [`SUMMARY_PREFIX`] (the caller appends the END marker like for any
+/// summary): task snapshot with the latest real user ask recorded once,
+/// completed actions (≤ 12, tool calls by name, tool results as one-line
+/// summaries), blocked errors (≤ 5), relevant files (≤ 12, from path
+/// arguments and path-looking text), the last 8 dropped turns, a quoted
+/// previous-summary snapshot (≤ 3,000 chars) and the failure reason. All
+/// text is strictly redacted; the total is ≤ 8,000 chars.
+pub fn build_fallback_summary(
+    dropped: &[Value],
+    previous_summary: Option<&str>,
+    reason: &str,
+) -> String {
+    format!(
+        "{SUMMARY_PREFIX}\n{}",
+        build_fallback_body(dropped, previous_summary, reason)
+    )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    fn secret() -> String {
+        format!("ghp_{}", "a".repeat(36))
+    }
+
+    fn session() -> Vec<Value> {
+        let s = secret();
+        vec![
+            json!({"role": "user", "content": format!("Fix /tmp/project/app.py and never leak {s}")}),
+            json!({"role": "assistant", "content": "I will inspect it.", "tool_calls": [
+                {"id": "call-1", "function": {"name": "read_file", "arguments": "{\"path\":\"/tmp/project/app.py\"}"}}
+            ]}),
+            json!({"role": "tool", "tool_call_id": "call-1", "content": format!("read /tmp/project/app.py with token {s}")}),
+            json!({"role": "assistant", "content": "Found the bug in /tmp/project/app.py"}),
+            json!({"role": "user", "content": "Patch it after this"}),
+            json!({"role": "assistant", "content": "Ready to patch"}),
+        ]
+    }
+
+    #[test]
+    fn keeps_tool_paths_and_redacts() {
+        let f = build_fallback_summary(&session(), None, "timeout");
+        assert!(f.starts_with(SUMMARY_PREFIX));
+        assert!(f.contains(FALLBACK_NOTICE));
+        assert!(f.contains("Called tool(s): read_file"));
+        assert!(f.contains("/tmp/project/app.py"));
+        assert!(f.contains("[read_file] read /tmp/project/app.py from line 1"));
+        assert!(!f.contains(&secret()));
+        assert!(!f.contains("ghp_"));
+    }
+
+    #[test]
+    fn redacts_keys_bearer_and_url_credentials() {
+        let msgs = vec![
+            json!({"role": "user", "content": "use sk-proj-ABCDEFGHIJKLMNOPQRSTUV and https://bob:hunter2@git.example.com/r"}),
+            json!({"role": "tool", "tool_call_id": "x", "content": "Authorization: Bearer abcdefghijklmnop123"}),
+        ];
+        let f = build_fallback_summary(
+            &msgs,
+            Some("prev with password=hunter2"),
+            "failed: api_key=zzzzzzzzzzzz",
+        );
+        for leaked in [
+            "ABCDEFGHIJKLMNOP",
+            "hunter2",
+            "abcdefghijklmnop123",
+            "zzzzzzzzzzzz",
+        ] {
+            assert!(!f.contains(leaked), "{leaked} leaked");
+        }
+        assert!(f.contains("[REDACTED]"));
+    }
+
+    #[test]
+    fn latest_ask_recorded_once() {
+        let ask = "PLEASE_COMPUTE_THE_ARITHMETIC_CHAIN_XYZ";
+        let msgs = vec![
+            json!({"role": "user", "content": ask}),
+            json!({"role": "assistant", "content": "working on it"}),
+        ];
+        let f = build_fallback_summary(&msgs, None, "provider down");
+        assert_eq!(f.matches(&format!("User asked: '{ask}'")).count(), 1);
+        // The raw text may appear once more, only in the verbatim transcript.
+        assert_eq!(f.matches(ask).count(), 2);
+        assert!(f.contains(&format!("USER: {ask}")));
+    }
+
+    #[test]
+    fn capped_at_8000_chars() {
+        let msgs: Vec<Value> = (0..200)
+            .flat_map(|i| {
+                [
+                    json!({"role": "user", "content": format!("ask {i} {}", "u".repeat(3_000))}),
+                    json!({"role": "assistant", "content": "x".repeat(2_000), "tool_calls": [
+                        {"id": format!("c{i}"), "function": {"name": "terminal", "arguments": "{\"command\":\"make\"}"}}]}),
+                    json!({"role": "tool", "tool_call_id": format!("c{i}"), "content": format!("error: failed {}", "e".repeat(5_000))}),
+                ]
+            })
+            .collect();
+        let prev = "p".repeat(20_000);
+        let f = build_fallback_summary(&msgs, Some(&prev), "timeout");
+        assert!(
+            f.chars().count() <= FALLBACK_MAX_CHARS,
+            "{}",
+            f.chars().count()
+        );
+        assert!(f.contains(FALLBACK_NOTICE));
+        assert!(f.contains("User asked: 'ask 199"));
+    }
+
+    #[test]
+    fn blocked_and_limits() {
+        let mut msgs = Vec::new();
+        for i in 0..20 {
+            msgs.push(json!({"role": "assistant", "content": null, "tool_calls": [
+                {"id": format!("c{i}"), "function": {"name": "terminal", "arguments": format!("{{\"command\":\"run {i}\"}}")}}]}));
+            msgs.push(json!({"role": "tool", "tool_call_id": format!("c{i}"), "content": format!("Traceback: boom {i}")}));
+        }
+        let f = build_fallback_body(&msgs, None, "x");
+        let blocked = f.split("## Blocked\n").nth(1).unwrap_or("");
+        let blocked = blocked.split("\n\n").next().unwrap_or("");
+        assert_eq!(blocked.lines().count(), 5);
+        let actions = f.split("## Completed Actions\n").nth(1).unwrap_or("");
+        let actions = actions.split("\n\n").next().unwrap_or("");
+        assert_eq!(actions.lines().count(), 12);
+        assert!(f.contains("No user request in the compacted turns."));
+    }
+
+    #[test]
+    fn previous_snapshot_used_when_window_has_no_ask() {
+        let prev = format!("{HISTORICAL_TASK_HEADING}\nUser asked: 'old thing'\n\n## Goal\nx");
+        let msgs = vec![json!({"role": "assistant", "content": "did stuff"})];
+        let f = build_fallback_body(&msgs, Some(&prev), "x");
+        assert!(f.contains("From the previous summary (reference only): User asked: 'old thing'"));
+        assert!(f.contains("## Previous Summary Snapshot"));
+    }
+
+    #[test]
+    fn synthetic_user_rows_are_not_asks() {
+        let msgs = vec![
+            json!({"role": "user", "content": "real ask"}),
+            json!({"role": "user", "content": "[System: note]"}),
+        ];
+        let f = build_fallback_body(&msgs, None, "x");
+        assert!(f.contains("User asked: 'real ask'"));
+        assert!(f.contains("INTERNAL CONTEXT: [System: note]"));
+    }
+}

@@ -6,7 +6,18 @@
 //! - pure leaf functions: `tokens`, `tool_summary`, `args`, `redact`, `markers`,
 //!   `serialize`, `fallback`
 //! - pipeline: `summariser`, `tail`, `prune`, `assemble`, `sanitize`,
-//!   `compressor`, `micro`
+//!   `compressor`, `micro`, `view`
+//!
+//! Entry point: one [`Compressor`] per conversation (it owns that
+//! conversation's [`trigger::Trigger`]). Per request the proxy asks
+//! `compressor.trigger.should_compress(..)`; when it fires it calls
+//! [`Compressor::compress`] with its [`Summariser`], sends
+//! `CompressResult::messages`, and on `Outcome::Compacted` records
+//! `trigger.record_completed_compaction(fallback_used, feasibility_skip,
+//! rough_after)`. `CompressResult::kept_suffix` says how many trailing input
+//! messages were sent unchanged, so the replacement prefix of a compaction
+//! record is `messages[..messages.len() - kept_suffix]` standing for
+//! `input[..input.len() - kept_suffix]`.
 
 pub mod args;
 pub mod assemble;
@@ -25,3 +36,9 @@ pub mod tail;
 pub mod tokens;
 pub mod tool_summary;
 pub mod trigger;
+pub mod view;
+
+pub use compressor::{
+    AbortReason, CompressOptions, CompressResult, Compressor, NoOpReason, Outcome,
+};
+pub use summariser::{Summariser, SummaryError, SummaryErrorKind, SummaryReply, SummaryRequest};

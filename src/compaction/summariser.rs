@@ -1,1 +1,116 @@
-//! (to be written)
+//! The summariser boundary: the only asynchronous part of the engine.
+//!
+//! The proxy implements [`Summariser`] with a non-streaming chat completion to
+//! the upstream; tests implement it with scripted replies. The engine never
+//! sends a wire `max_tokens` for batch summaries (reasoning models returned
+//! empty or truncated summaries under a hard cap), so `max_tokens` is only set
+//! by micro-compaction.
+
+use std::fmt;
+
+/// Default prompt budget of a summariser, in characters of prompt text.
+///
+/// Matches the reference's 160,000-char summary input cap (about 40 K tokens).
+pub const DEFAULT_PROMPT_BUDGET_CHARS: usize = 160_000;
+
+/// The model that writes summaries.
+#[async_trait::async_trait]
+pub trait Summariser: Send + Sync {
+    /// Runs one summary call. Errors carry enough detail for the engine's
+    /// failure classification (status code, message, kind).
+    async fn summarise(&self, req: SummaryRequest) -> Result<SummaryReply, SummaryError>;
+
+    /// How many characters of prompt the summariser accepts. When the text to
+    /// summarise does not fit, the engine summarises in rolling chunks.
+    fn prompt_budget_chars(&self) -> usize {
+        DEFAULT_PROMPT_BUDGET_CHARS
+    }
+}
+
+/// One summary call.
+#[derive(Clone, Debug, PartialEq)]
+pub struct SummaryRequest {
+    /// `None` means "the conversation's own (main) model".
+    pub model: Option<String>,
+    /// The whole prompt, sent as a single user message.
+    pub prompt: String,
+    /// Wire `max_tokens`; only micro-compaction sets it.
+    pub max_tokens: Option<u32>,
+    /// Sampling temperature; only micro-compaction sets it.
+    pub temperature: Option<f32>,
+}
+
+/// What the summariser answered.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct SummaryReply {
+    /// `message.content` as returned: a string, a list of parts, or null.
+    pub content: Option<serde_json::Value>,
+    /// `choices[0].finish_reason`.
+    pub finish_reason: Option<String>,
+    /// `message.refusal`, when the provider reports one.
+    pub refusal: Option<String>,
+    /// `message.reasoning` / `reasoning_content` (used when content is empty).
+    pub reasoning: Option<String>,
+}
+
+impl SummaryReply {
+    /// A reply whose content is the given text and that finished normally.
+    pub fn text(s: impl Into<String>) -> Self {
+        Self {
+            content: Some(serde_json::Value::String(s.into())),
+            finish_reason: Some("stop".to_string()),
+            refusal: None,
+            reasoning: None,
+        }
+    }
+}
+
+/// Transport-level category of a summariser failure.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum SummaryErrorKind {
+    /// The upstream answered with an HTTP error status.
+    Http,
+    /// Connection refused / reset / DNS: nothing usable came back.
+    Network,
+    /// The call timed out.
+    Timeout,
+    /// The body was not the JSON we expected (e.g. an HTML 502 page).
+    Decode,
+    /// The connection closed before the body was complete.
+    StreamClosed,
+    /// No summary provider is configured at all.
+    NoProvider,
+}
+
+/// A failed summary call.
+#[derive(Clone, Debug, PartialEq, thiserror::Error)]
+pub struct SummaryError {
+    /// HTTP status, when there was one.
+    pub status: Option<u16>,
+    /// Provider or transport message (never contains conversation content).
+    pub message: String,
+    /// Transport category.
+    pub kind: SummaryErrorKind,
+}
+
+impl SummaryError {
+    /// Builds an error of the given kind.
+    pub fn new(kind: SummaryErrorKind, status: Option<u16>, message: impl Into<String>) -> Self {
+        Self {
+            status,
+            message: message.into(),
+            kind,
+        }
+    }
+
+    /// An HTTP error with a status code.
+    pub fn http(status: u16, message: impl Into<String>) -> Self {
+        Self::new(SummaryErrorKind::Http, Some(status), message)
+    }
+}
+
+impl fmt::Display for SummaryError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.message)
+    }
+}

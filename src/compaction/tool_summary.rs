@@ -1,1 +1,474 @@
-//! (to be written)
+//! One-line summaries of old tool results (reference §3.3.1): what the pruning
+//! pass leaves in place of a large tool output, and what the deterministic
+//! fallback lists as completed actions. Never fails: unknown tools and bad
+//! arguments get a generic line.
+
+use super::args::OrderedJson;
+use indexmap::IndexMap;
+use serde_json::Value;
+
+type Args = IndexMap<String, OrderedJson>;
+
+/// Formats `n` with thousands separators (`12,345`).
+pub fn thousands(n: usize) -> String {
+    let digits = n.to_string();
+    let mut out = String::with_capacity(digits.len() + digits.len() / 3);
+    for (i, ch) in digits.chars().enumerate() {
+        if i > 0 && (digits.len() - i) % 3 == 0 {
+            out.push(',');
+        }
+        out.push(ch);
+    }
+    out
+}
+
+/// Number of lines of a tool output; 0 for blank output.
+fn line_count(content: &str) -> usize {
+    if content.trim().is_empty() {
+        0
+    } else {
+        content.matches('\n').count() + 1
+    }
+}
+
+/// Cuts `s` to at most `max` characters, ending with `…` when cut.
+pub fn clip(s: &str, max: usize) -> String {
+    if s.chars().count() <= max {
+        return s.to_string();
+    }
+    let keep = max.saturating_sub(3);
+    let mut out: String = s.chars().take(keep).collect();
+    out.push_str("...");
+    out
+}
+
+fn arg_str(args: &Args, key: &str) -> Option<String> {
+    match args.get(key)? {
+        OrderedJson::Null => None,
+        other => Some(other.to_plain()),
+    }
+}
+
+fn arg_or(args: &Args, key: &str, default: &str) -> String {
+    arg_str(args, key).unwrap_or_else(|| default.to_string())
+}
+
+/// A URL argument, unwrapping `{url|href: …}` dicts that models forward
+/// straight from web_search results.
+fn url_of(v: &OrderedJson) -> Option<String> {
+    match v {
+        OrderedJson::String(s) => Some(s.clone()),
+        OrderedJson::Object(o) => o
+            .get("url")
+            .or_else(|| o.get("href"))
+            .and_then(OrderedJson::as_str)
+            .map(str::to_string),
+        OrderedJson::Null => None,
+        other => Some(other.to_json()),
+    }
+}
+
+fn json_field_str(content: &str, key: &str) -> Option<String> {
+    let v: Value = serde_json::from_str(content).ok()?;
+    match v.get(key)? {
+        Value::String(s) => Some(s.clone()),
+        Value::Null => None,
+        other => Some(other.to_string()),
+    }
+}
+
+/// One-line summary of a tool result, following the per-tool formats of the
+/// reference (terminal, read_file, write_file, search_files, patch, browser_*,
+/// web_search, web_extract, delegate_task, execute_code, skills, memory,
+/// todo, clarify, cronjob, process…) with a generic `[name] k1=v k2=v (N chars
+/// result)` fallback. Bad JSON arguments count as no arguments.
+pub fn summarize_tool_result(tool_name: &str, args_json: &str, content: &str) -> String {
+    let args: Args = match OrderedJson::parse(args_json) {
+        Ok(OrderedJson::Object(m)) => m,
+        _ => Args::new(),
+    };
+    let n = thousands(content.chars().count());
+    let lines = line_count(content);
+    let a = |k: &str| arg_str(&args, k);
+    match tool_name {
+        "terminal" => {
+            let cmd = clip(&a("command").unwrap_or_default(), 80);
+            let exit = json_field_str(content, "exit_code").unwrap_or_else(|| "?".into());
+            format!("[{tool_name}] ran `{cmd}` -> exit {exit}, {lines} lines output")
+        }
+        "read_file" => format!(
+            "[read_file] read {} from line {} ({n} chars)",
+            arg_or(&args, "path", "?"),
+            arg_or(&args, "offset", "1")
+        ),
+        "write_file" => {
+            let written = a("content")
+                .map(|c| line_count(&c).to_string())
+                .unwrap_or_else(|| "?".into());
+            format!(
+                "[write_file] wrote to {} ({written} lines)",
+                arg_or(&args, "path", "?")
+            )
+        }
+        "search_files" => {
+            let total = json_field_str(content, "total_count").unwrap_or_else(|| "?".into());
+            format!(
+                "[search_files] {} search for '{}' in {} -> {total} matches",
+                arg_or(&args, "target", "content"),
+                arg_or(&args, "pattern", ""),
+                arg_or(&args, "path", ".")
+            )
+        }
+        "patch" => format!(
+            "[patch] {} in {} ({n} chars result)",
+            arg_or(&args, "mode", "replace"),
+            arg_or(&args, "path", "?")
+        ),
+        "browser_navigate" | "browser_click" | "browser_snapshot" | "browser_type"
+        | "browser_scroll" | "browser_vision" => {
+            let target = if let Some(u) = a("url") {
+                format!("{u} ")
+            } else if let Some(r) = a("ref") {
+                format!("ref={r} ")
+            } else {
+                String::new()
+            };
+            format!("[{tool_name}] {target}({n} chars)")
+        }
+        "web_search" => format!(
+            "[web_search] query='{}' ({n} chars result)",
+            arg_or(&args, "query", "")
+        ),
+        "web_extract" => {
+            let urls: Vec<String> = match args.get("urls") {
+                Some(OrderedJson::Array(list)) => list.iter().filter_map(url_of).collect(),
+                Some(v) => url_of(v).into_iter().collect(),
+                None => Vec::new(),
+            };
+            let first = urls.first().cloned().unwrap_or_else(|| "?".into());
+            let more = if urls.len() > 1 {
+                format!(" (+{} more)", urls.len() - 1)
+            } else {
+                String::new()
+            };
+            format!("[web_extract] {first}{more} ({n} chars)")
+        }
+        "delegate_task" => format!(
+            "[delegate_task] '{}' ({n} chars result)",
+            clip(&a("goal").unwrap_or_default(), 60)
+        ),
+        "execute_code" => {
+            let code = a("code").unwrap_or_default().replace('\n', " ");
+            let head: String = code.chars().take(60).collect();
+            let more = if code.chars().count() > 60 { "..." } else { "" };
+            format!("[execute_code] `{head}{more}` ({lines} lines output)")
+        }
+        "skill_view" => {
+            let name = arg_or(&args, "name", "?");
+            if content.chars().count() > SKILL_RELOAD_OVER_CHARS {
+                format!("[skill_view] name={name} ({n} chars; body pruned, call skill_view again to reload it)")
+            } else {
+                format!("[skill_view] name={name} ({n} chars)")
+            }
+        }
+        "skills_list" | "skill_manage" => format!(
+            "[{tool_name}] name={} ({n} chars)",
+            arg_or(&args, "name", "?")
+        ),
+        "vision_analyze" => format!(
+            "[vision_analyze] '{}' ({n} chars)",
+            clip(&a("question").unwrap_or_default(), 50)
+        ),
+        "memory" => format!(
+            "[memory] {} on {}",
+            arg_or(&args, "action", "?"),
+            arg_or(&args, "target", "?")
+        ),
+        "todo" => "[todo] updated task list".to_string(),
+        "text_to_speech" => format!("[text_to_speech] generated audio ({n} chars)"),
+        "clarify" => clarify_summary(content),
+        "cronjob" => format!("[cronjob] {}", arg_or(&args, "action", "?")),
+        "process" => format!(
+            "[process] {} session={}",
+            arg_or(&args, "action", "?"),
+            arg_or(&args, "session_id", "?")
+        ),
+        other => {
+            if let Some(line) = common_tool_summary(other, &args, content) {
+                return line;
+            }
+            let mut parts = String::new();
+            for (k, v) in args.iter().take(2) {
+                parts.push_str(&format!("{k}={} ", clip(&v.to_plain(), 40)));
+            }
+            format!("[{tool_name}] {parts}({n} chars result)")
+        }
+    }
+}
+
+/// skill_view bodies above this size get a reload hint in their summary.
+const SKILL_RELOAD_OVER_CHARS: usize = 5_000;
+
+/// A clarify result keeps the user's answer (it is the user's own words and
+/// often decides the task), short enough that the line stays under the
+/// 200-char prune floor and survives later passes. Timeouts and "no user"
+/// sentinels are never quoted as if the user had said them.
+fn clarify_summary(content: &str) -> String {
+    const BASE: &str = "[clarify] asked user a question";
+    let answer = match serde_json::from_str::<Value>(content) {
+        Ok(Value::Object(o)) => ["answer", "response", "user_response", "result"]
+            .iter()
+            .find_map(|k| o.get(*k).and_then(Value::as_str).map(str::to_string)),
+        Ok(Value::String(s)) => Some(s),
+        Ok(_) => None,
+        Err(_) => Some(content.to_string()),
+    };
+    let Some(answer) = answer.map(|a| a.split_whitespace().collect::<Vec<_>>().join(" ")) else {
+        return BASE.to_string();
+    };
+    let lower = answer.to_ascii_lowercase();
+    let sentinel = answer.is_empty()
+        || [
+            "timed out",
+            "timeout",
+            "no user",
+            "no response",
+            "not available",
+            "unavailable",
+        ]
+        .iter()
+        .any(|s| lower.contains(s));
+    if sentinel {
+        return BASE.to_string();
+    }
+    let quoted = serde_json::to_string(&clip(&answer, 120)).unwrap_or_default();
+    format!("{BASE}; answer: {quoted}")
+}
+
+/// First present argument among `keys`; arrays of strings (argv-style
+/// commands) are joined with spaces.
+fn first_arg(args: &Args, keys: &[&str]) -> Option<String> {
+    keys.iter().find_map(|k| match args.get(*k)? {
+        OrderedJson::Null => None,
+        OrderedJson::Array(items) if items.iter().all(|i| i.as_str().is_some()) => Some(
+            items
+                .iter()
+                .filter_map(OrderedJson::as_str)
+                .collect::<Vec<_>>()
+                .join(" "),
+        ),
+        v => Some(v.to_plain()),
+    })
+}
+
+const PATH_KEYS: &[&str] = &[
+    "path",
+    "file_path",
+    "filePath",
+    "filename",
+    "file",
+    "target_file",
+];
+
+/// Summaries for tool names common in other agents (shell, read/write/edit,
+/// search, fetch), matched case-insensitively. The reference only knows its
+/// own tool names; a proxy sees every client's, and a one-line summary that
+/// keeps the path or command is worth far more than the generic line.
+fn common_tool_summary(name: &str, args: &Args, content: &str) -> Option<String> {
+    let lower = name.to_ascii_lowercase();
+    let n = thousands(content.chars().count());
+    let lines = line_count(content);
+    let path = || first_arg(args, PATH_KEYS).unwrap_or_else(|| "?".into());
+    let line = match lower.as_str() {
+        "bash" | "shell" | "sh" | "run_command" | "execute_command" | "run_terminal_cmd"
+        | "exec" | "exec_command" | "local_shell" | "run_shell_command" => {
+            let cmd = clip(
+                &first_arg(args, &["command", "cmd", "script"]).unwrap_or_default(),
+                80,
+            );
+            let exit = ["exit_code", "returncode", "exit_status"]
+                .iter()
+                .find_map(|k| json_field_str(content, k))
+                .unwrap_or_else(|| "?".into());
+            format!("[{name}] ran `{cmd}` -> exit {exit}, {lines} lines output")
+        }
+        "read" | "view" | "open_file" | "readfile" | "view_file" | "cat" => {
+            format!("[{name}] read {} ({n} chars)", path())
+        }
+        "write" | "create_file" | "write_to_file" | "writefile" => {
+            let written = first_arg(args, &["content", "contents", "file_text", "text"])
+                .map(|c| line_count(&c).to_string())
+                .unwrap_or_else(|| "?".into());
+            format!("[{name}] wrote to {} ({written} lines)", path())
+        }
+        "edit"
+        | "multiedit"
+        | "edit_file"
+        | "str_replace"
+        | "str_replace_editor"
+        | "str_replace_based_edit_tool"
+        | "apply_patch"
+        | "replace_in_file"
+        | "apply_diff" => {
+            let target = first_arg(args, PATH_KEYS);
+            match target {
+                Some(p) => format!("[{name}] edited {p} ({n} chars result)"),
+                None => format!("[{name}] edit ({n} chars result)"),
+            }
+        }
+        "grep" | "glob" | "search" | "ripgrep" | "find" | "grep_search" | "file_search"
+        | "codebase_search" | "search_code" | "find_files" => {
+            let pattern =
+                first_arg(args, &["pattern", "query", "regex", "glob", "q"]).unwrap_or_default();
+            let within = first_arg(args, &["path", "dir", "directory", "include"])
+                .unwrap_or_else(|| ".".into());
+            format!(
+                "[{name}] search for '{}' in {within} ({n} chars result)",
+                clip(&pattern, 80)
+            )
+        }
+        "fetch" | "web_fetch" | "webfetch" | "fetch_url" | "http_get" | "browse" | "open_url" => {
+            let url = first_arg(args, &["url", "uri", "href"]).unwrap_or_else(|| "?".into());
+            format!("[{name}] {url} ({n} chars)")
+        }
+        _ => return None,
+    };
+    Some(line)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn common_agent_tools() {
+        let s = summarize_tool_result("Bash", r#"{"command":["git","status"]}"#, "a\nb");
+        assert_eq!(s, "[Bash] ran `git status` -> exit ?, 2 lines output");
+        let s = summarize_tool_result(
+            "Read",
+            r#"{"file_path":"/src/main.rs"}"#,
+            &"x".repeat(2_048),
+        );
+        assert_eq!(s, "[Read] read /src/main.rs (2,048 chars)");
+        let s = summarize_tool_result("Write", r#"{"file_path":"/a.txt","content":"1\n2"}"#, "ok");
+        assert_eq!(s, "[Write] wrote to /a.txt (2 lines)");
+        let s = summarize_tool_result(
+            "Edit",
+            r#"{"file_path":"/b.rs","old_string":"a","new_string":"b"}"#,
+            "done",
+        );
+        assert_eq!(s, "[Edit] edited /b.rs (4 chars result)");
+        let s = summarize_tool_result("Grep", r#"{"pattern":"TODO","path":"src"}"#, "x");
+        assert_eq!(s, "[Grep] search for 'TODO' in src (1 chars result)");
+        let s = summarize_tool_result("WebFetch", r#"{"url":"https://x.y/z"}"#, "abc");
+        assert_eq!(s, "[WebFetch] https://x.y/z (3 chars)");
+    }
+
+    #[test]
+    fn clarify_keeps_answer_but_not_sentinels() {
+        let s = summarize_tool_result("clarify", "{}", r#"{"answer": "use Postgres, not MySQL"}"#);
+        assert_eq!(
+            s,
+            r#"[clarify] asked user a question; answer: "use Postgres, not MySQL""#
+        );
+        let s = summarize_tool_result(
+            "clarify",
+            "{}",
+            r#"{"answer": "Clarify timed out waiting for user"}"#,
+        );
+        assert_eq!(s, "[clarify] asked user a question");
+        let long = "y".repeat(1_000);
+        let s = summarize_tool_result("clarify", "{}", &long);
+        assert!(s.len() < 200, "{s}");
+    }
+
+    #[test]
+    fn skill_view_reload_hint_only_for_big_bodies() {
+        let small = summarize_tool_result("skill_view", r#"{"name":"git"}"#, "short");
+        assert_eq!(small, "[skill_view] name=git (5 chars)");
+        let big = summarize_tool_result("skill_view", r#"{"name":"git"}"#, &"b".repeat(6_000));
+        assert!(big.starts_with("[skill_view] name=git (6,000 chars;"));
+        assert!(big.contains("reload"));
+    }
+
+    #[test]
+    fn thousands_separators() {
+        assert_eq!(thousands(0), "0");
+        assert_eq!(thousands(999), "999");
+        assert_eq!(thousands(1_000), "1,000");
+        assert_eq!(thousands(1_234_567), "1,234,567");
+    }
+
+    #[test]
+    fn terminal_line() {
+        let s = summarize_tool_result(
+            "terminal",
+            r#"{"command":"cargo test"}"#,
+            "{\"exit_code\": 0, \"output\": \"a\\nb\"}",
+        );
+        assert_eq!(s, "[terminal] ran `cargo test` -> exit 0, 1 lines output");
+        let s = summarize_tool_result("terminal", "not json", "line1\nline2\nline3");
+        assert_eq!(s, "[terminal] ran `` -> exit ?, 3 lines output");
+    }
+
+    #[test]
+    fn terminal_command_clipped_to_80() {
+        let cmd = "x".repeat(200);
+        let s = summarize_tool_result("terminal", &format!("{{\"command\":\"{cmd}\"}}"), "");
+        assert!(s.contains(&format!("`{}...`", "x".repeat(77))), "{s}");
+        assert!(s.ends_with("0 lines output"));
+    }
+
+    #[test]
+    fn read_and_write_file() {
+        let s = summarize_tool_result(
+            "read_file",
+            r#"{"path":"/a/b.rs","offset":40}"#,
+            &"z".repeat(1500),
+        );
+        assert_eq!(s, "[read_file] read /a/b.rs from line 40 (1,500 chars)");
+        let s = summarize_tool_result(
+            "write_file",
+            r#"{"path":"/a/c.rs","content":"1\n2\n3"}"#,
+            "ok",
+        );
+        assert_eq!(s, "[write_file] wrote to /a/c.rs (3 lines)");
+    }
+
+    #[test]
+    fn search_files_and_patch() {
+        let s = summarize_tool_result(
+            "search_files",
+            r#"{"pattern":"fn main"}"#,
+            r#"{"total_count": 7}"#,
+        );
+        assert_eq!(
+            s,
+            "[search_files] content search for 'fn main' in . -> 7 matches"
+        );
+        let s = summarize_tool_result("patch", r#"{"path":"/x"}"#, "done");
+        assert_eq!(s, "[patch] replace in /x (4 chars result)");
+    }
+
+    #[test]
+    fn web_extract_multiple_urls() {
+        let s = summarize_tool_result(
+            "web_extract",
+            r#"{"urls":["https://a", {"href":"https://b"}, "https://c"]}"#,
+            "abc",
+        );
+        assert_eq!(s, "[web_extract] https://a (+2 more) (3 chars)");
+    }
+
+    #[test]
+    fn generic_fallback_uses_first_two_args() {
+        let s = summarize_tool_result(
+            "custom_tool",
+            r#"{"zulu":"one","beta":2,"alpha":"three"}"#,
+            "xyz",
+        );
+        assert_eq!(s, "[custom_tool] zulu=one beta=2 (3 chars result)");
+        let s = summarize_tool_result("custom_tool", "[1,2]", "");
+        assert_eq!(s, "[custom_tool] (0 chars result)");
+    }
+}

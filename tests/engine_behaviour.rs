@@ -1,0 +1,354 @@
+//! Pipeline behaviour beyond the reference test list: the reference notes'
+//! rules that no reference test pins (§3.4 blank echoes, §3.5 bridge rule and
+//! oversized active turn, §3.7 rehydration, §3.13 in-flight re-append,
+//! §3.15 user-turn guarantee, abort rollback, the proxy's suffix bookkeeping).
+
+mod engine_support;
+
+use compactor::compaction::assemble::{ensure_user_turn, NO_USER_TURN_MARKER};
+use compactor::compaction::compressor::{
+    remove_blank_echoes, CompressOptions, NoOpReason, Outcome,
+};
+use compactor::compaction::markers::{classify_handoff, Handoff, INFLIGHT_HEADER, SUMMARY_PREFIX};
+use compactor::compaction::view;
+use engine_support::*;
+use serde_json::{json, Value};
+
+fn tool_round(id: &str, size: usize) -> [Value; 2] {
+    [
+        json!({"role": "assistant", "content": null, "tool_calls": [{"id": id, "type": "function",
+            "function": {"name": "terminal", "arguments": format!("{{\"command\":\"make {id}\"}}")}}]}),
+        json!({"role": "tool", "tool_call_id": id, "content": format!("{id}: {}", "o".repeat(size))}),
+    ]
+}
+
+#[test]
+fn blank_echo_after_latest_ask_is_removed_only_when_an_assistant_follows() {
+    let msgs = vec![
+        msg("user", "real"),
+        msg("user", ""),
+        msg("user", "  "),
+        msg("assistant", "ok"),
+    ];
+    let out = remove_blank_echoes(msgs);
+    assert_eq!(out.len(), 2);
+    let keep = vec![msg("user", "real"), msg("user", "")];
+    assert_eq!(
+        remove_blank_echoes(keep.clone()),
+        keep,
+        "a trailing blank may be a placeholder"
+    );
+}
+
+#[test]
+fn insufficient_messages_is_a_structural_no_op_without_strike() {
+    let mut c = compressor(3, 2);
+    let msgs = alternating(6, "m");
+    let res = block_on(c.compress(&msgs, &Stub::ok("s"), CompressOptions::default()));
+    assert_eq!(res.outcome, Outcome::NoOp(NoOpReason::InsufficientMessages));
+    assert_eq!(res.messages, msgs);
+    assert_eq!(c.trigger.ineffective_compression_count, 0);
+    assert!(c
+        .trigger
+        .block_reason()
+        .is_some_and(|r| r.starts_with("structural_backoff")));
+}
+
+#[test]
+fn previous_summary_is_rehydrated_from_the_wire_and_fed_back() {
+    let mut c = compressor(0, 2);
+    let mut msgs = vec![
+        msg("system", "sys"),
+        msg(
+            "user",
+            &format!(
+                "{SUMMARY_PREFIX}\nOLD-BODY-FROM-EARLIER\n\n{}",
+                compactor::compaction::markers::END_MARKER
+            ),
+        ),
+    ];
+    for i in 0..8 {
+        msgs.push(msg(
+            if i % 2 == 0 { "assistant" } else { "user" },
+            &format!("turn {i}"),
+        ));
+    }
+    let s = Stub::ok("NEW-BODY");
+    let res = block_on(c.compress(&msgs, &s, CompressOptions::default()));
+    assert_eq!(res.outcome, Outcome::Compacted);
+    assert!(
+        s.last_request().prompt.contains("OLD-BODY-FROM-EARLIER"),
+        "iterative update"
+    );
+    let summaries: Vec<&Value> = res
+        .messages
+        .iter()
+        .filter(|m| view::is_summary(m))
+        .collect();
+    assert_eq!(summaries.len(), 1, "old handoff folded in, not stacked");
+    assert!(content_str(summaries[0]).contains("NEW-BODY"));
+    assert!(!content_str(summaries[0]).contains("OLD-BODY-FROM-EARLIER"));
+}
+
+#[test]
+fn summary_in_memory_without_handoff_on_the_wire_is_discarded() {
+    let mut c = compressor(1, 2);
+    c.previous_summary = Some("FOREIGN-SESSION-SUMMARY".into());
+    let mut msgs = vec![msg("system", "sys")];
+    msgs.extend(alternating(10, "m"));
+    let s = Stub::ok("fresh");
+    block_on(c.compress(&msgs, &s, CompressOptions::default()));
+    assert!(!s.last_request().prompt.contains("FOREIGN-SESSION-SUMMARY"));
+}
+
+#[test]
+fn abort_rolls_back_the_rehydrated_summary() {
+    let mut c = compressor(0, 2);
+    let mut msgs = vec![
+        msg("system", "sys"),
+        msg("user", &format!("{SUMMARY_PREFIX}\nOLD")),
+    ];
+    for i in 0..8 {
+        msgs.push(msg(
+            if i % 2 == 0 { "assistant" } else { "user" },
+            &format!("turn {i}"),
+        ));
+    }
+    assert!(c.previous_summary.is_none());
+    let res = block_on(c.compress(&msgs, &Stub::err(connection()), CompressOptions::default()));
+    assert_eq!(
+        res.outcome,
+        Outcome::Aborted(compactor::compaction::compressor::AbortReason::NetworkFailure)
+    );
+    assert_eq!(res.messages, msgs);
+    assert!(
+        c.previous_summary.is_none(),
+        "an aborted attempt is a true no-op"
+    );
+}
+
+#[test]
+fn inflight_task_is_reappended_when_the_only_ask_sits_in_the_head() {
+    // A cron-style run: one instruction, then a long tool loop still running.
+    let mut c = compressor(1, 2);
+    let mut msgs = vec![
+        msg("system", "sys"),
+        msg("user", "rotate the logs on every host"),
+    ];
+    for i in 0..12 {
+        msgs.extend(tool_round(&format!("c{i}"), 300));
+    }
+    let res = block_on(c.compress(
+        &msgs,
+        &Stub::ok("did hosts 1-9"),
+        CompressOptions::default(),
+    ));
+    assert_eq!(res.outcome, Outcome::Compacted);
+    let last = res.messages.last().unwrap();
+    assert_eq!(last["role"], "user");
+    let t = content_str(last);
+    assert!(t.starts_with(INFLIGHT_HEADER));
+    assert!(t.ends_with("rotate the logs on every host"));
+}
+
+#[test]
+fn finished_conversation_gets_no_inflight_copy() {
+    let mut c = compressor(1, 2);
+    let mut msgs = vec![msg("system", "sys"), msg("user", "rotate the logs")];
+    for i in 0..10 {
+        msgs.extend(tool_round(&format!("c{i}"), 300));
+    }
+    msgs.push(msg("assistant", "All logs rotated."));
+    let res = block_on(c.compress(&msgs, &Stub::ok("did it"), CompressOptions::default()));
+    assert!(!res
+        .messages
+        .iter()
+        .any(|m| content_str(m).contains(INFLIGHT_HEADER)));
+}
+
+#[test]
+fn user_turn_guarantee_reinserts_or_marks() {
+    let original = vec![
+        msg("system", "s"),
+        msg("user", "the ask"),
+        msg("assistant", "a"),
+    ];
+    let mut out = vec![msg("system", "s"), msg("assistant", "summary-ish")];
+    assert!(ensure_user_turn(&mut out, &original));
+    assert_eq!(content_str(out.last().unwrap()), "the ask");
+
+    let no_user = vec![msg("system", "s"), msg("assistant", "a")];
+    let mut out = vec![msg("system", "s"), msg("assistant", "x")];
+    ensure_user_turn(&mut out, &no_user);
+    assert_eq!(content_str(out.last().unwrap()), NO_USER_TURN_MARKER);
+}
+
+#[test]
+fn bridge_rule_keeps_the_actionable_user_out_of_the_merge_slot() {
+    // Without the bridge the cut lands on the final user row, whose
+    // neighbour roles force a merge of the summary into the user's ask.
+    let mut c = compressor(1, 1);
+    c.trigger.set_tail_token_budget(20);
+    let mut msgs = vec![msg("system", "sys"), msg("user", "first")];
+    for i in 0..6 {
+        msgs.push(msg("assistant", &format!("answer {i} {}", "x".repeat(200))));
+        msgs.push(msg("user", &format!("follow-up {i}")));
+    }
+    let res = block_on(c.compress(&msgs, &Stub::ok("sum"), CompressOptions::default()));
+    assert_eq!(res.outcome, Outcome::Compacted);
+    let last = res.messages.last().unwrap();
+    assert_eq!(
+        content_str(last),
+        "follow-up 5",
+        "the live ask stays a plain row"
+    );
+}
+
+#[test]
+fn kept_suffix_matches_unchanged_tail_rows() {
+    let mut c = compressor(1, 2);
+    let mut msgs = vec![msg("system", "sys")];
+    msgs.extend(alternating(14, "m"));
+    let res = block_on(c.compress(&msgs, &Stub::ok("sum"), CompressOptions::default()));
+    assert_eq!(res.outcome, Outcome::Compacted);
+    let k = res.kept_suffix;
+    assert!(k >= 1);
+    assert_eq!(
+        res.messages[res.messages.len() - k..],
+        msgs[msgs.len() - k..]
+    );
+    // The row before the kept suffix differs (the carrier or a rewritten row).
+    if res.messages.len() > k && msgs.len() > k {
+        assert_ne!(
+            res.messages[res.messages.len() - k - 1],
+            msgs[msgs.len() - k - 1]
+        );
+    }
+}
+
+#[test]
+fn summary_carrier_is_recognised_on_the_next_pass() {
+    let mut c = compressor(1, 2);
+    let mut msgs = vec![msg("system", "sys")];
+    msgs.extend(alternating(14, "m"));
+    let res = block_on(c.compress(&msgs, &Stub::ok("FIRST"), CompressOptions::default()));
+    let carrier = &res.messages[res.summary_index.unwrap()];
+    assert!(!matches!(classify_handoff(carrier), Handoff::None));
+    // Second compaction over the grown conversation folds FIRST into SECOND.
+    let mut grown = res.messages.clone();
+    grown.extend(alternating(14, "n").into_iter().skip(1));
+    let s = Stub::ok("SECOND");
+    let res2 = block_on(c.compress(
+        &grown,
+        &s,
+        CompressOptions {
+            force: true,
+            ..Default::default()
+        },
+    ));
+    assert_eq!(res2.outcome, Outcome::Compacted);
+    assert!(s.last_request().prompt.contains("FIRST"));
+    assert_eq!(
+        res2.messages.iter().filter(|m| view::is_summary(m)).count(),
+        1
+    );
+    assert_eq!(c.trigger.compression_count, 2);
+}
+
+#[test]
+fn oversized_tool_outputs_in_the_middle_become_one_line_summaries() {
+    let mut c = compressor(1, 2);
+    // Rows older than the protected tail budget are pruned before the summary.
+    c.trigger.set_tail_token_budget(2_000);
+    let mut msgs = vec![msg("system", "sys"), msg("user", "build it")];
+    for i in 0..8 {
+        msgs.extend(tool_round(&format!("c{i}"), 5_000));
+    }
+    msgs.push(msg("assistant", "built"));
+    msgs.push(msg("user", "thanks, now test it"));
+    let s = Stub::ok("sum");
+    block_on(c.compress(&msgs, &s, CompressOptions::default()));
+    let prompt = s.last_request().prompt;
+    assert!(
+        prompt.contains("[terminal] ran `make c0`"),
+        "pruned before summarising"
+    );
+    assert!(!prompt.contains(&"o".repeat(1_000)));
+}
+
+#[test]
+fn compress_and_micro_futures_are_send() {
+    // The proxy runs compaction inside spawned tasks while holding the
+    // session lock: the futures must be Send.
+    fn assert_send<T: Send>(_: T) {}
+    let mut c = compressor(1, 2);
+    let s = Stub::ok("x");
+    let msgs = alternating(4, "m");
+    assert_send(c.compress(&msgs, &s, CompressOptions::default()));
+    let mut c = compressor(1, 2);
+    assert_send(c.micro_compact(&msgs, &s));
+    fn assert_send_sync<T: Send + Sync>() {}
+    assert_send_sync::<compactor::compaction::Compressor>();
+}
+
+#[test]
+fn proxy_lifecycle_trigger_compact_verify() {
+    use compactor::compaction::trigger::Usage;
+    let mut c = compressor_with("m", 8_192, |c| c.protect_first_n = 1);
+    let threshold = c.trigger.threshold_tokens();
+    let mut msgs = vec![msg("system", "sys")];
+    for i in 0..40 {
+        msgs.push(msg("user", &format!("question {i} {}", "q".repeat(200))));
+        msgs.push(msg("assistant", &format!("answer {i} {}", "a".repeat(400))));
+    }
+    msgs.push(msg("user", "latest"));
+    // The upstream reported a prompt over the trigger.
+    c.trigger.update_from_response(&Usage {
+        prompt_tokens: Some(threshold + 500),
+        completion_tokens: Some(10),
+        total_tokens: Some(threshold + 510),
+    });
+    assert!(c.trigger.should_compress(None));
+    let res = block_on(c.compress(&msgs, &Stub::ok("sum"), CompressOptions::default()));
+    assert_eq!(res.outcome, Outcome::Compacted);
+    assert!(res.tokens_after < threshold);
+    c.trigger.record_completed_compaction(
+        res.fallback_used,
+        res.feasibility_skip,
+        res.tokens_after,
+    );
+    // Waiting for real usage: no second compaction on a stale reading.
+    assert!(!c.trigger.should_compress(None));
+    c.trigger.update_from_response(&Usage {
+        prompt_tokens: Some(res.tokens_after),
+        completion_tokens: Some(10),
+        total_tokens: None,
+    });
+    assert_eq!(c.trigger.ineffective_compression_count, 0);
+    assert_eq!(c.trigger.fallback_streak, 0);
+    assert_eq!(c.trigger.compression_count, 1);
+}
+
+#[test]
+fn focus_topic_and_date_reach_the_summary_prompt() {
+    let mut c = compressor(1, 2);
+    let mut msgs = vec![msg("system", "sys")];
+    msgs.extend(alternating(14, "m"));
+    let s = Stub::ok("sum");
+    block_on(c.compress(
+        &msgs,
+        &s,
+        CompressOptions {
+            focus_topic: Some("the database migration".into()),
+            today: Some("2026-11-30".into()),
+            ..Default::default()
+        },
+    ));
+    let p = s.last_request().prompt;
+    assert!(p.contains("the database migration"));
+    assert!(p.contains("2026-11-30"));
+    assert!(
+        p.rfind("the database migration") > p.find("TURNS TO SUMMARIZE"),
+        "focus comes last"
+    );
+}
