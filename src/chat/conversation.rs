@@ -1,0 +1,153 @@
+//! What compactor remembers about one conversation.
+
+use std::sync::{Arc, Mutex};
+
+use serde_json::value::RawValue;
+
+use crate::compaction::config::CompactionConfig;
+use crate::compaction::tokens;
+use crate::compaction::trigger::{Trigger, WindowSource};
+use crate::compaction::Compressor;
+use crate::request::ChainCache;
+use crate::session::calibration::{Calibration, SentRequest};
+use crate::usage::UsageReport;
+
+use super::record::Record;
+
+/// A response's usage, posted by the response tap when the body ends and
+/// applied under the conversation lock by the next request (or the admin
+/// view). The tap runs inside `poll_frame` and must not wait for the lock.
+pub type Inbox = Arc<Mutex<Vec<(Arc<SentRequest>, UsageReport)>>>;
+
+/// Content-free counters shown by the admin endpoint.
+#[derive(Debug, Default, Clone, serde::Serialize)]
+pub struct ConvStats {
+    /// Chat requests seen.
+    pub requests: u64,
+    /// Committed compactions.
+    pub compactions: u64,
+    /// Compactions that used the deterministic fallback summary.
+    pub fallback_compactions: u64,
+    /// Compactions abandoned with the original messages forwarded.
+    pub aborted: u64,
+    /// Overflow errors answered by compacting and retrying.
+    pub overflow_retries: u64,
+    /// Rough tokens removed by compactions (before − after).
+    pub tokens_saved: u64,
+    /// Requests sent with a compaction record substituted.
+    pub substituted: u64,
+}
+
+/// One conversation's state; lives behind the session's async lock.
+pub struct Conversation {
+    /// The engine, created on the first request (it needs the model).
+    pub compressor: Option<Compressor>,
+    /// Rough → real calibration.
+    pub calibration: Calibration,
+    /// Hash chain of the client's history (only changed messages re-hashed).
+    pub client_chain: ChainCache,
+    /// Hash chain of what was sent (after substitution).
+    pub sent_chain: ChainCache,
+    /// The newest compaction record this conversation matched or made.
+    pub record: Option<Arc<Record>>,
+    /// (hash of the raw `tools` bytes, their rough estimate).
+    tools_estimate: Option<(u64, u64)>,
+    /// Usage waiting to be applied.
+    pub inbox: Inbox,
+    /// Counters.
+    pub stats: ConvStats,
+    /// Last action taken (`passthrough`, `compacted`, …).
+    pub last_action: &'static str,
+}
+
+impl Default for Conversation {
+    fn default() -> Self {
+        Self {
+            compressor: None,
+            calibration: Calibration::new(),
+            client_chain: ChainCache::new(),
+            sent_chain: ChainCache::new(),
+            record: None,
+            tools_estimate: None,
+            inbox: Arc::default(),
+            stats: ConvStats::default(),
+            last_action: "passthrough",
+        }
+    }
+}
+
+impl Conversation {
+    /// The engine for `model` with the current window and output
+    /// reservation; created on first use, updated (cheaply) afterwards.
+    pub fn compressor(
+        &mut self,
+        cfg: &Arc<CompactionConfig>,
+        model: &str,
+        base_url: &str,
+        window: u64,
+        max_tokens: Option<u64>,
+    ) -> &mut Compressor {
+        let comp = self.compressor.get_or_insert_with(|| {
+            let trigger = Trigger::new(Arc::clone(cfg), model, WindowSource::Known(window), max_tokens)
+                .with_base_url(base_url);
+            Compressor::new(Arc::clone(cfg), trigger)
+        });
+        // No-ops when nothing changed; a model switch resets calibration and
+        // cooldowns as the reference's update_model does.
+        comp.trigger.update_model(model, Some(window), base_url, max_tokens);
+        comp.trigger.set_max_tokens(max_tokens);
+        comp.trigger.set_context_length(window);
+        comp
+    }
+
+    /// Applies usage posted by finished responses.
+    pub fn drain_inbox(&mut self) {
+        let posted = match self.inbox.lock() {
+            Ok(mut q) => std::mem::take(&mut *q),
+            Err(poisoned) => std::mem::take(&mut *poisoned.into_inner()),
+        };
+        for (sent, report) in posted {
+            let Some(usage) = report.effective() else {
+                continue;
+            };
+            if let Some(prompt) = usage.prompt_tokens {
+                self.calibration.observe(sent, prompt);
+            }
+            if let Some(comp) = self.compressor.as_mut() {
+                comp.trigger
+                    .update_from_response(&crate::compaction::trigger::Usage {
+                        prompt_tokens: usage.prompt_tokens,
+                        completion_tokens: usage.completion_tokens,
+                        total_tokens: usage.total_tokens,
+                    });
+            }
+        }
+    }
+
+    /// Rough estimate of the `tools` array, cached by its raw bytes.
+    pub fn tools_overhead(&mut self, tools: Option<&RawValue>) -> u64 {
+        let Some(raw) = tools else {
+            return 0;
+        };
+        let h = xxhash_rust::xxh3::xxh3_64(raw.get().as_bytes());
+        if let Some((hash, est)) = self.tools_estimate {
+            if hash == h {
+                return est;
+            }
+        }
+        let est = serde_json::from_str::<serde_json::Value>(raw.get())
+            .map(|v| tokens::estimate_tools_tokens(&v))
+            .unwrap_or_else(|_| tokens::estimate_text_tokens(raw.get()));
+        self.tools_estimate = Some((h, est));
+        est
+    }
+}
+
+/// The rough per-message estimator used for calibration: the engine's own
+/// tail-walk estimator, so trigger and tail agree (reference §2 lesson).
+pub fn rough_message_tokens(m: &RawValue) -> u64 {
+    match serde_json::from_str::<serde_json::Value>(m.get()) {
+        Ok(v) => tokens::estimate_msg_budget_tokens(&v, true),
+        Err(_) => tokens::estimate_text_tokens(m.get()),
+    }
+}
