@@ -352,3 +352,71 @@ fn focus_topic_and_date_reach_the_summary_prompt() {
         "focus comes last"
     );
 }
+
+fn no_user_session() -> Vec<Value> {
+    let mut msgs = vec![msg("system", "nightly job: rotate logs")];
+    for i in 0..8 {
+        msgs.extend(tool_round(&format!("c{i}"), 300));
+        msgs.push(msg("assistant", &format!("rotated host {i}")));
+    }
+    msgs
+}
+
+#[test]
+fn no_user_session_summary_is_grounded_with_the_sentinel() {
+    use compactor::compaction::markers::NO_USER_SENTINEL;
+    let mut c = compressor(1, 2);
+    let res = block_on(c.compress(
+        &no_user_session(),
+        &Stub::ok("Rotated hosts 0-5."),
+        CompressOptions::default(),
+    ));
+    assert_eq!(res.outcome, Outcome::Compacted);
+    let carrier = content_str(&res.messages[res.summary_index.unwrap()]);
+    assert!(carrier.contains(NO_USER_SENTINEL), "{carrier}");
+    assert!(!res.fallback_used);
+}
+
+#[test]
+fn no_user_session_rejects_invented_user_attribution() {
+    let mut c = compressor(1, 2);
+    let s = Stub::ok("The user asked to rotate every log and the user wants a report.");
+    let res = block_on(c.compress(&no_user_session(), &s, CompressOptions::default()));
+    assert_eq!(res.outcome, Outcome::Compacted);
+    assert!(
+        res.fallback_used,
+        "an invented user request is not accepted as the summary"
+    );
+}
+
+#[test]
+fn no_user_marker_is_added_once_and_never_counts_as_a_user() {
+    let mut c = compressor(1, 2);
+    let first = block_on(c.compress(
+        &no_user_session(),
+        &Stub::ok("Rotated."),
+        CompressOptions::default(),
+    ));
+    let marker_rows = |m: &[Value]| {
+        m.iter()
+            .filter(|r| content_str(r).contains(NO_USER_TURN_MARKER))
+            .count()
+    };
+    assert_eq!(marker_rows(&first.messages), 1);
+    assert!(!first.messages.iter().any(view::is_real_user));
+    let mut grown = first.messages.clone();
+    for i in 20..28 {
+        grown.extend(tool_round(&format!("c{i}"), 300));
+        grown.push(msg("assistant", &format!("rotated host {i}")));
+    }
+    let second = block_on(c.compress(
+        &grown,
+        &Stub::ok("Rotated more."),
+        CompressOptions {
+            force: true,
+            ..Default::default()
+        },
+    ));
+    assert_eq!(second.outcome, Outcome::Compacted);
+    assert_eq!(marker_rows(&second.messages), 1);
+}

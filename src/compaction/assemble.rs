@@ -254,7 +254,10 @@ fn append_user_text(messages: &mut Vec<Value>, text: &str) {
 /// from the original is re-inserted when none does; a fixed marker is used
 /// when the conversation never had one. Returns true when something was added.
 pub fn ensure_user_turn(messages: &mut Vec<Value>, original: &[Value]) -> bool {
-    if messages.iter().any(view::is_real_user) {
+    if messages
+        .iter()
+        .any(|m| view::is_real_user(m) || view::text(m).contains(NO_USER_TURN_MARKER))
+    {
         return false;
     }
     match view::last_real_user(original, 0) {

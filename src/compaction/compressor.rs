@@ -18,8 +18,8 @@ use super::prune::{self, PruneParams};
 use super::redact::redact_secrets;
 use super::sanitize::sanitize_tool_pairs;
 use super::serialize::{
-    self, bound_summary_input, build_summary_prompt, chunk_for_budget, ground_task_snapshot,
-    serialize_for_summary, PromptParts, SummaryInvalid, SUMMARY_INPUT_MAX_CHARS,
+    self, bound_summary_input, build_summary_prompt, chunk_for_budget, serialize_for_summary,
+    PromptParts, SummaryInvalid, SUMMARY_INPUT_MAX_CHARS,
 };
 use super::summariser::{Summariser, SummaryError, SummaryErrorKind, SummaryReply, SummaryRequest};
 use super::tail::{self, TailParams};
@@ -527,6 +527,7 @@ impl Compressor {
         s: &dyn Summariser,
         prompt: String,
         calls: &mut u32,
+        no_user_session: bool,
     ) -> Result<String, &'static str> {
         loop {
             let model = if self.distinct_summary_model() {
@@ -550,6 +551,23 @@ impl Compressor {
                         reply.refusal.as_deref(),
                         reply.reasoning.as_deref(),
                     ) {
+                        // Provenance: a session without user turns must not
+                        // get a summary that attributes anything to a user
+                        // (#64650); that reply is treated as a refusal.
+                        Ok(body) if no_user_session && serialize::attributes_to_user(&body) => {
+                            let info = FailureInfo {
+                                class: FailureClass::Other,
+                                auth: false,
+                                network: false,
+                                overload: false,
+                            };
+                            (
+                                "summary attributed text to a user in a session without user turns"
+                                    .to_string(),
+                                info,
+                                Some(SummaryInvalid::Refusal),
+                            )
+                        }
                         Ok(body) => return Ok(body),
                         Err(inv) => {
                             let class = match inv {
@@ -699,7 +717,10 @@ impl Compressor {
                 no_user_turns,
                 chunk: (n > 1).then_some((i, n)),
             });
-            match self.call_once(s, prompt, &mut out.calls).await {
+            match self
+                .call_once(s, prompt, &mut out.calls, no_user_turns)
+                .await
+            {
                 Ok(body) => running = Some(body),
                 Err(name) => {
                     out.failure = Some(name);
@@ -710,8 +731,20 @@ impl Compressor {
         let Some(body) = running else {
             return out;
         };
-        let ask = serialize::latest_user_task_snapshot(turns);
-        let body = clip_summary(ground_task_snapshot(&body, ask.as_deref()), target);
+        let ask = turns
+            .iter()
+            .rev()
+            .find(|m| view::is_real_user(m))
+            .map(view::text);
+        let grounding = match (&ask, no_user_turns) {
+            (Some(a), _) => serialize::Grounding::UserAsk(a),
+            (None, true) => serialize::Grounding::NoUserInSession,
+            (None, false) => serialize::Grounding::NoUserInWindow,
+        };
+        let body = clip_summary(
+            serialize::ground_task_snapshot_with(&body, grounding),
+            target,
+        );
         self.trigger.note_summary_success();
         self.clear_terminal_flags();
         self.last_summary_error = None;
@@ -836,11 +869,14 @@ impl Compressor {
             self.previous_summary = Some(handoff_bodies.join("\n\n"));
         }
         let has_real_user = working.iter().any(view::is_real_user);
+        // Provenance: a real user row decides; without one, an earlier
+        // summary decides by its sentinel; a fresh session without user rows
+        // has none (no user intent may be attributed, #64650).
         self.summary_has_user_turn = has_real_user
-            || !self
+            || self
                 .previous_summary
                 .as_deref()
-                .is_some_and(|p| p.contains(markers::NO_USER_SENTINEL));
+                .is_some_and(|p| !p.contains(markers::NO_USER_SENTINEL));
         // A handoff inside the tail is unwrapped in place (its body is in the
         // running summary); the tail is not advanced past it, which could
         // summarise the live ask that a user-leading merge carries.

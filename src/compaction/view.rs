@@ -16,6 +16,8 @@ const SYNTHETIC_USER_PREFIXES: &[&str] = &[
     "[Background process",
     "[Note: model was just switched",
     "[IMPORTANT: Background",
+    // compactor's own stand-in for a missing user turn (assemble.rs).
+    "Continue from the compressed conversation context above.",
 ];
 
 /// Private keys the reference uses to flag synthetic user rows; a client may
