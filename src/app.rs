@@ -26,6 +26,8 @@ pub struct AppState {
     pub client: UpstreamClient,
     /// Metrics registry.
     pub metrics: Arc<Metrics>,
+    /// Sessions, compaction records, windows: the chat path's state.
+    pub chat: crate::chat::ChatState,
 }
 
 impl std::fmt::Debug for AppState {
@@ -40,10 +42,12 @@ impl AppState {
     /// Builds the state (upstream client, metrics) from a config.
     pub fn new(config: Config) -> Result<Self, AppError> {
         let client = build_client(&config)?;
+        let chat = crate::chat::ChatState::from_config(&config)?;
         Ok(AppState {
             config: Arc::new(config),
             client,
             metrics: Arc::new(Metrics::default()),
+            chat,
         })
     }
 }
@@ -54,6 +58,9 @@ pub enum AppError {
     /// The upstream client could not be built.
     #[error(transparent)]
     Upstream(#[from] UpstreamSetupError),
+    /// The chat path's configuration is invalid.
+    #[error(transparent)]
+    Chat(#[from] crate::chat::ChatConfigError),
     /// The listen address could not be bound.
     #[error("cannot listen on {addr}: {source}")]
     Bind {
@@ -64,6 +71,9 @@ pub enum AppError {
         source: std::io::Error,
     },
 }
+
+/// How often idle sessions and compaction records are swept.
+const SWEEP_EVERY: Duration = Duration::from_secs(30);
 
 /// Binds the listener and builds the state.
 pub async fn bind(config: Config) -> Result<(TcpListener, Arc<AppState>), AppError> {
@@ -86,9 +96,14 @@ where
     builder.http2().timer(TokioTimer::new());
     let graceful = GracefulShutdown::new();
     tokio::pin!(shutdown);
+    // Idle sessions and records are dropped by this loop, so the sweep
+    // stops with the server.
+    let mut sweep = tokio::time::interval(SWEEP_EVERY);
+    sweep.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
 
     loop {
         tokio::select! {
+            _ = sweep.tick() => state.chat.sweep(),
             accepted = listener.accept() => {
                 let (stream, _peer) = match accepted {
                     Ok(a) => a,

@@ -151,7 +151,7 @@ pub struct RawConfig {
     pub timeouts: RawTimeouts,
     /// Session identification and bounds.
     pub session: RawSession,
-    /// Engine settings, validated by the compaction engine at integration.
+    /// Engine settings, validated into [`crate::compaction::config::CompactionConfig`].
     pub compaction: toml::Table,
     /// Per-model settings.
     pub models: BTreeMap<String, ModelConfig>,
@@ -360,8 +360,8 @@ pub struct Config {
     pub timeouts: Timeouts,
     /// Sessions.
     pub session: SessionConfig,
-    /// Raw `[compaction]` table for the engine.
-    pub compaction: toml::Table,
+    /// The engine's settings (`[compaction]`), validated.
+    pub compaction: crate::compaction::config::CompactionConfig,
     /// Per-model settings.
     pub models: BTreeMap<String, ModelConfig>,
     /// Fallback context length.
@@ -400,7 +400,7 @@ impl Default for Config {
                     ttl: Duration::from_secs(3600),
                     max_sessions: 10_000,
                 },
-                compaction: toml::Table::new(),
+                compaction: crate::compaction::config::CompactionConfig::default(),
                 models: BTreeMap::new(),
                 default_context_length: None,
                 admin_token: None,
@@ -674,6 +674,18 @@ impl RawConfig {
                 "must be greater than 0".to_owned(),
             );
         }
+        let compaction =
+            match crate::compaction::config::CompactionConfig::from_table(&self.compaction) {
+                Ok(c) => Some(c),
+                Err(e) => {
+                    let key = e
+                        .key
+                        .as_deref()
+                        .map_or("compaction".to_owned(), |k| format!("compaction.{k}"));
+                    bad(&key, e.message);
+                    None
+                }
+            };
         if matches!(&self.admin.token, Some(t) if t.trim().is_empty()) {
             bad(
                 "admin.token",
@@ -683,6 +695,7 @@ impl RawConfig {
 
         match (listen, upstream) {
             (Some(listen), Some(upstream)) if problems.is_empty() => Ok(Config {
+                compaction: compaction.unwrap_or_default(),
                 listen,
                 upstream,
                 upstream_ca_file: self.upstream_ca_file,
@@ -698,7 +711,6 @@ impl RawConfig {
                     ttl: Duration::from_secs(self.session.ttl_secs),
                     max_sessions: self.session.max_sessions,
                 },
-                compaction: self.compaction,
                 models: self.models,
                 default_context_length: self.default_context_length,
                 admin_token: self.admin.token,
@@ -740,7 +752,10 @@ mod tests {
         assert!(c.expose_headers);
         assert_eq!(c.log_format, LogFormat::Text);
         assert!(c.admin_token.is_none());
-        assert!(c.compaction.is_empty());
+        assert_eq!(
+            c.compaction.threshold_percent,
+            crate::compaction::config::CompactionConfig::default().threshold_percent
+        );
         // Config::default() is the same thing.
         assert_eq!(Config::default().listen, c.listen);
     }
@@ -784,9 +799,10 @@ format = "json"
         assert_eq!(c.timeouts.idle, Duration::from_secs(3));
         assert_eq!(c.timeouts.shutdown_grace, Duration::ZERO);
         assert_eq!(c.session.headers, vec!["x-my-session".to_owned()]);
+        assert!((c.compaction.effective_threshold_percent() - 0.75).abs() < 1e-9);
         assert_eq!(
-            c.compaction.get("threshold_percent").unwrap().as_integer(),
-            Some(75)
+            c.compaction.strategy,
+            crate::compaction::config::Strategy::Micro
         );
         assert_eq!(c.models["gpt-4o"].context_length, 128_000);
         assert_eq!(c.default_context_length, Some(8192));

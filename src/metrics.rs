@@ -78,7 +78,8 @@ impl Histogram {
         self.count.load(Ordering::Relaxed)
     }
 
-    fn render(&self, out: &mut String, name: &str, help: &str) {
+    /// Appends this histogram in Prometheus text format.
+    pub fn render_to(&self, out: &mut String, name: &str, help: &str) {
         let _ = writeln!(out, "# HELP {name} {help}");
         let _ = writeln!(out, "# TYPE {name} histogram");
         let mut cumulative = 0u64;
@@ -230,12 +231,12 @@ impl Metrics {
             let _ = writeln!(out, "# TYPE {name} {kind}");
             let _ = writeln!(out, "{name} {}", v.load(Ordering::Relaxed));
         }
-        self.upstream_wait.render(
+        self.upstream_wait.render_to(
             &mut out,
             names::UPSTREAM_WAIT_SECONDS,
             "Time until the upstream response head.",
         );
-        self.proxy_overhead.render(
+        self.proxy_overhead.render_to(
             &mut out,
             names::PROXY_OVERHEAD_SECONDS,
             "Time compactor added before the response head (total minus upstream wait).",

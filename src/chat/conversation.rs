@@ -88,13 +88,19 @@ impl Conversation {
         max_tokens: Option<u64>,
     ) -> &mut Compressor {
         let comp = self.compressor.get_or_insert_with(|| {
-            let trigger = Trigger::new(Arc::clone(cfg), model, WindowSource::Known(window), max_tokens)
-                .with_base_url(base_url);
+            let trigger = Trigger::new(
+                Arc::clone(cfg),
+                model,
+                WindowSource::Known(window),
+                max_tokens,
+            )
+            .with_base_url(base_url);
             Compressor::new(Arc::clone(cfg), trigger)
         });
         // No-ops when nothing changed; a model switch resets calibration and
         // cooldowns as the reference's update_model does.
-        comp.trigger.update_model(model, Some(window), base_url, max_tokens);
+        comp.trigger
+            .update_model(model, Some(window), base_url, max_tokens);
         comp.trigger.set_max_tokens(max_tokens);
         comp.trigger.set_context_length(window);
         comp
@@ -136,7 +142,7 @@ impl Conversation {
             }
         }
         let est = serde_json::from_str::<serde_json::Value>(raw.get())
-            .map(|v| tokens::estimate_tools_tokens(&v))
+            .map(|v| tokens::estimate_tools_tokens(Some(&v)))
             .unwrap_or_else(|_| tokens::estimate_text_tokens(raw.get()));
         self.tools_estimate = Some((h, est));
         est

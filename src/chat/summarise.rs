@@ -79,7 +79,10 @@ impl HttpSummariser {
                 headers.insert(header::AUTHORIZATION, v);
             }
         }
-        headers.insert(header::CONTENT_TYPE, HeaderValue::from_static("application/json"));
+        headers.insert(
+            header::CONTENT_TYPE,
+            HeaderValue::from_static("application/json"),
+        );
         headers.insert(header::ACCEPT, HeaderValue::from_static("application/json"));
         let (prompt_budget_chars, max_reply_tokens) = budgets_for_window(window_tokens);
         Self {
@@ -130,7 +133,8 @@ impl HttpSummariser {
             request.headers_mut().insert(header::HOST, host);
         }
         headers::prepare_request_headers(request.headers_mut());
-        self.calls.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        self.calls
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
 
         let resp = self
             .client
@@ -141,10 +145,19 @@ impl HttpSummariser {
         let body = http_body_util::Limited::new(resp.into_body(), MAX_REPLY_BYTES)
             .collect()
             .await
-            .map_err(|e| SummaryError::new(SummaryErrorKind::StreamClosed, Some(status.as_u16()), e.to_string()))?
+            .map_err(|e| {
+                SummaryError::new(
+                    SummaryErrorKind::StreamClosed,
+                    Some(status.as_u16()),
+                    e.to_string(),
+                )
+            })?
             .to_bytes();
         if !status.is_success() {
-            return Err(SummaryError::http(status.as_u16(), error_message(&body, status.as_u16())));
+            return Err(SummaryError::http(
+                status.as_u16(),
+                error_message(&body, status.as_u16()),
+            ));
         }
         parse_reply(&body)
     }
@@ -198,7 +211,10 @@ fn error_message(body: &[u8], status: u16) -> String {
     });
     let code = parsed
         .as_ref()
-        .and_then(|v| v.pointer("/error/code").or_else(|| v.pointer("/error/type")))
+        .and_then(|v| {
+            v.pointer("/error/code")
+                .or_else(|| v.pointer("/error/type"))
+        })
         .map(|c| c.to_string().trim_matches('"').to_owned());
     match (msg, code) {
         (Some(m), Some(c)) => format!("HTTP {status} {c}: {m}"),
@@ -217,7 +233,11 @@ pub fn parse_reply(body: &[u8]) -> Result<SummaryReply, SummaryError> {
         )
     })?;
     let choice = v.pointer("/choices/0").ok_or_else(|| {
-        SummaryError::new(SummaryErrorKind::Decode, None, "summary response has no choices")
+        SummaryError::new(
+            SummaryErrorKind::Decode,
+            None,
+            "summary response has no choices",
+        )
     })?;
     let message = choice.get("message");
     let text = |key: &str| {
@@ -256,7 +276,7 @@ mod tests {
     #[test]
     fn parses_a_chat_completion() {
         let r = parse_reply(
-            br#"{"choices":[{"index":0,"message":{"role":"assistant","content":"## Summary","reasoning_content":"hm"},"finish_reason":"stop"}]}"#,
+            br###"{"choices":[{"index":0,"message":{"role":"assistant","content":"## Summary","reasoning_content":"hm"},"finish_reason":"stop"}]}"###,
         )
         .unwrap();
         assert_eq!(r.content, Some(Value::String("## Summary".into())));
@@ -278,7 +298,10 @@ mod tests {
             br#"{"error":{"message":"You exceeded your current quota","type":"insufficient_quota","code":"insufficient_quota"}}"#,
             429,
         );
-        assert!(m.contains("insufficient_quota") && m.contains("exceeded your current quota"), "{m}");
+        assert!(
+            m.contains("insufficient_quota") && m.contains("exceeded your current quota"),
+            "{m}"
+        );
         assert_eq!(error_message(b"nope", 500), "HTTP 500");
     }
 

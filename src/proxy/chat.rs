@@ -13,7 +13,7 @@ use crate::app::AppState;
 use crate::error::ProxyBody;
 use crate::proxy::body::ProxyReqBody;
 
-/// Handles one chat completion request.
+/// Handles one chat completion request (see [`crate::chat::handler`]).
 pub async fn handle(state: Arc<AppState>, req: Request<ProxyReqBody>) -> Response<ProxyBody> {
-    super::forward(&state, req).await
+    crate::chat::handler::handle(state, req).await
 }

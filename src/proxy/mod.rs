@@ -38,6 +38,8 @@ pub enum Route {
     Health,
     /// `GET /_compactor/metrics`.
     Metrics,
+    /// `GET /_compactor/sessions/{key}`.
+    Session,
     /// Any other `/_compactor/*` path.
     Admin,
     /// `POST /v1/chat/completions`.
@@ -53,6 +55,7 @@ impl Route {
             return match (method, rest) {
                 (&Method::GET, "health") => Route::Health,
                 (&Method::GET, "metrics") => Route::Metrics,
+                (&Method::GET, r) if r.starts_with("sessions/") => Route::Session,
                 _ => Route::Admin,
             };
         }
@@ -68,6 +71,7 @@ impl Route {
         match self {
             Route::Health => "health",
             Route::Metrics => "metrics",
+            Route::Session => "session",
             Route::Admin => "admin",
             Route::Chat => "chat",
             Route::Passthrough => "passthrough",
@@ -129,6 +133,7 @@ pub async fn handle(
     let resp = match route {
         Route::Health => health(),
         Route::Metrics => metrics(&state),
+        Route::Session => crate::chat::admin::session_view(Arc::clone(&state), &req).await,
         Route::Admin => error_response(
             StatusCode::NOT_FOUND,
             "unknown compactor endpoint",
@@ -357,7 +362,14 @@ fn health() -> Response<ProxyBody> {
 }
 
 fn metrics(state: &AppState) -> Response<ProxyBody> {
-    let mut resp = Response::new(full_body(Bytes::from(state.metrics.render())));
+    let mut text = state.metrics.render();
+    text.push_str(
+        &state
+            .chat
+            .metrics
+            .render(state.chat.sessions.len(), state.chat.records.len()),
+    );
+    let mut resp = Response::new(full_body(Bytes::from(text)));
     resp.headers_mut().insert(
         header::CONTENT_TYPE,
         HeaderValue::from_static("text/plain; version=0.0.4; charset=utf-8"),
@@ -379,7 +391,7 @@ mod tests {
         assert_eq!(Route::of(&Method::POST, "/_compactor/health"), Route::Admin);
         assert_eq!(
             Route::of(&Method::GET, "/_compactor/sessions/x"),
-            Route::Admin
+            Route::Session
         );
         assert_eq!(
             Route::of(&Method::POST, "/v1/chat/completions"),

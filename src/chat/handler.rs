@@ -1,0 +1,681 @@
+//! The walk of one `POST /v1/chat/completions` (design §1):
+//!
+//! read the body (bounded) → parse (on failure forward the original bytes) →
+//! session → substitute the known compacted prefix → estimate (calibrated)
+//! → compact when over the threshold → re-serialise only if something
+//! changed → send → on an overflow error before any byte reached the client:
+//! learn the window, force a compaction, retry once → tap usage on the way
+//! back (hiding the usage chunk the client did not ask for).
+//!
+//! The session lock is held while deciding and compacting, never while the
+//! response streams.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use bytes::{Bytes, BytesMut};
+use http::request::Parts;
+use http::{header, HeaderValue, Request, Response, StatusCode};
+use http_body::Body;
+use http_body_util::{BodyExt, Full};
+use hyper::body::Incoming;
+use serde_json::value::RawValue;
+use serde_json::Value;
+use tokio::time::Instant;
+
+use crate::app::AppState;
+use crate::compaction::config::Strategy;
+use crate::compaction::{CompressOptions, Outcome};
+use crate::error::{full_body, ProxyBody};
+use crate::proxy::body::{boxed, IdleTimeoutBody, ProxyReqBody};
+use crate::proxy::{self, headers};
+use crate::request::ChatRequest;
+use crate::session::calibration::SentRequest;
+use crate::session::key::SessionKey;
+use crate::session::store::Entry;
+use crate::usage::hide::HideUsageBody;
+use crate::usage::inject::{plan_usage, UsagePlan};
+use crate::usage::peek::peek_start;
+use crate::usage::tap::TapBody;
+use crate::usage::{BodyKind, StreamStart, TapOutcome, UsageObserver};
+use crate::window::overflow::{parse_overflow, parse_overflow_event, Overflow, OverflowKind};
+
+use super::conversation::{rough_message_tokens, Conversation};
+use super::record::Record;
+use super::summarise::HttpSummariser;
+use super::{ChatState, Discovery};
+
+/// Response header naming what compactor did.
+pub const ACTION_HEADER: &str = "x-compactor-action";
+/// Response header carrying the opaque session key.
+pub const SESSION_HEADER: &str = "x-compactor-session";
+
+/// Error bodies up to this size are read to look for an overflow.
+const MAX_ERROR_PEEK: usize = 256 << 10;
+/// A stream's start is held up to this size while looking for an in-band
+/// overflow error.
+const MAX_STREAM_PEEK: usize = 64 << 10;
+/// Timeout of the window discovery probes.
+const DISCOVERY_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// What compactor did to a request (`x-compactor-action`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Action {
+    /// Forwarded as the client sent it (maybe with `include_usage` added).
+    Passthrough,
+    /// Sent with a compaction (new or recorded) substituted.
+    Compacted,
+    /// Compacted and retried after an upstream overflow error.
+    Retried,
+    /// A compaction was attempted and abandoned; the original messages went.
+    Aborted,
+}
+
+impl Action {
+    /// Header value and metric label.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Action::Passthrough => "passthrough",
+            Action::Compacted => "compacted",
+            Action::Retried => "retried",
+            Action::Aborted => "aborted",
+        }
+    }
+}
+
+/// A request ready to send.
+struct Prepared {
+    body: Bytes,
+    action: Action,
+    plan: UsagePlan,
+    sent: Arc<SentRequest>,
+    inbox: super::conversation::Inbox,
+}
+
+/// Handles one chat completion request.
+pub async fn handle(state: Arc<AppState>, req: Request<ProxyReqBody>) -> Response<ProxyBody> {
+    let (parts, body) = req.into_parts();
+    // A compressed body cannot be read without decoding it: forward untouched.
+    if parts.headers.contains_key(header::CONTENT_ENCODING) {
+        return proxy::forward(&state, Request::from_parts(parts, body)).await;
+    }
+    let bytes = match body.collect().await {
+        Ok(c) => c.to_bytes(),
+        Err(e) => return proxy::error_reply(&state, &proxy::body_read_error(&e)),
+    };
+    let Ok(creq) = ChatRequest::parse(bytes.clone()) else {
+        // Not a chat request we understand: the upstream answers it.
+        return send_plain(&state, parts, bytes).await;
+    };
+    let chat = &state.chat;
+    let (key, _source) = chat.keyer.derive(&parts.headers, &creq);
+    let cred = chat.keyer.credential(&parts.headers).as_u128();
+    let entry = chat.sessions.get_or_create(key, Conversation::default);
+
+    let mut prepared = prepare(&state, &entry, &parts, creq, (key, cred), None).await;
+    let mut retried = false;
+    loop {
+        let resp = match send(&state, &parts, prepared.body.clone()).await {
+            Ok(r) => r,
+            Err(e) => return proxy::error_reply(&state, &e),
+        };
+        let outcome = inspect(resp, prepared.plan.stream).await;
+        let (resp, overflow) = match outcome {
+            Ok(x) => x,
+            Err(e) => return proxy::error_reply(&state, &e),
+        };
+        match overflow {
+            Some(of) if !retried && of.kind == OverflowKind::Prompt => {
+                retried = true;
+                chat.metrics.overflow_retry();
+                tracing::info!(
+                    session = %key,
+                    limit = of.limit,
+                    requested = of.requested,
+                    "upstream context overflow; compacting and retrying"
+                );
+                let Ok(creq) = ChatRequest::parse(bytes.clone()) else {
+                    return finish(&state, resp, &prepared, key);
+                };
+                let retry = prepare(&state, &entry, &parts, creq, (key, cred), Some(of)).await;
+                if retry.action != Action::Compacted {
+                    // Compaction could not help: the client gets the
+                    // upstream's own error.
+                    return finish(&state, resp, &prepared, key);
+                }
+                prepared = Prepared {
+                    action: Action::Retried,
+                    ..retry
+                };
+            }
+            _ => return finish(&state, resp, &prepared, key),
+        }
+    }
+}
+
+/// Decides what to send, under the conversation lock. `overflow` is set on
+/// the retry after an upstream overflow error: learn the window and force a
+/// compaction.
+async fn prepare(
+    state: &AppState,
+    entry: &Arc<Entry<Conversation>>,
+    parts: &Parts,
+    mut creq: ChatRequest,
+    (key, cred): (SessionKey, u128),
+    overflow: Option<Overflow>,
+) -> Prepared {
+    let chat = &state.chat;
+    let model = creq.model().unwrap_or_default();
+    let mut guard = entry.lock().await;
+    let conv: &mut Conversation = &mut guard;
+    conv.drain_inbox();
+    conv.stats.requests += u64::from(overflow.is_none());
+
+    if let Some(of) = &overflow {
+        chat.windows.learn(&chat.upstream_label, &model, of);
+    }
+    let discovery = Discovery {
+        client: &state.client,
+        base: &state.config.upstream,
+        headers: credential_headers(&parts.headers),
+        timeout: DISCOVERY_TIMEOUT,
+    };
+    let window = chat
+        .windows
+        .resolve(&chat.upstream_label, &model, &discovery)
+        .await
+        .tokens;
+
+    // 1. Substitute the longest recorded compaction of this history.
+    let original: Vec<Box<RawValue>> = creq.messages().to_vec();
+    let client_hashes = conv.client_chain.chain(&original).to_vec();
+    let record = chat
+        .records
+        .lookup(cred, &client_hashes, conv.record.as_ref());
+    conv.record = record.clone();
+    let mut outgoing: Vec<Box<RawValue>> = match &record {
+        Some(r) => r
+            .replacement
+            .iter()
+            .chain(&original[r.k..])
+            .cloned()
+            .collect(),
+        None => original.clone(),
+    };
+    let mut changed = record.is_some();
+    let mut action = if changed {
+        Action::Compacted
+    } else {
+        Action::Passthrough
+    };
+    if changed {
+        conv.stats.substituted += 1;
+    }
+
+    // 2. Estimate what would be sent (calibrated by real usage).
+    let max_out = creq.max_output_tokens();
+    let overhead = conv.tools_overhead(creq.get_raw("tools"));
+    let sent_hashes = conv.sent_chain.chain(&outgoing).to_vec();
+    let mut est =
+        conv.calibration
+            .estimate(&outgoing, &sent_hashes, overhead, rough_message_tokens);
+
+    // 3. Over the threshold? Compact under the lock.
+    let cfg = Arc::clone(&chat.compaction);
+    let comp = conv.compressor(&cfg, &model, &chat.upstream_label, window, max_out);
+    let threshold = comp.trigger.threshold_tokens();
+    let fits_window = est.tokens + max_out.unwrap_or(0) < window;
+    // Right after a compaction the rough figure is not trusted until the
+    // upstream reports real usage (reference deferral), unless the request
+    // would not even fit the window.
+    let defer = comp.trigger.awaiting_real_usage_after_compression && fits_window;
+    let force = overflow.is_some();
+    let wanted = force
+        || (!defer
+            && est.tokens >= threshold
+            && comp.trigger.should_compress(Some(est.tokens as i64)));
+    if wanted {
+        let values: Result<Vec<Value>, _> = outgoing
+            .iter()
+            .map(|m| serde_json::from_str::<Value>(m.get()))
+            .collect();
+        if let Ok(values) = values {
+            let summariser = HttpSummariser::new(
+                state.client.clone(),
+                summary_base(state, &cfg),
+                model.clone(),
+                &parts.headers,
+                cfg.summary_api_key.as_deref(),
+                Duration::from_secs(cfg.summary_timeout_secs.max(1)),
+                Some(window),
+            );
+            let started = Instant::now();
+            let result = if cfg.strategy == Strategy::Micro && !force {
+                let micro = comp.micro_compact(&values, &summariser).await;
+                let before = crate::compaction::tokens::estimate_messages_tokens_rough(&values);
+                let after =
+                    crate::compaction::tokens::estimate_messages_tokens_rough(&micro.messages);
+                let committed = micro.messages != values;
+                CompactionDone {
+                    kept_suffix: common_suffix(&values, &micro.messages),
+                    messages: micro.messages,
+                    outcome: if committed {
+                        Outcome::Compacted
+                    } else {
+                        Outcome::Rejected
+                    },
+                    fallback_used: false,
+                    feasibility_skip: false,
+                    tokens_before: before,
+                    tokens_after: after,
+                    label: micro.outcome.as_str(),
+                }
+            } else {
+                let r = comp
+                    .compress(
+                        &values,
+                        &summariser,
+                        CompressOptions {
+                            force,
+                            current_tokens: Some(est.tokens),
+                            bypass_cooldown: force,
+                            ..CompressOptions::default()
+                        },
+                    )
+                    .await;
+                CompactionDone {
+                    label: outcome_label(r.outcome),
+                    messages: r.messages,
+                    outcome: r.outcome,
+                    fallback_used: r.fallback_used,
+                    feasibility_skip: r.feasibility_skip,
+                    tokens_before: r.tokens_before,
+                    tokens_after: r.tokens_after,
+                    kept_suffix: r.kept_suffix,
+                }
+            };
+            let took = started.elapsed();
+            let calls = summariser.calls();
+            match result.outcome {
+                Outcome::Compacted => {
+                    comp.trigger.record_completed_compaction(
+                        result.fallback_used,
+                        result.feasibility_skip,
+                        result.tokens_after,
+                    );
+                    let saved = result.tokens_before.saturating_sub(result.tokens_after);
+                    conv.stats.compactions += 1;
+                    conv.stats.fallback_compactions += u64::from(result.fallback_used);
+                    conv.stats.tokens_saved += saved;
+                    conv.stats.overflow_retries += u64::from(force);
+                    chat.metrics
+                        .compaction(result.label, saved, (calls > 0).then_some(took));
+                    let new_outgoing = commit_record(
+                        chat,
+                        conv,
+                        cred,
+                        &original,
+                        &client_hashes,
+                        &outgoing,
+                        &result,
+                    );
+                    tracing::info!(
+                        session = %key,
+                        outcome = result.label,
+                        fallback = result.fallback_used,
+                        messages_before = outgoing.len(),
+                        messages_after = new_outgoing.len(),
+                        tokens_before = result.tokens_before,
+                        tokens_after = result.tokens_after,
+                        estimated_prompt = est.tokens,
+                        threshold,
+                        window,
+                        summariser_calls = calls,
+                        summariser_ms = took.as_millis() as u64,
+                        "compaction"
+                    );
+                    outgoing = new_outgoing;
+                    changed = true;
+                    action = Action::Compacted;
+                    let sent_hashes = conv.sent_chain.chain(&outgoing).to_vec();
+                    est = conv.calibration.estimate(
+                        &outgoing,
+                        &sent_hashes,
+                        overhead,
+                        rough_message_tokens,
+                    );
+                }
+                other => {
+                    if matches!(other, Outcome::Aborted(_)) {
+                        conv.stats.aborted += 1;
+                        action = Action::Aborted;
+                    }
+                    chat.metrics
+                        .compaction(result.label, 0, (calls > 0).then_some(took));
+                    tracing::info!(
+                        outcome = result.label,
+                        messages = outgoing.len(),
+                        estimated_prompt = est.tokens,
+                        threshold,
+                        window,
+                        summariser_calls = calls,
+                        summariser_ms = took.as_millis() as u64,
+                        "compaction not committed"
+                    );
+                }
+            }
+        }
+    }
+    conv.last_action = action.as_str();
+
+    if changed {
+        creq.with_messages(outgoing);
+    }
+    let plan = plan_usage(&mut creq);
+    Prepared {
+        body: creq.to_bytes(),
+        action,
+        plan,
+        sent: est.sent,
+        inbox: Arc::clone(&conv.inbox),
+    }
+}
+
+/// A compaction attempt, batch or micro, in one shape.
+struct CompactionDone {
+    messages: Vec<Value>,
+    outcome: Outcome,
+    fallback_used: bool,
+    feasibility_skip: bool,
+    tokens_before: u64,
+    tokens_after: u64,
+    kept_suffix: usize,
+    label: &'static str,
+}
+
+fn outcome_label(o: Outcome) -> &'static str {
+    match o {
+        Outcome::Compacted => "compacted",
+        Outcome::Aborted(_) => "aborted",
+        Outcome::NoOp(_) => "noop",
+        Outcome::Rejected => "rejected",
+    }
+}
+
+fn common_suffix(a: &[Value], b: &[Value]) -> usize {
+    a.iter()
+        .rev()
+        .zip(b.iter().rev())
+        .take_while(|(x, y)| x == y)
+        .count()
+}
+
+/// Stores the record of a committed compaction and returns what to send.
+///
+/// The engine compacted `outgoing` = `old replacement (r) + original[k_old..]`
+/// and kept its last `kept_suffix` rows. Mapped back onto the client's own
+/// history, the new record stands for `original[..k_new]`.
+fn commit_record(
+    chat: &ChatState,
+    conv: &mut Conversation,
+    cred: u128,
+    original: &[Box<RawValue>],
+    client_hashes: &[u128],
+    outgoing: &[Box<RawValue>],
+    result: &CompactionDone,
+) -> Vec<Box<RawValue>> {
+    let (r, k_old, old_rep): (usize, usize, &[Box<RawValue>]) = match &conv.record {
+        Some(rec) => (rec.replacement.len(), rec.k, &rec.replacement),
+        None => (0, 0, &[]),
+    };
+    let kept = result
+        .kept_suffix
+        .min(outgoing.len())
+        .min(result.messages.len());
+    let replaced_out = outgoing.len() - kept;
+    let new_head = &result.messages[..result.messages.len() - kept];
+    let mut replacement: Vec<Box<RawValue>> = new_head.iter().filter_map(to_raw).collect();
+    let k_new = if replaced_out >= r {
+        k_old + (replaced_out - r)
+    } else {
+        replacement.extend(old_rep[replaced_out..].iter().cloned());
+        k_old
+    };
+    let send: Vec<Box<RawValue>> = replacement
+        .iter()
+        .cloned()
+        .chain(original.get(k_new..).unwrap_or(&[]).iter().cloned())
+        .collect();
+    if k_new >= 1
+        && k_new <= client_hashes.len()
+        && replacement.len() == new_head.len() + r.saturating_sub(replaced_out)
+    {
+        let replacement_tokens: u64 = replacement.iter().map(|m| rough_message_tokens(m)).sum();
+        let original_tokens: u64 = original[..k_new]
+            .iter()
+            .map(|m| rough_message_tokens(m))
+            .sum();
+        let rec = chat.records.insert(
+            cred,
+            Record::new(
+                k_new,
+                client_hashes[k_new - 1],
+                replacement,
+                original_tokens,
+                replacement_tokens,
+            ),
+        );
+        conv.record = Some(rec);
+    }
+    send
+}
+
+fn to_raw(v: &Value) -> Option<Box<RawValue>> {
+    serde_json::value::to_raw_value(v).ok()
+}
+
+/// Where summary calls go: the configured summary endpoint, else the upstream.
+fn summary_base(
+    state: &AppState,
+    cfg: &crate::compaction::config::CompactionConfig,
+) -> crate::config::UpstreamBase {
+    cfg.summary_endpoint
+        .as_deref()
+        .and_then(|s| crate::config::UpstreamBase::parse(s).ok())
+        .unwrap_or_else(|| state.config.upstream.clone())
+}
+
+/// Only the credential headers, for window discovery.
+fn credential_headers(h: &http::HeaderMap) -> http::HeaderMap {
+    let mut out = http::HeaderMap::new();
+    for name in ["authorization", "api-key", "x-api-key"] {
+        for v in h.get_all(name) {
+            out.append(name, v.clone());
+        }
+    }
+    out
+}
+
+/// Sends `body` upstream with the client's headers (Content-Length fixed).
+async fn send(
+    state: &AppState,
+    parts: &Parts,
+    body: Bytes,
+) -> Result<Response<Incoming>, crate::error::ProxyError> {
+    let mut parts = clone_parts(parts);
+    parts.headers.remove(header::TRANSFER_ENCODING);
+    parts
+        .headers
+        .insert(header::CONTENT_LENGTH, HeaderValue::from(body.len()));
+    proxy::send_upstream(state, &parts, boxed(Full::new(body))).await
+}
+
+/// Forwards bytes we could not parse exactly as received.
+async fn send_plain(state: &AppState, parts: Parts, bytes: Bytes) -> Response<ProxyBody> {
+    match proxy::send_upstream(state, &parts, boxed(Full::new(bytes))).await {
+        Ok(resp) => proxy::stream_response(state, resp),
+        Err(e) => proxy::error_reply(state, &e),
+    }
+}
+
+fn clone_parts(parts: &Parts) -> Parts {
+    let mut req = Request::new(());
+    *req.method_mut() = parts.method.clone();
+    *req.uri_mut() = parts.uri.clone();
+    *req.version_mut() = parts.version;
+    *req.headers_mut() = parts.headers.clone();
+    let (mut p, ()) = req.into_parts();
+    // Request stats travel in the extensions (upstream wait accounting).
+    if let Some(stats) = parts.extensions.get::<Arc<proxy::RequestStats>>() {
+        p.extensions.insert(Arc::clone(stats));
+    }
+    p
+}
+
+/// A response whose start has been read: the held frames go back in front.
+type HeldBody = crate::usage::peek::PrefixedBody<Incoming>;
+
+/// Reads the start of the response: the whole error body (bounded) for an
+/// error status, the first events of a stream; reports an overflow that
+/// arrived before any content.
+async fn inspect(
+    resp: Response<Incoming>,
+    stream: bool,
+) -> Result<(Response<HeldBody>, Option<Overflow>), crate::error::ProxyError> {
+    let (parts, body) = resp.into_parts();
+    let status = parts.status;
+    let ct = parts
+        .headers
+        .get(header::CONTENT_TYPE)
+        .and_then(|v| v.to_str().ok());
+    let kind = BodyKind::from_content_type(ct);
+    let map_err = |e: hyper::Error| crate::error::ProxyError::UpstreamUnreachable(e.to_string());
+    if !status.is_success() {
+        let (held, done, body) = read_prefix(body, MAX_ERROR_PEEK).await.map_err(map_err)?;
+        let overflow = if done {
+            parse_overflow(status.as_u16(), &held)
+        } else {
+            None
+        };
+        return Ok((Response::from_parts(parts, body), overflow));
+    }
+    if stream && kind == BodyKind::Sse {
+        let peeked = peek_start(body, kind, MAX_STREAM_PEEK)
+            .await
+            .map_err(map_err)?;
+        let overflow = match &peeked.start {
+            StreamStart::Error(payload) => parse_overflow_event(payload),
+            _ => None,
+        };
+        return Ok((Response::from_parts(parts, peeked.body), overflow));
+    }
+    let body = crate::usage::peek::PrefixedBody::new(Default::default(), body, false);
+    Ok((Response::from_parts(parts, body), None))
+}
+
+/// Reads up to `max` bytes of `body`; returns them, whether the body ended,
+/// and the body with those frames put back in front.
+async fn read_prefix(
+    mut body: Incoming,
+    max: usize,
+) -> Result<(BytesMut, bool, HeldBody), hyper::Error> {
+    let mut held = std::collections::VecDeque::new();
+    let mut bytes = BytesMut::new();
+    let mut done = false;
+    while bytes.len() <= max {
+        match body.frame().await {
+            Some(Ok(frame)) => {
+                if let Some(d) = frame.data_ref() {
+                    bytes.extend_from_slice(d);
+                }
+                held.push_back(frame);
+                if body.is_end_stream() {
+                    done = true;
+                    break;
+                }
+            }
+            Some(Err(e)) => return Err(e),
+            None => {
+                done = true;
+                break;
+            }
+        }
+    }
+    Ok((
+        bytes,
+        done,
+        crate::usage::peek::PrefixedBody::new(held, body, done),
+    ))
+}
+
+/// Turns the upstream response into ours: usage tap (and hider), idle
+/// timeout, compactor headers.
+fn finish(
+    state: &Arc<AppState>,
+    resp: Response<HeldBody>,
+    prepared: &Prepared,
+    key: SessionKey,
+) -> Response<ProxyBody> {
+    let chat = &state.chat;
+    chat.metrics.action(prepared.action.as_str());
+    let (mut parts, body) = resp.into_parts();
+    headers::strip_hop_by_hop(&mut parts.headers);
+    let kind = BodyKind::from_content_type(
+        parts
+            .headers
+            .get(header::CONTENT_TYPE)
+            .and_then(|v| v.to_str().ok()),
+    );
+    let inbox = Arc::clone(&prepared.inbox);
+    let sent = Arc::clone(&prepared.sent);
+    let state2 = Arc::clone(state);
+    let success = parts.status.is_success();
+    let observer = UsageObserver::new(kind, move |out: TapOutcome| {
+        if !success {
+            return;
+        }
+        if let Some((prompt, _)) = out.report.prompt_tokens() {
+            state2.chat.metrics.prompt_tokens(prompt);
+        }
+        if out.report.prompt_tokens().is_some() {
+            if let Ok(mut q) = inbox.lock() {
+                q.push((sent, out.report));
+            }
+        }
+    });
+    let tapped = TapBody::new(body, observer);
+    let idle = state.config.timeouts.idle;
+    let metrics = Arc::clone(&state.metrics);
+    let on_timeout = Box::new(move || {
+        metrics.record_idle_timeout();
+        tracing::warn!(idle_secs = idle.as_secs(), "upstream idle, ending stream");
+    });
+    let body: ProxyBody = if prepared.plan.hide_usage() && success && kind == BodyKind::Sse {
+        // The hidden chunk changes the length.
+        parts.headers.remove(header::CONTENT_LENGTH);
+        IdleTimeoutBody::new(HideUsageBody::new(tapped), idle, on_timeout).boxed_unsync()
+    } else {
+        IdleTimeoutBody::new(tapped, idle, on_timeout).boxed_unsync()
+    };
+    if state.config.expose_headers {
+        parts.headers.insert(
+            ACTION_HEADER,
+            HeaderValue::from_static(prepared.action.as_str()),
+        );
+        if let Ok(v) = HeaderValue::from_str(&key.to_string()) {
+            parts.headers.insert(SESSION_HEADER, v);
+        }
+    }
+    Response::from_parts(parts, body)
+}
+
+/// A response compactor writes itself (admin views).
+pub fn json_response(status: StatusCode, body: String) -> Response<ProxyBody> {
+    let mut resp = Response::new(full_body(Bytes::from(body)));
+    *resp.status_mut() = status;
+    resp.headers_mut().insert(
+        header::CONTENT_TYPE,
+        HeaderValue::from_static("application/json"),
+    );
+    resp
+}

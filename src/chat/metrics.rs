@@ -1,0 +1,160 @@
+//! Metrics of the chat path: compactions by outcome, tokens saved,
+//! summariser latency, overflow retries, substitutions, real prompt tokens.
+
+use std::collections::BTreeMap;
+use std::fmt::Write as _;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Mutex;
+use std::time::Duration;
+
+use crate::metrics::{Histogram, UPSTREAM_BUCKETS};
+
+/// Metric names.
+pub mod names {
+    /// Compaction attempts by outcome.
+    pub const COMPACTIONS_TOTAL: &str = "compactor_compactions_total";
+    /// Rough tokens removed by committed compactions.
+    pub const TOKENS_SAVED_TOTAL: &str = "compactor_tokens_saved_total";
+    /// Summariser call latency (whole compaction attempt).
+    pub const SUMMARISER_SECONDS: &str = "compactor_summariser_seconds";
+    /// Overflow errors answered by compacting and retrying.
+    pub const OVERFLOW_RETRIES_TOTAL: &str = "compactor_overflow_retries_total";
+    /// Chat requests by action (`x-compactor-action`).
+    pub const CHAT_ACTIONS_TOTAL: &str = "compactor_chat_requests_total";
+    /// Real prompt tokens reported by the upstream.
+    pub const UPSTREAM_PROMPT_TOKENS_TOTAL: &str = "compactor_upstream_prompt_tokens_total";
+    /// Live sessions.
+    pub const SESSIONS: &str = "compactor_sessions";
+    /// Live compaction records.
+    pub const RECORDS: &str = "compactor_compaction_records";
+}
+
+/// Chat-path metrics registry.
+#[derive(Debug)]
+pub struct ChatMetrics {
+    compactions: Mutex<BTreeMap<&'static str, u64>>,
+    actions: Mutex<BTreeMap<&'static str, u64>>,
+    tokens_saved: AtomicU64,
+    overflow_retries: AtomicU64,
+    prompt_tokens: AtomicU64,
+    /// Duration of compaction attempts that called the summariser.
+    pub summariser: Histogram,
+}
+
+impl Default for ChatMetrics {
+    fn default() -> Self {
+        Self {
+            compactions: Mutex::default(),
+            actions: Mutex::default(),
+            tokens_saved: AtomicU64::new(0),
+            overflow_retries: AtomicU64::new(0),
+            prompt_tokens: AtomicU64::new(0),
+            summariser: Histogram::new(UPSTREAM_BUCKETS),
+        }
+    }
+}
+
+fn bump(map: &Mutex<BTreeMap<&'static str, u64>>, key: &'static str) {
+    let mut m = match map.lock() {
+        Ok(m) => m,
+        Err(p) => p.into_inner(),
+    };
+    *m.entry(key).or_default() += 1;
+}
+
+fn read(map: &Mutex<BTreeMap<&'static str, u64>>) -> BTreeMap<&'static str, u64> {
+    match map.lock() {
+        Ok(m) => m.clone(),
+        Err(p) => p.into_inner().clone(),
+    }
+}
+
+impl ChatMetrics {
+    /// One compaction attempt with its outcome label and, when committed,
+    /// the tokens it saved and how long it took.
+    pub fn compaction(&self, outcome: &'static str, saved: u64, took: Option<Duration>) {
+        bump(&self.compactions, outcome);
+        self.tokens_saved.fetch_add(saved, Ordering::Relaxed);
+        if let Some(d) = took {
+            self.summariser.observe(d);
+        }
+    }
+
+    /// One chat request by the action taken.
+    pub fn action(&self, action: &'static str) {
+        bump(&self.actions, action);
+    }
+
+    /// One overflow retry.
+    pub fn overflow_retry(&self) {
+        self.overflow_retries.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// Real prompt tokens reported by the upstream.
+    pub fn prompt_tokens(&self, n: u64) {
+        self.prompt_tokens.fetch_add(n, Ordering::Relaxed);
+    }
+
+    /// Compactions with `outcome` so far.
+    pub fn compactions(&self, outcome: &str) -> u64 {
+        read(&self.compactions).get(outcome).copied().unwrap_or(0)
+    }
+
+    /// Prometheus text, with the live gauges passed in.
+    pub fn render(&self, sessions: usize, records: usize) -> String {
+        let mut out = String::new();
+        let _ = writeln!(
+            out,
+            "# HELP {} Compaction attempts by outcome.",
+            names::COMPACTIONS_TOTAL
+        );
+        let _ = writeln!(out, "# TYPE {} counter", names::COMPACTIONS_TOTAL);
+        for (k, v) in read(&self.compactions) {
+            let _ = writeln!(out, "{}{{outcome=\"{k}\"}} {v}", names::COMPACTIONS_TOTAL);
+        }
+        let _ = writeln!(
+            out,
+            "# HELP {} Chat requests by action.",
+            names::CHAT_ACTIONS_TOTAL
+        );
+        let _ = writeln!(out, "# TYPE {} counter", names::CHAT_ACTIONS_TOTAL);
+        for (k, v) in read(&self.actions) {
+            let _ = writeln!(out, "{}{{action=\"{k}\"}} {v}", names::CHAT_ACTIONS_TOTAL);
+        }
+        for (name, help, v) in [
+            (
+                names::TOKENS_SAVED_TOTAL,
+                "Rough tokens removed by compactions.",
+                &self.tokens_saved,
+            ),
+            (
+                names::OVERFLOW_RETRIES_TOTAL,
+                "Overflow errors answered by compacting and retrying.",
+                &self.overflow_retries,
+            ),
+            (
+                names::UPSTREAM_PROMPT_TOKENS_TOTAL,
+                "Prompt tokens the upstream reported.",
+                &self.prompt_tokens,
+            ),
+        ] {
+            let _ = writeln!(
+                out,
+                "# HELP {name} {help}\n# TYPE {name} counter\n{name} {}",
+                v.load(Ordering::Relaxed)
+            );
+        }
+        for (name, help, v) in [
+            (names::SESSIONS, "Live sessions.", sessions),
+            (names::RECORDS, "Live compaction records.", records),
+        ] {
+            let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} gauge\n{name} {v}");
+        }
+        self.summariser.render_to(
+            &mut out,
+            names::SUMMARISER_SECONDS,
+            "Duration of compaction attempts that called the summariser.",
+        );
+        out
+    }
+}
