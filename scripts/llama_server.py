@@ -58,6 +58,9 @@ def build_params(args: argparse.Namespace, model: Path):
     p.port = args.port
     p.hostnames = [args.host]
     p.use_jinja = True
+    # A stable model id instead of the GGUF's absolute path, so recorded
+    # fixtures and logs do not depend on where the cache lives.
+    p.model_alias = {args.alias}
     p.chat_template = Path(args.template).read_text(encoding="utf-8")
     p.endpoint_props = True
     p.endpoint_slots = True
@@ -77,6 +80,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--model", type=Path, default=None, help="GGUF (default: packaged Gemma 3 270M)")
     ap.add_argument("--template", default=str(DEFAULT_TEMPLATE), help="Jinja chat template file")
     ap.add_argument("--seed", type=int, default=None)
+    ap.add_argument("--alias", default="gemma-3-270m", help="model id the server reports")
     ap.add_argument(
         "--prepare-only",
         action="store_true",
