@@ -6,7 +6,14 @@
 //! - [`session`], [`usage`], [`window`]: per-conversation state, the usage tap
 //!   and context-window resolution.
 
+pub mod app;
+pub mod cli;
 pub mod compaction;
+pub mod config;
+pub mod error;
+pub mod metrics;
+pub mod proxy;
 pub mod session;
+pub mod telemetry;
 pub mod usage;
 pub mod window;

@@ -1,1 +1,40 @@
-fn main() {}
+//! compactor binary: parse CLI, load config (exit 64 on error), serve.
+
+use std::process::ExitCode;
+
+use clap::Parser;
+use compactor::{app, cli::Cli, config, telemetry};
+
+/// EX_USAGE: bad command line or configuration.
+const EXIT_USAGE: u8 = 64;
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    let config = match config::Config::load(cli.config.as_deref(), &config::ProcessEnv) {
+        Ok(c) => c,
+        Err(e) => {
+            eprintln!("compactor: {e}");
+            return ExitCode::from(EXIT_USAGE);
+        }
+    };
+    if cli.validate_and_exit {
+        return ExitCode::SUCCESS;
+    }
+    if let Err(e) = telemetry::init(config.log_format) {
+        eprintln!("compactor: {e}");
+        return ExitCode::from(EXIT_USAGE);
+    }
+    // One process-wide provider, so nothing can pick a second one at runtime.
+    let _ = rustls::crypto::ring::default_provider().install_default();
+    let result = tokio::runtime::Runtime::new()
+        .map_err(anyhow::Error::from)
+        .and_then(|rt| Ok(rt.block_on(app::run(config, app::shutdown_signal()))?));
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            tracing::error!(error = %format!("{e:#}"), "compactor failed");
+            eprintln!("compactor: {e:#}");
+            ExitCode::FAILURE
+        }
+    }
+}

@@ -1,0 +1,231 @@
+//! Process wiring: shared state, bind, accept loop, graceful shutdown.
+
+use std::future::Future;
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use hyper::service::service_fn;
+use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
+use hyper_util::server::conn::auto;
+use hyper_util::server::graceful::GracefulShutdown;
+use tokio::net::TcpListener;
+use tokio::sync::oneshot;
+use tokio::task::JoinHandle;
+
+use crate::config::Config;
+use crate::metrics::Metrics;
+use crate::proxy::upstream::{build_client, UpstreamClient, UpstreamSetupError};
+
+/// State shared by every request. Later issues add fields (sessions,
+/// compaction engine, window cache) here.
+pub struct AppState {
+    /// The validated configuration.
+    pub config: Arc<Config>,
+    /// Pooled upstream client.
+    pub client: UpstreamClient,
+    /// Metrics registry.
+    pub metrics: Arc<Metrics>,
+}
+
+impl std::fmt::Debug for AppState {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("AppState")
+            .field("config", &self.config)
+            .finish_non_exhaustive()
+    }
+}
+
+impl AppState {
+    /// Builds the state (upstream client, metrics) from a config.
+    pub fn new(config: Config) -> Result<Self, AppError> {
+        let client = build_client(&config)?;
+        Ok(AppState {
+            config: Arc::new(config),
+            client,
+            metrics: Arc::new(Metrics::default()),
+        })
+    }
+}
+
+/// Start-up / serving failures.
+#[derive(Debug, thiserror::Error)]
+pub enum AppError {
+    /// The upstream client could not be built.
+    #[error(transparent)]
+    Upstream(#[from] UpstreamSetupError),
+    /// The listen address could not be bound.
+    #[error("cannot listen on {addr}: {source}")]
+    Bind {
+        /// The address.
+        addr: SocketAddr,
+        /// Cause.
+        #[source]
+        source: std::io::Error,
+    },
+}
+
+/// Binds the listener and builds the state.
+pub async fn bind(config: Config) -> Result<(TcpListener, Arc<AppState>), AppError> {
+    let addr = config.listen;
+    let state = Arc::new(AppState::new(config)?);
+    let listener = TcpListener::bind(addr)
+        .await
+        .map_err(|source| AppError::Bind { addr, source })?;
+    Ok((listener, state))
+}
+
+/// Accepts connections until `shutdown` resolves, then stops accepting and
+/// lets in-flight requests finish for at most `shutdown_grace`.
+pub async fn serve<F>(listener: TcpListener, state: Arc<AppState>, shutdown: F)
+where
+    F: Future<Output = ()>,
+{
+    let mut builder = auto::Builder::new(TokioExecutor::new());
+    builder.http1().timer(TokioTimer::new());
+    builder.http2().timer(TokioTimer::new());
+    let graceful = GracefulShutdown::new();
+    tokio::pin!(shutdown);
+
+    loop {
+        tokio::select! {
+            accepted = listener.accept() => {
+                let (stream, _peer) = match accepted {
+                    Ok(a) => a,
+                    Err(e) => {
+                        // EMFILE and friends: back off instead of spinning.
+                        tracing::warn!(error = %e, "accept failed");
+                        tokio::time::sleep(Duration::from_millis(100)).await;
+                        continue;
+                    }
+                };
+                if let Err(e) = stream.set_nodelay(true) {
+                    tracing::debug!(error = %e, "set_nodelay failed");
+                }
+                let state = Arc::clone(&state);
+                let service = service_fn(move |req| crate::proxy::handle(Arc::clone(&state), req));
+                let conn = builder.serve_connection(TokioIo::new(stream), service);
+                let conn = graceful.watch(conn.into_owned());
+                tokio::spawn(async move {
+                    if let Err(e) = conn.await {
+                        tracing::debug!(error = %e, "connection ended with error");
+                    }
+                });
+            }
+            () = &mut shutdown => break,
+        }
+    }
+    drop(listener);
+    let grace = state.config.timeouts.shutdown_grace;
+    tracing::info!(
+        grace_secs = grace.as_secs(),
+        "shutting down, draining in-flight requests"
+    );
+    tokio::select! {
+        () = graceful.shutdown() => tracing::info!("all connections closed"),
+        () = tokio::time::sleep(grace) => tracing::warn!("shutdown grace period elapsed, aborting remaining connections"),
+    }
+}
+
+/// Binds, logs `listening on <addr>`, serves until `shutdown`.
+pub async fn run<F>(config: Config, shutdown: F) -> Result<(), AppError>
+where
+    F: Future<Output = ()>,
+{
+    let (listener, state) = bind(config).await?;
+    let addr = listener.local_addr().map_err(|source| AppError::Bind {
+        addr: state.config.listen,
+        source,
+    })?;
+    tracing::info!(
+        upstream = %format!("{}://{}{}", state.config.upstream.scheme, state.config.upstream.authority, state.config.upstream.path_prefix),
+        "listening on {addr}"
+    );
+    serve(listener, state, shutdown).await;
+    Ok(())
+}
+
+/// Resolves on SIGINT or SIGTERM.
+pub async fn shutdown_signal() {
+    let ctrl_c = async {
+        if let Err(e) = tokio::signal::ctrl_c().await {
+            tracing::error!(error = %e, "cannot listen for SIGINT");
+            std::future::pending::<()>().await;
+        }
+    };
+    #[cfg(unix)]
+    let term = async {
+        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+            Ok(mut s) => {
+                s.recv().await;
+            }
+            Err(e) => {
+                tracing::error!(error = %e, "cannot listen for SIGTERM");
+                std::future::pending::<()>().await;
+            }
+        }
+    };
+    #[cfg(not(unix))]
+    let term = std::future::pending::<()>();
+    tokio::select! {
+        () = ctrl_c => tracing::info!("SIGINT received"),
+        () = term => tracing::info!("SIGTERM received"),
+    }
+}
+
+/// A server running in the background (tests, embedding).
+#[derive(Debug)]
+pub struct RunningServer {
+    /// The bound address.
+    pub addr: SocketAddr,
+    /// Shared state (metrics, config).
+    pub state: Arc<AppState>,
+    shutdown: Option<oneshot::Sender<()>>,
+    task: JoinHandle<()>,
+}
+
+impl RunningServer {
+    /// Base URL, e.g. `http://127.0.0.1:12345`.
+    pub fn url(&self) -> String {
+        format!("http://{}", self.addr)
+    }
+
+    /// Triggers graceful shutdown and waits for it to complete.
+    pub async fn shutdown(mut self) {
+        if let Some(tx) = self.shutdown.take() {
+            let _ = tx.send(());
+        }
+        if let Err(e) = (&mut self.task).await {
+            tracing::debug!(error = %e, "server task ended abnormally");
+        }
+    }
+}
+
+impl Drop for RunningServer {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}
+
+/// Binds and serves in a background task.
+pub async fn start(config: Config) -> Result<RunningServer, AppError> {
+    let (listener, state) = bind(config).await?;
+    let addr = listener.local_addr().map_err(|source| AppError::Bind {
+        addr: state.config.listen,
+        source,
+    })?;
+    let (tx, rx) = oneshot::channel::<()>();
+    let st = Arc::clone(&state);
+    let task = tokio::spawn(async move {
+        serve(listener, st, async {
+            let _ = rx.await;
+        })
+        .await;
+    });
+    Ok(RunningServer {
+        addr,
+        state,
+        shutdown: Some(tx),
+        task,
+    })
+}

@@ -1,0 +1,183 @@
+//! Errors compactor itself produces, and the single place that turns them
+//! into OpenAI-shaped responses (`{"error":{"message","type","code"}}`).
+//!
+//! Upstream error responses are never built here: they pass through untouched.
+
+use bytes::Bytes;
+use http::{header, HeaderValue, Response, StatusCode};
+use http_body_util::{BodyExt, Full};
+
+/// Boxed error used in body types.
+pub type BoxError = Box<dyn std::error::Error + Send + Sync>;
+
+/// The response body type of every compactor response.
+pub type ProxyBody = http_body_util::combinators::UnsyncBoxBody<Bytes, BoxError>;
+
+/// Which side caused a failure (decides status, metric label and log level).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ErrorSource {
+    /// The client sent something we refuse.
+    Client,
+    /// The upstream failed or was too slow.
+    Upstream,
+    /// A bug or resource problem inside compactor.
+    Internal,
+}
+
+/// A failure of the proxy path before the response head reached the client.
+#[derive(Debug, thiserror::Error)]
+pub enum ProxyError {
+    /// The upstream could not be reached (refused, DNS, TLS, reset).
+    #[error("upstream unreachable: {0}")]
+    UpstreamUnreachable(String),
+    /// Connecting to the upstream took longer than `timeouts.connect_secs`.
+    #[error("upstream connect timed out after {0} s")]
+    ConnectTimeout(u64),
+    /// No response head within `timeouts.first_byte_secs`.
+    #[error("upstream sent no response within {0} s")]
+    FirstByteTimeout(u64),
+    /// The request body exceeds `max_body_bytes`.
+    #[error("request body exceeds the limit of {limit} bytes")]
+    BodyTooLarge {
+        /// The configured limit.
+        limit: u64,
+    },
+    /// The client's request body failed while being read.
+    #[error("client request body failed: {0}")]
+    ClientBody(String),
+    /// The request cannot be forwarded as given.
+    #[error("bad request: {0}")]
+    BadRequest(String),
+    /// Something inside compactor failed.
+    #[error("internal error: {0}")]
+    Internal(String),
+}
+
+impl ProxyError {
+    /// HTTP status sent to the client.
+    pub fn status(&self) -> StatusCode {
+        match self {
+            ProxyError::UpstreamUnreachable(_) => StatusCode::BAD_GATEWAY,
+            ProxyError::ConnectTimeout(_) | ProxyError::FirstByteTimeout(_) => {
+                StatusCode::GATEWAY_TIMEOUT
+            }
+            ProxyError::BodyTooLarge { .. } => StatusCode::PAYLOAD_TOO_LARGE,
+            ProxyError::ClientBody(_) | ProxyError::BadRequest(_) => StatusCode::BAD_REQUEST,
+            ProxyError::Internal(_) => StatusCode::INTERNAL_SERVER_ERROR,
+        }
+    }
+
+    /// Who is to blame.
+    pub fn source_kind(&self) -> ErrorSource {
+        match self {
+            ProxyError::UpstreamUnreachable(_)
+            | ProxyError::ConnectTimeout(_)
+            | ProxyError::FirstByteTimeout(_) => ErrorSource::Upstream,
+            ProxyError::BodyTooLarge { .. }
+            | ProxyError::ClientBody(_)
+            | ProxyError::BadRequest(_) => ErrorSource::Client,
+            ProxyError::Internal(_) => ErrorSource::Internal,
+        }
+    }
+
+    /// OpenAI `error.type`.
+    pub fn error_type(&self) -> &'static str {
+        match self.source_kind() {
+            ErrorSource::Client => "invalid_request_error",
+            ErrorSource::Upstream => "upstream_error",
+            ErrorSource::Internal => "server_error",
+        }
+    }
+
+    /// OpenAI `error.code` (stable, machine-readable; also the metric label).
+    pub fn code(&self) -> &'static str {
+        match self {
+            ProxyError::UpstreamUnreachable(_) => "upstream_unreachable",
+            ProxyError::ConnectTimeout(_) => "upstream_connect_timeout",
+            ProxyError::FirstByteTimeout(_) => "upstream_timeout",
+            ProxyError::BodyTooLarge { .. } => "request_too_large",
+            ProxyError::ClientBody(_) => "client_body_error",
+            ProxyError::BadRequest(_) => "bad_request",
+            ProxyError::Internal(_) => "internal_error",
+        }
+    }
+
+    /// The OpenAI-shaped error response for this error.
+    pub fn to_response(&self) -> Response<ProxyBody> {
+        error_response(
+            self.status(),
+            &self.to_string(),
+            self.error_type(),
+            self.code(),
+        )
+    }
+}
+
+/// Builds `{"error":{"message","type","code"}}` with the given status.
+pub fn error_response(
+    status: StatusCode,
+    message: &str,
+    error_type: &str,
+    code: &str,
+) -> Response<ProxyBody> {
+    let body = serde_json::json!({
+        "error": { "message": message, "type": error_type, "code": code }
+    })
+    .to_string();
+    let mut resp = Response::new(full_body(Bytes::from(body)));
+    *resp.status_mut() = status;
+    resp.headers_mut().insert(
+        header::CONTENT_TYPE,
+        HeaderValue::from_static("application/json"),
+    );
+    resp
+}
+
+/// A complete in-memory body as a [`ProxyBody`].
+pub fn full_body(bytes: Bytes) -> ProxyBody {
+    Full::new(bytes)
+        .map_err(|never| match never {})
+        .boxed_unsync()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    async fn json_of(resp: Response<ProxyBody>) -> serde_json::Value {
+        let bytes = resp.into_body().collect().await.unwrap().to_bytes();
+        serde_json::from_slice(&bytes).unwrap()
+    }
+
+    #[tokio::test]
+    async fn statuses_and_shape() {
+        let cases = [
+            (
+                ProxyError::UpstreamUnreachable("refused".into()),
+                502,
+                "upstream_unreachable",
+            ),
+            (
+                ProxyError::ConnectTimeout(1),
+                504,
+                "upstream_connect_timeout",
+            ),
+            (ProxyError::FirstByteTimeout(2), 504, "upstream_timeout"),
+            (
+                ProxyError::BodyTooLarge { limit: 3 },
+                413,
+                "request_too_large",
+            ),
+            (ProxyError::Internal("x".into()), 500, "internal_error"),
+        ];
+        for (err, status, code) in cases {
+            let resp = err.to_response();
+            assert_eq!(resp.status().as_u16(), status);
+            assert_eq!(resp.headers()[header::CONTENT_TYPE], "application/json");
+            let v = json_of(resp).await;
+            assert_eq!(v["error"]["code"], code);
+            assert_eq!(v["error"]["message"], err.to_string());
+            assert!(v["error"]["type"].is_string());
+        }
+    }
+}

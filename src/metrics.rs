@@ -1,0 +1,278 @@
+//! A small Prometheus text registry with fixed metric names.
+//!
+//! Counters are atomics; labelled counters keep their (few, bounded) label
+//! sets in a short-lived mutex-protected map. Everything is recorded once per
+//! request (at the logging phase), never per body chunk.
+
+use std::collections::BTreeMap;
+use std::fmt::Write as _;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Mutex;
+use std::time::Duration;
+
+/// Metric names (one place, so dashboards and tests agree).
+pub mod names {
+    /// Requests by route and status.
+    pub const REQUESTS_TOTAL: &str = "compactor_requests_total";
+    /// Request body bytes received from clients.
+    pub const REQUEST_BYTES_TOTAL: &str = "compactor_request_bytes_total";
+    /// Response body bytes sent to clients.
+    pub const RESPONSE_BYTES_TOTAL: &str = "compactor_response_bytes_total";
+    /// Errors compactor produced, by code.
+    pub const PROXY_ERRORS_TOTAL: &str = "compactor_proxy_errors_total";
+    /// Streams ended because the upstream went idle.
+    pub const IDLE_TIMEOUTS_TOTAL: &str = "compactor_stream_idle_timeouts_total";
+    /// Time until the upstream's response head.
+    pub const UPSTREAM_WAIT_SECONDS: &str = "compactor_upstream_wait_seconds";
+    /// Time compactor added to the response head (total − upstream wait).
+    pub const PROXY_OVERHEAD_SECONDS: &str = "compactor_proxy_overhead_seconds";
+    /// Requests currently in flight.
+    pub const IN_FLIGHT: &str = "compactor_requests_in_flight";
+}
+
+/// Fixed-bucket histogram (seconds).
+#[derive(Debug)]
+pub struct Histogram {
+    bounds: &'static [f64],
+    buckets: Vec<AtomicU64>,
+    count: AtomicU64,
+    sum_nanos: AtomicU64,
+}
+
+/// Buckets for sub-millisecond overhead up to a few ms.
+pub const OVERHEAD_BUCKETS: &[f64] = &[
+    0.000_05, 0.000_1, 0.000_25, 0.000_5, 0.001, 0.002_5, 0.005, 0.01, 0.05, 0.1,
+];
+/// Buckets for upstream latency, ms to minutes (local models are slow).
+pub const UPSTREAM_BUCKETS: &[f64] = &[
+    0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0,
+];
+
+impl Histogram {
+    /// A histogram with the given upper bounds (ascending).
+    pub fn new(bounds: &'static [f64]) -> Self {
+        Histogram {
+            bounds,
+            buckets: bounds.iter().map(|_| AtomicU64::new(0)).collect(),
+            count: AtomicU64::new(0),
+            sum_nanos: AtomicU64::new(0),
+        }
+    }
+
+    /// Records one observation.
+    pub fn observe(&self, d: Duration) {
+        let secs = d.as_secs_f64();
+        if let Some(i) = self.bounds.iter().position(|b| secs <= *b) {
+            if let Some(b) = self.buckets.get(i) {
+                b.fetch_add(1, Ordering::Relaxed);
+            }
+        }
+        self.count.fetch_add(1, Ordering::Relaxed);
+        let nanos = u64::try_from(d.as_nanos()).unwrap_or(u64::MAX);
+        self.sum_nanos.fetch_add(nanos, Ordering::Relaxed);
+    }
+
+    /// Number of observations.
+    pub fn count(&self) -> u64 {
+        self.count.load(Ordering::Relaxed)
+    }
+
+    fn render(&self, out: &mut String, name: &str, help: &str) {
+        let _ = writeln!(out, "# HELP {name} {help}");
+        let _ = writeln!(out, "# TYPE {name} histogram");
+        let mut cumulative = 0u64;
+        for (b, c) in self.bounds.iter().zip(&self.buckets) {
+            cumulative += c.load(Ordering::Relaxed);
+            let _ = writeln!(out, "{name}_bucket{{le=\"{b}\"}} {cumulative}");
+        }
+        let count = self.count();
+        let _ = writeln!(out, "{name}_bucket{{le=\"+Inf\"}} {count}");
+        let sum = self.sum_nanos.load(Ordering::Relaxed) as f64 / 1e9;
+        let _ = writeln!(out, "{name}_sum {sum}");
+        let _ = writeln!(out, "{name}_count {count}");
+    }
+}
+
+/// The process-wide metrics registry.
+#[derive(Debug)]
+pub struct Metrics {
+    requests: Mutex<BTreeMap<(&'static str, u16), u64>>,
+    errors: Mutex<BTreeMap<&'static str, u64>>,
+    request_bytes: AtomicU64,
+    response_bytes: AtomicU64,
+    idle_timeouts: AtomicU64,
+    in_flight: AtomicU64,
+    /// Time until the upstream's response head.
+    pub upstream_wait: Histogram,
+    /// Time compactor added before the response head.
+    pub proxy_overhead: Histogram,
+}
+
+impl Default for Metrics {
+    fn default() -> Self {
+        Metrics {
+            requests: Mutex::new(BTreeMap::new()),
+            errors: Mutex::new(BTreeMap::new()),
+            request_bytes: AtomicU64::new(0),
+            response_bytes: AtomicU64::new(0),
+            idle_timeouts: AtomicU64::new(0),
+            in_flight: AtomicU64::new(0),
+            upstream_wait: Histogram::new(UPSTREAM_BUCKETS),
+            proxy_overhead: Histogram::new(OVERHEAD_BUCKETS),
+        }
+    }
+}
+
+impl Metrics {
+    /// Counts one finished request. `route` must be a fixed label.
+    pub fn record_request(&self, route: &'static str, status: u16, bytes_in: u64, bytes_out: u64) {
+        if let Ok(mut m) = self.requests.lock() {
+            *m.entry((route, status)).or_insert(0) += 1;
+        }
+        self.request_bytes.fetch_add(bytes_in, Ordering::Relaxed);
+        self.response_bytes.fetch_add(bytes_out, Ordering::Relaxed);
+    }
+
+    /// Counts an error compactor produced.
+    pub fn record_error(&self, code: &'static str) {
+        if let Ok(mut m) = self.errors.lock() {
+            *m.entry(code).or_insert(0) += 1;
+        }
+    }
+
+    /// Counts a stream ended by the idle timeout.
+    pub fn record_idle_timeout(&self) {
+        self.idle_timeouts.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// A request started (pair with [`Metrics::request_finished`]).
+    pub fn request_started(&self) {
+        self.in_flight.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// A request finished.
+    pub fn request_finished(&self) {
+        let _ = self
+            .in_flight
+            .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |v| v.checked_sub(1));
+    }
+
+    /// Requests counted for a route and status (tests, admin).
+    pub fn requests(&self, route: &str, status: u16) -> u64 {
+        self.requests
+            .lock()
+            .map(|m| {
+                m.iter()
+                    .filter(|((r, s), _)| *r == route && *s == status)
+                    .map(|(_, v)| *v)
+                    .sum()
+            })
+            .unwrap_or(0)
+    }
+
+    /// Renders the Prometheus text exposition format.
+    pub fn render(&self) -> String {
+        let mut out = String::with_capacity(2048);
+        let _ = writeln!(
+            out,
+            "# HELP {} Requests by route and status.",
+            names::REQUESTS_TOTAL
+        );
+        let _ = writeln!(out, "# TYPE {} counter", names::REQUESTS_TOTAL);
+        if let Ok(m) = self.requests.lock() {
+            for ((route, status), v) in m.iter() {
+                let _ = writeln!(
+                    out,
+                    "{}{{route=\"{route}\",status=\"{status}\"}} {v}",
+                    names::REQUESTS_TOTAL
+                );
+            }
+        }
+        let _ = writeln!(
+            out,
+            "# HELP {} Errors produced by compactor.",
+            names::PROXY_ERRORS_TOTAL
+        );
+        let _ = writeln!(out, "# TYPE {} counter", names::PROXY_ERRORS_TOTAL);
+        if let Ok(m) = self.errors.lock() {
+            for (code, v) in m.iter() {
+                let _ = writeln!(out, "{}{{code=\"{code}\"}} {v}", names::PROXY_ERRORS_TOTAL);
+            }
+        }
+        for (name, help, kind, v) in [
+            (
+                names::REQUEST_BYTES_TOTAL,
+                "Request body bytes received.",
+                "counter",
+                &self.request_bytes,
+            ),
+            (
+                names::RESPONSE_BYTES_TOTAL,
+                "Response body bytes sent.",
+                "counter",
+                &self.response_bytes,
+            ),
+            (
+                names::IDLE_TIMEOUTS_TOTAL,
+                "Streams ended by the idle timeout.",
+                "counter",
+                &self.idle_timeouts,
+            ),
+            (
+                names::IN_FLIGHT,
+                "Requests in flight.",
+                "gauge",
+                &self.in_flight,
+            ),
+        ] {
+            let _ = writeln!(out, "# HELP {name} {help}");
+            let _ = writeln!(out, "# TYPE {name} {kind}");
+            let _ = writeln!(out, "{name} {}", v.load(Ordering::Relaxed));
+        }
+        self.upstream_wait.render(
+            &mut out,
+            names::UPSTREAM_WAIT_SECONDS,
+            "Time until the upstream response head.",
+        );
+        self.proxy_overhead.render(
+            &mut out,
+            names::PROXY_OVERHEAD_SECONDS,
+            "Time compactor added before the response head (total minus upstream wait).",
+        );
+        out
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn render_counts_and_histograms() {
+        let m = Metrics::default();
+        m.record_request("passthrough", 200, 10, 20);
+        m.record_request("passthrough", 200, 1, 2);
+        m.record_request("chat", 502, 0, 5);
+        m.record_error("upstream_unreachable");
+        m.proxy_overhead.observe(Duration::from_micros(200));
+        m.proxy_overhead.observe(Duration::from_secs(1));
+        let text = m.render();
+        assert!(text.contains("compactor_requests_total{route=\"passthrough\",status=\"200\"} 2"));
+        assert!(text.contains("compactor_requests_total{route=\"chat\",status=\"502\"} 1"));
+        assert!(text.contains("compactor_request_bytes_total 11"));
+        assert!(text.contains("compactor_response_bytes_total 27"));
+        assert!(text.contains("compactor_proxy_errors_total{code=\"upstream_unreachable\"} 1"));
+        assert!(text.contains("compactor_proxy_overhead_seconds_bucket{le=\"0.00025\"} 1"));
+        assert!(text.contains("compactor_proxy_overhead_seconds_bucket{le=\"+Inf\"} 2"));
+        assert!(text.contains("compactor_proxy_overhead_seconds_count 2"));
+        assert_eq!(m.requests("passthrough", 200), 2);
+    }
+
+    #[test]
+    fn in_flight_never_underflows() {
+        let m = Metrics::default();
+        m.request_finished();
+        m.request_started();
+        assert!(m.render().contains("compactor_requests_in_flight 1"));
+    }
+}

@@ -1,0 +1,224 @@
+//! The real binary: config errors exit 64 with one line naming the key; it
+//! starts on an ephemeral port, logs `listening on <addr>`, honours env
+//! overrides, and shuts down cleanly on SIGTERM.
+
+mod support;
+
+use std::io::{BufRead, BufReader};
+use std::process::{Child, Command, Stdio};
+use std::sync::mpsc;
+use std::time::Duration;
+
+use bytes::Bytes;
+use support::*;
+
+const BIN: &str = env!("CARGO_BIN_EXE_compactor");
+
+/// A child process killed on drop (by its own handle, never by name).
+struct Proc {
+    child: Child,
+    lines: mpsc::Receiver<String>,
+}
+
+impl Drop for Proc {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+fn command(dir: &std::path::Path) -> Command {
+    let mut cmd = Command::new(BIN);
+    cmd.current_dir(dir)
+        .env_remove("RUST_LOG")
+        .env_remove("COMPACTOR_LISTEN")
+        .env_remove("COMPACTOR_UPSTREAM")
+        .env("NO_COLOR", "1");
+    cmd
+}
+
+fn spawn(mut cmd: Command) -> Proc {
+    let mut child = cmd
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let stdout = child.stdout.take().unwrap();
+    let (tx, lines) = mpsc::channel();
+    std::thread::spawn(move || {
+        for line in BufReader::new(stdout).lines().map_while(Result::ok) {
+            if tx.send(line).is_err() {
+                break;
+            }
+        }
+    });
+    Proc { child, lines }
+}
+
+/// Waits for the `listening on <addr>` log line and returns the address.
+fn listening_addr(p: &Proc) -> (std::net::SocketAddr, String) {
+    loop {
+        let line = p
+            .lines
+            .recv_timeout(Duration::from_secs(20))
+            .expect("no `listening on` line");
+        if let Some(i) = line.find("listening on ") {
+            let rest = &line[i + "listening on ".len()..];
+            let addr: String = rest
+                .chars()
+                .take_while(|c| c.is_ascii_digit() || *c == '.' || *c == ':')
+                .collect();
+            return (addr.parse().unwrap(), line);
+        }
+    }
+}
+
+fn run_to_end(mut cmd: Command) -> (i32, String) {
+    let out = cmd.output().unwrap();
+    (
+        out.status.code().unwrap_or(-1),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
+#[test]
+fn unknown_key_exits_64_naming_the_key() {
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = dir.path().join("bad.toml");
+    std::fs::write(
+        &cfg,
+        "listen = \"127.0.0.1:0\"\n[timeouts]\nfirst_byte = 5\n",
+    )
+    .unwrap();
+    let mut cmd = command(dir.path());
+    cmd.arg("--config").arg(&cfg);
+    let (code, stderr) = run_to_end(cmd);
+    assert_eq!(code, 64, "{stderr}");
+    assert_eq!(stderr.trim().lines().count(), 1, "one line: {stderr}");
+    assert!(stderr.contains("timeouts.first_byte"), "{stderr}");
+    assert!(stderr.contains("bad.toml"), "{stderr}");
+}
+
+#[test]
+fn invalid_value_and_bad_env_exit_64() {
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = dir.path().join("c.toml");
+    std::fs::write(&cfg, "upstream = \"ftp://nope\"\n").unwrap();
+    let mut cmd = command(dir.path());
+    cmd.arg("--config").arg(&cfg);
+    let (code, stderr) = run_to_end(cmd);
+    assert_eq!(code, 64);
+    assert!(stderr.contains("`upstream`"), "{stderr}");
+
+    let mut cmd = command(dir.path());
+    cmd.env("COMPACTOR_LISTEN", "not-an-address");
+    let (code, stderr) = run_to_end(cmd);
+    assert_eq!(code, 64);
+    assert!(stderr.contains("`listen`"), "{stderr}");
+
+    let mut cmd = command(dir.path());
+    cmd.arg("--config").arg(dir.path().join("missing.toml"));
+    let (code, stderr) = run_to_end(cmd);
+    assert_eq!(code, 64);
+    assert!(stderr.contains("missing.toml"), "{stderr}");
+}
+
+#[test]
+fn default_proxy_toml_in_working_directory_is_used() {
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::write(dir.path().join("proxy.toml"), "bogus_key = 1\n").unwrap();
+    let (code, stderr) = run_to_end(command(dir.path()));
+    assert_eq!(code, 64);
+    assert!(
+        stderr.contains("bogus_key") && stderr.contains("proxy.toml"),
+        "{stderr}"
+    );
+
+    std::fs::write(dir.path().join("proxy.toml"), "listen = \"127.0.0.1:0\"\n").unwrap();
+    let mut cmd = command(dir.path());
+    cmd.arg("--validate-and-exit");
+    let (code, stderr) = run_to_end(cmd);
+    assert_eq!(code, 0, "{stderr}");
+}
+
+#[tokio::test]
+async fn binary_serves_with_env_override_and_stops_on_sigterm() {
+    let up = MockUpstream::builder()
+        .route(
+            "/v1/models",
+            Reply::Full {
+                status: 200,
+                headers: vec![],
+                body: Bytes::from_static(b"models"),
+            },
+        )
+        .run()
+        .await;
+    let dir = tempfile::tempdir().unwrap();
+    // File says one upstream; the environment wins.
+    std::fs::write(
+        dir.path().join("proxy.toml"),
+        "listen = \"127.0.0.1:1\"\nupstream = \"http://127.0.0.1:9\"\n",
+    )
+    .unwrap();
+    let mut cmd = command(dir.path());
+    cmd.env("COMPACTOR_LISTEN", "127.0.0.1:0")
+        .env("COMPACTOR_UPSTREAM", up.url());
+    let mut p = spawn(cmd);
+    let (addr, _) = listening_addr(&p);
+
+    let (status, _, body) = get(&format!("http://{addr}/_compactor/health")).await;
+    assert_eq!(status, 200);
+    assert_eq!(body, r#"{"status":"ok"}"#);
+    let (status, _, body) = get(&format!("http://{addr}/v1/models")).await;
+    assert_eq!(status, 200);
+    assert_eq!(body, "models");
+
+    // One content-free line per request.
+    let line = loop {
+        let l = p.lines.recv_timeout(Duration::from_secs(10)).unwrap();
+        if l.contains("path=/v1/models") {
+            break l;
+        }
+    };
+    for field in [
+        "method=GET",
+        "status=200",
+        "bytes_out=6",
+        "upstream_ms=",
+        "total_ms=",
+    ] {
+        assert!(line.contains(field), "{field} missing: {line}");
+    }
+
+    let pid = p.child.id().to_string();
+    let killed = Command::new("kill").args(["-TERM", &pid]).status().unwrap();
+    assert!(killed.success());
+    let deadline = std::time::Instant::now() + Duration::from_secs(20);
+    let status = loop {
+        if let Some(s) = p.child.try_wait().unwrap() {
+            break s;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "did not exit on SIGTERM"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    assert_eq!(status.code(), Some(0));
+}
+
+#[test]
+fn json_log_format() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut cmd = command(dir.path());
+    cmd.env("COMPACTOR_LISTEN", "127.0.0.1:0")
+        .env("COMPACTOR_LOG_FORMAT", "json");
+    let p = spawn(cmd);
+    let (_, line) = listening_addr(&p);
+    let v: serde_json::Value = serde_json::from_str(&line).unwrap();
+    assert!(v["fields"]["message"]
+        .as_str()
+        .unwrap()
+        .starts_with("listening on 127.0.0.1:"));
+}

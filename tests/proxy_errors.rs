@@ -1,0 +1,136 @@
+//! Errors compactor itself produces: 502 unreachable, 504 slow upstream,
+//! 413 oversize body (declared and streamed), all in OpenAI's error shape.
+
+mod support;
+
+use std::time::Duration;
+
+use bytes::Bytes;
+use hyper::body::Frame;
+use support::*;
+
+fn assert_openai_error(body: &Bytes, code: &str) -> serde_json::Value {
+    let v: serde_json::Value = serde_json::from_slice(body).unwrap();
+    let err = &v["error"];
+    assert_eq!(err["code"], code, "{v}");
+    assert!(
+        err["message"].as_str().is_some_and(|m| !m.is_empty()),
+        "{v}"
+    );
+    assert!(err["type"].is_string(), "{v}");
+    v
+}
+
+#[tokio::test]
+async fn upstream_down_is_502() {
+    // A port that was just free: nothing listens there.
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    drop(listener);
+    let proxy = start_proxy(&format!("http://{addr}"), "").await;
+    for (method, path) in [("GET", "/v1/models"), ("POST", "/v1/chat/completions")] {
+        let (status, headers, body) = fetch(request(
+            method,
+            &format!("{}{path}", proxy.url()),
+            full("{}"),
+        ))
+        .await;
+        assert_eq!(status, 502, "{path}");
+        assert_eq!(headers["content-type"], "application/json");
+        let v = assert_openai_error(&body, "upstream_unreachable");
+        assert_eq!(v["error"]["type"], "upstream_error");
+    }
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    let text = proxy.state.metrics.render();
+    assert!(
+        text.contains("compactor_proxy_errors_total{code=\"upstream_unreachable\"} 2"),
+        "{text}"
+    );
+    assert!(
+        text.contains("compactor_requests_total{route=\"chat\",status=\"502\"} 1"),
+        "{text}"
+    );
+}
+
+#[tokio::test]
+async fn slow_upstream_is_504() {
+    let up = MockUpstream::builder()
+        .route("/v1/chat/completions", Reply::Hang)
+        .run()
+        .await;
+    let proxy = start_proxy(&up.url(), "[timeouts]\nfirst_byte_secs = 1\n").await;
+    let started = std::time::Instant::now();
+    let (status, _, body) = fetch(request(
+        "POST",
+        &format!("{}/v1/chat/completions", proxy.url()),
+        full("{}"),
+    ))
+    .await;
+    assert_eq!(status, 504);
+    assert_openai_error(&body, "upstream_timeout");
+    // It waited for the upstream at all (not an immediate failure).
+    assert!(started.elapsed() >= Duration::from_millis(900));
+    assert_eq!(up.requests().len(), 1, "request reached the upstream");
+    // The abandoned upstream request was dropped.
+    assert!(
+        up.wait_for(Duration::from_secs(10), |u| u.closed_connections() == 1)
+            .await
+    );
+}
+
+#[tokio::test]
+async fn declared_oversize_body_is_413_without_contacting_upstream() {
+    let up = MockUpstream::builder()
+        .route("/v1/chat/completions", Reply::BodyDigest)
+        .run()
+        .await;
+    let proxy = start_proxy(&up.url(), "max_body_bytes = 1000\n").await;
+    let ok = fetch(request(
+        "POST",
+        &format!("{}/v1/chat/completions", proxy.url()),
+        full(vec![b'a'; 1000]),
+    ))
+    .await;
+    assert_eq!(ok.0, 200, "exactly the limit is allowed");
+    let (status, _, body) = fetch(request(
+        "POST",
+        &format!("{}/v1/chat/completions", proxy.url()),
+        full(vec![b'a'; 1001]),
+    ))
+    .await;
+    assert_eq!(status, 413);
+    let v = assert_openai_error(&body, "request_too_large");
+    assert_eq!(v["error"]["type"], "invalid_request_error");
+    assert_eq!(up.requests().len(), 1, "oversize request was forwarded");
+}
+
+#[tokio::test]
+async fn streamed_oversize_body_is_413() {
+    let up = MockUpstream::builder()
+        .route("/upload", Reply::BodyDigest)
+        .run()
+        .await;
+    let proxy = start_proxy(&up.url(), "max_body_bytes = 10000\n").await;
+    let (tx, body) = channel_request_body();
+    let req = request("POST", &format!("{}/upload", proxy.url()), body);
+    let pending = tokio::spawn(async move { fetch(req).await });
+    // No Content-Length: the limit can only be enforced while streaming.
+    for _ in 0..5 {
+        if tx
+            .send(Ok(Frame::data(Bytes::from(vec![b'x'; 4000]))))
+            .await
+            .is_err()
+        {
+            break;
+        }
+    }
+    drop(tx);
+    let (status, _, body) = tokio::time::timeout(Duration::from_secs(10), pending)
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(status, 413);
+    assert_openai_error(&body, "request_too_large");
+    // The upstream never received a complete over-limit body.
+    assert!(up.requests().iter().all(|r| r.body_len <= 10_000));
+}

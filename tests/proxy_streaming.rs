@@ -1,0 +1,281 @@
+//! Streaming in both directions: SSE frames arrive while the upstream still
+//! generates, client disconnects cancel the upstream, 100 MB bodies stream
+//! through, an idle upstream ends the stream, graceful shutdown drains.
+
+mod support;
+
+use std::time::Duration;
+
+use bytes::Bytes;
+use http_body_util::BodyExt;
+use hyper::body::Frame;
+use support::*;
+
+const FIRST: &str = "data: {\"choices\":[{\"delta\":{\"content\":\"first\"}}]}\n\n";
+const LAST: &str = "data: {\"choices\":[],\"usage\":{\"prompt_tokens\":3}}\n\ndata: [DONE]\n\n";
+
+fn held(release: &Release) -> Reply {
+    Reply::Held {
+        status: 200,
+        headers: vec![("content-type", "text/event-stream".into())],
+        first: vec![Bytes::from_static(FIRST.as_bytes())],
+        release: release.clone(),
+        rest: vec![Bytes::from_static(LAST.as_bytes())],
+    }
+}
+
+/// Reads frames until `want` bytes arrived (bounded in time).
+async fn read_at_least(body: &mut hyper::body::Incoming, want: usize) -> Vec<u8> {
+    let mut got = Vec::new();
+    while got.len() < want {
+        let frame = tokio::time::timeout(Duration::from_secs(10), body.frame())
+            .await
+            .expect("frame did not arrive while upstream holds the stream")
+            .expect("body ended early")
+            .unwrap();
+        if let Some(d) = frame.data_ref() {
+            got.extend_from_slice(d);
+        }
+    }
+    got
+}
+
+#[tokio::test]
+async fn first_sse_event_arrives_before_upstream_finishes() {
+    let release = Release::new();
+    let up = MockUpstream::builder()
+        .route("/v1/chat/completions", held(&release))
+        .run()
+        .await;
+    let proxy = start_proxy(&up.url(), "").await;
+    let req = request(
+        "POST",
+        &format!("{}/v1/chat/completions", proxy.url()),
+        full(r#"{"stream":true}"#),
+    );
+    let resp = client().request(req).await.unwrap();
+    assert_eq!(resp.status(), 200);
+    assert_eq!(resp.headers()["content-type"], "text/event-stream");
+    let mut body = resp.into_body();
+    // The upstream is still holding the rest: this only passes if compactor
+    // forwards frames as they arrive.
+    let first = read_at_least(&mut body, FIRST.len()).await;
+    assert_eq!(first, FIRST.as_bytes());
+    assert_eq!(up.cancelled(), 0);
+
+    release.release();
+    let rest = body.collect().await.unwrap().to_bytes();
+    assert_eq!(rest, LAST.as_bytes());
+}
+
+#[tokio::test]
+async fn request_body_streams_to_upstream() {
+    // The upstream answers only after the whole body; the test feeds the
+    // body in pieces and checks the upstream saw every byte in order.
+    let up = MockUpstream::builder()
+        .route("/upload", Reply::BodyDigest)
+        .run()
+        .await;
+    let proxy = start_proxy(&up.url(), "").await;
+    let (tx, body) = channel_request_body();
+    let req = request("POST", &format!("{}/upload", proxy.url()), body);
+    let pending = tokio::spawn(async move { fetch(req).await });
+    let mut expected = Vec::new();
+    for i in 0..20u8 {
+        let piece = vec![i; 1000 + i as usize];
+        expected.extend_from_slice(&piece);
+        tx.send(Ok(Frame::data(Bytes::from(piece)))).await.unwrap();
+    }
+    drop(tx);
+    let (status, _, _) = pending.await.unwrap();
+    assert_eq!(status, 200);
+    let seen = up.last_request();
+    assert_eq!(seen.body, expected);
+    assert_eq!(seen.headers["transfer-encoding"], "chunked");
+}
+
+#[tokio::test]
+async fn client_disconnect_cancels_upstream() {
+    let release = Release::new();
+    let up = MockUpstream::builder()
+        .route("/v1/chat/completions", held(&release))
+        .run()
+        .await;
+    let proxy = start_proxy(&up.url(), "").await;
+    let req = request(
+        "POST",
+        &format!("{}/v1/chat/completions", proxy.url()),
+        full(r#"{"stream":true}"#),
+    );
+    let resp = client().request(req).await.unwrap();
+    let mut body = resp.into_body();
+    let _ = read_at_least(&mut body, FIRST.len()).await;
+    assert_eq!(up.cancelled(), 0);
+    assert_eq!(up.closed_connections(), 0);
+    // Client hangs up mid-stream.
+    drop(body);
+    let observed = up
+        .wait_for(Duration::from_secs(10), |u| {
+            u.cancelled() == 1 && u.closed_connections() == 1
+        })
+        .await;
+    assert!(
+        observed,
+        "upstream did not see the cancel: cancelled={} closed={}",
+        up.cancelled(),
+        up.closed_connections()
+    );
+    // The proxy logged the request as cancelled and freed it.
+    let text = proxy.state.metrics.render();
+    assert!(text.contains("compactor_requests_in_flight 0"), "{text}");
+}
+
+#[tokio::test]
+async fn large_response_streams_identically() {
+    const TOTAL: u64 = 100 * 1024 * 1024;
+    let up = MockUpstream::builder()
+        .route(
+            "/big",
+            Reply::Generated {
+                status: 200,
+                total: TOTAL,
+                chunk: 256 * 1024,
+            },
+        )
+        .run()
+        .await;
+    let proxy = start_proxy(&up.url(), "").await;
+    let direct = client()
+        .request(request("GET", &format!("{}/big", up.url()), empty()))
+        .await
+        .unwrap();
+    let direct = digest_body(direct.into_body()).await;
+    let via = client()
+        .request(request("GET", &format!("{}/big", proxy.url()), empty()))
+        .await
+        .unwrap();
+    assert_eq!(via.status(), 200);
+    let via = digest_body(via.into_body()).await;
+    assert_eq!(direct.0, TOTAL);
+    assert_eq!(via, direct);
+}
+
+#[tokio::test]
+async fn large_request_streams_identically() {
+    const TOTAL: u64 = 100 * 1024 * 1024;
+    const CHUNK: usize = 256 * 1024;
+    let up = MockUpstream::builder()
+        .route("/upload", Reply::BodyDigest)
+        .run()
+        .await;
+    let proxy = start_proxy(&up.url(), "max_body_bytes = 209715200\n").await;
+    let (tx, body) = channel_request_body();
+    let req = request("POST", &format!("{}/upload", proxy.url()), body);
+    let pending = tokio::spawn(async move { fetch(req).await });
+    let mut hasher = xxhash_rust::xxh3::Xxh3::new();
+    let mut offset = 0u64;
+    while offset < TOTAL {
+        let n = (CHUNK as u64).min(TOTAL - offset);
+        let bytes: Vec<u8> = (offset..offset + n).map(pattern_byte).collect();
+        hasher.update(&bytes);
+        offset += n;
+        tx.send(Ok(Frame::data(Bytes::from(bytes)))).await.unwrap();
+    }
+    drop(tx);
+    let (status, _, body) = pending.await.unwrap();
+    assert_eq!(status, 200);
+    let v: serde_json::Value = serde_json::from_slice(&body).unwrap();
+    assert_eq!(v["len"], TOTAL);
+    assert_eq!(
+        v["xxh3"].as_str().unwrap(),
+        format!("{:032x}", hasher.digest128())
+    );
+}
+
+#[tokio::test]
+async fn idle_upstream_ends_the_stream() {
+    let release = Release::new(); // never released
+    let up = MockUpstream::builder()
+        .route("/v1/chat/completions", held(&release))
+        .run()
+        .await;
+    let proxy = start_proxy(&up.url(), "[timeouts]\nidle_secs = 1\n").await;
+    let req = request(
+        "POST",
+        &format!("{}/v1/chat/completions", proxy.url()),
+        full("{}"),
+    );
+    let resp = client().request(req).await.unwrap();
+    assert_eq!(resp.status(), 200);
+    let mut body = resp.into_body();
+    let first = read_at_least(&mut body, FIRST.len()).await;
+    assert_eq!(first, FIRST.as_bytes());
+    // Next read must end (with an error: the stream was cut, not completed).
+    let end = tokio::time::timeout(Duration::from_secs(10), async {
+        loop {
+            match body.frame().await {
+                Some(Ok(_)) => continue,
+                Some(Err(_)) => return "error",
+                None => return "eof",
+            }
+        }
+    })
+    .await
+    .expect("stream was not ended by the idle timeout");
+    assert_eq!(end, "error", "a cut stream must not look complete");
+    assert!(
+        up.wait_for(Duration::from_secs(10), |u| u.cancelled() == 1)
+            .await,
+        "upstream stream was not dropped"
+    );
+    let text = proxy.state.metrics.render();
+    assert!(
+        text.contains("compactor_stream_idle_timeouts_total 1"),
+        "{text}"
+    );
+}
+
+#[tokio::test]
+async fn graceful_shutdown_lets_in_flight_stream_finish() {
+    let release = Release::new();
+    let up = MockUpstream::builder()
+        .route("/v1/chat/completions", held(&release))
+        .run()
+        .await;
+    let proxy = start_proxy(&up.url(), "[timeouts]\nshutdown_grace_secs = 30\n").await;
+    let addr = proxy.addr;
+    let req = request(
+        "POST",
+        &format!("http://{addr}/v1/chat/completions"),
+        full("{}"),
+    );
+    let resp = client().request(req).await.unwrap();
+    let mut body = resp.into_body();
+    let _ = read_at_least(&mut body, FIRST.len()).await;
+
+    let shutdown = tokio::spawn(proxy.shutdown());
+    // New connections are refused once the listener is dropped.
+    let refused = async {
+        loop {
+            if tokio::net::TcpStream::connect(addr).await.is_err() {
+                return;
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    };
+    tokio::time::timeout(Duration::from_secs(10), refused)
+        .await
+        .expect("listener still accepting after shutdown");
+    assert!(
+        !shutdown.is_finished(),
+        "shutdown did not wait for the stream"
+    );
+
+    release.release();
+    let rest = body.collect().await.unwrap().to_bytes();
+    assert_eq!(rest, LAST.as_bytes());
+    tokio::time::timeout(Duration::from_secs(10), shutdown)
+        .await
+        .expect("shutdown did not complete after the stream ended")
+        .unwrap();
+}
