@@ -3,6 +3,8 @@
 #   rustfmt check, clippy (warnings are errors), cargo tests, docker-compose config check,
 #   then the end-to-end suite against a real llama.cpp server (tests/e2e, pytest).
 # Stops at the first failing step and ends with a one-line summary.
+# Arguments are passed to pytest (e.g. `-k sdk`); TEST_SH_SKIP="fmt clippy" skips named steps
+# locally (CI never sets it).
 set -euo pipefail
 
 repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -20,6 +22,11 @@ summary_fail() {
 step() {
     local name=$1 t0=$SECONDS rc=0
     shift
+    if [[ " ${TEST_SH_SKIP:-} " == *" $name "* ]]; then
+        echo "==> [$name] skipped (TEST_SH_SKIP)"
+        done_steps+=("$name:skipped")
+        return 0
+    fi
     echo "==> [$name] $*"
     "$@" || rc=$?
     [[ $rc -eq 0 ]] || summary_fail "$name" "$rc"
@@ -41,7 +48,7 @@ compose_check() {
 e2e() {
     local rc=0
     COMPACTOR_BIN="${COMPACTOR_BIN:-$repo/target/debug/compactor}" \
-        .venv/bin/python -m pytest tests/e2e -q -p no:cacheprovider "$@" || rc=$?
+        .venv/bin/python -m pytest tests/e2e -q -p no:cacheprovider --durations=8 "$@" || rc=$?
     # pytest exits 5 when it collected nothing: that is a broken suite, not a pass.
     [[ $rc -ne 5 ]] || echo "pytest collected no tests"
     return "$rc"
