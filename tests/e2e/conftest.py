@@ -23,7 +23,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterator
 
@@ -34,6 +34,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
 from mock_upstream import MockUpstream, start_mock  # noqa: E402
+from upstream_tap import UpstreamTap, start_tap  # noqa: E402
 
 REPO = HERE.parents[1]
 LLAMA_SCRIPT = REPO / "scripts" / "llama_server.py"
@@ -296,3 +297,14 @@ def llama_log(request: pytest.FixtureRequest, llama: LlamaServer) -> Iterator[Ll
     yield llama
     if _failed(request):
         print(f"---- llama.cpp log ----\n{llama.log()}")
+
+
+@pytest.fixture
+def llama_tap(llama: LlamaServer) -> Iterator[UpstreamTap]:
+    """A recording pass-through in front of llama.cpp: give ``llama_tap.url`` to compactor
+    as its upstream to see every request compactor itself sends."""
+    tap = start_tap(llama.url)
+    try:
+        yield tap
+    finally:
+        tap.close()

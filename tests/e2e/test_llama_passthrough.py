@@ -81,3 +81,18 @@ def test_stream_arrives_in_several_network_reads(llama_log, llama_direct, llama_
     body = b"".join(reads)
     assert body.rstrip().endswith(b"data: [DONE]")
     assert len(reads) >= 3, f"whole stream arrived in {len(reads)} read(s)"
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_one_upstream_request_per_small_request(llama_log, llama_tap, compactor, stream):
+    """A request far below the window reaches llama.cpp once, with the client's
+    messages, and the upstream's prompt size matches what the client is told."""
+    via = compactor(llama_tap.url)
+    kw = {"stream": True, "stream_options": {"include_usage": True}} if stream else {}
+    out = via.client().chat.completions.create(model="gemma-3-270m", messages=MESSAGES, **PARAMS, **kw)
+    usage = [c.usage for c in out if c.usage][-1] if stream else out.usage
+    (ex,) = llama_tap.chat()
+    assert ex.status == 200
+    assert ex.messages == len(MESSAGES)
+    assert ex.stream is stream
+    assert ex.prompt_tokens == usage.prompt_tokens
