@@ -880,7 +880,8 @@ format = "json"
         let text = include_str!("../proxy.toml");
         let c = parse(text).unwrap();
         assert_eq!(c.listen, Config::default().listen);
-        let re = regex::Regex::new(r"^# ([a-z_]+ = .+|\[models\..+\]|context_length = .+)$").unwrap();
+        let re =
+            regex::Regex::new(r"^# ([a-z_]+ = .+|\[models\..+\]|context_length = .+)$").unwrap();
         let uncommented: String = text
             .lines()
             .map(|l| match re.captures(l) {
@@ -897,7 +898,10 @@ format = "json"
         assert_eq!(raw.timeouts.connect_secs, d.timeouts.connect_secs);
         assert_eq!(raw.timeouts.first_byte_secs, d.timeouts.first_byte_secs);
         assert_eq!(raw.timeouts.idle_secs, d.timeouts.idle_secs);
-        assert_eq!(raw.timeouts.shutdown_grace_secs, d.timeouts.shutdown_grace_secs);
+        assert_eq!(
+            raw.timeouts.shutdown_grace_secs,
+            d.timeouts.shutdown_grace_secs
+        );
         assert_eq!(raw.session.headers, d.session.headers);
         assert_eq!(raw.session.ttl_secs, d.session.ttl_secs);
         assert_eq!(raw.session.max_sessions, d.session.max_sessions);

@@ -375,3 +375,30 @@ async fn health_and_metrics_are_local() {
     let v: serde_json::Value = serde_json::from_slice(&body).unwrap();
     assert_eq!(v["error"]["code"], "not_found");
 }
+
+#[tokio::test]
+async fn http2_client_is_served() {
+    let up = upstream().await;
+    let proxy = start_proxy(&up.url(), "").await;
+    let h2: hyper_util::client::legacy::Client<_, TestBody> =
+        hyper_util::client::legacy::Client::builder(hyper_util::rt::TokioExecutor::new())
+            .http2_only(true)
+            .build_http();
+    let resp = h2
+        .request(request(
+            "POST",
+            &format!("{}/v1/chat/completions", proxy.url()),
+            full("{}"),
+        ))
+        .await
+        .unwrap();
+    assert_eq!(resp.version(), http::Version::HTTP_2);
+    assert_eq!(resp.status(), 200);
+    let body = http_body_util::BodyExt::collect(resp.into_body())
+        .await
+        .unwrap()
+        .to_bytes();
+    assert_eq!(body, Bytes::from_static(SSE.as_bytes()));
+    let seen = up.last_request();
+    assert_eq!(seen.headers["host"], up.addr.to_string());
+}

@@ -279,3 +279,46 @@ async fn graceful_shutdown_lets_in_flight_stream_finish() {
         .expect("shutdown did not complete after the stream ended")
         .unwrap();
 }
+
+#[tokio::test]
+async fn client_disconnect_before_response_head_cancels_upstream() {
+    let up = MockUpstream::builder()
+        .route("/v1/chat/completions", Reply::Hang)
+        .run()
+        .await;
+    let proxy = start_proxy(&up.url(), "").await;
+    let req = request(
+        "POST",
+        &format!("{}/v1/chat/completions", proxy.url()),
+        full("{}"),
+    );
+    let pending = tokio::spawn(async move { client().request(req).await });
+    assert!(
+        up.wait_for(Duration::from_secs(10), |u| u.requests().len() == 1)
+            .await
+    );
+    assert!(proxy
+        .state
+        .metrics
+        .render()
+        .contains("compactor_requests_in_flight 1"));
+    pending.abort();
+    assert!(
+        up.wait_for(Duration::from_secs(10), |u| u.closed_connections() == 1)
+            .await,
+        "upstream connection left open"
+    );
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    while !proxy
+        .state
+        .metrics
+        .render()
+        .contains("compactor_requests_in_flight 0")
+    {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "in-flight count leaked"
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+}

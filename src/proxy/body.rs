@@ -98,13 +98,16 @@ where
 }
 
 pin_project! {
-    /// Ends the stream with an [`IdleTimeout`] error when no frame arrives
-    /// within `idle`. An error (not a clean end) so the client can tell the
-    /// response was cut short: hyper aborts the chunked encoding / h2 stream.
+    /// Ends the stream with an [`IdleTimeout`] error when the upstream sends
+    /// nothing for `idle`. An error (not a clean end) so the client can tell
+    /// the response was cut short: hyper aborts the chunked encoding / h2
+    /// stream. Only time spent waiting on the upstream counts: a slow reader
+    /// (backpressure, nobody polling) never trips it.
     pub struct IdleTimeoutBody<B> {
         #[pin]
         inner: B,
         idle: Duration,
+        waiting: bool,
         #[pin]
         sleep: Sleep,
         on_timeout: Option<Box<dyn FnOnce() + Send>>,
@@ -117,6 +120,7 @@ impl<B> IdleTimeoutBody<B> {
         IdleTimeoutBody {
             inner,
             idle,
+            waiting: false,
             sleep: tokio::time::sleep(idle),
             on_timeout: Some(on_timeout),
         }
@@ -136,10 +140,14 @@ where
         cx: &mut Context<'_>,
     ) -> Poll<Option<Result<Frame<B::Data>, BoxError>>> {
         let mut this = self.project();
+        if !*this.waiting {
+            // A fresh wait for the next frame starts now.
+            *this.waiting = true;
+            this.sleep.as_mut().reset(Instant::now() + *this.idle);
+        }
         match this.inner.poll_frame(cx) {
             Poll::Ready(r) => {
-                let deadline = Instant::now() + *this.idle;
-                this.sleep.as_mut().reset(deadline);
+                *this.waiting = false;
                 Poll::Ready(r.map(|r| r.map_err(Into::into)))
             }
             Poll::Pending => match this.sleep.poll(cx) {
@@ -285,4 +293,132 @@ where
     B::Error: Into<BoxError>,
 {
     body.map_err(Into::into).boxed_unsync()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use http_body_util::Full;
+    use std::sync::Mutex;
+    use tokio::sync::mpsc;
+
+    /// A body fed by the test through a channel.
+    struct ChanBody(mpsc::UnboundedReceiver<Result<Frame<Bytes>, BoxError>>);
+
+    impl Body for ChanBody {
+        type Data = Bytes;
+        type Error = BoxError;
+        fn poll_frame(
+            mut self: Pin<&mut Self>,
+            cx: &mut Context<'_>,
+        ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
+            self.0.poll_recv(cx)
+        }
+    }
+
+    fn chan() -> (
+        mpsc::UnboundedSender<Result<Frame<Bytes>, BoxError>>,
+        ChanBody,
+    ) {
+        let (tx, rx) = mpsc::unbounded_channel();
+        (tx, ChanBody(rx))
+    }
+
+    type Polled<B> = Poll<Option<Result<Frame<<B as Body>::Data>, <B as Body>::Error>>>;
+    type EosLog = Arc<Mutex<Vec<(Eos, u64)>>>;
+
+    fn poll_once<B: Body + Unpin>(b: &mut B) -> Polled<B> {
+        let waker = std::task::Waker::noop();
+        let mut cx = Context::from_waker(waker);
+        Pin::new(b).poll_frame(&mut cx)
+    }
+
+    fn recorder() -> (EosLog, OnEos) {
+        let log = Arc::new(Mutex::new(Vec::new()));
+        let l = Arc::clone(&log);
+        (log, Box::new(move |e, n| l.lock().unwrap().push((e, n))))
+    }
+
+    #[tokio::test]
+    async fn limited_body_counts_and_fails_past_limit() {
+        let seen = Arc::new(AtomicU64::new(0));
+        let mut b = LimitedBody::new(Full::new(Bytes::from_static(b"12345")), 5, seen.clone());
+        assert!(matches!(poll_once(&mut b), Poll::Ready(Some(Ok(_)))));
+        assert_eq!(seen.load(Ordering::Relaxed), 5);
+
+        let seen = Arc::new(AtomicU64::new(0));
+        let mut b = LimitedBody::new(Full::new(Bytes::from_static(b"123456")), 5, seen);
+        match poll_once(&mut b) {
+            Poll::Ready(Some(Err(e))) => {
+                assert_eq!(e.downcast_ref::<BodyLimitExceeded>().unwrap().limit, 5)
+            }
+            _ => panic!("expected limit error"),
+        }
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn idle_timeout_counts_only_time_spent_waiting() {
+        let (tx, inner) = chan();
+        let fired = Arc::new(AtomicU64::new(0));
+        let f = Arc::clone(&fired);
+        let mut b = Box::pin(IdleTimeoutBody::new(
+            inner,
+            Duration::from_secs(10),
+            Box::new(move || {
+                f.fetch_add(1, Ordering::Relaxed);
+            }),
+        ));
+        assert!(poll_once(&mut b).is_pending());
+        tokio::time::advance(Duration::from_secs(5)).await;
+        tx.send(Ok(Frame::data(Bytes::from_static(b"a")))).unwrap();
+        assert!(matches!(poll_once(&mut b), Poll::Ready(Some(Ok(_)))));
+        // Nobody polls for a long time (slow reader): not an upstream stall.
+        tokio::time::advance(Duration::from_secs(60)).await;
+        assert!(poll_once(&mut b).is_pending());
+        tokio::time::advance(Duration::from_secs(9)).await;
+        assert!(poll_once(&mut b).is_pending());
+        tokio::time::advance(Duration::from_secs(2)).await;
+        match poll_once(&mut b) {
+            Poll::Ready(Some(Err(e))) => assert!(e.downcast_ref::<IdleTimeout>().is_some()),
+            other => panic!("expected idle timeout, got {:?}", other.map(|_| ())),
+        }
+        assert_eq!(fired.load(Ordering::Relaxed), 1);
+        drop(tx);
+    }
+
+    #[tokio::test]
+    async fn observed_body_reports_each_end_once() {
+        // Content-Length style: ends via is_end_stream after the data frame.
+        let (log, on) = recorder();
+        let mut b = ObservedBody::new(Full::new(Bytes::from_static(b"abc")), on);
+        assert!(matches!(poll_once(&mut b), Poll::Ready(Some(Ok(_)))));
+        drop(b);
+        assert_eq!(*log.lock().unwrap(), vec![(Eos::Complete, 3)]);
+
+        // Dropped mid-stream: cancelled.
+        let (log, on) = recorder();
+        let (tx, inner) = chan();
+        let mut b = ObservedBody::new(inner, on);
+        tx.send(Ok(Frame::data(Bytes::from_static(b"ab")))).unwrap();
+        assert!(matches!(poll_once(&mut b), Poll::Ready(Some(Ok(_)))));
+        assert!(poll_once(&mut b).is_pending());
+        drop(b);
+        assert_eq!(*log.lock().unwrap(), vec![(Eos::Cancelled, 2)]);
+
+        // Error from upstream.
+        let (log, on) = recorder();
+        let (tx, inner) = chan();
+        let mut b = ObservedBody::new(inner, on);
+        tx.send(Err("reset".into())).unwrap();
+        assert!(matches!(poll_once(&mut b), Poll::Ready(Some(Err(_)))));
+        drop(b);
+        assert_eq!(*log.lock().unwrap(), vec![(Eos::Error, 0)]);
+
+        // Empty body: complete at construction (hyper may never poll it).
+        let (log, on) = recorder();
+        let b = ObservedBody::new(http_body_util::Empty::<Bytes>::new(), on);
+        assert_eq!(*log.lock().unwrap(), vec![(Eos::Complete, 0)]);
+        drop(b);
+        assert_eq!(log.lock().unwrap().len(), 1);
+    }
 }

@@ -121,7 +121,7 @@ pub async fn handle(
     req: Request<Incoming>,
 ) -> Result<Response<ProxyBody>, Infallible> {
     let stats = Arc::new(RequestStats::new());
-    state.metrics.request_started();
+    let in_flight = InFlight::new(Arc::clone(&state.metrics));
     let method = req.method().clone();
     let path = req.uri().path().to_owned();
     let route = Route::of(&method, &path);
@@ -153,9 +153,9 @@ pub async fn handle(
     let (parts, body) = resp.into_parts();
     let metrics = Arc::clone(&state.metrics);
     let on_eos = Box::new(move |eos: Eos, bytes_out: u64| {
+        drop(in_flight);
         let bytes_in = stats.bytes_in.load(Ordering::Relaxed);
         metrics.record_request(route.label(), status.as_u16(), bytes_in, bytes_out);
-        metrics.request_finished();
         let upstream_ms = upstream_wait.map(millis);
         tracing::info!(
             %method,
@@ -172,6 +172,23 @@ pub async fn handle(
     });
     let body = ObservedBody::new(body, on_eos).boxed_unsync();
     Ok(Response::from_parts(parts, body))
+}
+
+/// Counts a request in flight until dropped: also when the client goes away
+/// before the response head and hyper drops the handler future.
+struct InFlight(Arc<crate::metrics::Metrics>);
+
+impl InFlight {
+    fn new(metrics: Arc<crate::metrics::Metrics>) -> Self {
+        metrics.request_started();
+        InFlight(metrics)
+    }
+}
+
+impl Drop for InFlight {
+    fn drop(&mut self) {
+        self.0.request_finished();
+    }
 }
 
 /// Milliseconds with microsecond resolution, for log lines.
