@@ -2,7 +2,8 @@
 # Quick start: a local llama.cpp server (Gemma 3 270M from PyPI) on 127.0.0.1:8080 and
 # compactor in front of it on 127.0.0.1:4000. Ctrl-C stops both.
 #   LLAMA_PORT (8080), LLAMA_N_CTX (2048), LLAMA_SLOTS (1), LLAMA_THREADS (2),
-#   COMPACTOR_LISTEN (127.0.0.1:4000); extra arguments go to compactor (e.g. --config proxy.toml).
+#   COMPACTOR_LISTEN (127.0.0.1:4000), COMPACTOR_BIN (a prebuilt binary instead of
+#   `cargo run --release`); extra arguments go to compactor (e.g. --config proxy.toml).
 set -euo pipefail
 
 repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -55,4 +56,8 @@ fi
 export COMPACTOR_LISTEN="${COMPACTOR_LISTEN:-127.0.0.1:4000}"
 export COMPACTOR_UPSTREAM="${COMPACTOR_UPSTREAM:-$llama_url}"
 echo "run_local: compactor on http://$COMPACTOR_LISTEN -> $COMPACTOR_UPSTREAM (OpenAI base URL http://$COMPACTOR_LISTEN/v1)"
-cargo run --release --bin compactor -- "$@"
+if [[ -n "${COMPACTOR_BIN:-}" ]]; then
+    "$COMPACTOR_BIN" "$@"
+else
+    cargo run --release --bin compactor -- "$@"
+fi
