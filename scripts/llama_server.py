@@ -82,6 +82,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=None)
     ap.add_argument("--alias", default="gemma-3-270m", help="model id the server reports")
     ap.add_argument(
+        "--exit-with-parent",
+        action="store_true",
+        help="stop when the process that started this one goes away (test harnesses)",
+    )
+    ap.add_argument(
         "--prepare-only",
         action="store_true",
         help="assemble the model if needed, print its path and exit",
@@ -99,10 +104,13 @@ def main(argv: list[str] | None = None) -> int:
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
 
+    parent = os.getppid()
     server = xllamacpp.Server(build_params(args, model))
     print(f"llama-server ready {server.listening_address}", flush=True)
-    while not stop.wait(3600):
-        pass
+    # A killed test runner cannot clean up after itself; never outlive it.
+    while not stop.wait(1.0):
+        if args.exit_with_parent and os.getppid() != parent:
+            break
     # Dropping the last reference stops llama.cpp's HTTP loop cleanly.
     del server
     return 0

@@ -118,6 +118,7 @@ def _start_llama(log_path: Path) -> LlamaServer:
         "--n-ctx", str(LLAMA_N_CTX),
         "--slots", "1",
         "--threads", "2",
+        "--exit-with-parent",
     ]
     log = log_path.open("wb")
     proc = subprocess.Popen(

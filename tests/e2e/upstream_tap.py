@@ -42,6 +42,7 @@ class Exchange:
     cache_n: int | None = None
     error_type: str | None = None
     n_ctx: int | None = None
+    done: bool = False
 
 
 def _usage_from_json(body: dict[str, Any], ex: Exchange) -> None:
@@ -82,15 +83,21 @@ class UpstreamTap:
     thread: threading.Thread
     upstream: str
     exchanges: list[Exchange] = field(default_factory=list)
-    lock: threading.Lock = field(default_factory=threading.Lock)
+    lock: threading.Condition = field(default_factory=threading.Condition)
 
     @property
     def url(self) -> str:
         host, port = self.server.server_address[:2]
         return f"http://{host}:{port}"
 
-    def chat(self) -> list[Exchange]:
+    def chat(self, timeout_s: float = 30.0) -> list[Exchange]:
+        """The chat-completion exchanges so far, once none is in flight.
+
+        A client can finish reading (``[DONE]``) before the tap has seen the
+        end of the upstream body, so wait for the tap to settle first.
+        """
         with self.lock:
+            self.lock.wait_for(lambda: all(e.done for e in self.exchanges), timeout=timeout_s)
             return [e for e in self.exchanges if e.path.split("?")[0].endswith("/chat/completions")]
 
     def clear(self) -> None:
@@ -141,6 +148,16 @@ def _handler(tap: UpstreamTap):
                 stream=bool(isinstance(req, dict) and req.get("stream")),
                 max_tokens=(req.get("max_tokens") or req.get("max_completion_tokens")) if isinstance(req, dict) else None,
             )
+            with tap.lock:
+                tap.exchanges.append(ex)
+            try:
+                self._relay(body, ex)
+            finally:
+                with tap.lock:
+                    ex.done = True
+                    tap.lock.notify_all()
+
+        def _relay(self, body: bytes, ex: Exchange) -> None:
             conn = http.client.HTTPConnection(up.hostname, up.port, timeout=900)
             headers = {k: v for k, v in self.headers.items() if k.lower() not in HOP_BY_HOP | {"host", "content-length"}}
             conn.request(self.command, up.path.rstrip("/") + self.path, body=body or None, headers=headers)
@@ -167,8 +184,6 @@ def _handler(tap: UpstreamTap):
                 self.wfile.flush()
             conn.close()
             _parse_response(ex, resp.getheader("Content-Type") or "", bytes(seen))
-            with tap.lock:
-                tap.exchanges.append(ex)
 
         do_GET = do_POST = do_PUT = do_DELETE = do_PATCH = _forward
 
