@@ -10,6 +10,8 @@ fetched through compactor can be compared byte for byte:
   and OpenAI, the ``choices: []`` usage event is sent only when the request
   sets ``stream_options.include_usage``.
 * model ``mock-error-<status>``: that status with an OpenAI-shaped error body.
+* model ``mock-empty``: a completion whose content is the empty string (a
+  summariser that answers nothing).
 * model ``mock-gated``: a stream that stops after its first event until the
   test calls :meth:`MockUpstream.release` (or a safety timeout passes), which
   proves the first event crossed the proxy while the upstream was still busy.
@@ -226,7 +228,12 @@ def _handler(mock: "MockUpstream"):
                 self._send(int(model.rsplit("-", 1)[1]), error_body(int(model.rsplit("-", 1)[1])))
                 return
             if not req.get("stream"):
-                self._send(200, _dumps(COMPLETION))
+                if model == "mock-empty":
+                    empty = json.loads(_dumps(COMPLETION))
+                    empty["choices"][0]["message"]["content"] = ""
+                    self._send(200, _dumps(empty))
+                else:
+                    self._send(200, _dumps(COMPLETION))
                 return
             opts = req.get("stream_options") or {}
             events = stream_events(include_usage=opts.get("include_usage") is True)

@@ -83,6 +83,9 @@ class UpstreamTap:
     thread: threading.Thread
     upstream: str
     exchanges: list[Exchange] = field(default_factory=list)
+    # Paths answered 404 instead of forwarded, e.g. {"/props", "/v1/models"}
+    # to hide the window from compactor's discovery.
+    blocked: set[str] = field(default_factory=set)
     lock: threading.Condition = field(default_factory=threading.Condition)
 
     @property
@@ -151,11 +154,24 @@ def _handler(tap: UpstreamTap):
             with tap.lock:
                 tap.exchanges.append(ex)
             try:
-                self._relay(body, ex)
+                if self.path.split("?")[0].rstrip("/") in tap.blocked:
+                    self._not_found(ex)
+                else:
+                    self._relay(body, ex)
             finally:
                 with tap.lock:
                     ex.done = True
                     tap.lock.notify_all()
+
+        def _not_found(self, ex: Exchange) -> None:
+            data = b'{"error":{"code":404,"message":"blocked by the e2e tap","type":"not_found_error"}}'
+            ex.status = 404
+            self.send_response_only(404)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+            self.wfile.flush()
 
         def _relay(self, body: bytes, ex: Exchange) -> None:
             conn = http.client.HTTPConnection(up.hostname, up.port, timeout=900)
