@@ -55,7 +55,11 @@ def test_non_streaming_raw_bytes_and_headers_identical(mock_upstream, mock_via_c
 def test_request_reaches_upstream_intact(mock_upstream, mock_via_compactor):
     proxied = mock_via_compactor.client()
     proxied.chat.completions.create(
-        model="mock-model", messages=MESSAGES, temperature=0.5, extra_body={"x_unknown": {"k": [1]}}
+        model="mock-model",
+        messages=MESSAGES,
+        temperature=0.5,
+        extra_body={"x_unknown": {"k": [1]}},
+        extra_headers={"x-session-id": "sess-42", "x-custom": "kept"},
     )
     (seen,) = mock_upstream.chat_requests()
     body = seen.json()
@@ -65,6 +69,9 @@ def test_request_reaches_upstream_intact(mock_upstream, mock_via_compactor):
     headers = {k.lower(): v for k, v in seen.headers}
     assert headers["authorization"] == f"Bearer {API_KEY}"
     assert headers["host"] == mock_upstream.url.removeprefix("http://")
+    assert headers["x-session-id"] == "sess-42"
+    assert headers["x-custom"] == "kept"
+    assert headers["user-agent"].startswith("OpenAI/Python")
 
 
 @pytest.mark.parametrize("include_usage", [False, True])
