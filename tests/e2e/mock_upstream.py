@@ -12,7 +12,7 @@ fetched through compactor can be compared byte for byte:
 * model ``mock-error-<status>``: that status with an OpenAI-shaped error body.
 * model ``mock-empty``: a completion whose content is the empty string (a
   summariser that answers nothing).
-* model ``mock-gated``: a stream that stops after its first event until the
+* model ``mock-gated``: a stream that stops after its first content event until the
   test calls :meth:`MockUpstream.release` (or a safety timeout passes), which
   proves the first event crossed the proxy while the upstream was still busy.
 * ``GET /v1/models``: a fixed model list.
@@ -240,7 +240,9 @@ def _handler(mock: "MockUpstream"):
             self._head(200, "text/event-stream", None)
             for i, event in enumerate(events):
                 self._chunk(event)
-                if model == "mock-gated" and i == 0:
+                # Gate after the first content delta, not the role chunk: a proxy
+                # may legitimately hold the role chunk until real content arrives.
+                if model == "mock-gated" and i == 1:
                     if not mock.gate.wait(mock.gate_timeout_s):
                         mock.gate_timed_out = True
                 else:

@@ -107,18 +107,20 @@ def test_streaming_raw_bytes_identical(mock_upstream, mock_via_compactor, includ
 
 
 def test_first_event_arrives_while_upstream_still_generating(mock_upstream, mock_via_compactor):
-    """The mock holds the stream after its first event until we release it:
-    a proxy that buffered would deliver nothing until the mock's safety
+    """The mock holds the stream after its first content event until we release
+    it: a proxy that buffered would deliver nothing until the mock's safety
     timeout, which the mock records."""
-    stream = mock_via_compactor.client().chat.completions.create(
+    stream = iter(mock_via_compactor.client().chat.completions.create(
         model="mock-gated", messages=MESSAGES, stream=True
-    )
-    first = next(iter(stream))
-    assert not mock_upstream.gate_timed_out, "first event only arrived after the upstream gave up waiting"
+    ))
+    first = next(stream)
     assert first.choices[0].delta.role == "assistant"
+    second = next(stream)
+    assert second.choices[0].delta.content == STREAM_PIECES[0]
+    assert not mock_upstream.gate_timed_out, "first events only arrived after the upstream gave up waiting"
     mock_upstream.release()
     rest = list(stream)
-    assert "".join(c.choices[0].delta.content or "" for c in rest if c.choices) == "".join(STREAM_PIECES)
+    assert "".join(c.choices[0].delta.content or "" for c in rest if c.choices) == "".join(STREAM_PIECES[1:])
     assert not mock_upstream.gate_timed_out
 
 
