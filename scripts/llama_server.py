@@ -35,8 +35,9 @@ def ensure_model(path: Path | None) -> Path:
     if not target.exists():
         target.parent.mkdir(parents=True, exist_ok=True)
         # Assemble beside the target and rename, so an interrupted run never
-        # leaves a truncated file that later runs would trust.
-        tmp = target.with_suffix(".partial")
+        # leaves a truncated file that later runs would trust (and two runs at
+        # once never write into the same file).
+        tmp = target.with_name(f"{target.name}.partial-{os.getpid()}")
         tmp.unlink(missing_ok=True)
         gemma.assemble(tmp, overwrite=True)
         tmp.rename(target)
