@@ -303,6 +303,9 @@ def play(
                 _read_completion(json.loads(raw.content), r)
         except openai.APIError as e:
             r = _error_result({**base, "wall_s": 0.0}, e)
+        except Exception as e:  # noqa: BLE001 - a dropped stream is a failed turn, not a crash
+            r = TurnResult(**base, ok=False, status=None, wall_s=0.0, error_type=type(e).__name__,
+                           error_body=str(e))
         r.wall_s = time.monotonic() - started
         results.append(r)
         if on_turn:
