@@ -1,0 +1,648 @@
+//! A scripted OpenAI/llama.cpp-shaped chat upstream on `127.0.0.1:0` for the
+//! in-flight compaction tests.
+//!
+//! It records every request it receives (path, headers, raw body), answers
+//! `POST /v1/chat/completions` as JSON or SSE (honouring
+//! `stream_options.include_usage` the way OpenAI does: `"usage":null` on every
+//! chunk plus a final `choices: []` usage chunk), optionally adds llama.cpp
+//! `timings`, reports `prompt_tokens` = bytes of the `messages` JSON / 4,
+//! recognises summariser calls (one user message starting with the
+//! summariser preamble) and answers them as scripted, enforces an optional
+//! context window with the overflow error shape of choice, and answers
+//! `/props` with an `n_ctx` when told to (404 otherwise, like `/v1/models`).
+//!
+//! Settings live behind a mutex so a test can change them between turns.
+
+#![allow(dead_code)]
+
+use std::convert::Infallible;
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use bytes::Bytes;
+use http::{HeaderMap, Request, Response, StatusCode};
+use http_body_util::combinators::UnsyncBoxBody;
+use http_body_util::{BodyExt, Full};
+use hyper::body::{Frame, Incoming};
+use hyper::service::service_fn;
+use hyper_util::rt::TokioIo;
+use serde_json::{json, Value};
+use tokio::net::TcpListener;
+use tokio::sync::mpsc;
+
+type MockBody = UnsyncBoxBody<Bytes, Infallible>;
+
+/// How the summariser prompt starts (src/compaction/serialize.rs PREAMBLE).
+pub const SUMMARY_PROMPT_START: &str = "You are a summarization agent";
+
+/// Fixed id/created so rendered responses are reproducible byte for byte.
+pub const COMPLETION_ID: &str = "chatcmpl-mock";
+pub const CREATED: u64 = 1_700_000_000;
+
+/// The error shape used when a request exceeds the mock's window.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum OverflowStyle {
+    /// HTTP 400 `exceed_context_size_error` with `n_ctx` and `n_prompt_tokens`.
+    LlamaCpp,
+    /// HTTP 400 OpenAI `context_length_exceeded` wording.
+    OpenAi,
+    /// HTTP 200 `text/event-stream` whose first event is `data: {"error":..}`
+    /// (llama.cpp shape) for streaming requests; 400 llama.cpp otherwise.
+    InBandSse,
+}
+
+/// How summary calls are answered.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum SummaryMode {
+    /// 200 with this content.
+    Reply(String),
+    /// An error status with an OpenAI-shaped error body.
+    Status(u16),
+    /// 200 with empty content.
+    Empty,
+}
+
+/// What the mock does; changeable while it runs.
+#[derive(Debug, Clone)]
+pub struct Settings {
+    /// Enforced context window (prompt tokens >= window → overflow error).
+    pub window: Option<u64>,
+    /// Error shape for overflows.
+    pub overflow: OverflowStyle,
+    /// Summary call answers.
+    pub summary: SummaryMode,
+    /// Delay before answering a summary call.
+    pub summary_delay: Duration,
+    /// `/props` answers `default_generation_settings.n_ctx` = this; 404 if None.
+    pub props_n_ctx: Option<u64>,
+    /// Add llama.cpp `timings` to responses.
+    pub timings: bool,
+    /// Content deltas of a streamed (or joined for JSON) answer.
+    pub deltas: Vec<String>,
+    /// Split SSE bodies into frames of this many bytes (events cut across
+    /// frames); whole events per frame when None.
+    pub frame_bytes: Option<usize>,
+}
+
+impl Default for Settings {
+    fn default() -> Self {
+        Self {
+            window: None,
+            overflow: OverflowStyle::LlamaCpp,
+            summary: SummaryMode::Reply(default_summary()),
+            summary_delay: Duration::ZERO,
+            props_n_ctx: None,
+            timings: false,
+            deltas: vec!["Hel".into(), "lo".into(), " there".into()],
+            frame_bytes: None,
+        }
+    }
+}
+
+/// The scripted summary text (a valid checkpoint shape).
+pub fn default_summary() -> String {
+    "## Historical Task Snapshot\n\"continue\"\n\n## Governing User Outcome\nMOCK-SUMMARY keep working.\n\n## Current Subtask\nNone.".into()
+}
+
+/// What kind of request the mock saw.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Kind {
+    Chat,
+    Summary,
+    Other,
+}
+
+/// One recorded request.
+#[derive(Debug, Clone)]
+pub struct Seen {
+    pub path: String,
+    pub headers: HeaderMap,
+    pub body: Bytes,
+    pub kind: Kind,
+    /// `prompt_tokens` the mock computed (chat and summary calls).
+    pub prompt_tokens: u64,
+    /// Whether it was answered with an overflow error.
+    pub overflowed: bool,
+}
+
+impl Seen {
+    pub fn json(&self) -> Value {
+        serde_json::from_slice(&self.body).unwrap()
+    }
+    pub fn messages(&self) -> Vec<Value> {
+        self.json()["messages"].as_array().unwrap().clone()
+    }
+}
+
+struct Shared {
+    settings: Mutex<Settings>,
+    seen: Mutex<Vec<Seen>>,
+    props_hits: AtomicUsize,
+}
+
+/// A running chat mock.
+pub struct ChatMock {
+    pub addr: SocketAddr,
+    shared: Arc<Shared>,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl Drop for ChatMock {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}
+
+/// `prompt_tokens` the mock reports: bytes of the compact `messages` JSON / 4.
+pub fn prompt_tokens_of(body: &Value) -> u64 {
+    let msgs = body.get("messages").cloned().unwrap_or(Value::Null);
+    (serde_json::to_string(&msgs).map(|s| s.len()).unwrap_or(0) / 4) as u64
+}
+
+pub fn completion_tokens(deltas: &[String]) -> u64 {
+    deltas.iter().map(|d| d.len() as u64).sum::<u64>() / 4 + 1
+}
+
+fn is_summary_call(body: &Value) -> bool {
+    let Some(msgs) = body.get("messages").and_then(Value::as_array) else {
+        return false;
+    };
+    msgs.len() == 1
+        && msgs[0]["role"] == "user"
+        && msgs[0]["content"]
+            .as_str()
+            .is_some_and(|c| c.starts_with(SUMMARY_PROMPT_START))
+}
+
+fn usage_json(prompt: u64, completion: u64) -> String {
+    format!(
+        "{{\"prompt_tokens\":{prompt},\"completion_tokens\":{completion},\"total_tokens\":{}}}",
+        prompt + completion
+    )
+}
+
+fn timings_json(prompt: u64, completion: u64) -> String {
+    // llama.cpp: prompt_n = tokens evaluated, cache_n = tokens reused.
+    let cache = prompt / 2;
+    format!(
+        "{{\"cache_n\":{cache},\"prompt_n\":{},\"prompt_ms\":1.5,\"predicted_n\":{completion},\"predicted_ms\":2.5}}",
+        prompt - cache
+    )
+}
+
+/// The SSE body the mock sends for a streamed answer, as one byte string.
+/// `include_usage` follows OpenAI: `"usage":null` on every chunk and a final
+/// `choices: []` chunk with the usage; `timings` goes on the last chunk, as
+/// llama.cpp does.
+pub fn render_sse(
+    model: &str,
+    deltas: &[String],
+    include_usage: bool,
+    prompt: u64,
+    timings: bool,
+) -> Vec<u8> {
+    let completion = completion_tokens(deltas);
+    let usage_null = if include_usage { ",\"usage\":null" } else { "" };
+    let head = format!(
+        "{{\"id\":\"{COMPLETION_ID}\",\"object\":\"chat.completion.chunk\",\"created\":{CREATED},\"model\":{}",
+        json!(model)
+    );
+    let mut out = String::new();
+    let mut push = |choices: String, extra: &str| {
+        out.push_str(&format!(
+            "data: {head},\"system_fingerprint\":\"fp_mock\",\"choices\":{choices}{extra}{usage_null}}}\n\n"
+        ));
+    };
+    push(
+        "[{\"index\":0,\"delta\":{\"role\":\"assistant\",\"content\":\"\"},\"logprobs\":null,\"finish_reason\":null}]".into(),
+        "",
+    );
+    for d in deltas {
+        push(
+            format!(
+                "[{{\"index\":0,\"delta\":{{\"content\":{}}},\"logprobs\":null,\"finish_reason\":null}}]",
+                json!(d)
+            ),
+            "",
+        );
+    }
+    let finish_timings = if timings && !include_usage {
+        format!(",\"timings\":{}", timings_json(prompt, completion))
+    } else {
+        String::new()
+    };
+    push(
+        "[{\"index\":0,\"delta\":{},\"logprobs\":null,\"finish_reason\":\"stop\"}]".into(),
+        &finish_timings,
+    );
+    if include_usage {
+        let t = if timings {
+            format!(",\"timings\":{}", timings_json(prompt, completion))
+        } else {
+            String::new()
+        };
+        out.push_str(&format!(
+            "data: {head},\"system_fingerprint\":\"fp_mock\",\"choices\":[]{t},\"usage\":{}}}\n\n",
+            usage_json(prompt, completion)
+        ));
+    }
+    out.push_str("data: [DONE]\n\n");
+    out.into_bytes()
+}
+
+/// The JSON body the mock sends for a non-streamed answer.
+pub fn render_json(model: &str, content: &str, prompt: u64, completion: u64, timings: bool) -> Vec<u8> {
+    let t = if timings {
+        format!(",\"timings\":{}", timings_json(prompt, completion))
+    } else {
+        String::new()
+    };
+    format!(
+        "{{\"id\":\"{COMPLETION_ID}\",\"object\":\"chat.completion\",\"created\":{CREATED},\"model\":{},\"choices\":[{{\"index\":0,\"message\":{{\"role\":\"assistant\",\"content\":{}}},\"finish_reason\":\"stop\"}}],\"usage\":{}{t}}}",
+        json!(model),
+        json!(content),
+        usage_json(prompt, completion)
+    )
+    .into_bytes()
+}
+
+/// The llama.cpp overflow error body.
+pub fn llamacpp_overflow(prompt: u64, n_ctx: u64) -> String {
+    format!(
+        "{{\"error\":{{\"code\":400,\"message\":\"request ({prompt} tokens) exceeds the available context size ({n_ctx} tokens), try increasing it\",\"type\":\"exceed_context_size_error\",\"n_prompt_tokens\":{prompt},\"n_ctx\":{n_ctx}}}}}"
+    )
+}
+
+/// The OpenAI overflow error body.
+pub fn openai_overflow(prompt: u64, n_ctx: u64) -> String {
+    format!(
+        "{{\"error\":{{\"message\":\"This model's maximum context length is {n_ctx} tokens. However, your messages resulted in {prompt} tokens. Please reduce the length of the messages.\",\"type\":\"invalid_request_error\",\"param\":\"messages\",\"code\":\"context_length_exceeded\"}}}}"
+    )
+}
+
+impl ChatMock {
+    pub async fn start(settings: Settings) -> ChatMock {
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let shared = Arc::new(Shared {
+            settings: Mutex::new(settings),
+            seen: Mutex::default(),
+            props_hits: AtomicUsize::new(0),
+        });
+        let sh = Arc::clone(&shared);
+        let task = tokio::spawn(async move {
+            loop {
+                let Ok((stream, _)) = listener.accept().await else {
+                    continue;
+                };
+                let sh = Arc::clone(&sh);
+                tokio::spawn(async move {
+                    let svc = service_fn(move |req| serve(Arc::clone(&sh), req));
+                    let _ = hyper::server::conn::http1::Builder::new()
+                        .serve_connection(TokioIo::new(stream), svc)
+                        .await;
+                });
+            }
+        });
+        ChatMock { addr, shared, task }
+    }
+
+    pub fn url(&self) -> String {
+        format!("http://{}", self.addr)
+    }
+
+    /// Changes the settings for the following requests.
+    pub fn update(&self, f: impl FnOnce(&mut Settings)) {
+        f(&mut self.shared.settings.lock().unwrap());
+    }
+
+    pub fn seen(&self) -> Vec<Seen> {
+        self.shared.seen.lock().unwrap().clone()
+    }
+
+    /// Chat completions that were not summary calls.
+    pub fn chats(&self) -> Vec<Seen> {
+        self.seen()
+            .into_iter()
+            .filter(|s| s.kind == Kind::Chat)
+            .collect()
+    }
+
+    pub fn summaries(&self) -> Vec<Seen> {
+        self.seen()
+            .into_iter()
+            .filter(|s| s.kind == Kind::Summary)
+            .collect()
+    }
+
+    pub fn last_chat(&self) -> Seen {
+        self.chats().pop().expect("no chat request seen")
+    }
+
+    /// Requests to `/props`.
+    pub fn props_hits(&self) -> usize {
+        self.shared.props_hits.load(Ordering::SeqCst)
+    }
+}
+
+async fn serve(shared: Arc<Shared>, req: Request<Incoming>) -> Result<Response<MockBody>, Infallible> {
+    let (parts, body) = req.into_parts();
+    let body = body.collect().await.map(|c| c.to_bytes()).unwrap_or_default();
+    let path = parts.uri.path().to_owned();
+    let settings = shared.settings.lock().unwrap().clone();
+    let record = |kind: Kind, prompt: u64, overflowed: bool| {
+        shared.seen.lock().unwrap().push(Seen {
+            path: path.clone(),
+            headers: parts.headers.clone(),
+            body: body.clone(),
+            kind,
+            prompt_tokens: prompt,
+            overflowed,
+        });
+    };
+    if path == "/props" {
+        shared.props_hits.fetch_add(1, Ordering::SeqCst);
+        record(Kind::Other, 0, false);
+        return Ok(match settings.props_n_ctx {
+            Some(n) => json_reply(
+                200,
+                format!("{{\"default_generation_settings\":{{\"n_ctx\":{n}}},\"total_slots\":1}}"),
+            ),
+            None => json_reply(404, "{\"error\":{\"code\":404,\"message\":\"File Not Found\",\"type\":\"not_found_error\"}}".into()),
+        });
+    }
+    if path != "/v1/chat/completions" {
+        record(Kind::Other, 0, false);
+        return Ok(json_reply(404, "{\"error\":{\"message\":\"not found\"}}".into()));
+    }
+    let Ok(v) = serde_json::from_slice::<Value>(&body) else {
+        record(Kind::Other, 0, false);
+        return Ok(json_reply(400, "{\"error\":{\"message\":\"bad json\"}}".into()));
+    };
+    let model = v["model"].as_str().unwrap_or("unknown").to_owned();
+    let prompt = prompt_tokens_of(&v);
+    if is_summary_call(&v) {
+        record(Kind::Summary, prompt, false);
+        if !settings.summary_delay.is_zero() {
+            tokio::time::sleep(settings.summary_delay).await;
+        }
+        return Ok(match &settings.summary {
+            SummaryMode::Reply(text) => json_reply(200, String::from_utf8(render_json(&model, text, prompt, 50, false)).unwrap()),
+            SummaryMode::Empty => json_reply(200, String::from_utf8(render_json(&model, "", prompt, 0, false)).unwrap()),
+            SummaryMode::Status(401) => json_reply(401, "{\"error\":{\"message\":\"Incorrect API key provided\",\"type\":\"invalid_request_error\",\"code\":\"invalid_api_key\"}}".into()),
+            SummaryMode::Status(code) => json_reply(*code, "{\"error\":{\"message\":\"The server had an error while processing your request\",\"type\":\"server_error\"}}".into()),
+        });
+    }
+    let stream = v["stream"].as_bool().unwrap_or(false);
+    if let Some(n_ctx) = settings.window {
+        if prompt >= n_ctx {
+            record(Kind::Chat, prompt, true);
+            return Ok(match settings.overflow {
+                OverflowStyle::LlamaCpp => json_reply(400, llamacpp_overflow(prompt, n_ctx)),
+                OverflowStyle::OpenAi => json_reply(400, openai_overflow(prompt, n_ctx)),
+                OverflowStyle::InBandSse if stream => sse_reply(
+                    format!("data: {}\n\n", llamacpp_overflow(prompt, n_ctx)).into_bytes(),
+                    None,
+                ),
+                OverflowStyle::InBandSse => json_reply(400, llamacpp_overflow(prompt, n_ctx)),
+            });
+        }
+    }
+    record(Kind::Chat, prompt, false);
+    if stream {
+        let include_usage = v
+            .pointer("/stream_options/include_usage")
+            .and_then(Value::as_bool)
+            .unwrap_or(false);
+        let bytes = render_sse(&model, &settings.deltas, include_usage, prompt, settings.timings);
+        Ok(sse_reply(bytes, settings.frame_bytes))
+    } else {
+        let content: String = settings.deltas.concat();
+        let completion = completion_tokens(&settings.deltas);
+        Ok(json_reply(
+            200,
+            String::from_utf8(render_json(&model, &content, prompt, completion, settings.timings)).unwrap(),
+        ))
+    }
+}
+
+fn json_reply(status: u16, body: String) -> Response<MockBody> {
+    let mut resp = Response::new(Full::new(Bytes::from(body)).boxed_unsync());
+    *resp.status_mut() = StatusCode::from_u16(status).unwrap();
+    resp.headers_mut()
+        .insert("content-type", "application/json".parse().unwrap());
+    resp
+}
+
+/// Streams `bytes` event by event (or in `frame_bytes` slices).
+fn sse_reply(bytes: Vec<u8>, frame_bytes: Option<usize>) -> Response<MockBody> {
+    let frames: Vec<Bytes> = match frame_bytes {
+        Some(n) => bytes.chunks(n.max(1)).map(Bytes::copy_from_slice).collect(),
+        None => {
+            let text = String::from_utf8(bytes).unwrap();
+            text.split_inclusive("\n\n")
+                .map(|s| Bytes::from(s.to_owned()))
+                .collect()
+        }
+    };
+    let (tx, rx) = mpsc::channel::<Bytes>(4);
+    tokio::spawn(async move {
+        for f in frames {
+            if tx.send(f).await.is_err() {
+                return;
+            }
+            tokio::task::yield_now().await;
+        }
+    });
+    let body = ChanBody(rx).boxed_unsync();
+    let mut resp = Response::new(body);
+    resp.headers_mut()
+        .insert("content-type", "text/event-stream".parse().unwrap());
+    resp
+}
+
+struct ChanBody(mpsc::Receiver<Bytes>);
+
+impl hyper::body::Body for ChanBody {
+    type Data = Bytes;
+    type Error = Infallible;
+    fn poll_frame(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Option<Result<Frame<Bytes>, Infallible>>> {
+        self.0.poll_recv(cx).map(|o| o.map(|b| Ok(Frame::data(b))))
+    }
+}
+
+// ------------------------------------------------------------ conversations
+
+/// A deterministic agent conversation: a system prompt, then turns of
+/// user → assistant tool call → tool output → assistant text.
+pub struct Conversation {
+    pub messages: Vec<Value>,
+    pub turns: usize,
+    pub tool_output_bytes: usize,
+}
+
+pub const SYSTEM_PROMPT: &str = "You are a careful coding agent. Follow the user's instructions exactly.";
+
+impl Conversation {
+    pub fn new(tool_output_bytes: usize) -> Self {
+        Self {
+            messages: vec![json!({"role":"system","content":SYSTEM_PROMPT})],
+            turns: 0,
+            tool_output_bytes,
+        }
+    }
+
+    /// The user message of turn `i`.
+    pub fn user(i: usize) -> Value {
+        json!({"role":"user","content":format!("Step {i}: please inspect file_{i}.rs and report what you find.")})
+    }
+
+    /// Appends a user message; returns the history to send.
+    pub fn ask(&mut self) -> Vec<Value> {
+        self.turns += 1;
+        self.messages.push(Self::user(self.turns));
+        self.messages.clone()
+    }
+
+    /// Appends the assistant's tool round and answer for the current turn.
+    pub fn answer(&mut self) {
+        let i = self.turns;
+        let id = format!("call_{i}");
+        let line = format!("line {i}: fn item_{i}() {{ let value = {i}; }}\n");
+        let mut output = String::new();
+        while output.len() < self.tool_output_bytes {
+            output.push_str(&line);
+        }
+        self.messages.push(json!({"role":"assistant","content":null,"tool_calls":[{"id":id,"type":"function","function":{"name":"read_file","arguments":format!("{{\"path\":\"file_{i}.rs\"}}")}}]}));
+        self.messages.push(json!({"role":"tool","tool_call_id":id,"content":output}));
+        self.messages.push(json!({"role":"assistant","content":format!("file_{i}.rs defines item_{i}.")}));
+    }
+}
+
+/// A chat request body with `messages` and the model.
+pub fn chat_body(model: &str, messages: &[Value], stream: bool) -> Vec<u8> {
+    let mut v = json!({"model": model, "messages": messages, "max_tokens": 64});
+    if stream {
+        v["stream"] = json!(true);
+    }
+    serde_json::to_vec(&v).unwrap()
+}
+
+/// Checks that every `tool` message answers a `tool_calls` id of an earlier
+/// assistant message and every call has its answer.
+pub fn assert_tool_pairs(messages: &[Value]) {
+    let mut open: Vec<String> = Vec::new();
+    for m in messages {
+        if let Some(calls) = m["tool_calls"].as_array() {
+            for c in calls {
+                open.push(c["id"].as_str().unwrap().to_owned());
+            }
+        }
+        if m["role"] == "tool" {
+            let id = m["tool_call_id"].as_str().unwrap();
+            let pos = open.iter().position(|o| o == id);
+            assert!(pos.is_some(), "orphan tool message {id}");
+            open.remove(pos.unwrap());
+        }
+    }
+    assert!(open.is_empty(), "tool calls without results: {open:?}");
+}
+
+// ------------------------------------------------------------ client side
+
+type ClientBody = UnsyncBoxBody<Bytes, Infallible>;
+
+/// Starts compactor in-process in front of `upstream` with extra TOML.
+pub async fn start_compactor(upstream: &str, extra_toml: &str) -> compactor::app::RunningServer {
+    let text = format!("listen = \"127.0.0.1:0\"\nupstream = \"{upstream}\"\n{extra_toml}");
+    let config =
+        compactor::config::Config::from_toml_str(&text, &compactor::config::MapEnv::default())
+            .unwrap();
+    compactor::app::start(config).await.unwrap()
+}
+
+async fn send(
+    method: &str,
+    url: &str,
+    body: Vec<u8>,
+    headers: &[(&str, &str)],
+) -> (StatusCode, HeaderMap, Bytes) {
+    let client = hyper_util::client::legacy::Client::builder(hyper_util::rt::TokioExecutor::new())
+        .build_http::<ClientBody>();
+    let mut req = Request::new(Full::new(Bytes::from(body)).boxed_unsync());
+    *req.method_mut() = method.parse().unwrap();
+    *req.uri_mut() = url.parse().unwrap();
+    for (k, v) in headers {
+        req.headers_mut().append(
+            http::HeaderName::from_bytes(k.as_bytes()).unwrap(),
+            v.parse().unwrap(),
+        );
+    }
+    if method == "POST" {
+        req.headers_mut()
+            .insert("content-type", "application/json".parse().unwrap());
+    }
+    let resp = client.request(req).await.unwrap();
+    let (parts, body) = resp.into_parts();
+    let bytes = body.collect().await.unwrap().to_bytes();
+    (parts.status, parts.headers, bytes)
+}
+
+/// POSTs a chat completion through compactor and reads the whole answer.
+pub async fn post_chat(
+    proxy: &str,
+    body: Vec<u8>,
+    headers: &[(&str, &str)],
+) -> (StatusCode, HeaderMap, Bytes) {
+    send("POST", &format!("{proxy}/v1/chat/completions"), body, headers).await
+}
+
+/// GET with headers.
+pub async fn get_with(url: &str, headers: &[(&str, &str)]) -> (StatusCode, HeaderMap, Bytes) {
+    send("GET", url, Vec::new(), headers).await
+}
+
+/// `x-compactor-action` of a response.
+pub fn action(h: &HeaderMap) -> &str {
+    h.get("x-compactor-action")
+        .map(|v| v.to_str().unwrap())
+        .unwrap_or("<none>")
+}
+
+/// `x-compactor-session` of a response.
+pub fn session_of(h: &HeaderMap) -> String {
+    h.get("x-compactor-session")
+        .expect("x-compactor-session header")
+        .to_str()
+        .unwrap()
+        .to_owned()
+}
+
+/// The admin session view.
+pub async fn admin_view(proxy: &str, token: &str, key: &str) -> (StatusCode, Value) {
+    let auth = format!("Bearer {token}");
+    let (status, _, body) = get_with(
+        &format!("{proxy}/_compactor/sessions/{key}"),
+        &[("authorization", &auth)],
+    )
+    .await;
+    (status, serde_json::from_slice(&body).unwrap_or(Value::Null))
+}
+
+/// The value of one metric line (`name{labels}` exactly as rendered).
+pub async fn metric(proxy: &str, series: &str) -> f64 {
+    let (_, _, body) = get_with(&format!("{proxy}/_compactor/metrics"), &[]).await;
+    let text = String::from_utf8(body.to_vec()).unwrap();
+    text.lines()
+        .find_map(|l| {
+            l.strip_prefix(series)
+                .and_then(|rest| rest.strip_prefix(' '))
+                .map(|v| v.trim().parse::<f64>().unwrap())
+        })
+        .unwrap_or(0.0)
+}
