@@ -646,3 +646,10 @@ pub async fn metric(proxy: &str, series: &str) -> f64 {
         })
         .unwrap_or(0.0)
 }
+
+impl Seen {
+    /// The body as text.
+    pub fn body_text(&self) -> String {
+        String::from_utf8_lossy(&self.body).into_owned()
+    }
+}

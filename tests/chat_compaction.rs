@@ -1,0 +1,261 @@
+//! Compaction through the proxy: the compacted request, the record's prefix
+//! stability, summariser failures, transparency of the rest of the body.
+
+#[path = "support/chat_mock.rs"]
+mod chat_mock;
+
+use chat_mock::*;
+use serde_json::value::RawValue;
+use serde_json::{json, Value};
+
+const TOKEN: &str = "admin-secret";
+const AUTH: (&str, &str) = ("authorization", "Bearer user-key");
+const SESSION: (&str, &str) = ("x-session-id", "s1");
+/// Wording of the summary message (src/compaction/markers.rs).
+const HANDOFF: &str = "[COMPACTOR CONTEXT HANDOFF";
+/// Wording of the deterministic fallback (src/compaction/fallback.rs).
+const FALLBACK_NOTICE: &str = "Summary generation was unavailable";
+
+fn config(extra: &str) -> String {
+    format!("[admin]\ntoken = \"{TOKEN}\"\n[models.\"m\"]\ncontext_length = 2048\n{extra}")
+}
+
+/// The raw bytes of each message of a request body.
+fn raw_messages(body: &[u8]) -> Vec<String> {
+    #[derive(serde::Deserialize)]
+    struct B<'a> {
+        #[serde(borrow)]
+        messages: Vec<&'a RawValue>,
+    }
+    let b: B = serde_json::from_slice(body).unwrap();
+    b.messages.iter().map(|m| m.get().to_owned()).collect()
+}
+
+fn common_suffix(a: &[Value], b: &[Value]) -> usize {
+    a.iter().rev().zip(b.iter().rev()).take_while(|(x, y)| x == y).count()
+}
+
+struct Turn {
+    status: http::StatusCode,
+    headers: http::HeaderMap,
+    sent: Vec<Value>,
+    body: Vec<u8>,
+}
+
+/// One turn: sends the history, reads the answer, appends the tool round.
+async fn turn(proxy: &str, conv: &mut Conversation, stream: bool) -> Turn {
+    let sent = conv.ask();
+    let body = chat_body("m", &sent, stream);
+    let (status, headers, _) = post_chat(proxy, body.clone(), &[AUTH, SESSION]).await;
+    conv.answer();
+    Turn { status, headers, sent, body }
+}
+
+/// Runs turns until compactor does something other than passthrough.
+async fn until_not_passthrough(proxy: &str, conv: &mut Conversation, stream: bool) -> Turn {
+    for _ in 0..20 {
+        let t = turn(proxy, conv, stream).await;
+        assert_eq!(t.status, 200);
+        if action(&t.headers) != "passthrough" {
+            return t;
+        }
+    }
+    panic!("never left passthrough");
+}
+
+fn summary_message(messages: &[Value]) -> Option<String> {
+    messages.iter().find_map(|m| {
+        m["content"]
+            .as_str()
+            .filter(|c| c.contains(HANDOFF))
+            .map(str::to_owned)
+    })
+}
+
+async fn compaction_keeps_prefix_stable(stream: bool) {
+    let mock = ChatMock::start(Settings::default()).await;
+    let proxy = start_compactor(&mock.url(), &config("")).await;
+    let url = proxy.url();
+    let mut conv = Conversation::new(600);
+
+    let t = until_not_passthrough(&url, &mut conv, stream).await;
+    assert_eq!(action(&t.headers), "compacted");
+    let first = mock.last_chat();
+    let up = first.messages();
+    assert!(!first.overflowed);
+    assert!(up.len() < t.sent.len(), "{} !< {}", up.len(), t.sent.len());
+    assert_eq!(up[0], t.sent[0], "system prompt verbatim");
+    assert_eq!(up.last(), t.sent.last(), "newest user message verbatim");
+    let summary = summary_message(&up).expect("a summary message");
+    assert!(summary.contains("MOCK-SUMMARY"), "{summary}");
+    assert_tool_pairs(&up);
+    let calls = mock.summaries().len();
+    assert!(calls >= 1);
+    if stream {
+        assert_eq!(first.json()["stream_options"]["include_usage"], json!(true));
+    }
+
+    // The replacement: what precedes the untouched client suffix.
+    let suffix = common_suffix(&up, &t.sent);
+    let j = up.len() - suffix;
+    let k = t.sent.len() - suffix;
+    let replacement = raw_messages(&first.body)[..j].to_vec();
+
+    // Next turns: the same replacement bytes + the client's own messages,
+    // no new summary call while under the threshold.
+    for _ in 0..2 {
+        let t2 = turn(&url, &mut conv, stream).await;
+        assert_eq!(t2.status, 200);
+        if mock.summaries().len() != calls {
+            break; // a second compaction; checked below
+        }
+        assert_eq!(action(&t2.headers), "compacted");
+        let seen = mock.last_chat();
+        let raw = raw_messages(&seen.body);
+        assert_eq!(raw[..j], replacement[..], "replacement bytes must not change");
+        assert_eq!(raw[j..], raw_messages(&t2.body)[k..], "rest as the client sent it");
+    }
+
+    // Keep going: later compactions fold the previous summary in.
+    let before = mock.summaries().len();
+    for _ in 0..8 {
+        let t3 = turn(&url, &mut conv, stream).await;
+        assert_eq!(t3.status, 200);
+        assert_eq!(action(&t3.headers), "compacted");
+        assert_tool_pairs(&mock.last_chat().messages());
+        assert!(!mock.last_chat().overflowed);
+    }
+    let later = &mock.summaries()[before..];
+    assert!(!later.is_empty(), "a second compaction happened");
+    assert!(
+        later.iter().any(|s| s.body_text().contains("MOCK-SUMMARY")),
+        "the previous summary is updated, not forgotten"
+    );
+
+    let compacted = metric(&url, "compactor_compactions_total{outcome=\"compacted\"}").await;
+    assert!(compacted >= 2.0, "{compacted}");
+    let saved = metric(&url, "compactor_tokens_saved_total").await;
+    assert!(saved > 0.0);
+    let (_, view) = admin_view(&url, TOKEN, &session_of(&t.headers)).await;
+    assert_eq!(view["stats"]["compactions"].as_f64(), Some(compacted), "{view}");
+    assert_eq!(view["window"], json!(2048));
+}
+
+#[tokio::test]
+async fn compaction_substitutes_a_stable_prefix() {
+    compaction_keeps_prefix_stable(false).await;
+}
+
+#[tokio::test]
+async fn compaction_substitutes_a_stable_prefix_streaming() {
+    compaction_keeps_prefix_stable(true).await;
+}
+
+/// Runs to the first compaction attempt with the summariser answering `mode`.
+async fn first_attempt(mode: SummaryMode, extra: &str) -> (ChatMock, Turn) {
+    let mock = ChatMock::start(Settings {
+        summary: mode,
+        ..Settings::default()
+    })
+    .await;
+    let proxy = start_compactor(&mock.url(), &config(extra)).await;
+    let mut conv = Conversation::new(600);
+    let t = until_not_passthrough(&proxy.url(), &mut conv, false).await;
+    (mock, t)
+}
+
+fn assert_forwarded_unchanged(mock: &ChatMock, t: &Turn) {
+    assert_eq!(action(&t.headers), "aborted");
+    assert_eq!(mock.last_chat().body.as_ref(), t.body.as_slice());
+}
+
+#[tokio::test]
+async fn summariser_auth_failure_aborts() {
+    let (mock, t) = first_attempt(SummaryMode::Status(401), "").await;
+    assert!(!mock.summaries().is_empty());
+    assert_forwarded_unchanged(&mock, &t);
+}
+
+#[tokio::test]
+async fn unreachable_summariser_aborts() {
+    let closed = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let port = closed.local_addr().unwrap().port();
+    drop(closed);
+    let extra = format!("[compaction]\nsummary_endpoint = \"http://127.0.0.1:{port}\"\n");
+    let (mock, t) = first_attempt(SummaryMode::Reply(default_summary()), &extra).await;
+    assert!(mock.summaries().is_empty(), "the summary never reached the upstream");
+    assert_forwarded_unchanged(&mock, &t);
+}
+
+#[tokio::test]
+async fn summariser_server_error_gives_fallback_summary() {
+    for mode in [SummaryMode::Status(500), SummaryMode::Empty] {
+        let (mock, t) = first_attempt(mode.clone(), "").await;
+        assert_eq!(action(&t.headers), "compacted", "{mode:?}");
+        let up = mock.last_chat().messages();
+        let summary = summary_message(&up).expect("a summary message");
+        assert!(summary.contains(FALLBACK_NOTICE), "{mode:?}: {summary}");
+        assert_eq!(up.last(), t.sent.last());
+        assert_tool_pairs(&up);
+    }
+}
+
+#[tokio::test]
+async fn abort_on_summary_failure_setting() {
+    let (mock, t) = first_attempt(
+        SummaryMode::Status(500),
+        "[compaction]\nabort_on_summary_failure = true\n",
+    )
+    .await;
+    assert_forwarded_unchanged(&mock, &t);
+}
+
+/// Client body with unknown fields around `messages`, in a fixed order and
+/// number formats serde_json would not reproduce.
+fn odd_body(messages: &[Value], stream: bool) -> Vec<u8> {
+    let msgs = serde_json::to_string(messages).unwrap();
+    let stream = if stream { ",\"stream\":true" } else { "" };
+    format!(
+        "{{\"zeta\":{{\"b\":1,\"a\":[1.50,2e3]}},\"model\":\"m\",\"temperature\":0.70,\"messages\":{msgs}{stream},\"x_vendor\":null,\"max_tokens\":64,\"alpha\":\"\\u00e9\"}}"
+    )
+    .into_bytes()
+}
+
+fn top_level(body: &[u8]) -> Vec<(String, String)> {
+    let map: indexmap::IndexMap<String, Box<RawValue>> = serde_json::from_slice(body).unwrap();
+    map.into_iter()
+        .filter(|(k, _)| k != "messages" && k != "stream_options")
+        .map(|(k, v)| (k, v.get().to_owned()))
+        .collect()
+}
+
+#[tokio::test]
+async fn only_messages_change_in_a_compacted_request() {
+    for stream in [false, true] {
+        let mock = ChatMock::start(Settings::default()).await;
+        let proxy = start_compactor(&mock.url(), &config("")).await;
+        let mut conv = Conversation::new(600);
+        let mut done = false;
+        for _ in 0..20 {
+            let sent = conv.ask();
+            let body = odd_body(&sent, stream);
+            let (status, headers, _) = post_chat(&proxy.url(), body.clone(), &[AUTH]).await;
+            conv.answer();
+            assert_eq!(status, 200);
+            let seen = mock.last_chat();
+            assert_eq!(top_level(&seen.body), top_level(&body));
+            if stream {
+                assert_eq!(seen.json()["stream_options"], json!({"include_usage": true}));
+            }
+            if action(&headers) == "compacted" {
+                assert!(seen.messages().len() < sent.len());
+                done = true;
+                break;
+            }
+            if !stream {
+                assert_eq!(seen.body.as_ref(), body.as_slice());
+            }
+        }
+        assert!(done, "compaction reached (stream={stream})");
+    }
+}
