@@ -413,6 +413,8 @@ impl Compressor {
     }
 
     /// The terminal failure that forbids a destructive fallback, if any.
+    /// An empty summary is not terminal here (design §11: only auth, quota
+    /// and network failures abort; empty content gets the fallback).
     pub fn terminal_abort_reason(&self) -> Option<AbortReason> {
         if self.last_summary_auth_failure {
             Some(AbortReason::AuthFailure)
@@ -420,8 +422,6 @@ impl Compressor {
             Some(AbortReason::NetworkFailure)
         } else if self.last_summary_truncated_failure {
             Some(AbortReason::TruncatedSummary)
-        } else if self.last_summary_empty_failure {
-            Some(AbortReason::EmptySummary)
         } else if self.last_summary_overload_failure {
             Some(AbortReason::Overloaded)
         } else {
