@@ -1,0 +1,164 @@
+//! Overflow retry and window discovery through the proxy.
+
+#[path = "support/chat_mock.rs"]
+mod chat_mock;
+
+use chat_mock::*;
+use serde_json::json;
+
+const TOKEN: &str = "admin-secret";
+const AUTH: (&str, &str) = ("authorization", "Bearer user-key");
+
+/// No window configured, discovery finds nothing, large default.
+fn unknown_window() -> String {
+    format!("default_context_length = 100000\n[admin]\ntoken = \"{TOKEN}\"\n")
+}
+
+/// Grows a conversation against a mock enforcing a 2048 window until the
+/// first overflow; checks the retry and returns the number of turns run.
+async fn retry_on_overflow(style: OverflowStyle, stream: bool) {
+    let mock = ChatMock::start(Settings {
+        window: Some(2048),
+        overflow: style,
+        ..Settings::default()
+    })
+    .await;
+    let proxy = start_compactor(&mock.url(), &unknown_window()).await;
+    let url = proxy.url();
+    let mut conv = Conversation::new(600);
+    let mut retried = false;
+    for _ in 0..25 {
+        let before = mock.chats().len();
+        let sent = conv.ask();
+        let (status, headers, body) =
+            post_chat(&url, chat_body("m", &sent, stream), &[AUTH]).await;
+        conv.answer();
+        assert_eq!(status, 200, "{style:?}: {}", String::from_utf8_lossy(&body));
+        let chats = &mock.chats()[before..];
+        match action(&headers) {
+            "retried" => {
+                assert!(!retried, "only the first overflow needs a retry");
+                retried = true;
+                assert_eq!(chats.len(), 2, "one failed attempt, one retry");
+                assert!(chats[0].overflowed);
+                assert!(!chats[1].overflowed);
+                assert!(chats[1].messages().len() < sent.len());
+                assert_eq!(chats[1].messages().last(), sent.last());
+                assert_tool_pairs(&chats[1].messages());
+                let text = String::from_utf8_lossy(&body);
+                assert!(!text.contains("error"), "client saw the overflow: {text}");
+                if stream {
+                    assert!(text.ends_with("data: [DONE]\n\n"), "{text}");
+                }
+            }
+            other => {
+                assert_eq!(chats.len(), 1, "{other}");
+                assert!(!chats[0].overflowed, "{other}: overflow reached the client");
+                if !retried {
+                    assert_eq!(other, "passthrough");
+                } else {
+                    // The learned window makes compaction proactive.
+                    assert_eq!(other, "compacted");
+                }
+            }
+        }
+        if retried && conv.turns > 16 {
+            break;
+        }
+    }
+    assert!(retried, "{style:?}: the window was never exceeded");
+    assert_eq!(
+        metric(&url, "compactor_overflow_retries_total").await,
+        1.0,
+        "{style:?}"
+    );
+    assert_eq!(
+        metric(&url, "compactor_chat_requests_total{action=\"retried\"}").await,
+        1.0
+    );
+}
+
+#[tokio::test]
+async fn llamacpp_overflow_is_retried() {
+    retry_on_overflow(OverflowStyle::LlamaCpp, false).await;
+}
+
+#[tokio::test]
+async fn llamacpp_overflow_is_retried_streaming() {
+    retry_on_overflow(OverflowStyle::LlamaCpp, true).await;
+}
+
+#[tokio::test]
+async fn openai_overflow_is_retried() {
+    retry_on_overflow(OverflowStyle::OpenAi, false).await;
+}
+
+#[tokio::test]
+async fn in_band_sse_overflow_is_retried() {
+    retry_on_overflow(OverflowStyle::InBandSse, true).await;
+}
+
+#[tokio::test]
+async fn overflow_compaction_cannot_fix_passes_the_upstream_error() {
+    for style in [OverflowStyle::LlamaCpp, OverflowStyle::OpenAi] {
+        let mock = ChatMock::start(Settings {
+            window: Some(2048),
+            overflow: style,
+            ..Settings::default()
+        })
+        .await;
+        let proxy = start_compactor(&mock.url(), &unknown_window()).await;
+        let huge = "word ".repeat(4000);
+        let messages = vec![
+            json!({"role":"system","content":SYSTEM_PROMPT}),
+            json!({"role":"user","content":huge}),
+        ];
+        let (status, _headers, body) =
+            post_chat(&proxy.url(), chat_body("m", &messages, false), &[AUTH]).await;
+        let chats = mock.chats();
+        assert_eq!(status, 400, "{style:?}");
+        let prompt = chats[0].prompt_tokens;
+        let expected = match style {
+            OverflowStyle::OpenAi => openai_overflow(prompt, 2048),
+            _ => llamacpp_overflow(prompt, 2048),
+        };
+        assert_eq!(String::from_utf8_lossy(&body), expected);
+        assert!(chats.iter().all(|c| c.overflowed));
+        // Nothing to compact in [system, user]: no retry is attempted.
+        assert_eq!(chats.len(), 1, "{style:?}");
+        assert!(mock.summaries().is_empty());
+    }
+}
+
+#[tokio::test]
+async fn discovered_window_makes_compaction_proactive() {
+    let mock = ChatMock::start(Settings {
+        window: Some(2048),
+        props_n_ctx: Some(2048),
+        ..Settings::default()
+    })
+    .await;
+    let proxy = start_compactor(&mock.url(), &unknown_window()).await;
+    let url = proxy.url();
+    let mut compacted = 0;
+    // Two conversations on the same model: the window is discovered once.
+    for session in ["a", "b"] {
+        let mut conv = Conversation::new(600);
+        for _ in 0..14 {
+            let sent = conv.ask();
+            let (status, headers, _) = post_chat(
+                &url,
+                chat_body("m", &sent, false),
+                &[AUTH, ("x-session-id", session)],
+            )
+            .await;
+            conv.answer();
+            assert_eq!(status, 200);
+            assert_ne!(action(&headers), "retried");
+            compacted += usize::from(action(&headers) == "compacted");
+        }
+    }
+    assert!(compacted > 0);
+    assert!(mock.chats().iter().all(|c| !c.overflowed), "no overflow reached the upstream limit");
+    assert_eq!(mock.props_hits(), 1, "discovery once per (upstream, model)");
+}
