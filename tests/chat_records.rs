@@ -1,0 +1,209 @@
+//! Compaction records seen from outside: retries, forks, edits, other
+//! sessions and credentials; summary call headers; odd bodies.
+
+#[path = "support/chat_mock.rs"]
+mod chat_mock;
+
+use chat_mock::*;
+use serde_json::{json, Value};
+
+const TOKEN: &str = "admin-secret";
+const ALICE: (&str, &str) = ("authorization", "Bearer alice");
+
+fn config(extra: &str) -> String {
+    format!("[admin]\ntoken = \"{TOKEN}\"\n[models.\"m\"]\ncontext_length = 2048\n{extra}")
+}
+
+/// Runs a conversation until its first compaction; returns the history
+/// that was compacted (last sent) and the conversation.
+async fn to_first_compaction(url: &str, headers: &[(&str, &str)]) -> (Conversation, Vec<Value>) {
+    let mut conv = Conversation::new(600);
+    for _ in 0..20 {
+        let sent = conv.ask();
+        let (st, h, _) = post_chat(url, chat_body("m", &sent, false), headers).await;
+        assert_eq!(st, 200);
+        if action(&h) == "compacted" {
+            return (conv, sent);
+        }
+        conv.answer();
+    }
+    panic!("no compaction");
+}
+
+#[tokio::test]
+async fn a_retried_turn_is_sent_identically_without_a_new_summary() {
+    let mock = ChatMock::start(Settings::default()).await;
+    let proxy = start_compactor(&mock.url(), &config("")).await;
+    let url = proxy.url();
+    let (_conv, sent) = to_first_compaction(&url, &[ALICE, ("x-session-id", "a")]).await;
+    let first = mock.last_chat();
+    let calls = mock.summaries().len();
+    // The client did not get (or did not like) the answer and sends it again.
+    let (st, h, _) = post_chat(&url, chat_body("m", &sent, false), &[ALICE, ("x-session-id", "a")]).await;
+    assert_eq!(st, 200);
+    assert_eq!(action(&h), "compacted");
+    assert_eq!(mock.summaries().len(), calls);
+    assert_eq!(mock.last_chat().body, first.body);
+}
+
+#[tokio::test]
+async fn records_are_found_by_content_not_session() {
+    let mock = ChatMock::start(Settings::default()).await;
+    let proxy = start_compactor(&mock.url(), &config("")).await;
+    let url = proxy.url();
+    let (_conv, sent) = to_first_compaction(&url, &[ALICE, ("x-session-id", "a")]).await;
+    let first = mock.last_chat();
+    let calls = mock.summaries().len();
+    // Same credential, another session id (e.g. a resumed client): the
+    // record made for this history is reused.
+    let (_, h, _) = post_chat(&url, chat_body("m", &sent, false), &[ALICE, ("x-session-id", "b")]).await;
+    assert_eq!(action(&h), "compacted");
+    assert_eq!(mock.summaries().len(), calls);
+    assert_eq!(mock.last_chat().body, first.body);
+    // Another credential never sees it: its own compaction runs.
+    let bob = [("authorization", "Bearer bob"), ("x-session-id", "a")];
+    let (_, h, _) = post_chat(&url, chat_body("m", &sent, false), &bob).await;
+    assert_eq!(action(&h), "compacted");
+    assert!(mock.summaries().len() > calls, "bob's request needs its own summary");
+    let bob_summary = mock.summaries().last().unwrap().headers["authorization"].clone();
+    assert_eq!(bob_summary, "Bearer bob");
+}
+
+#[tokio::test]
+async fn an_edited_history_drops_the_record() {
+    let mock = ChatMock::start(Settings::default()).await;
+    let proxy = start_compactor(&mock.url(), &config("")).await;
+    let url = proxy.url();
+    let hdr = [ALICE, ("x-session-id", "a")];
+    let (mut conv, _sent) = to_first_compaction(&url, &hdr).await;
+    conv.answer();
+    // The client rewrites its first user message (say, it compacted itself
+    // or the user edited it) and carries on.
+    let mut edited = conv.ask();
+    edited[1] = json!({"role":"user","content":"Step 1: a different request altogether."});
+    let calls = mock.summaries().len();
+    let (st, h, _) = post_chat(&url, chat_body("m", &edited, false), &hdr).await;
+    assert_eq!(st, 200);
+    let seen = mock.last_chat().messages();
+    // Judged on its own: still over the threshold, so a fresh compaction;
+    // the edited message is not silently replaced by the old summary.
+    assert!(mock.summaries().len() > calls, "{}", action(&h));
+    let summary_prompt = mock.summaries().last().unwrap().body_text();
+    assert!(
+        summary_prompt.contains("a different request altogether") || seen.contains(&edited[1]),
+        "the edited message is summarised or kept"
+    );
+    assert_eq!(seen.last(), edited.last());
+    assert_tool_pairs(&seen);
+}
+
+#[tokio::test]
+async fn a_fork_shares_the_common_record() {
+    let mock = ChatMock::start(Settings::default()).await;
+    let proxy = start_compactor(&mock.url(), &config("")).await;
+    let url = proxy.url();
+    let hdr = [ALICE, ("x-session-id", "a")];
+    let (mut conv, _sent) = to_first_compaction(&url, &hdr).await;
+    let compacted = mock.last_chat().messages();
+    conv.answer();
+    let next = conv.ask();
+    // A fork: same history, a different newest user message.
+    let mut fork = next.clone();
+    *fork.last_mut().unwrap() = json!({"role":"user","content":"Actually, stop and summarise."});
+    let calls = mock.summaries().len();
+    for (history, session) in [(&next, "a"), (&fork, "fork")] {
+        let (st, h, _) = post_chat(&url, chat_body("m", history, false), &[ALICE, ("x-session-id", session)]).await;
+        assert_eq!(st, 200);
+        assert_eq!(action(&h), "compacted", "{session}");
+        let seen = mock.last_chat().messages();
+        assert_eq!(seen.last(), history.last());
+        // Same replacement in front of both.
+        let summary = compacted.iter().position(|m| m["content"].as_str().is_some_and(|c| c.contains("[COMPACTOR CONTEXT HANDOFF"))).unwrap();
+        assert_eq!(seen[..=summary], compacted[..=summary]);
+    }
+    assert_eq!(mock.summaries().len(), calls);
+}
+
+#[tokio::test]
+async fn summary_calls_carry_credentials_not_session_headers() {
+    let mock = ChatMock::start(Settings::default()).await;
+    let proxy = start_compactor(&mock.url(), &config("")).await;
+    let hdr = [ALICE, ("x-session-id", "a"), ("openai-organization", "org-1")];
+    to_first_compaction(&proxy.url(), &hdr).await;
+    let s = mock.summaries();
+    assert!(!s.is_empty());
+    for call in &s {
+        assert_eq!(call.headers["authorization"], "Bearer alice");
+        assert_eq!(call.headers["openai-organization"], "org-1");
+        assert!(call.headers.get("x-session-id").is_none());
+        let body = call.json();
+        assert_eq!(body["model"], "m");
+        assert_eq!(body["stream"], json!(false));
+    }
+}
+
+#[tokio::test]
+async fn summary_key_and_model_from_config() {
+    let mock = ChatMock::start(Settings::default()).await;
+    let proxy = start_compactor(
+        &mock.url(),
+        &config("[compaction]\nsummary_api_key = \"sk-summary\"\nsummary_model = \"small\"\n"),
+    )
+    .await;
+    to_first_compaction(&proxy.url(), &[ALICE]).await;
+    let s = mock.summaries();
+    assert!(!s.is_empty());
+    for call in &s {
+        assert_eq!(call.headers["authorization"], "Bearer sk-summary");
+        assert_eq!(call.json()["model"], "small");
+    }
+}
+
+#[tokio::test]
+async fn streaming_compaction_still_hides_usage() {
+    let mock = ChatMock::start(Settings { timings: true, ..Settings::default() }).await;
+    let proxy = start_compactor(&mock.url(), &config("")).await;
+    let url = proxy.url();
+    let mut conv = Conversation::new(600);
+    let mut compacted = 0;
+    for _ in 0..14 {
+        let sent = conv.ask();
+        let (st, h, body) = post_chat(&url, chat_body("m", &sent, true), &[ALICE]).await;
+        conv.answer();
+        assert_eq!(st, 200);
+        let seen = mock.last_chat();
+        let expected = render_sse("m", &Settings::default().deltas, false, seen.prompt_tokens, true);
+        assert_eq!(String::from_utf8_lossy(&body), String::from_utf8_lossy(&expected));
+        compacted += usize::from(action(&h) == "compacted");
+        let (_, view) = admin_view(&url, TOKEN, &session_of(&h)).await;
+        assert_eq!(view["last_real_prompt_tokens"], json!(seen.prompt_tokens));
+    }
+    assert!(compacted > 0);
+}
+
+#[tokio::test]
+async fn explicit_include_usage_false_is_hidden_again() {
+    let mock = ChatMock::start(Settings::default()).await;
+    let proxy = start_compactor(&mock.url(), "").await;
+    let body = br#"{"model":"m","stream":true,"stream_options":{"include_usage":false,"x":1},"messages":[{"role":"user","content":"hi"}]}"#;
+    let (st, _, resp) = post_chat(&proxy.url(), body.to_vec(), &[]).await;
+    assert_eq!(st, 200);
+    let seen = mock.last_chat();
+    assert_eq!(seen.json()["stream_options"], json!({"include_usage": true, "x": 1}));
+    let expected = render_sse("m", &Settings::default().deltas, false, seen.prompt_tokens, false);
+    assert_eq!(resp.as_ref(), expected.as_slice());
+}
+
+#[tokio::test]
+async fn bodies_compactor_cannot_read_are_forwarded_as_is() {
+    let mock = ChatMock::start(Settings::default()).await;
+    let proxy = start_compactor(&mock.url(), "").await;
+    for body in [
+        &b"{not json"[..],
+        br#"{"model":"m","messages":"not an array"}"#,
+        br#"{"model":"m"}"#,
+    ] {
+        let (_, _, _) = post_chat(&proxy.url(), body.to_vec(), &[]).await;
+        assert_eq!(mock.seen().last().unwrap().body.as_ref(), body);
+    }
+}

@@ -1,0 +1,175 @@
+//! Sessions, the admin view and concurrent requests of one session.
+
+#[path = "support/chat_mock.rs"]
+mod chat_mock;
+
+use std::time::Duration;
+
+use chat_mock::*;
+use serde_json::json;
+
+const TOKEN: &str = "admin-secret";
+
+fn config() -> String {
+    format!("[admin]\ntoken = \"{TOKEN}\"\n[models.\"m\"]\ncontext_length = 2048\n")
+}
+
+fn history() -> Vec<serde_json::Value> {
+    vec![
+        json!({"role":"system","content":SYSTEM_PROMPT}),
+        json!({"role":"user","content":"hello"}),
+    ]
+}
+
+#[tokio::test]
+async fn credentials_never_share_a_session() {
+    let mock = ChatMock::start(Settings::default()).await;
+    let proxy = start_compactor(&mock.url(), &config()).await;
+    let url = proxy.url();
+    let body = chat_body("m", &history(), false);
+    let (_, h1, _) = post_chat(&url, body.clone(), &[("authorization", "Bearer alice"), ("x-session-id", "same")]).await;
+    let (_, h2, _) = post_chat(&url, body.clone(), &[("authorization", "Bearer bob"), ("x-session-id", "same")]).await;
+    let (_, h1b, _) = post_chat(&url, body.clone(), &[("authorization", "Bearer alice"), ("x-session-id", "same")]).await;
+    let (_, h3, _) = post_chat(&url, body, &[("authorization", "Bearer alice"), ("x-session-id", "other")]).await;
+    assert_ne!(session_of(&h1), session_of(&h2));
+    assert_eq!(session_of(&h1), session_of(&h1b));
+    assert_ne!(session_of(&h1), session_of(&h3));
+    // The key never contains the credential.
+    for h in [&h1, &h2, &h3] {
+        let k = session_of(h);
+        assert!(!k.contains("alice") && !k.contains("bob"));
+    }
+    let (st, view) = admin_view(&url, TOKEN, &session_of(&h1)).await;
+    assert_eq!(st, 200);
+    assert_eq!(view["stats"]["requests"], json!(2), "{view}");
+    let (_, view) = admin_view(&url, TOKEN, &session_of(&h2)).await;
+    assert_eq!(view["stats"]["requests"], json!(1), "{view}");
+}
+
+#[tokio::test]
+async fn fingerprint_fallback_is_stable_across_turns() {
+    let mock = ChatMock::start(Settings::default()).await;
+    let proxy = start_compactor(&mock.url(), &config()).await;
+    let url = proxy.url();
+    let auth = [("authorization", "Bearer k")];
+    let mut conv = Conversation::new(600);
+    let mut keys = Vec::new();
+    // Far enough to compact: the key must survive the substitution too.
+    for _ in 0..10 {
+        let sent = conv.ask();
+        let (status, h, _) = post_chat(&url, chat_body("m", &sent, false), &auth).await;
+        conv.answer();
+        assert_eq!(status, 200);
+        keys.push(session_of(&h));
+    }
+    assert!(keys.windows(2).all(|w| w[0] == w[1]), "{keys:?}");
+    let (_, view) = admin_view(&url, TOKEN, &keys[0]).await;
+    assert!(view["stats"]["compactions"].as_u64().unwrap() >= 1, "{view}");
+    // Another conversation (different first user message) is another session.
+    let other = vec![
+        json!({"role":"system","content":SYSTEM_PROMPT}),
+        json!({"role":"user","content":"a different task"}),
+    ];
+    let (_, h, _) = post_chat(&url, chat_body("m", &other, false), &auth).await;
+    assert_ne!(session_of(&h), keys[0]);
+}
+
+#[tokio::test]
+async fn admin_view_needs_the_token() {
+    let mock = ChatMock::start(Settings::default()).await;
+    let proxy = start_compactor(&mock.url(), &config()).await;
+    let url = proxy.url();
+    let (_, h, _) = post_chat(&url, chat_body("m", &history(), false), &[]).await;
+    let key = session_of(&h);
+    let path = format!("{url}/_compactor/sessions/{key}");
+    let (st, _, _) = get_with(&path, &[]).await;
+    assert_eq!(st, 401);
+    let (st, _, _) = get_with(&path, &[("authorization", "Bearer wrong")]).await;
+    assert_eq!(st, 401);
+    let (st, view) = admin_view(&url, TOKEN, &key).await;
+    assert_eq!(st, 200);
+    assert_eq!(view["session"], json!(key));
+    // Content-free: nothing of the conversation shows.
+    assert!(!view.to_string().contains("hello"));
+    let (st, _) = admin_view(&url, TOKEN, "0123456789abcdef0123456789abcdef").await;
+    assert_eq!(st, 404);
+    let (st, _) = admin_view(&url, TOKEN, "not-a-key").await;
+    assert_eq!(st, 404);
+}
+
+#[tokio::test]
+async fn admin_view_is_off_without_a_token() {
+    let mock = ChatMock::start(Settings::default()).await;
+    let proxy = start_compactor(&mock.url(), "").await;
+    let (_, h, _) = post_chat(&proxy.url(), chat_body("m", &history(), false), &[]).await;
+    let (st, _) = admin_view(&proxy.url(), "anything", &session_of(&h)).await;
+    assert_eq!(st, 403);
+}
+
+#[tokio::test]
+async fn concurrent_requests_compact_once() {
+    let mock = ChatMock::start(Settings {
+        // Keeps the first compaction running while the others arrive.
+        summary_delay: Duration::from_millis(300),
+        ..Settings::default()
+    })
+    .await;
+    let proxy = start_compactor(&mock.url(), &config()).await;
+    let url = proxy.url();
+    let headers = [("authorization", "Bearer k"), ("x-session-id", "busy")];
+    let mut conv = Conversation::new(600);
+    // Grow to just below the threshold: the next turn compacts (found by a
+    // dry run on a separate proxy with the same history).
+    let probe = start_compactor(&mock.url(), &config()).await;
+    let mut n_before = 0;
+    {
+        let mut c = Conversation::new(600);
+        for i in 0..20 {
+            let sent = c.ask();
+            let (_, h, _) = post_chat(&probe.url(), chat_body("m", &sent, false), &headers).await;
+            c.answer();
+            if action(&h) == "compacted" {
+                n_before = i;
+                break;
+            }
+        }
+    }
+    assert!(n_before > 0);
+    for _ in 0..n_before {
+        let sent = conv.ask();
+        let (_, h, _) = post_chat(&url, chat_body("m", &sent, false), &headers).await;
+        conv.answer();
+        assert_eq!(action(&h), "passthrough");
+    }
+    let summaries_before = mock.summaries().len();
+    let chats_before = mock.chats().len();
+    let sent = conv.ask();
+    let body = chat_body("m", &sent, false);
+    let mut tasks = Vec::new();
+    for _ in 0..4 {
+        let (url, body) = (url.clone(), body.clone());
+        tasks.push(tokio::spawn(async move {
+            post_chat(&url, body, &[("authorization", "Bearer k"), ("x-session-id", "busy")]).await
+        }));
+    }
+    let mut key = String::new();
+    for t in tasks {
+        let (st, h, _) = t.await.unwrap();
+        assert_eq!(st, 200);
+        assert_eq!(action(&h), "compacted");
+        key = session_of(&h);
+    }
+    let summaries: Vec<_> = mock.summaries()[summaries_before..].to_vec();
+    assert!(!summaries.is_empty());
+    let mut prompts: Vec<_> = summaries.iter().map(|s| s.body.clone()).collect();
+    prompts.sort();
+    prompts.dedup();
+    assert_eq!(prompts.len(), summaries.len(), "no summary was asked twice");
+    let (_, view) = admin_view(&url, TOKEN, &key).await;
+    assert_eq!(view["stats"]["compactions"], json!(1), "{view}");
+    // All four went out as the same compacted request.
+    let chats = &mock.chats()[chats_before..];
+    assert_eq!(chats.len(), 4);
+    assert!(chats.iter().all(|c| c.body == chats[0].body));
+    assert!(chats[0].messages().len() < sent.len());
+}
