@@ -88,7 +88,7 @@ async fn an_edited_history_drops_the_record() {
     // Judged on its own: still over the threshold, so a fresh compaction;
     // the edited message is not silently replaced by the old summary.
     assert!(mock.summaries().len() > calls, "{}", action(&h));
-    let summary_prompt = mock.summaries().last().unwrap().body_text();
+    let summary_prompt: String = mock.summaries()[calls..].iter().map(|s| s.body_text()).collect();
     assert!(
         summary_prompt.contains("a different request altogether") || seen.contains(&edited[1]),
         "the edited message is summarised or kept"
@@ -206,4 +206,73 @@ async fn bodies_compactor_cannot_read_are_forwarded_as_is() {
         let (_, _, _) = post_chat(&proxy.url(), body.to_vec(), &[]).await;
         assert_eq!(mock.seen().last().unwrap().body.as_ref(), body);
     }
+}
+
+#[tokio::test]
+async fn timings_alone_calibrate() {
+    let mock = ChatMock::start(Settings {
+        timings: true,
+        omit_usage: true,
+        ..Settings::default()
+    })
+    .await;
+    let proxy = start_compactor(&mock.url(), &config("")).await;
+    for stream in [false, true] {
+        let history = vec![json!({"role":"user","content":format!("hi {stream}")})];
+        let (st, h, _) = post_chat(&proxy.url(), chat_body("m", &history, stream), &[ALICE]).await;
+        assert_eq!(st, 200);
+        let (_, view) = admin_view(&proxy.url(), TOKEN, &session_of(&h)).await;
+        assert_eq!(view["last_real_prompt_tokens"], json!(mock.last_chat().prompt_tokens), "{view}");
+    }
+}
+
+#[tokio::test]
+async fn provider_without_usage_still_stays_inside_the_window() {
+    for stream in [false, true] {
+        let mock = ChatMock::start(Settings {
+            omit_usage: true,
+            window: Some(2048),
+            ..Settings::default()
+        })
+        .await;
+        let proxy = start_compactor(&mock.url(), &config("")).await;
+        let mut conv = Conversation::new(600);
+        let mut compacted = 0;
+        for _ in 0..24 {
+            let sent = conv.ask();
+            let (st, h, body) = post_chat(&proxy.url(), chat_body("m", &sent, stream), &[ALICE]).await;
+            conv.answer();
+            assert_eq!(st, 200, "turn {}: {}", conv.turns, String::from_utf8_lossy(&body));
+            assert_ne!(action(&h), "aborted");
+            compacted += usize::from(mock.last_chat().messages().len() < sent.len());
+        }
+        assert!(compacted > 0);
+        let max = mock.chats().iter().map(|c| c.prompt_tokens).max().unwrap();
+        eprintln!("stream={stream} max prompt {max}, overflowed {}", mock.chats().iter().filter(|c| c.overflowed).count());
+    }
+}
+
+#[tokio::test]
+async fn micro_strategy_keeps_conversations_going() {
+    let mock = ChatMock::start(Settings {
+        window: Some(2048),
+        ..Settings::default()
+    })
+    .await;
+    let proxy = start_compactor(&mock.url(), &config("[compaction]\nstrategy = \"micro\"\n")).await;
+    let mut conv = Conversation::new(600);
+    let mut compacted = 0;
+    for _ in 0..20 {
+        let sent = conv.ask();
+        let (st, h, body) = post_chat(&proxy.url(), chat_body("m", &sent, false), &[ALICE]).await;
+        conv.answer();
+        assert_eq!(st, 200, "turn {}: {}", conv.turns, String::from_utf8_lossy(&body));
+        let seen = mock.last_chat().messages();
+        assert_eq!(seen.last(), sent.last());
+        assert_eq!(seen[0], sent[0]);
+        assert_tool_pairs(&seen);
+        compacted += usize::from(action(&h) == "compacted");
+    }
+    assert!(compacted > 0);
+    assert!(mock.chats().iter().all(|c| !c.overflowed));
 }

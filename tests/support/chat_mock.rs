@@ -79,6 +79,8 @@ pub struct Settings {
     pub props_n_ctx: Option<u64>,
     /// Add llama.cpp `timings` to responses.
     pub timings: bool,
+    /// Never report `usage` (a provider that ignores `include_usage`).
+    pub omit_usage: bool,
     /// Content deltas of a streamed (or joined for JSON) answer.
     pub deltas: Vec<String>,
     /// Split SSE bodies into frames of this many bytes (events cut across
@@ -95,6 +97,7 @@ impl Default for Settings {
             summary_delay: Duration::ZERO,
             props_n_ctx: None,
             timings: false,
+            omit_usage: false,
             deltas: vec!["Hel".into(), "lo".into(), " there".into()],
             frame_bytes: None,
         }
@@ -254,16 +257,32 @@ pub fn render_sse(
 
 /// The JSON body the mock sends for a non-streamed answer.
 pub fn render_json(model: &str, content: &str, prompt: u64, completion: u64, timings: bool) -> Vec<u8> {
+    render_json_full(model, content, prompt, completion, timings, true)
+}
+
+/// [`render_json`] with or without the `usage` member.
+pub fn render_json_full(
+    model: &str,
+    content: &str,
+    prompt: u64,
+    completion: u64,
+    timings: bool,
+    usage: bool,
+) -> Vec<u8> {
+    let usage = if usage {
+        format!(",\"usage\":{}", usage_json(prompt, completion))
+    } else {
+        String::new()
+    };
     let t = if timings {
         format!(",\"timings\":{}", timings_json(prompt, completion))
     } else {
         String::new()
     };
     format!(
-        "{{\"id\":\"{COMPLETION_ID}\",\"object\":\"chat.completion\",\"created\":{CREATED},\"model\":{},\"choices\":[{{\"index\":0,\"message\":{{\"role\":\"assistant\",\"content\":{}}},\"finish_reason\":\"stop\"}}],\"usage\":{}{t}}}",
+        "{{\"id\":\"{COMPLETION_ID}\",\"object\":\"chat.completion\",\"created\":{CREATED},\"model\":{},\"choices\":[{{\"index\":0,\"message\":{{\"role\":\"assistant\",\"content\":{}}},\"finish_reason\":\"stop\"}}]{usage}{t}}}",
         json!(model),
         json!(content),
-        usage_json(prompt, completion)
     )
     .into_bytes()
 }
@@ -416,6 +435,7 @@ async fn serve(shared: Arc<Shared>, req: Request<Incoming>) -> Result<Response<M
             .pointer("/stream_options/include_usage")
             .and_then(Value::as_bool)
             .unwrap_or(false);
+        let include_usage = include_usage && !settings.omit_usage;
         let bytes = render_sse(&model, &settings.deltas, include_usage, prompt, settings.timings);
         Ok(sse_reply(bytes, settings.frame_bytes))
     } else {
@@ -423,7 +443,15 @@ async fn serve(shared: Arc<Shared>, req: Request<Incoming>) -> Result<Response<M
         let completion = completion_tokens(&settings.deltas);
         Ok(json_reply(
             200,
-            String::from_utf8(render_json(&model, &content, prompt, completion, settings.timings)).unwrap(),
+            String::from_utf8(render_json_full(
+                &model,
+                &content,
+                prompt,
+                completion,
+                settings.timings,
+                !settings.omit_usage,
+            ))
+            .unwrap(),
         ))
     }
 }
