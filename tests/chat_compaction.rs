@@ -32,7 +32,11 @@ fn raw_messages(body: &[u8]) -> Vec<String> {
 }
 
 fn common_suffix(a: &[Value], b: &[Value]) -> usize {
-    a.iter().rev().zip(b.iter().rev()).take_while(|(x, y)| x == y).count()
+    a.iter()
+        .rev()
+        .zip(b.iter().rev())
+        .take_while(|(x, y)| x == y)
+        .count()
 }
 
 struct Turn {
@@ -48,7 +52,12 @@ async fn turn(proxy: &str, conv: &mut Conversation, stream: bool) -> Turn {
     let body = chat_body("m", &sent, stream);
     let (status, headers, _) = post_chat(proxy, body.clone(), &[AUTH, SESSION]).await;
     conv.answer();
-    Turn { status, headers, sent, body }
+    Turn {
+        status,
+        headers,
+        sent,
+        body,
+    }
 }
 
 /// Runs turns until compactor does something other than passthrough.
@@ -112,8 +121,16 @@ async fn compaction_keeps_prefix_stable(stream: bool) {
         assert_eq!(action(&t2.headers), "compacted");
         let seen = mock.last_chat();
         let raw = raw_messages(&seen.body);
-        assert_eq!(raw[..j], replacement[..], "replacement bytes must not change");
-        assert_eq!(raw[j..], raw_messages(&t2.body)[k..], "rest as the client sent it");
+        assert_eq!(
+            raw[..j],
+            replacement[..],
+            "replacement bytes must not change"
+        );
+        assert_eq!(
+            raw[j..],
+            raw_messages(&t2.body)[k..],
+            "rest as the client sent it"
+        );
     }
 
     // Keep going: later compactions fold the previous summary in.
@@ -137,7 +154,11 @@ async fn compaction_keeps_prefix_stable(stream: bool) {
     let saved = metric(&url, "compactor_tokens_saved_total").await;
     assert!(saved > 0.0);
     let (_, view) = admin_view(&url, TOKEN, &session_of(&t.headers)).await;
-    assert_eq!(view["stats"]["compactions"].as_f64(), Some(compacted), "{view}");
+    assert_eq!(
+        view["stats"]["compactions"].as_f64(),
+        Some(compacted),
+        "{view}"
+    );
     assert_eq!(view["window"], json!(2048));
 }
 
@@ -183,7 +204,10 @@ async fn unreachable_summariser_aborts() {
     drop(closed);
     let extra = format!("[compaction]\nsummary_endpoint = \"http://127.0.0.1:{port}\"\n");
     let (mock, t) = first_attempt(SummaryMode::Reply(default_summary()), &extra).await;
-    assert!(mock.summaries().is_empty(), "the summary never reached the upstream");
+    assert!(
+        mock.summaries().is_empty(),
+        "the summary never reached the upstream"
+    );
     assert_forwarded_unchanged(&mock, &t);
 }
 
@@ -245,7 +269,10 @@ async fn only_messages_change_in_a_compacted_request() {
             let seen = mock.last_chat();
             assert_eq!(top_level(&seen.body), top_level(&body));
             if stream {
-                assert_eq!(seen.json()["stream_options"], json!({"include_usage": true}));
+                assert_eq!(
+                    seen.json()["stream_options"],
+                    json!({"include_usage": true})
+                );
             }
             if action(&headers) == "compacted" {
                 assert!(seen.messages().len() < sent.len());

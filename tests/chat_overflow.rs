@@ -30,8 +30,7 @@ async fn retry_on_overflow(style: OverflowStyle, stream: bool) {
     for _ in 0..25 {
         let before = mock.chats().len();
         let sent = conv.ask();
-        let (status, headers, body) =
-            post_chat(&url, chat_body("m", &sent, stream), &[AUTH]).await;
+        let (status, headers, body) = post_chat(&url, chat_body("m", &sent, stream), &[AUTH]).await;
         conv.answer();
         assert_eq!(status, 200, "{style:?}: {}", String::from_utf8_lossy(&body));
         let chats = &mock.chats()[before..];
@@ -159,6 +158,9 @@ async fn discovered_window_makes_compaction_proactive() {
         }
     }
     assert!(compacted > 0);
-    assert!(mock.chats().iter().all(|c| !c.overflowed), "no overflow reached the upstream limit");
+    assert!(
+        mock.chats().iter().all(|c| !c.overflowed),
+        "no overflow reached the upstream limit"
+    );
     assert_eq!(mock.props_hits(), 1, "discovery once per (upstream, model)");
 }

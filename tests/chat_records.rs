@@ -39,7 +39,12 @@ async fn a_retried_turn_is_sent_identically_without_a_new_summary() {
     let first = mock.last_chat();
     let calls = mock.summaries().len();
     // The client did not get (or did not like) the answer and sends it again.
-    let (st, h, _) = post_chat(&url, chat_body("m", &sent, false), &[ALICE, ("x-session-id", "a")]).await;
+    let (st, h, _) = post_chat(
+        &url,
+        chat_body("m", &sent, false),
+        &[ALICE, ("x-session-id", "a")],
+    )
+    .await;
     assert_eq!(st, 200);
     assert_eq!(action(&h), "compacted");
     assert_eq!(mock.summaries().len(), calls);
@@ -56,7 +61,12 @@ async fn records_are_found_by_content_not_session() {
     let calls = mock.summaries().len();
     // Same credential, another session id (e.g. a resumed client): the
     // record made for this history is reused.
-    let (_, h, _) = post_chat(&url, chat_body("m", &sent, false), &[ALICE, ("x-session-id", "b")]).await;
+    let (_, h, _) = post_chat(
+        &url,
+        chat_body("m", &sent, false),
+        &[ALICE, ("x-session-id", "b")],
+    )
+    .await;
     assert_eq!(action(&h), "compacted");
     assert_eq!(mock.summaries().len(), calls);
     assert_eq!(mock.last_chat().body, first.body);
@@ -64,7 +74,10 @@ async fn records_are_found_by_content_not_session() {
     let bob = [("authorization", "Bearer bob"), ("x-session-id", "a")];
     let (_, h, _) = post_chat(&url, chat_body("m", &sent, false), &bob).await;
     assert_eq!(action(&h), "compacted");
-    assert!(mock.summaries().len() > calls, "bob's request needs its own summary");
+    assert!(
+        mock.summaries().len() > calls,
+        "bob's request needs its own summary"
+    );
     let bob_summary = mock.summaries().last().unwrap().headers["authorization"].clone();
     assert_eq!(bob_summary, "Bearer bob");
 }
@@ -88,7 +101,10 @@ async fn an_edited_history_drops_the_record() {
     // Judged on its own: still over the threshold, so a fresh compaction;
     // the edited message is not silently replaced by the old summary.
     assert!(mock.summaries().len() > calls, "{}", action(&h));
-    let summary_prompt: String = mock.summaries()[calls..].iter().map(|s| s.body_text()).collect();
+    let summary_prompt: String = mock.summaries()[calls..]
+        .iter()
+        .map(|s| s.body_text())
+        .collect();
     assert!(
         summary_prompt.contains("a different request altogether") || seen.contains(&edited[1]),
         "the edited message is summarised or kept"
@@ -112,13 +128,25 @@ async fn a_fork_shares_the_common_record() {
     *fork.last_mut().unwrap() = json!({"role":"user","content":"Actually, stop and summarise."});
     let calls = mock.summaries().len();
     for (history, session) in [(&next, "a"), (&fork, "fork")] {
-        let (st, h, _) = post_chat(&url, chat_body("m", history, false), &[ALICE, ("x-session-id", session)]).await;
+        let (st, h, _) = post_chat(
+            &url,
+            chat_body("m", history, false),
+            &[ALICE, ("x-session-id", session)],
+        )
+        .await;
         assert_eq!(st, 200);
         assert_eq!(action(&h), "compacted", "{session}");
         let seen = mock.last_chat().messages();
         assert_eq!(seen.last(), history.last());
         // Same replacement in front of both.
-        let summary = compacted.iter().position(|m| m["content"].as_str().is_some_and(|c| c.contains("[COMPACTOR CONTEXT HANDOFF"))).unwrap();
+        let summary = compacted
+            .iter()
+            .position(|m| {
+                m["content"]
+                    .as_str()
+                    .is_some_and(|c| c.contains("[COMPACTOR CONTEXT HANDOFF"))
+            })
+            .unwrap();
         assert_eq!(seen[..=summary], compacted[..=summary]);
     }
     assert_eq!(mock.summaries().len(), calls);
@@ -128,7 +156,11 @@ async fn a_fork_shares_the_common_record() {
 async fn summary_calls_carry_credentials_not_session_headers() {
     let mock = ChatMock::start(Settings::default()).await;
     let proxy = start_compactor(&mock.url(), &config("")).await;
-    let hdr = [ALICE, ("x-session-id", "a"), ("openai-organization", "org-1")];
+    let hdr = [
+        ALICE,
+        ("x-session-id", "a"),
+        ("openai-organization", "org-1"),
+    ];
     to_first_compaction(&proxy.url(), &hdr).await;
     let s = mock.summaries();
     assert!(!s.is_empty());
@@ -161,7 +193,11 @@ async fn summary_key_and_model_from_config() {
 
 #[tokio::test]
 async fn streaming_compaction_still_hides_usage() {
-    let mock = ChatMock::start(Settings { timings: true, ..Settings::default() }).await;
+    let mock = ChatMock::start(Settings {
+        timings: true,
+        ..Settings::default()
+    })
+    .await;
     let proxy = start_compactor(&mock.url(), &config("")).await;
     let url = proxy.url();
     let mut conv = Conversation::new(600);
@@ -172,8 +208,17 @@ async fn streaming_compaction_still_hides_usage() {
         conv.answer();
         assert_eq!(st, 200);
         let seen = mock.last_chat();
-        let expected = render_sse("m", &Settings::default().deltas, false, seen.prompt_tokens, true);
-        assert_eq!(String::from_utf8_lossy(&body), String::from_utf8_lossy(&expected));
+        let expected = render_sse(
+            "m",
+            &Settings::default().deltas,
+            false,
+            seen.prompt_tokens,
+            true,
+        );
+        assert_eq!(
+            String::from_utf8_lossy(&body),
+            String::from_utf8_lossy(&expected)
+        );
         compacted += usize::from(action(&h) == "compacted");
         let (_, view) = admin_view(&url, TOKEN, &session_of(&h)).await;
         assert_eq!(view["last_real_prompt_tokens"], json!(seen.prompt_tokens));
@@ -189,8 +234,17 @@ async fn explicit_include_usage_false_is_hidden_again() {
     let (st, _, resp) = post_chat(&proxy.url(), body.to_vec(), &[]).await;
     assert_eq!(st, 200);
     let seen = mock.last_chat();
-    assert_eq!(seen.json()["stream_options"], json!({"include_usage": true, "x": 1}));
-    let expected = render_sse("m", &Settings::default().deltas, false, seen.prompt_tokens, false);
+    assert_eq!(
+        seen.json()["stream_options"],
+        json!({"include_usage": true, "x": 1})
+    );
+    let expected = render_sse(
+        "m",
+        &Settings::default().deltas,
+        false,
+        seen.prompt_tokens,
+        false,
+    );
     assert_eq!(resp.as_ref(), expected.as_slice());
 }
 
@@ -222,7 +276,11 @@ async fn timings_alone_calibrate() {
         let (st, h, _) = post_chat(&proxy.url(), chat_body("m", &history, stream), &[ALICE]).await;
         assert_eq!(st, 200);
         let (_, view) = admin_view(&proxy.url(), TOKEN, &session_of(&h)).await;
-        assert_eq!(view["last_real_prompt_tokens"], json!(mock.last_chat().prompt_tokens), "{view}");
+        assert_eq!(
+            view["last_real_prompt_tokens"],
+            json!(mock.last_chat().prompt_tokens),
+            "{view}"
+        );
     }
 }
 
@@ -240,15 +298,25 @@ async fn provider_without_usage_still_stays_inside_the_window() {
         let mut compacted = 0;
         for _ in 0..24 {
             let sent = conv.ask();
-            let (st, h, body) = post_chat(&proxy.url(), chat_body("m", &sent, stream), &[ALICE]).await;
+            let (st, h, body) =
+                post_chat(&proxy.url(), chat_body("m", &sent, stream), &[ALICE]).await;
             conv.answer();
-            assert_eq!(st, 200, "turn {}: {}", conv.turns, String::from_utf8_lossy(&body));
+            assert_eq!(
+                st,
+                200,
+                "turn {}: {}",
+                conv.turns,
+                String::from_utf8_lossy(&body)
+            );
             assert_ne!(action(&h), "aborted");
             compacted += usize::from(mock.last_chat().messages().len() < sent.len());
         }
         assert!(compacted > 0);
-        let max = mock.chats().iter().map(|c| c.prompt_tokens).max().unwrap();
-        eprintln!("stream={stream} max prompt {max}, overflowed {}", mock.chats().iter().filter(|c| c.overflowed).count());
+        // Without real usage the rough estimate alone keeps it inside.
+        assert!(
+            mock.chats().iter().all(|c| !c.overflowed),
+            "stream={stream}"
+        );
     }
 }
 
@@ -266,7 +334,13 @@ async fn micro_strategy_keeps_conversations_going() {
         let sent = conv.ask();
         let (st, h, body) = post_chat(&proxy.url(), chat_body("m", &sent, false), &[ALICE]).await;
         conv.answer();
-        assert_eq!(st, 200, "turn {}: {}", conv.turns, String::from_utf8_lossy(&body));
+        assert_eq!(
+            st,
+            200,
+            "turn {}: {}",
+            conv.turns,
+            String::from_utf8_lossy(&body)
+        );
         let seen = mock.last_chat().messages();
         assert_eq!(seen.last(), sent.last());
         assert_eq!(seen[0], sent[0]);

@@ -27,10 +27,30 @@ async fn credentials_never_share_a_session() {
     let proxy = start_compactor(&mock.url(), &config()).await;
     let url = proxy.url();
     let body = chat_body("m", &history(), false);
-    let (_, h1, _) = post_chat(&url, body.clone(), &[("authorization", "Bearer alice"), ("x-session-id", "same")]).await;
-    let (_, h2, _) = post_chat(&url, body.clone(), &[("authorization", "Bearer bob"), ("x-session-id", "same")]).await;
-    let (_, h1b, _) = post_chat(&url, body.clone(), &[("authorization", "Bearer alice"), ("x-session-id", "same")]).await;
-    let (_, h3, _) = post_chat(&url, body, &[("authorization", "Bearer alice"), ("x-session-id", "other")]).await;
+    let (_, h1, _) = post_chat(
+        &url,
+        body.clone(),
+        &[("authorization", "Bearer alice"), ("x-session-id", "same")],
+    )
+    .await;
+    let (_, h2, _) = post_chat(
+        &url,
+        body.clone(),
+        &[("authorization", "Bearer bob"), ("x-session-id", "same")],
+    )
+    .await;
+    let (_, h1b, _) = post_chat(
+        &url,
+        body.clone(),
+        &[("authorization", "Bearer alice"), ("x-session-id", "same")],
+    )
+    .await;
+    let (_, h3, _) = post_chat(
+        &url,
+        body,
+        &[("authorization", "Bearer alice"), ("x-session-id", "other")],
+    )
+    .await;
     assert_ne!(session_of(&h1), session_of(&h2));
     assert_eq!(session_of(&h1), session_of(&h1b));
     assert_ne!(session_of(&h1), session_of(&h3));
@@ -64,7 +84,10 @@ async fn fingerprint_fallback_is_stable_across_turns() {
     }
     assert!(keys.windows(2).all(|w| w[0] == w[1]), "{keys:?}");
     let (_, view) = admin_view(&url, TOKEN, &keys[0]).await;
-    assert!(view["stats"]["compactions"].as_u64().unwrap() >= 1, "{view}");
+    assert!(
+        view["stats"]["compactions"].as_u64().unwrap() >= 1,
+        "{view}"
+    );
     // Another conversation (different first user message) is another session.
     let other = vec![
         json!({"role":"system","content":SYSTEM_PROMPT}),
@@ -149,7 +172,12 @@ async fn concurrent_requests_compact_once() {
     for _ in 0..4 {
         let (url, body) = (url.clone(), body.clone());
         tasks.push(tokio::spawn(async move {
-            post_chat(&url, body, &[("authorization", "Bearer k"), ("x-session-id", "busy")]).await
+            post_chat(
+                &url,
+                body,
+                &[("authorization", "Bearer k"), ("x-session-id", "busy")],
+            )
+            .await
         }));
     }
     let mut key = String::new();

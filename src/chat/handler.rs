@@ -222,6 +222,7 @@ async fn prepare(
 
     // 3. Over the threshold? Compact under the lock.
     let cfg = Arc::clone(&chat.compaction);
+    let turn = conv.stats.requests;
     let comp = conv.compressor(&cfg, &model, &chat.upstream_label, window, max_out);
     let threshold = comp.trigger.threshold_tokens();
     let fits_window = est.tokens + max_out.unwrap_or(0) < window;
@@ -234,7 +235,14 @@ async fn prepare(
         || (!defer
             && est.tokens >= threshold
             && comp.trigger.should_compress(Some(est.tokens as i64)));
-    if wanted {
+    // Micro-compaction is per turn (reference §4: every Nth turn, whatever
+    // the size); over the threshold the batch compaction still runs, since
+    // absorbing one exchange per request cannot keep up with a full window.
+    let micro_pass = !wanted
+        && cfg.strategy == Strategy::Micro
+        && overflow.is_none()
+        && conv_turn_due(turn, cfg.micro_every_n_turns);
+    if wanted || micro_pass {
         let values: Result<Vec<Value>, _> = outgoing
             .iter()
             .map(|m| serde_json::from_str::<Value>(m.get()))
@@ -250,7 +258,7 @@ async fn prepare(
                 Some(window),
             );
             let started = Instant::now();
-            let result = if cfg.strategy == Strategy::Micro && !force {
+            let result = if micro_pass {
                 let micro = comp.micro_compact(&values, &summariser).await;
                 let before = crate::compaction::tokens::estimate_messages_tokens_rough(&values);
                 let after =
@@ -298,11 +306,15 @@ async fn prepare(
             let calls = summariser.calls();
             match result.outcome {
                 Outcome::Compacted => {
-                    comp.trigger.record_completed_compaction(
-                        result.fallback_used,
-                        result.feasibility_skip,
-                        result.tokens_after,
-                    );
+                    // The batch trigger's deferral and strike rules judge
+                    // batch compactions only; a micro pass is routine.
+                    if !micro_pass {
+                        comp.trigger.record_completed_compaction(
+                            result.fallback_used,
+                            result.feasibility_skip,
+                            result.tokens_after,
+                        );
+                    }
                     let saved = result.tokens_before.saturating_sub(result.tokens_after);
                     conv.stats.compactions += 1;
                     conv.stats.fallback_compactions += u64::from(result.fallback_used);
@@ -345,6 +357,8 @@ async fn prepare(
                         rough_message_tokens,
                     );
                 }
+                // A micro pass with nothing to absorb is no event.
+                Outcome::Rejected if micro_pass && calls == 0 => {}
                 other => {
                     if matches!(other, Outcome::Aborted(_)) {
                         conv.stats.aborted += 1;
@@ -379,6 +393,11 @@ async fn prepare(
         sent: est.sent,
         inbox: Arc::clone(&conv.inbox),
     }
+}
+
+/// Whether request number `requests` (1-based) is a micro-compaction turn.
+fn conv_turn_due(requests: u64, every_n: u32) -> bool {
+    requests % u64::from(every_n.max(1)) == 0
 }
 
 /// A compaction attempt, batch or micro, in one shape.

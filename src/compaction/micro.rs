@@ -300,10 +300,12 @@ impl Compressor {
             }
         }
 
-        // One exchange: skip user rows and markers to the first assistant,
-        // then take the contiguous assistant/tool rows.
+        // One exchange: skip to the first real assistant row (reference §4),
+        // then take the contiguous assistant/tool rows. Tool rows are skipped
+        // too: their call sits before the cursor (e.g. on a merged summary),
+        // and absorbing them alone would orphan that call.
         while cursor < tail_start
-            && (view::is_role(&working[cursor], "user") || view::is_summary(&working[cursor]))
+            && (!view::is_role(&working[cursor], "assistant") || view::is_summary(&working[cursor]))
         {
             cursor += 1;
         }

@@ -36,6 +36,8 @@ type MockBody = UnsyncBoxBody<Bytes, Infallible>;
 
 /// How the summariser prompt starts (src/compaction/serialize.rs PREAMBLE).
 pub const SUMMARY_PROMPT_START: &str = "You are a summarization agent";
+/// How micro-compaction prompts start (src/compaction/micro.rs).
+pub const MICRO_PROMPT_START: &str = "You are a conversation summarization assistant";
 
 /// Fixed id/created so rendered responses are reproducible byte for byte.
 pub const COMPLETION_ID: &str = "chatcmpl-mock";
@@ -174,9 +176,9 @@ fn is_summary_call(body: &Value) -> bool {
     };
     msgs.len() == 1
         && msgs[0]["role"] == "user"
-        && msgs[0]["content"]
-            .as_str()
-            .is_some_and(|c| c.starts_with(SUMMARY_PROMPT_START))
+        && msgs[0]["content"].as_str().is_some_and(|c| {
+            c.starts_with(SUMMARY_PROMPT_START) || c.starts_with(MICRO_PROMPT_START)
+        })
 }
 
 fn usage_json(prompt: u64, completion: u64) -> String {
@@ -256,7 +258,13 @@ pub fn render_sse(
 }
 
 /// The JSON body the mock sends for a non-streamed answer.
-pub fn render_json(model: &str, content: &str, prompt: u64, completion: u64, timings: bool) -> Vec<u8> {
+pub fn render_json(
+    model: &str,
+    content: &str,
+    prompt: u64,
+    completion: u64,
+    timings: bool,
+) -> Vec<u8> {
     render_json_full(model, content, prompt, completion, timings, true)
 }
 
@@ -366,9 +374,16 @@ impl ChatMock {
     }
 }
 
-async fn serve(shared: Arc<Shared>, req: Request<Incoming>) -> Result<Response<MockBody>, Infallible> {
+async fn serve(
+    shared: Arc<Shared>,
+    req: Request<Incoming>,
+) -> Result<Response<MockBody>, Infallible> {
     let (parts, body) = req.into_parts();
-    let body = body.collect().await.map(|c| c.to_bytes()).unwrap_or_default();
+    let body = body
+        .collect()
+        .await
+        .map(|c| c.to_bytes())
+        .unwrap_or_default();
     let path = parts.uri.path().to_owned();
     let settings = shared.settings.lock().unwrap().clone();
     let record = |kind: Kind, prompt: u64, overflowed: bool| {
@@ -394,11 +409,17 @@ async fn serve(shared: Arc<Shared>, req: Request<Incoming>) -> Result<Response<M
     }
     if path != "/v1/chat/completions" {
         record(Kind::Other, 0, false);
-        return Ok(json_reply(404, "{\"error\":{\"message\":\"not found\"}}".into()));
+        return Ok(json_reply(
+            404,
+            "{\"error\":{\"message\":\"not found\"}}".into(),
+        ));
     }
     let Ok(v) = serde_json::from_slice::<Value>(&body) else {
         record(Kind::Other, 0, false);
-        return Ok(json_reply(400, "{\"error\":{\"message\":\"bad json\"}}".into()));
+        return Ok(json_reply(
+            400,
+            "{\"error\":{\"message\":\"bad json\"}}".into(),
+        ));
     };
     let model = v["model"].as_str().unwrap_or("unknown").to_owned();
     let prompt = prompt_tokens_of(&v);
@@ -436,7 +457,13 @@ async fn serve(shared: Arc<Shared>, req: Request<Incoming>) -> Result<Response<M
             .and_then(Value::as_bool)
             .unwrap_or(false);
         let include_usage = include_usage && !settings.omit_usage;
-        let bytes = render_sse(&model, &settings.deltas, include_usage, prompt, settings.timings);
+        let bytes = render_sse(
+            &model,
+            &settings.deltas,
+            include_usage,
+            prompt,
+            settings.timings,
+        );
         Ok(sse_reply(bytes, settings.frame_bytes))
     } else {
         let content: String = settings.deltas.concat();
@@ -514,7 +541,8 @@ pub struct Conversation {
     pub tool_output_bytes: usize,
 }
 
-pub const SYSTEM_PROMPT: &str = "You are a careful coding agent. Follow the user's instructions exactly.";
+pub const SYSTEM_PROMPT: &str =
+    "You are a careful coding agent. Follow the user's instructions exactly.";
 
 impl Conversation {
     pub fn new(tool_output_bytes: usize) -> Self {
@@ -547,8 +575,10 @@ impl Conversation {
             output.push_str(&line);
         }
         self.messages.push(json!({"role":"assistant","content":null,"tool_calls":[{"id":id,"type":"function","function":{"name":"read_file","arguments":format!("{{\"path\":\"file_{i}.rs\"}}")}}]}));
-        self.messages.push(json!({"role":"tool","tool_call_id":id,"content":output}));
-        self.messages.push(json!({"role":"assistant","content":format!("file_{i}.rs defines item_{i}.")}));
+        self.messages
+            .push(json!({"role":"tool","tool_call_id":id,"content":output}));
+        self.messages
+            .push(json!({"role":"assistant","content":format!("file_{i}.rs defines item_{i}.")}));
     }
 }
 
@@ -627,7 +657,13 @@ pub async fn post_chat(
     body: Vec<u8>,
     headers: &[(&str, &str)],
 ) -> (StatusCode, HeaderMap, Bytes) {
-    send("POST", &format!("{proxy}/v1/chat/completions"), body, headers).await
+    send(
+        "POST",
+        &format!("{proxy}/v1/chat/completions"),
+        body,
+        headers,
+    )
+    .await
 }
 
 /// GET with headers.
