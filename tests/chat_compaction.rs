@@ -135,13 +135,32 @@ async fn compaction_keeps_prefix_stable(stream: bool) {
 
     // Keep going: later compactions fold the previous summary in.
     let before = mock.summaries().len();
-    for _ in 0..8 {
+    let (mut replacement, mut j, mut k) = (replacement, j, k);
+    let mut calls = mock.summaries().len();
+    let mut checked = 0;
+    for _ in 0..12 {
         let t3 = turn(&url, &mut conv, stream).await;
         assert_eq!(t3.status, 200);
         assert_eq!(action(&t3.headers), "compacted");
-        assert_tool_pairs(&mock.last_chat().messages());
-        assert!(!mock.last_chat().overflowed);
+        let seen = mock.last_chat();
+        assert_tool_pairs(&seen.messages());
+        assert!(!seen.overflowed);
+        let raw = raw_messages(&seen.body);
+        if mock.summaries().len() != calls {
+            // A new compaction: its replacement is the new stable prefix.
+            calls = mock.summaries().len();
+            let up = seen.messages();
+            let suffix = common_suffix(&up, &t3.sent);
+            j = up.len() - suffix;
+            k = t3.sent.len() - suffix;
+            replacement = raw[..j].to_vec();
+        } else {
+            assert_eq!(raw[..j], replacement[..], "turn {}", conv.turns);
+            assert_eq!(raw[j..], raw_messages(&t3.body)[k..], "turn {}", conv.turns);
+            checked += 1;
+        }
     }
+    assert!(checked >= 4, "{checked}");
     let later = &mock.summaries()[before..];
     assert!(!later.is_empty(), "a second compaction happened");
     assert!(

@@ -164,3 +164,118 @@ async fn discovered_window_makes_compaction_proactive() {
     );
     assert_eq!(mock.props_hits(), 1, "discovery once per (upstream, model)");
 }
+
+/// A history that compaction shrinks, ending in a user message too big for
+/// the window on its own: the retry still overflows and the client gets the
+/// upstream's error for the retried request.
+#[tokio::test]
+async fn retry_that_still_overflows_returns_the_second_error() {
+    let mock = ChatMock::start(Settings {
+        window: Some(2048),
+        ..Settings::default()
+    })
+    .await;
+    let proxy = start_compactor(&mock.url(), &unknown_window()).await;
+    let mut conv = Conversation::new(600);
+    for _ in 0..5 {
+        let sent = conv.ask();
+        let (st, _, _) = post_chat(&proxy.url(), chat_body("m", &sent, false), &[AUTH]).await;
+        assert_eq!(st, 200);
+        conv.answer();
+    }
+    let mut sent = conv.messages.clone();
+    sent.push(json!({"role":"user","content":"word ".repeat(9000)}));
+    let before = mock.chats().len();
+    let (status, _, body) = post_chat(&proxy.url(), chat_body("m", &sent, false), &[AUTH]).await;
+    let chats = mock.chats()[before..].to_vec();
+    assert_eq!(status, 400);
+    assert!(chats.iter().all(|c| c.overflowed));
+    assert_eq!(chats.len(), 2, "one retry, with the history compacted");
+    assert!(chats[1].messages().len() < sent.len());
+    let last = chats.last().unwrap();
+    assert_eq!(
+        String::from_utf8_lossy(&body),
+        llamacpp_overflow(last.prompt_tokens, 2048)
+    );
+    // The newest user message is never cut.
+    assert_eq!(last.messages().last(), sent.last());
+}
+
+#[tokio::test]
+async fn overflow_with_an_aborting_summariser_passes_the_error() {
+    let mock = ChatMock::start(Settings {
+        window: Some(2048),
+        summary: SummaryMode::Status(401),
+        ..Settings::default()
+    })
+    .await;
+    let proxy = start_compactor(&mock.url(), &unknown_window()).await;
+    let mut conv = Conversation::new(600);
+    for _ in 0..20 {
+        let sent = conv.ask();
+        let before = mock.chats().len();
+        let (status, headers, body) =
+            post_chat(&proxy.url(), chat_body("m", &sent, false), &[AUTH]).await;
+        conv.answer();
+        if status == 200 {
+            continue;
+        }
+        assert_eq!(status, 400);
+        let chats = mock.chats()[before..].to_vec();
+        assert_eq!(chats.len(), 1, "no retry without a compaction");
+        assert_eq!(
+            chats[0].body.as_ref(),
+            chat_body("m", &sent, false).as_slice()
+        );
+        assert_eq!(
+            String::from_utf8_lossy(&body),
+            llamacpp_overflow(chats[0].prompt_tokens, 2048)
+        );
+        assert!(!mock.summaries().is_empty());
+        assert_ne!(action(&headers), "retried");
+        return;
+    }
+    panic!("never overflowed");
+}
+
+#[tokio::test]
+async fn unreachable_upstream_is_a_502() {
+    let closed = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let port = closed.local_addr().unwrap().port();
+    drop(closed);
+    let proxy = start_compactor(&format!("http://127.0.0.1:{port}"), "").await;
+    let body = chat_body("m", &[json!({"role":"user","content":"hi"})], false);
+    let (status, _, body) = post_chat(&proxy.url(), body, &[AUTH]).await;
+    assert_eq!(status, 502);
+    let v: serde_json::Value = serde_json::from_slice(&body).unwrap();
+    assert!(v["error"]["message"].is_string());
+}
+
+#[tokio::test]
+async fn admin_view_counts_the_retry() {
+    let mock = ChatMock::start(Settings {
+        window: Some(2048),
+        ..Settings::default()
+    })
+    .await;
+    let proxy = start_compactor(&mock.url(), &unknown_window()).await;
+    let mut conv = Conversation::new(600);
+    for _ in 0..12 {
+        let sent = conv.ask();
+        let (st, h, _) = post_chat(
+            &proxy.url(),
+            chat_body("m", &sent, false),
+            &[AUTH, ("x-session-id", "r")],
+        )
+        .await;
+        conv.answer();
+        assert_eq!(st, 200);
+        if action(&h) == "retried" {
+            let (_, view) = admin_view(&proxy.url(), TOKEN, &session_of(&h)).await;
+            assert_eq!(view["stats"]["overflow_retries"], json!(1), "{view}");
+            assert_eq!(view["window"], json!(2048), "learned from n_ctx: {view}");
+            return;
+        }
+    }
+    panic!("no retry");
+}
