@@ -279,3 +279,96 @@ async fn admin_view_counts_the_retry() {
     }
     panic!("no retry");
 }
+
+/// A client resuming a long conversation compactor has never seen.
+fn long_history(turns: usize) -> Vec<serde_json::Value> {
+    let mut conv = Conversation::new(600);
+    for _ in 0..turns {
+        conv.ask();
+        conv.answer();
+    }
+    conv.ask()
+}
+
+#[tokio::test]
+async fn resumed_long_history_with_a_known_window_is_compacted_up_front() {
+    let mock = ChatMock::start(Settings {
+        window: Some(2048),
+        ..Settings::default()
+    })
+    .await;
+    let proxy = start_compactor(&mock.url(), "[models.\"m\"]\ncontext_length = 2048\n").await;
+    let sent = long_history(30);
+    for stream in [false, true] {
+        let before = mock.chats().len();
+        let (status, headers, body) =
+            post_chat(&proxy.url(), chat_body("m", &sent, stream), &[AUTH]).await;
+        assert_eq!(status, 200, "{}", String::from_utf8_lossy(&body));
+        assert_eq!(action(&headers), "compacted");
+        let chats = mock.chats()[before..].to_vec();
+        assert_eq!(chats.len(), 1);
+        assert!(!chats[0].overflowed);
+        assert_eq!(chats[0].messages().last(), sent.last());
+        assert_tool_pairs(&chats[0].messages());
+    }
+}
+
+#[tokio::test]
+async fn resumed_long_history_with_an_unknown_window_is_retried() {
+    let mock = ChatMock::start(Settings {
+        window: Some(2048),
+        ..Settings::default()
+    })
+    .await;
+    let proxy = start_compactor(&mock.url(), &unknown_window()).await;
+    let sent = long_history(30);
+    let (status, headers, body) =
+        post_chat(&proxy.url(), chat_body("m", &sent, true), &[AUTH]).await;
+    assert_eq!(status, 200, "{}", String::from_utf8_lossy(&body));
+    assert_eq!(action(&headers), "retried");
+    let chats = mock.chats();
+    assert_eq!(chats.len(), 2);
+    assert!(chats[0].overflowed && !chats[1].overflowed);
+    assert_tool_pairs(&chats[1].messages());
+}
+
+/// After a compaction, a newest user message too big for the window: the
+/// proactive compaction cannot make it fit and neither can a forced one,
+/// so compactor passes the upstream's error on instead of resending the
+/// same request (the recorded substitution alone is no reason to retry).
+#[tokio::test]
+async fn no_identical_retry_when_forced_compaction_has_nothing_left() {
+    let mock = ChatMock::start(Settings {
+        window: Some(2048),
+        ..Settings::default()
+    })
+    .await;
+    let proxy = start_compactor(&mock.url(), "[models.\"m\"]\ncontext_length = 2048\n").await;
+    let mut conv = Conversation::new(600);
+    let mut compacted = false;
+    for _ in 0..12 {
+        let sent = conv.ask();
+        let (st, h, _) = post_chat(&proxy.url(), chat_body("m", &sent, false), &[AUTH]).await;
+        conv.answer();
+        assert_eq!(st, 200);
+        compacted |= action(&h) == "compacted";
+    }
+    assert!(compacted);
+    let mut sent = conv.messages.clone();
+    sent.push(json!({"role":"user","content":"word ".repeat(9000)}));
+    let before = mock.chats().len();
+    let (status, _, body) = post_chat(&proxy.url(), chat_body("m", &sent, false), &[AUTH]).await;
+    let chats = mock.chats()[before..].to_vec();
+    assert_eq!(status, 400);
+    if chats.len() == 2 {
+        assert!(
+            chats[0].body != chats[1].body,
+            "the retry resent the same request"
+        );
+    }
+    let last = chats.last().unwrap();
+    assert_eq!(
+        String::from_utf8_lossy(&body),
+        llamacpp_overflow(last.prompt_tokens, 2048)
+    );
+}

@@ -97,13 +97,19 @@ impl Conversation {
             .with_base_url(base_url);
             Compressor::new(Arc::clone(cfg), trigger)
         });
-        // No-ops when nothing changed; a model switch resets calibration and
-        // cooldowns as the reference's update_model does.
-        comp.trigger
-            .update_model(model, Some(window), base_url, max_tokens);
+        // A model switch resets the trigger's state as the reference's
+        // update_model does. Window and output reservation go in separately:
+        // they move with the calibration scale and the client's max_tokens,
+        // which must not wipe the deferral and strike state.
+        comp.trigger.update_model(model, None, base_url, None);
         comp.trigger.set_max_tokens(max_tokens);
         comp.trigger.set_context_length(window);
         comp
+    }
+
+    /// Real → rough conversion for the engine, from the calibration.
+    pub fn engine_scale(&self) -> EngineScale {
+        EngineScale::from_ratio(self.calibration.ratio())
     }
 
     /// Applies usage posted by finished responses.
@@ -119,12 +125,17 @@ impl Conversation {
             if let Some(prompt) = usage.prompt_tokens {
                 self.calibration.observe(sent, prompt);
             }
+            // The trigger judges in the engine's rough units (see EngineScale).
+            let scale = self.engine_scale();
             if let Some(comp) = self.compressor.as_mut() {
+                let prompt = usage.prompt_tokens.map(|p| scale.to_rough(p));
                 comp.trigger
                     .update_from_response(&crate::compaction::trigger::Usage {
-                        prompt_tokens: usage.prompt_tokens,
+                        prompt_tokens: prompt,
                         completion_tokens: usage.completion_tokens,
-                        total_tokens: usage.total_tokens,
+                        total_tokens: prompt
+                            .map(|p| p + usage.completion_tokens.unwrap_or(0))
+                            .or(usage.total_tokens),
                     });
             }
         }
@@ -149,11 +160,62 @@ impl Conversation {
     }
 }
 
+/// How many real tokens one rough (chars/4) token is worth, for handing
+/// real figures to the engine, which budgets in rough units.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct EngineScale(f64);
+
+impl EngineScale {
+    /// Ratios this close to 1 are noise (and a rough estimate that
+    /// overshoots only makes compaction earlier): no scaling.
+    const NOISE: f64 = 1.1;
+    /// Largest scale applied.
+    const MAX: f64 = 4.0;
+
+    /// From the calibrated real/rough ratio, quantised to 1/8 so small
+    /// drifts do not recompute the engine's budgets every turn.
+    pub fn from_ratio(ratio: Option<f64>) -> Self {
+        match ratio {
+            Some(r) if r.is_finite() && r > Self::NOISE => {
+                Self(((r.min(Self::MAX) * 8.0).round() / 8.0).max(1.0))
+            }
+            _ => Self(1.0),
+        }
+    }
+
+    /// The factor.
+    pub fn factor(self) -> f64 {
+        self.0
+    }
+
+    /// Real tokens → rough tokens.
+    pub fn to_rough(self, real: u64) -> u64 {
+        (real as f64 / self.0).floor() as u64
+    }
+}
+
 /// The rough per-message estimator used for calibration: the engine's own
 /// tail-walk estimator, so trigger and tail agree (reference §2 lesson).
 pub fn rough_message_tokens(m: &RawValue) -> u64 {
     match serde_json::from_str::<serde_json::Value>(m.get()) {
         Ok(v) => tokens::estimate_msg_budget_tokens(&v, true),
         Err(_) => tokens::estimate_text_tokens(m.get()),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::EngineScale;
+
+    #[test]
+    fn engine_scale_ignores_noise_and_quantises() {
+        assert_eq!(EngineScale::from_ratio(None).factor(), 1.0);
+        assert_eq!(EngineScale::from_ratio(Some(1.05)).factor(), 1.0);
+        assert_eq!(EngineScale::from_ratio(Some(0.5)).factor(), 1.0);
+        assert_eq!(EngineScale::from_ratio(Some(2.03)).factor(), 2.0);
+        assert_eq!(EngineScale::from_ratio(Some(1.6)).factor(), 1.625);
+        assert_eq!(EngineScale::from_ratio(Some(9.0)).factor(), 4.0);
+        assert_eq!(EngineScale::from_ratio(Some(f64::NAN)).factor(), 1.0);
+        assert_eq!(EngineScale::from_ratio(Some(2.0)).to_rough(2048), 1024);
     }
 }

@@ -90,6 +90,9 @@ struct Prepared {
     plan: UsagePlan,
     sent: Arc<SentRequest>,
     inbox: super::conversation::Inbox,
+    /// A compaction was committed while preparing this request (not only a
+    /// recorded one substituted).
+    fresh_compaction: bool,
 }
 
 /// Handles one chat completion request.
@@ -138,9 +141,10 @@ pub async fn handle(state: Arc<AppState>, req: Request<ProxyReqBody>) -> Respons
                     return finish(&state, resp, &prepared, key);
                 };
                 let retry = prepare(&state, &entry, &parts, creq, (key, cred), Some(of)).await;
-                if retry.action != Action::Compacted {
-                    // Compaction could not help: the client gets the
-                    // upstream's own error.
+                if !retry.fresh_compaction {
+                    // Compaction could not help (a recorded substitution
+                    // alone would resend the same overflowing request): the
+                    // client gets the upstream's own error.
                     return finish(&state, resp, &prepared, key);
                 }
                 prepared = Prepared {
@@ -203,6 +207,7 @@ async fn prepare(
         None => original.clone(),
     };
     let mut changed = record.is_some();
+    let mut fresh_compaction = false;
     let mut action = if changed {
         Action::Compacted
     } else {
@@ -223,7 +228,23 @@ async fn prepare(
     // 3. Over the threshold? Compact under the lock.
     let cfg = Arc::clone(&chat.compaction);
     let turn = conv.stats.requests;
-    let comp = conv.compressor(&cfg, &model, &chat.upstream_label, window, max_out);
+    // The engine budgets (threshold, tail, summary, summariser prompt) in
+    // rough chars/4 tokens. When the upstream's tokenizer is denser, every
+    // compaction would land short of the real window, be judged ineffective
+    // and leave each later turn to overflow. So the engine sees the window
+    // in rough units (scaled by the calibrated real/rough ratio) and gets
+    // rough-unit figures; the window check itself stays in real tokens.
+    let scale = conv.engine_scale();
+    let engine_window = scale.to_rough(window);
+    let engine_max_out = max_out.map(|m| scale.to_rough(m));
+    let est_rough = scale.to_rough(est.tokens);
+    let comp = conv.compressor(
+        &cfg,
+        &model,
+        &chat.upstream_label,
+        engine_window,
+        engine_max_out,
+    );
     let threshold = comp.trigger.threshold_tokens();
     let fits_window = est.tokens + max_out.unwrap_or(0) < window;
     // Right after a compaction the rough figure is not trusted until the
@@ -233,8 +254,8 @@ async fn prepare(
     let force = overflow.is_some();
     let wanted = force
         || (!defer
-            && est.tokens >= threshold
-            && comp.trigger.should_compress(Some(est.tokens as i64)));
+            && est_rough >= threshold
+            && comp.trigger.should_compress(Some(est_rough as i64)));
     // Micro-compaction is per turn (reference §4: every Nth turn, whatever
     // the size); over the threshold the batch compaction still runs, since
     // absorbing one exchange per request cannot keep up with a full window.
@@ -255,7 +276,7 @@ async fn prepare(
                 &parts.headers,
                 cfg.summary_api_key.as_deref(),
                 Duration::from_secs(cfg.summary_timeout_secs.max(1)),
-                Some(window),
+                Some(engine_window),
             );
             let started = Instant::now();
             let result = if micro_pass {
@@ -285,7 +306,7 @@ async fn prepare(
                         &summariser,
                         CompressOptions {
                             force,
-                            current_tokens: Some(est.tokens),
+                            current_tokens: Some(est_rough),
                             bypass_cooldown: force,
                             ..CompressOptions::default()
                         },
@@ -348,6 +369,7 @@ async fn prepare(
                     );
                     outgoing = new_outgoing;
                     changed = true;
+                    fresh_compaction = true;
                     action = Action::Compacted;
                     let sent_hashes = conv.sent_chain.chain(&outgoing).to_vec();
                     est = conv.calibration.estimate(
@@ -392,6 +414,7 @@ async fn prepare(
         plan,
         sent: est.sent,
         inbox: Arc::clone(&conv.inbox),
+        fresh_compaction,
     }
 }
 

@@ -83,6 +83,9 @@ pub struct Settings {
     pub timings: bool,
     /// Never report `usage` (a provider that ignores `include_usage`).
     pub omit_usage: bool,
+    /// Bytes of `messages` JSON per reported token (4 by default; code-heavy
+    /// text under a real tokenizer is denser).
+    pub bytes_per_token: f64,
     /// Content deltas of a streamed (or joined for JSON) answer.
     pub deltas: Vec<String>,
     /// Split SSE bodies into frames of this many bytes (events cut across
@@ -100,6 +103,7 @@ impl Default for Settings {
             props_n_ctx: None,
             timings: false,
             omit_usage: false,
+            bytes_per_token: 4.0,
             deltas: vec!["Hel".into(), "lo".into(), " there".into()],
             frame_bytes: None,
         }
@@ -422,7 +426,11 @@ async fn serve(
         ));
     };
     let model = v["model"].as_str().unwrap_or("unknown").to_owned();
-    let prompt = prompt_tokens_of(&v);
+    let prompt = if settings.bytes_per_token == 4.0 {
+        prompt_tokens_of(&v)
+    } else {
+        (prompt_tokens_of(&v) as f64 * 4.0 / settings.bytes_per_token) as u64
+    };
     if is_summary_call(&v) {
         record(Kind::Summary, prompt, false);
         if !settings.summary_delay.is_zero() {

@@ -1,0 +1,87 @@
+//! Upstreams whose tokenizer is denser than the rough chars/4 estimate:
+//! calibration must carry into the engine's budgets.
+
+#[path = "support/chat_mock.rs"]
+mod chat_mock;
+
+use chat_mock::*;
+
+const TOKEN: &str = "admin-secret";
+const AUTH: (&str, &str) = ("authorization", "Bearer k");
+
+fn config() -> String {
+    format!("[admin]\ntoken = \"{TOKEN}\"\n[models.\"m\"]\ncontext_length = 2048\n")
+}
+
+/// Twice as many real tokens as the rough estimate (dense code, CJK text).
+#[tokio::test]
+async fn dense_tokenizer_stays_inside_the_window() {
+    for stream in [false, true] {
+        let mock = ChatMock::start(Settings {
+            window: Some(2048),
+            bytes_per_token: 2.0,
+            ..Settings::default()
+        })
+        .await;
+        let proxy = start_compactor(&mock.url(), &config()).await;
+        let mut conv = Conversation::new(600);
+        let mut key = String::new();
+        for _ in 0..25 {
+            let sent = conv.ask();
+            let (st, h, body) =
+                post_chat(&proxy.url(), chat_body("m", &sent, stream), &[AUTH]).await;
+            conv.answer();
+            assert_eq!(
+                st,
+                200,
+                "turn {} ({}): {}",
+                conv.turns,
+                action(&h),
+                String::from_utf8_lossy(&body)
+            );
+            assert_ne!(action(&h), "retried", "turn {}", conv.turns);
+            key = session_of(&h);
+        }
+        let overflowed = mock.chats().iter().filter(|c| c.overflowed).count();
+        assert_eq!(overflowed, 0, "stream={stream}");
+        let (_, view) = admin_view(&proxy.url(), TOKEN, &key).await;
+        let ratio = view["calibration_ratio"].as_f64().unwrap();
+        assert!((1.8..2.2).contains(&ratio), "{view}");
+    }
+}
+
+/// A tokenizer so dense the window can hardly hold a compacted request:
+/// some turns fail with the upstream's own error, but compactor never sends
+/// the same overflowing request twice.
+#[tokio::test]
+async fn a_retry_is_never_the_same_request() {
+    let mock = ChatMock::start(Settings {
+        window: Some(2048),
+        bytes_per_token: 1.5,
+        ..Settings::default()
+    })
+    .await;
+    let proxy = start_compactor(&mock.url(), &config()).await;
+    let mut conv = Conversation::new(600);
+    for _ in 0..25 {
+        let before = mock.chats().len();
+        let sent = conv.ask();
+        let (st, h, body) = post_chat(&proxy.url(), chat_body("m", &sent, false), &[AUTH]).await;
+        conv.answer();
+        let chats = mock.chats()[before..].to_vec();
+        assert!(chats.len() <= 2);
+        if chats.len() == 2 {
+            assert!(chats[0].body != chats[1].body, "turn {}", conv.turns);
+        }
+        if st != 200 {
+            let last = chats.last().unwrap();
+            assert_eq!(st, 400);
+            assert_eq!(
+                String::from_utf8_lossy(&body),
+                llamacpp_overflow(last.prompt_tokens, 2048),
+                "{}",
+                action(&h)
+            );
+        }
+    }
+}
