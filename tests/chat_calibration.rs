@@ -47,6 +47,10 @@ async fn dense_tokenizer_stays_inside_the_window() {
         let (_, view) = admin_view(&proxy.url(), TOKEN, &key).await;
         let ratio = view["calibration_ratio"].as_f64().unwrap();
         assert!((1.8..2.2).contains(&ratio), "{view}");
+        assert_eq!(view["window"], serde_json::json!(2048), "{view}");
+        assert_eq!(view["engine_scale"], serde_json::json!(2.0), "{view}");
+        let threshold = view["threshold_tokens"].as_u64().unwrap();
+        assert!(threshold > 1024 && threshold < 2048, "{view}");
     }
 }
 

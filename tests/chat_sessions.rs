@@ -201,3 +201,53 @@ async fn concurrent_requests_compact_once() {
     assert!(chats.iter().all(|c| c.body == chats[0].body));
     assert!(chats[0].messages().len() < sent.len());
 }
+
+#[tokio::test]
+async fn a_client_leaving_during_compaction_leaves_state_usable() {
+    let mock = ChatMock::start(Settings::default()).await;
+    let proxy = start_compactor(&mock.url(), &config()).await;
+    let url = proxy.url();
+    let headers = [("authorization", "Bearer k"), ("x-session-id", "gone")];
+    let mut conv = Conversation::new(600);
+    // Grow until the next turn would compact, with the summariser slowed
+    // down from then on so the client can give up mid-compaction.
+    let mut gave_up = false;
+    for _ in 0..20 {
+        let sent = conv.ask();
+        let body = chat_body("m", &sent, false);
+        mock.update(|s| s.summary_delay = Duration::from_secs(5));
+        let summaries = mock.summaries().len();
+        let attempt = tokio::time::timeout(
+            Duration::from_millis(300),
+            post_chat(&url, body.clone(), &headers),
+        )
+        .await;
+        mock.update(|s| s.summary_delay = Duration::ZERO);
+        match attempt {
+            Ok((st, _, _)) => {
+                assert_eq!(st, 200);
+                assert_eq!(mock.summaries().len(), summaries);
+            }
+            Err(_) => {
+                gave_up = true;
+                assert!(mock.summaries().len() > summaries, "it was summarising");
+                // The same turn again: compaction runs to completion.
+                let (st, h, _) = post_chat(&url, body, &headers).await;
+                assert_eq!(st, 200);
+                assert_eq!(action(&h), "compacted");
+                let seen = mock.last_chat().messages();
+                assert!(seen.len() < sent.len());
+                assert_tool_pairs(&seen);
+                break;
+            }
+        }
+        conv.answer();
+    }
+    assert!(gave_up, "never reached a compaction");
+    // And the conversation carries on with the record.
+    conv.answer();
+    let sent = conv.ask();
+    let (st, h, _) = post_chat(&url, chat_body("m", &sent, false), &headers).await;
+    assert_eq!(st, 200);
+    assert_eq!(action(&h), "compacted");
+}

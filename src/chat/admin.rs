@@ -48,6 +48,12 @@ pub async fn session_view<B>(state: Arc<AppState>, req: &Request<B>) -> http::Re
     let mut conv = entry.lock().await;
     conv.drain_inbox();
     let trigger = conv.compressor.as_ref().map(|c| c.trigger.status());
+    // The engine works in rough units; show real tokens at the top level.
+    let scale = conv.engine_scale().factor();
+    let threshold = trigger
+        .as_ref()
+        .and_then(|t| t.threshold_tokens)
+        .map(|t| (t as f64 * scale).round() as u64);
     let calibration = conv.calibration.snapshot();
     let record = conv.record.as_ref().map(|r| {
         json!({
@@ -60,8 +66,9 @@ pub async fn session_view<B>(state: Arc<AppState>, req: &Request<B>) -> http::Re
     });
     let body = json!({
         "session": key.to_string(),
-        "window": trigger.as_ref().and_then(|t| t.window),
-        "threshold_tokens": trigger.as_ref().and_then(|t| t.threshold_tokens),
+        "window": conv.real_window.or(trigger.as_ref().and_then(|t| t.window)),
+        "threshold_tokens": threshold,
+        "engine_scale": scale,
         "last_real_prompt_tokens": calibration.last_real_prompt_tokens,
         "estimate_error": calibration.last_estimate_error,
         "calibration_ratio": calibration.ratio,

@@ -58,6 +58,9 @@ pub struct Conversation {
     pub stats: ConvStats,
     /// Last action taken (`passthrough`, `compacted`, …).
     pub last_action: &'static str,
+    /// The window of the last request in real tokens (the engine's own
+    /// figure is in rough units, see [`EngineScale`]).
+    pub real_window: Option<u64>,
 }
 
 impl Default for Conversation {
@@ -72,6 +75,7 @@ impl Default for Conversation {
             inbox: Arc::default(),
             stats: ConvStats::default(),
             last_action: "passthrough",
+            real_window: None,
         }
     }
 }

@@ -235,6 +235,7 @@ async fn prepare(
     // in rough units (scaled by the calibrated real/rough ratio) and gets
     // rough-unit figures; the window check itself stays in real tokens.
     let scale = conv.engine_scale();
+    conv.real_window = Some(window);
     let engine_window = scale.to_rough(window);
     let engine_max_out = max_out.map(|m| scale.to_rough(m));
     let est_rough = scale.to_rough(est.tokens);
