@@ -141,3 +141,21 @@ async fn non_streaming_request_gets_no_stream_options() {
         json!(mock.last_chat().prompt_tokens)
     );
 }
+
+#[tokio::test]
+async fn upstream_is_asked_for_an_uncompressed_body() {
+    let mock = ChatMock::start(Settings::default()).await;
+    let proxy = start_compactor(&mock.url(), "").await;
+    for stream in [false, true] {
+        let (status, _, _) = post_chat(
+            &proxy.url(),
+            chat_body("m", &short_history(), stream),
+            &[("accept-encoding", "gzip, deflate, br")],
+        )
+        .await;
+        assert_eq!(status, 200);
+        let seen = mock.last_chat();
+        let ae: Vec<_> = seen.headers.get_all("accept-encoding").iter().collect();
+        assert_eq!(ae, ["identity"], "stream={stream}");
+    }
+}

@@ -547,6 +547,13 @@ async fn send(
 ) -> Result<Response<Incoming>, crate::error::ProxyError> {
     let mut parts = clone_parts(parts);
     parts.headers.remove(header::TRANSFER_ENCODING);
+    // The usage tap and hider read the response: a compressed body would
+    // hide the usage from calibration and leave the forced usage chunk in
+    // front of a client that never asked for it (SDKs send gzip by default).
+    parts.headers.insert(
+        header::ACCEPT_ENCODING,
+        HeaderValue::from_static("identity"),
+    );
     parts
         .headers
         .insert(header::CONTENT_LENGTH, HeaderValue::from(body.len()));
