@@ -305,3 +305,65 @@ async fn only_messages_change_in_a_compacted_request() {
         assert!(done, "compaction reached (stream={stream})");
     }
 }
+
+#[tokio::test]
+async fn quota_exhausted_summariser_aborts() {
+    let body = r#"{"error":{"message":"You exceeded your current quota, please check your plan and billing details.","type":"insufficient_quota","code":"insufficient_quota"}}"#;
+    let (mock, t) = first_attempt(SummaryMode::Body(429, body.into()), "").await;
+    assert!(!mock.summaries().is_empty());
+    assert_forwarded_unchanged(&mock, &t);
+}
+
+#[tokio::test]
+async fn rate_limited_summariser_gives_fallback() {
+    let body = r#"{"error":{"message":"Rate limit reached for requests","type":"requests","code":"rate_limit_exceeded"}}"#;
+    let (mock, t) = first_attempt(SummaryMode::Body(429, body.into()), "").await;
+    assert_eq!(action(&t.headers), "compacted");
+    let summary = summary_message(&mock.last_chat().messages()).unwrap();
+    assert!(summary.contains(FALLBACK_NOTICE));
+}
+
+#[tokio::test]
+async fn slow_summariser_times_out_into_the_fallback() {
+    let mock = ChatMock::start(Settings {
+        summary_delay: std::time::Duration::from_secs(3),
+        ..Settings::default()
+    })
+    .await;
+    let proxy = start_compactor(
+        &mock.url(),
+        &config("[compaction]\nsummary_timeout_secs = 1\n"),
+    )
+    .await;
+    let mut conv = Conversation::new(600);
+    let t = until_not_passthrough(&proxy.url(), &mut conv, false).await;
+    assert_eq!(action(&t.headers), "compacted");
+    let summary = summary_message(&mock.last_chat().messages()).unwrap();
+    assert!(summary.contains(FALLBACK_NOTICE), "{summary}");
+}
+
+#[tokio::test]
+async fn missing_summary_model_falls_back_to_the_main_model() {
+    let mock = ChatMock::start(Settings {
+        missing_models: vec!["small".into()],
+        ..Settings::default()
+    })
+    .await;
+    let proxy = start_compactor(
+        &mock.url(),
+        &config("[compaction]\nsummary_model = \"small\"\n"),
+    )
+    .await;
+    let mut conv = Conversation::new(600);
+    let t = until_not_passthrough(&proxy.url(), &mut conv, false).await;
+    assert_eq!(action(&t.headers), "compacted");
+    let models: Vec<String> = mock
+        .summaries()
+        .iter()
+        .map(|s| s.json()["model"].as_str().unwrap().to_owned())
+        .collect();
+    assert_eq!(models.first().map(String::as_str), Some("small"));
+    assert!(models.iter().any(|m| m == "m"), "{models:?}");
+    let summary = summary_message(&mock.last_chat().messages()).unwrap();
+    assert!(summary.contains("MOCK-SUMMARY"), "the main model wrote it");
+}

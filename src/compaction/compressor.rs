@@ -177,7 +177,22 @@ fn lower_contains_any(hay: &str, needles: &[&str]) -> bool {
 /// failures, missing keys, 401/402/403 and permanent quota markers are not.
 pub fn is_access_or_quota_error(status: Option<u16>, message: &str) -> bool {
     let m = message.to_lowercase();
-    let rate_limited = status == Some(429)
+    let permanent_quota = lower_contains_any(
+        &m,
+        &[
+            "insufficient_quota",
+            "quota exceeded",
+            "quota_exceeded",
+            "out of funds",
+            "out of credits",
+            "out of credit",
+            "out of extra usage",
+        ],
+    );
+    // OpenAI answers an exhausted quota with 429 `insufficient_quota`: a 429
+    // is a rate limit only when it carries no permanent quota marker (a
+    // retry hint in the text still makes it transient).
+    let rate_limited = (status == Some(429) && !permanent_quota)
         || lower_contains_any(
             &m,
             &[
@@ -211,18 +226,7 @@ pub fn is_access_or_quota_error(status: Option<u16>, message: &str) -> bool {
     if matches!(status, Some(401..=403)) {
         return true;
     }
-    lower_contains_any(
-        &m,
-        &[
-            "insufficient_quota",
-            "quota exceeded",
-            "quota_exceeded",
-            "out of funds",
-            "out of credits",
-            "out of credit",
-            "out of extra usage",
-        ],
-    )
+    permanent_quota
 }
 
 /// Classifies a failed summary call (reference §3.9).
@@ -1262,6 +1266,10 @@ mod tests {
             "You are out of credits"
         ));
         assert!(!is_access_or_quota_error(Some(429), "rate limit reached"));
+        assert!(is_access_or_quota_error(
+            Some(429),
+            "HTTP 429 insufficient_quota: You exceeded your current quota, please check your plan and billing details."
+        ));
         assert!(!is_access_or_quota_error(
             Some(402),
             "quota exceeded, retry after 60s"

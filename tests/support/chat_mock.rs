@@ -64,6 +64,8 @@ pub enum SummaryMode {
     Status(u16),
     /// 200 with empty content.
     Empty,
+    /// This status with this body.
+    Body(u16, String),
 }
 
 /// What the mock does; changeable while it runs.
@@ -77,6 +79,8 @@ pub struct Settings {
     pub summary: SummaryMode,
     /// Delay before answering a summary call.
     pub summary_delay: Duration,
+    /// Summary calls for these models get a 404 `model_not_found`.
+    pub missing_models: Vec<String>,
     /// `/props` answers `default_generation_settings.n_ctx` = this; 404 if None.
     pub props_n_ctx: Option<u64>,
     /// Add llama.cpp `timings` to responses.
@@ -100,6 +104,7 @@ impl Default for Settings {
             overflow: OverflowStyle::LlamaCpp,
             summary: SummaryMode::Reply(default_summary()),
             summary_delay: Duration::ZERO,
+            missing_models: Vec::new(),
             props_n_ctx: None,
             timings: false,
             omit_usage: false,
@@ -436,7 +441,11 @@ async fn serve(
         if !settings.summary_delay.is_zero() {
             tokio::time::sleep(settings.summary_delay).await;
         }
+        if settings.missing_models.contains(&model) {
+            return Ok(json_reply(404, format!("{{\"error\":{{\"message\":\"The model `{model}` does not exist\",\"type\":\"invalid_request_error\",\"code\":\"model_not_found\"}}}}")));
+        }
         return Ok(match &settings.summary {
+            SummaryMode::Body(code, body) => json_reply(*code, body.clone()),
             SummaryMode::Reply(text) => json_reply(200, String::from_utf8(render_json(&model, text, prompt, 50, false)).unwrap()),
             SummaryMode::Empty => json_reply(200, String::from_utf8(render_json(&model, "", prompt, 0, false)).unwrap()),
             SummaryMode::Status(401) => json_reply(401, "{\"error\":{\"message\":\"Incorrect API key provided\",\"type\":\"invalid_request_error\",\"code\":\"invalid_api_key\"}}".into()),
