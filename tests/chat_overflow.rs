@@ -372,3 +372,8 @@ async fn no_identical_retry_when_forced_compaction_has_nothing_left() {
         llamacpp_overflow(last.prompt_tokens, 2048)
     );
 }
+
+#[tokio::test]
+async fn old_llamacpp_in_band_error_field_is_retried() {
+    retry_on_overflow(OverflowStyle::InBandErrorField, true).await;
+}

@@ -93,6 +93,8 @@ struct Prepared {
     /// A compaction was committed while preparing this request (not only a
     /// recorded one substituted).
     fresh_compaction: bool,
+    /// Calibrated prompt estimate of `body`.
+    est_tokens: u64,
 }
 
 /// Handles one chat completion request.
@@ -128,8 +130,20 @@ pub async fn handle(state: Arc<AppState>, req: Request<ProxyReqBody>) -> Respons
             Err(e) => return proxy::error_reply(&state, &e),
         };
         match overflow {
-            Some(of) if !retried && of.kind == OverflowKind::Prompt => {
+            Some(mut of) if !retried && of.kind == OverflowKind::Prompt => {
                 retried = true;
+                if of.limit.is_none() {
+                    // An error without numbers still bounds the window: what
+                    // was just sent did not fit. Learning that bound makes
+                    // later compactions proactive instead of one overflow
+                    // (and retry) every few turns.
+                    of.limit = Some(
+                        of.requested
+                            .or(of.prompt_tokens)
+                            .unwrap_or(prepared.est_tokens)
+                            .max(1),
+                    );
+                }
                 chat.metrics.overflow_retry();
                 tracing::info!(
                     session = %key,
@@ -416,6 +430,7 @@ async fn prepare(
         sent: est.sent,
         inbox: Arc::clone(&conv.inbox),
         fresh_compaction,
+        est_tokens: est.tokens,
     }
 }
 

@@ -53,6 +53,9 @@ pub enum OverflowStyle {
     /// HTTP 200 `text/event-stream` whose first event is `data: {"error":..}`
     /// (llama.cpp shape) for streaming requests; 400 llama.cpp otherwise.
     InBandSse,
+    /// Late-2024 llama.cpp in streaming mode: HTTP 200 and an SSE line
+    /// `error: {...}` (an `error` field, not `data`), no `n_ctx`.
+    InBandErrorField,
 }
 
 /// How summary calls are answered.
@@ -311,6 +314,11 @@ pub fn llamacpp_overflow(prompt: u64, n_ctx: u64) -> String {
     )
 }
 
+/// The late-2024 llama.cpp overflow error object (no numbers).
+pub fn old_llamacpp_overflow() -> String {
+    "{\"code\":400,\"message\":\"the request exceeds the available context size. try increasing the context size or enable context shift\",\"type\":\"invalid_request_error\"}".into()
+}
+
 /// The OpenAI overflow error body.
 pub fn openai_overflow(prompt: u64, n_ctx: u64) -> String {
     format!(
@@ -464,6 +472,13 @@ async fn serve(
                     None,
                 ),
                 OverflowStyle::InBandSse => json_reply(400, llamacpp_overflow(prompt, n_ctx)),
+                OverflowStyle::InBandErrorField if stream => sse_reply(
+                    format!("error: {}\n\n", old_llamacpp_overflow()).into_bytes(),
+                    None,
+                ),
+                OverflowStyle::InBandErrorField => {
+                    json_reply(400, format!("{{\"error\":{}}}", old_llamacpp_overflow()))
+                }
             });
         }
     }
