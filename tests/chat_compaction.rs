@@ -172,6 +172,13 @@ async fn compaction_keeps_prefix_stable(stream: bool) {
     assert!(compacted >= 2.0, "{compacted}");
     let saved = metric(&url, "compactor_tokens_saved_total").await;
     assert!(saved > 0.0);
+    let timed = metric(&url, "compactor_summariser_seconds_count").await;
+    assert!(timed >= compacted, "{timed} < {compacted}");
+    let by_action = metric(&url, "compactor_chat_requests_total{action=\"compacted\"}").await;
+    assert!(by_action >= 10.0, "{by_action}");
+    assert_eq!(metric(&url, "compactor_sessions").await, 1.0);
+    assert!(metric(&url, "compactor_compaction_records").await >= 1.0);
+    assert!(metric(&url, "compactor_upstream_prompt_tokens_total").await > 0.0);
     let (_, view) = admin_view(&url, TOKEN, &session_of(&t.headers)).await;
     assert_eq!(
         view["stats"]["compactions"].as_f64(),
