@@ -350,3 +350,17 @@ async fn micro_strategy_keeps_conversations_going() {
     assert!(compacted > 0);
     assert!(mock.chats().iter().all(|c| !c.overflowed));
 }
+
+#[tokio::test]
+async fn a_bad_summary_endpoint_is_a_config_error() {
+    for bad in ["localhost:8081", "ftp://example.com", "not a url"] {
+        let text = format!(
+            "listen = \"127.0.0.1:0\"\nupstream = \"http://127.0.0.1:9\"\n[compaction]\nsummary_endpoint = \"{bad}\"\n"
+        );
+        let config =
+            compactor::config::Config::from_toml_str(&text, &compactor::config::MapEnv::default())
+                .unwrap();
+        let err = compactor::app::start(config).await.unwrap_err();
+        assert!(err.to_string().contains("summary_endpoint"), "{bad}: {err}");
+    }
+}

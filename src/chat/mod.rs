@@ -61,12 +61,20 @@ pub enum ChatConfigError {
     /// `[session] headers` has a bad entry.
     #[error("invalid config: key `session.headers`: {0}")]
     SessionHeaders(String),
+    /// `[compaction] summary_endpoint` is not a usable base URL.
+    #[error("invalid config: key `compaction.summary_endpoint`: {0}")]
+    SummaryEndpoint(String),
 }
 
 impl ChatState {
     /// Builds the chat state from the validated proxy configuration.
     pub fn from_config(cfg: &Config) -> Result<Self, ChatConfigError> {
         let compaction = cfg.compaction.clone();
+        // Checked here, not at use: a typo must not silently send summary
+        // calls (with the client's credentials) to the main upstream.
+        if let Some(ep) = &compaction.summary_endpoint {
+            crate::config::UpstreamBase::parse(ep).map_err(ChatConfigError::SummaryEndpoint)?;
+        }
         let keyer = SessionKeyer::new(&cfg.session.headers)
             .map_err(|e| ChatConfigError::SessionHeaders(e.0))?;
         let limits = StoreLimits {
