@@ -374,3 +374,60 @@ async fn missing_summary_model_falls_back_to_the_main_model() {
     let summary = summary_message(&mock.last_chat().messages()).unwrap();
     assert!(summary.contains("MOCK-SUMMARY"), "the main model wrote it");
 }
+
+/// The issue's 40-turn agent run against the mock: every turn answered,
+/// no upstream request over the window, and every turn that does not
+/// compact extends the previous upstream request (prefix-cache reuse).
+#[tokio::test]
+async fn forty_turn_agent_run() {
+    for (stream, session) in [(false, true), (true, false)] {
+        let mock = ChatMock::start(Settings {
+            window: Some(2048),
+            ..Settings::default()
+        })
+        .await;
+        let proxy = start_compactor(&mock.url(), &config("")).await;
+        let mut headers = vec![AUTH];
+        if session {
+            headers.push(SESSION);
+        }
+        let mut conv = Conversation::new(600);
+        let (mut compactions, mut extended, mut max_prompt) = (0, 0, 0);
+        let mut prev: Option<Vec<String>> = None;
+        for _ in 0..40 {
+            let sent = conv.ask();
+            let calls = mock.summaries().len();
+            let (st, h, _) = post_chat(&proxy.url(), chat_body("m", &sent, stream), &headers).await;
+            conv.answer();
+            assert_eq!(st, 200, "turn {}", conv.turns);
+            let seen = mock.last_chat();
+            assert!(!seen.overflowed);
+            max_prompt = max_prompt.max(seen.prompt_tokens);
+            let raw = raw_messages(&seen.body);
+            if mock.summaries().len() > calls {
+                compactions += 1;
+            } else if let Some(p) = &prev {
+                assert!(
+                    raw.len() > p.len() && raw[..p.len()] == p[..],
+                    "turn {} ({}) does not extend the previous request",
+                    conv.turns,
+                    action(&h)
+                );
+                extended += 1;
+            }
+            prev = Some(raw);
+        }
+        eprintln!(
+            "40 turns (stream={stream}, session header={session}): compactions {compactions}, \
+             turns extending the previous request {extended}, max upstream prompt tokens {max_prompt}, \
+             summary calls {}",
+            mock.summaries().len()
+        );
+        assert!(compactions >= 5);
+        assert_eq!(
+            compactions + extended,
+            39,
+            "the first turn has no predecessor"
+        );
+    }
+}
