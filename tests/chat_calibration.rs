@@ -44,6 +44,8 @@ async fn dense_tokenizer_stays_inside_the_window() {
         }
         let overflowed = mock.chats().iter().filter(|c| c.overflowed).count();
         assert_eq!(overflowed, 0, "stream={stream}");
+        let summary_overflows = mock.summaries().iter().filter(|c| c.overflowed).count();
+        assert_eq!(summary_overflows, 0, "stream={stream}");
         let (_, view) = admin_view(&proxy.url(), TOKEN, &key).await;
         let ratio = view["calibration_ratio"].as_f64().unwrap();
         assert!((1.8..2.2).contains(&ratio), "{view}");

@@ -424,6 +424,10 @@ async fn forty_turn_agent_run() {
             mock.summaries().len()
         );
         assert!(compactions >= 5);
+        assert!(
+            mock.summaries().iter().all(|c| !c.overflowed),
+            "summary calls fit too"
+        );
         assert_eq!(
             compactions + extended,
             39,

@@ -439,12 +439,37 @@ async fn serve(
         ));
     };
     let model = v["model"].as_str().unwrap_or("unknown").to_owned();
-    let prompt = if settings.bytes_per_token == 4.0 {
+    let mut prompt = if settings.bytes_per_token == 4.0 {
         prompt_tokens_of(&v)
     } else {
         (prompt_tokens_of(&v) as f64 * 4.0 / settings.bytes_per_token) as u64
     };
+    if is_summary_call(&v) && settings.bytes_per_token != 4.0 {
+        // The summariser's own instructions are English prose (4 bytes per
+        // token); only the quoted turns have the conversation's density.
+        let text = v["messages"][0]["content"].as_str().unwrap_or_default();
+        let turns = text
+            .find("TURNS TO")
+            .map(|start| {
+                let end = text
+                    .find("\n\nUse exactly this structure")
+                    .unwrap_or(text.len());
+                end.saturating_sub(start)
+            })
+            .unwrap_or(0);
+        let prose = text.len() - turns;
+        prompt = (prose as f64 / 4.0 + turns as f64 / settings.bytes_per_token) as u64;
+    }
     if is_summary_call(&v) {
+        // The summariser runs on the same server: same window (the prompt
+        // plus the reply cap it asks for must fit, as in llama.cpp, where
+        // the prompt alone is checked and the reply is cut at the window).
+        if let Some(n_ctx) = settings.window {
+            if prompt >= n_ctx {
+                record(Kind::Summary, prompt, true);
+                return Ok(json_reply(400, llamacpp_overflow(prompt, n_ctx)));
+            }
+        }
         record(Kind::Summary, prompt, false);
         if !settings.summary_delay.is_zero() {
             tokio::time::sleep(settings.summary_delay).await;
