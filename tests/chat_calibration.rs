@@ -91,3 +91,39 @@ async fn a_retry_is_never_the_same_request() {
         }
     }
 }
+
+/// A model switch forgets the old model's calibration: the first request
+/// to the new model is judged by its own size, not by the old tokenizer.
+#[tokio::test]
+async fn model_switch_resets_calibration() {
+    let mock = ChatMock::start(Settings {
+        bytes_per_token: 2.0,
+        ..Settings::default()
+    })
+    .await;
+    let proxy = start_compactor(
+        &mock.url(),
+        &format!("{}[models.\"m2\"]\ncontext_length = 2048\n", config()),
+    )
+    .await;
+    let headers = [AUTH, ("x-session-id", "switch")];
+    let mut conv = Conversation::new(600);
+    for _ in 0..4 {
+        let sent = conv.ask();
+        let (st, h, _) = post_chat(&proxy.url(), chat_body("m", &sent, false), &headers).await;
+        conv.answer();
+        assert_eq!(st, 200);
+        assert_eq!(action(&h), "passthrough");
+    }
+    // The new model counts 4 bytes per token: the history is ~1050 tokens,
+    // far below its threshold, but ~2100 by the old model's ratio.
+    mock.update(|s| s.bytes_per_token = 4.0);
+    let sent = conv.ask();
+    let (st, h, _) = post_chat(&proxy.url(), chat_body("m2", &sent, false), &headers).await;
+    assert_eq!(st, 200);
+    assert_eq!(action(&h), "passthrough");
+    assert!(mock.summaries().is_empty());
+    let (_, view) = admin_view(&proxy.url(), TOKEN, &session_of(&h)).await;
+    let ratio = view["calibration_ratio"].as_f64().unwrap();
+    assert!((0.9..1.1).contains(&ratio), "{view}");
+}

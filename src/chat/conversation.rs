@@ -111,6 +111,19 @@ impl Conversation {
         comp
     }
 
+    /// Call before estimating a request for `model`: another model has
+    /// another tokenizer, so the old real/rough ratio and real count would
+    /// mislead the first estimate after a switch.
+    pub fn note_model(&mut self, model: &str) {
+        if self
+            .compressor
+            .as_ref()
+            .is_some_and(|c| c.trigger.model() != model)
+        {
+            self.calibration.reset();
+        }
+    }
+
     /// Real → rough conversion for the engine, from the calibration.
     pub fn engine_scale(&self) -> EngineScale {
         EngineScale::from_ratio(self.calibration.ratio())

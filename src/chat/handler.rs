@@ -187,6 +187,7 @@ async fn prepare(
     let mut guard = entry.lock().await;
     let conv: &mut Conversation = &mut guard;
     conv.drain_inbox();
+    conv.note_model(&model);
     conv.stats.requests += u64::from(overflow.is_none());
 
     if let Some(of) = &overflow {
