@@ -364,3 +364,59 @@ async fn a_bad_summary_endpoint_is_a_config_error() {
         assert!(err.to_string().contains("summary_endpoint"), "{bad}: {err}");
     }
 }
+
+/// Clients re-serialise their history each turn; key order and whitespace
+/// may change. The record still matches (canonical hashing).
+#[tokio::test]
+async fn a_reformatted_history_still_matches_its_record() {
+    let mock = ChatMock::start(Settings::default()).await;
+    let proxy = start_compactor(&mock.url(), &config("")).await;
+    let url = proxy.url();
+    let hdr = [ALICE, ("x-session-id", "a")];
+    let (_conv, sent) = to_first_compaction(&url, &hdr).await;
+    let first = mock.last_chat();
+    let calls = mock.summaries().len();
+    // Same messages, keys reversed and spaced out.
+    let msgs: Vec<String> = sent
+        .iter()
+        .map(|m| {
+            let obj = m.as_object().unwrap();
+            let fields: Vec<String> = obj
+                .iter()
+                .rev()
+                .map(|(k, v)| format!("{} : {}", json!(k), v))
+                .collect();
+            format!("{{ {} }}", fields.join(" , "))
+        })
+        .collect();
+    let body = format!(
+        "{{\"model\":\"m\",\"max_tokens\":64,\"messages\":[ {} ]}}",
+        msgs.join(", ")
+    );
+    let (st, h, _) = post_chat(&url, body.into_bytes(), &hdr).await;
+    assert_eq!(st, 200);
+    assert_eq!(action(&h), "compacted");
+    assert_eq!(mock.summaries().len(), calls, "no new summary");
+    let before: Vec<Value> = first.messages();
+    let now: Vec<Value> = mock.last_chat().messages();
+    assert_eq!(before, now, "same content sent");
+}
+
+#[tokio::test]
+async fn a_developer_message_is_kept_like_a_system_prompt() {
+    let mock = ChatMock::start(Settings::default()).await;
+    let proxy = start_compactor(&mock.url(), &config("")).await;
+    let mut conv = Conversation::new(600);
+    conv.messages[0] = json!({"role":"developer","content":"Developer rules: be terse."});
+    for _ in 0..12 {
+        let sent = conv.ask();
+        let (st, h, _) = post_chat(&proxy.url(), chat_body("m", &sent, false), &[ALICE]).await;
+        conv.answer();
+        assert_eq!(st, 200);
+        let seen = mock.last_chat().messages();
+        assert_eq!(seen[0], sent[0], "{}", action(&h));
+        assert_eq!(seen.last(), sent.last());
+        assert_tool_pairs(&seen);
+    }
+    assert!(!mock.summaries().is_empty());
+}

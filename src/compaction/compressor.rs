@@ -173,6 +173,12 @@ fn lower_contains_any(hay: &str, needles: &[&str]) -> bool {
     needles.iter().any(|n| hay.contains(n))
 }
 
+/// The leading instructions row: `system`, or `developer` (its successor
+/// for OpenAI reasoning models; assembly already treats it as system).
+fn is_instructions(m: &Value) -> bool {
+    view::is_role(m, "system") || view::is_role(m, "developer")
+}
+
 /// Access/quota test of reference §3.14: a rate limit is transient; auth
 /// failures, missing keys, 401/402/403 and permanent quota markers are not.
 pub fn is_access_or_quota_error(status: Option<u16>, message: &str) -> bool {
@@ -439,7 +445,7 @@ impl Compressor {
         if self.trigger.compression_count >= 1 || self.previous_summary.is_some() {
             return 0;
         }
-        let sys = usize::from(msgs.first().is_some_and(|m| view::is_role(m, "system")));
+        let sys = usize::from(msgs.first().is_some_and(is_instructions));
         let probe_end = (sys + self.cfg.protect_first_n + HANDOFF_PROBE_EXTRA).min(msgs.len());
         if msgs[sys.min(probe_end)..probe_end]
             .iter()
@@ -453,7 +459,7 @@ impl Compressor {
     /// Rows of the protected head: the system prompt (if first) plus the
     /// effective `protect_first_n`.
     pub fn protect_head_size(&self, msgs: &[Value]) -> usize {
-        let sys = usize::from(msgs.first().is_some_and(|m| view::is_role(m, "system")));
+        let sys = usize::from(msgs.first().is_some_and(is_instructions));
         (sys + self.effective_protect_first_n(msgs)).min(msgs.len())
     }
 
@@ -855,7 +861,7 @@ impl Compressor {
 
         // Handoff scan over the whole transcript (after the system row).
         let snapshot = (self.previous_summary.clone(), self.summary_has_user_turn);
-        let sys = usize::from(view::is_role(&working[0], "system"));
+        let sys = usize::from(is_instructions(&working[0]));
         let mut handoff_bodies = Vec::new();
         for m in working.iter().skip(sys) {
             match markers::classify_handoff(m) {
