@@ -420,3 +420,33 @@ async fn a_developer_message_is_kept_like_a_system_prompt() {
     }
     assert!(!mock.summaries().is_empty());
 }
+
+#[tokio::test]
+async fn content_part_arrays_survive_compaction() {
+    let mock = ChatMock::start(Settings::default()).await;
+    let proxy = start_compactor(&mock.url(), &config("")).await;
+    let mut conv = Conversation::new(600);
+    let image = format!("data:image/png;base64,{}", "iVBORw0KGgo".repeat(40));
+    for _ in 0..14 {
+        let mut sent = conv.ask();
+        let i = conv.turns;
+        *sent.last_mut().unwrap() = json!({"role":"user","name":"dev","content":[
+            {"type":"text","text":format!("Step {i}: look at this screenshot too.")},
+            {"type":"image_url","image_url":{"url":image,"detail":"low"}}
+        ]});
+        conv.messages.pop();
+        conv.messages.push(sent.last().unwrap().clone());
+        let (st, h, _) = post_chat(&proxy.url(), chat_body("m", &sent, false), &[ALICE]).await;
+        conv.answer();
+        assert_eq!(st, 200);
+        let seen = mock.last_chat().messages();
+        assert_eq!(seen.last(), sent.last(), "{}", action(&h));
+        assert_eq!(seen[0], sent[0]);
+        assert_tool_pairs(&seen);
+    }
+    assert!(!mock.summaries().is_empty());
+    // No image bytes go to the summariser.
+    for s in mock.summaries() {
+        assert!(!s.body_text().contains("iVBORw0KGgoiVBORw0KGgo"));
+    }
+}
