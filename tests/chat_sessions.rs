@@ -251,3 +251,66 @@ async fn a_client_leaving_during_compaction_leaves_state_usable() {
     assert_eq!(st, 200);
     assert_eq!(action(&h), "compacted");
 }
+
+/// Many conversations at once: each upstream request carries only its own
+/// conversation's messages (no record or state crosses sessions).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn parallel_conversations_do_not_mix() {
+    let mock = ChatMock::start(Settings::default()).await;
+    let proxy = start_compactor(&mock.url(), &config()).await;
+    let url = proxy.url();
+    let mut tasks = Vec::new();
+    for c in 0..8 {
+        let url = url.clone();
+        tasks.push(tokio::spawn(async move {
+            let mut conv = Conversation::new(600);
+            conv.messages[0] = json!({"role":"system","content":format!("conversation-{c}")});
+            let auth = format!("Bearer user-{}", c % 3);
+            for _ in 0..12 {
+                conv.ask();
+                let tagged = json!({"role":"user","content":format!("[c{c}] step {}", conv.turns)});
+                *conv.messages.last_mut().unwrap() = tagged;
+                let sent = conv.messages.clone();
+                let (st, _, _) = post_chat(
+                    &url,
+                    chat_body("m", &sent, c % 2 == 0),
+                    &[("authorization", auth.as_str())],
+                )
+                .await;
+                assert_eq!(st, 200);
+                conv.answer();
+            }
+        }));
+    }
+    for t in tasks {
+        t.await.unwrap();
+    }
+    let chats = mock.chats();
+    assert_eq!(chats.len(), 8 * 12);
+    let mut compacted = 0;
+    for c in &chats {
+        let msgs = c.messages();
+        let owner = msgs[0]["content"].as_str().unwrap().to_owned();
+        assert!(owner.starts_with("conversation-"));
+        let tag = format!("[c{}]", owner.trim_start_matches("conversation-"));
+        // Every user step in the request belongs to the same conversation.
+        for m in msgs.iter().filter(|m| m["role"] == "user") {
+            let text = m["content"].as_str().unwrap();
+            if text.starts_with("[c") {
+                assert!(text.starts_with(&tag), "{owner} got {text}");
+            }
+        }
+        compacted += usize::from(msgs.len() < 2 + 4 * 11 && msgs.len() > 2);
+    }
+    assert!(compacted > 0);
+    for s in mock.summaries() {
+        let text = s.body_text();
+        let owners: std::collections::BTreeSet<_> = (0..8)
+            .filter(|c| text.contains(&format!("[c{c}]")))
+            .collect();
+        assert!(
+            owners.len() <= 1,
+            "a summary mixed conversations {owners:?}"
+        );
+    }
+}
