@@ -42,7 +42,7 @@ use crate::window::overflow::{parse_overflow, parse_overflow_event, Overflow, Ov
 
 use super::conversation::{rough_message_tokens, Conversation};
 use super::record::Record;
-use super::summarise::HttpSummariser;
+use super::summarise::{budgets_for_window, HttpSummariser};
 use super::{ChatState, Discovery};
 
 /// Response header naming what compactor did.
@@ -229,8 +229,14 @@ async fn prepare(
     // upstream reports real usage (reference deferral), unless the request
     // would not even fit the window.
     let defer = comp.trigger.awaiting_real_usage_after_compression && fits_window;
-    let force = overflow.is_some();
-    let wanted = force
+    // After an overflow the compaction must happen. It clears a failure
+    // cooldown only when none is running: a summariser that just failed is
+    // not asked again, the engine uses its deterministic fallback.
+    let force = overflow.is_some() && comp.trigger.cooldown_remaining().is_none();
+    // A request that cannot fit the window is compacted even while the
+    // trigger is blocked (cooldown, breaker): forwarding it can only fail.
+    let must = overflow.is_some() || !fits_window;
+    let wanted = must
         || (!defer
             && est.tokens >= threshold
             && comp.trigger.should_compress(Some(est.tokens as i64)));
@@ -247,10 +253,10 @@ async fn prepare(
                 &parts.headers,
                 cfg.summary_api_key.as_deref(),
                 Duration::from_secs(cfg.summary_timeout_secs.max(1)),
-                Some(window),
+                budgets_for_window(Some(window), comp.trigger.max_summary_tokens()),
             );
             let started = Instant::now();
-            let result = if cfg.strategy == Strategy::Micro && !force {
+            let result = if cfg.strategy == Strategy::Micro && !must {
                 let micro = comp.micro_compact(&values, &summariser).await;
                 let before = crate::compaction::tokens::estimate_messages_tokens_rough(&values);
                 let after =
