@@ -16,7 +16,7 @@ cd "$(dirname "$0")/.."
 DUR="${DUR:-5}"
 if [ "$DUR" -gt 10 ]; then DUR=10; fi
 DELAY="${UPSTREAM_DELAY_MS:-0}"
-TTFB_N="${TTFB_N:-500}"
+TTFB_N="${TTFB_N:-200}"
 OUT="${OUT:-target/bench_load}"
 mkdir -p "$OUT"
 
@@ -62,12 +62,16 @@ LUA
 # wrk latency value (e.g. 45.00us, 1.20ms) → microseconds.
 to_us() { awk -v v="$1" 'BEGIN{ n=v+0; if (v ~ /us$/) print n; else if (v ~ /ms$/) print n*1000; else if (v ~ /s$/) print n*1000000; else print n }'; }
 
-# run NAME TARGET MODE CONNS THREADS → prints "p50_us p99_us rps"
+# run TARGET MODE CONNS THREADS → prints "p50_us p99_us rps"
+# Modes: json (non-streaming), sse (22 events written back to back: the worst
+# case for a frame-by-frame proxy), sse_paced (1 ms between events, like a
+# fast model: every event must be flushed on its own, direct or not).
 run() {
   local target="$1" mode="$2" conns="$3" threads="$4"
-  local url="http://$target/v1/chat/completions"
+  local url="http://$target/v1/chat/completions" script="$mode"
+  if [ "$mode" = sse_paced ]; then url="$url?gap_ms=1"; script=sse; fi
   local f="$OUT/wrk_${target//[:.]/_}_${mode}_c${conns}.txt"
-  wrk -t"$threads" -c"$conns" -d"${DUR}s" --latency -s "$OUT/$mode.lua" "$url" >"$f"
+  wrk -t"$threads" -c"$conns" -d"${DUR}s" --latency -s "$OUT/$script.lua" "$url" >"$f"
   if grep -q "Non-2xx" "$f"; then echo "non-2xx responses in $f" >&2; exit 1; fi
   local p50 p99 rps
   p50=$(to_us "$(awk '$1=="50%"{print $2}' "$f")")
@@ -77,24 +81,24 @@ run() {
 }
 
 echo "mock upstream: $MOCK (delay ${DELAY} ms)   compactor: $PROXY   ${DUR}s per run   $(nproc) cores"
-printf "%-6s %-4s | %10s %10s %10s | %10s %10s %10s | %9s %9s %7s\n" \
+printf "%-9s %-4s | %10s %10s %10s | %10s %10s %10s | %9s %9s %7s\n" \
   mode conc "dir p50us" "dir p99us" "dir rps" "cmp p50us" "cmp p99us" "cmp rps" "+p50 us" "+p99 us" "rps %"
-for mode in json sse; do
+for mode in json sse sse_paced; do
   for conc in 1 64; do
     threads=1; [ "$conc" -gt 1 ] && threads=2
     read -r d50 d99 drps < <(run "$MOCK" "$mode" "$conc" "$threads")
     read -r p50 p99 prps < <(run "$PROXY" "$mode" "$conc" "$threads")
     awk -v m="$mode" -v c="$conc" -v d50="$d50" -v d99="$d99" -v dr="$drps" \
         -v p50="$p50" -v p99="$p99" -v pr="$prps" 'BEGIN{
-      printf "%-6s %-4s | %10.1f %10.1f %10.0f | %10.1f %10.1f %10.0f | %9.1f %9.1f %6.1f%%\n",
+      printf "%-9s %-4s | %10.1f %10.1f %10.0f | %10.1f %10.1f %10.0f | %9.1f %9.1f %6.1f%%\n",
         m, c, d50, d99, dr, p50, p99, pr, p50-d50, p99-d99, 100*pr/dr }'
   done
 done
 
 echo
-echo "time to first SSE byte (sequential, ${TTFB_N} requests, 2 ms between upstream events):"
-echo "  direct:    $("$BIN/examples/ttfb" "http://$MOCK/v1/chat/completions?gap_ms=2" "$TTFB_N")"
-echo "  compactor: $("$BIN/examples/ttfb" "http://$PROXY/v1/chat/completions?gap_ms=2" "$TTFB_N")"
+echo "time to first SSE byte (sequential, ${TTFB_N} requests, 1 ms between upstream events):"
+echo "  direct:    $("$BIN/examples/ttfb" "http://$MOCK/v1/chat/completions?gap_ms=1" "$TTFB_N")"
+echo "  compactor: $("$BIN/examples/ttfb" "http://$PROXY/v1/chat/completions?gap_ms=1" "$TTFB_N")"
 echo
 echo "compactor metrics (overhead histogram):"
 curl -s "http://$PROXY/_compactor/metrics" | grep -E "^compactor_proxy_overhead_seconds_(bucket\{le=\"0.000(1|25|5)\"|count)|^compactor_requests_total" || true

@@ -41,7 +41,8 @@ pub struct Histogram {
 
 /// Buckets for sub-millisecond overhead up to a few ms.
 pub const OVERHEAD_BUCKETS: &[f64] = &[
-    0.000_05, 0.000_1, 0.000_25, 0.000_5, 0.001, 0.002_5, 0.005, 0.01, 0.05, 0.1,
+    0.000_01, 0.000_025, 0.000_05, 0.000_1, 0.000_25, 0.000_5, 0.001, 0.002_5, 0.005, 0.01, 0.05,
+    0.1,
 ];
 /// Buckets for upstream latency, ms to minutes (local models are slow).
 pub const UPSTREAM_BUCKETS: &[f64] = &[

@@ -53,7 +53,11 @@ async fn first_sse_event_arrives_before_upstream_finishes() {
         &format!("{}/v1/chat/completions", proxy.url()),
         full(r#"{"stream":true}"#),
     );
-    let resp = client().request(req).await.unwrap();
+    // Bounded: a buffering proxy would never send the head while held.
+    let resp = tokio::time::timeout(Duration::from_secs(10), client().request(req))
+        .await
+        .expect("response head not forwarded while the upstream still generates")
+        .unwrap();
     assert_eq!(resp.status(), 200);
     assert_eq!(resp.headers()["content-type"], "text/event-stream");
     let mut body = resp.into_body();
@@ -308,6 +312,98 @@ async fn client_disconnect_before_response_head_cancels_upstream() {
             .await,
         "upstream connection left open"
     );
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    while !proxy
+        .state
+        .metrics
+        .render()
+        .contains("compactor_requests_in_flight 0")
+    {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "in-flight count leaked"
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+}
+
+#[tokio::test]
+async fn upstream_dying_mid_stream_ends_client_stream_the_same_way() {
+    let up = MockUpstream::builder()
+        .route(
+            "/v1/chat/completions",
+            Reply::Broken {
+                first: vec![Bytes::from_static(FIRST.as_bytes())],
+            },
+        )
+        .run()
+        .await;
+    let proxy = start_proxy(&up.url(), "").await;
+    for base in [up.url(), proxy.url()] {
+        let req = request("POST", &format!("{base}/v1/chat/completions"), full("{}"));
+        let resp = client().request(req).await.unwrap();
+        assert_eq!(resp.status(), 200);
+        let mut body = resp.into_body();
+        let mut got = Vec::new();
+        let ended_with_error = tokio::time::timeout(Duration::from_secs(10), async {
+            loop {
+                match body.frame().await {
+                    Some(Ok(f)) => {
+                        got.extend_from_slice(f.data_ref().map(|d| &d[..]).unwrap_or(&[]))
+                    }
+                    Some(Err(_)) => return true,
+                    None => return false,
+                }
+            }
+        })
+        .await
+        .unwrap();
+        assert!(ended_with_error, "{base}: truncated stream looked complete");
+        assert_eq!(got, FIRST.as_bytes(), "{base}");
+    }
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    assert!(proxy
+        .state
+        .metrics
+        .render()
+        .contains("compactor_requests_in_flight 0"));
+}
+
+#[tokio::test]
+async fn client_abort_mid_upload_cancels_upstream_request() {
+    use tokio::io::AsyncWriteExt;
+    let up = MockUpstream::builder()
+        .route("/upload", Reply::BodyDigest)
+        .run()
+        .await;
+    let proxy = start_proxy(&up.url(), "").await;
+    let mut s = tokio::net::TcpStream::connect(proxy.addr).await.unwrap();
+    s.write_all(b"POST /upload HTTP/1.1\r\nHost: x\r\nContent-Length: 100000\r\n\r\n0123456789")
+        .await
+        .unwrap();
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    while !proxy
+        .state
+        .metrics
+        .render()
+        .contains("compactor_requests_in_flight 1")
+    {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "request never started"
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    // Give the proxy time to open the upstream request and stream the prefix.
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    drop(s);
+    assert!(
+        up.wait_for(Duration::from_secs(10), |u| u.closed_connections() == 1)
+            .await,
+        "upstream upload was not cancelled"
+    );
+    // The upstream never saw a complete body.
+    assert!(up.requests().iter().all(|r| r.body_len < 100_000));
     let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
     while !proxy
         .state

@@ -140,25 +140,28 @@ where
         cx: &mut Context<'_>,
     ) -> Poll<Option<Result<Frame<B::Data>, BoxError>>> {
         let mut this = self.project();
-        if !*this.waiting {
-            // A fresh wait for the next frame starts now.
-            *this.waiting = true;
-            this.sleep.as_mut().reset(Instant::now() + *this.idle);
-        }
         match this.inner.poll_frame(cx) {
             Poll::Ready(r) => {
                 *this.waiting = false;
                 Poll::Ready(r.map(|r| r.map_err(Into::into)))
             }
-            Poll::Pending => match this.sleep.poll(cx) {
-                Poll::Ready(()) => {
-                    if let Some(f) = this.on_timeout.take() {
-                        f();
-                    }
-                    Poll::Ready(Some(Err(Box::new(IdleTimeout(*this.idle)))))
+            Poll::Pending => {
+                if !*this.waiting {
+                    // The timer is armed only when a wait really starts, so
+                    // frames that are already buffered cost no timer update.
+                    *this.waiting = true;
+                    this.sleep.as_mut().reset(Instant::now() + *this.idle);
                 }
-                Poll::Pending => Poll::Pending,
-            },
+                match this.sleep.poll(cx) {
+                    Poll::Ready(()) => {
+                        if let Some(f) = this.on_timeout.take() {
+                            f();
+                        }
+                        Poll::Ready(Some(Err(Box::new(IdleTimeout(*this.idle)))))
+                    }
+                    Poll::Pending => Poll::Pending,
+                }
+            }
         }
     }
 

@@ -297,7 +297,8 @@ fn classify_client_error(state: &AppState, e: &hyper_util::client::legacy::Error
             timed_out |= io.kind() == std::io::ErrorKind::TimedOut;
         }
         if let Some(h) = s.downcast_ref::<hyper::Error>() {
-            body_error |= h.is_user() && !e.is_connect();
+            // A user error with a cause is the request body stream failing.
+            body_error |= h.is_user() && h.source().is_some() && !e.is_connect();
         }
         source = s.source();
     }

@@ -64,6 +64,8 @@ pub enum Reply {
         total: u64,
         chunk: usize,
     },
+    /// Sends `first` (chunked), then breaks the connection mid-body.
+    Broken { first: Vec<Bytes> },
     /// Never sends a response head.
     Hang,
     /// Replies `{"len":N,"xxh3":"…"}` about the request body it consumed.
@@ -351,6 +353,18 @@ async fn serve(
                 }
             });
             respond(status, &[], body)
+        }
+        Reply::Broken { first } => {
+            let (tx, body) = channel_body();
+            tokio::spawn(async move {
+                for chunk in first {
+                    if tx.send(Ok(Frame::data(chunk))).await.is_err() {
+                        return;
+                    }
+                }
+                let _ = tx.send(Err("upstream died".into())).await;
+            });
+            respond(200, &[("content-type", "text/event-stream".into())], body)
         }
         Reply::Hang => {
             std::future::pending::<()>().await;
