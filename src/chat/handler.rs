@@ -49,6 +49,9 @@ use super::{ChatState, Discovery};
 pub const ACTION_HEADER: &str = "x-compactor-action";
 /// Response header carrying the opaque session key.
 pub const SESSION_HEADER: &str = "x-compactor-session";
+/// Response header: how many leading client messages were sent as their
+/// recorded compacted replacement (absent when none).
+pub const REPLACED_HEADER: &str = "x-compactor-replaced";
 
 /// Error bodies up to this size are read to look for an overflow.
 const MAX_ERROR_PEEK: usize = 256 << 10;
@@ -61,9 +64,11 @@ const DISCOVERY_TIMEOUT: Duration = Duration::from_secs(5);
 /// What compactor did to a request (`x-compactor-action`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Action {
-    /// Forwarded as the client sent it (maybe with `include_usage` added).
+    /// No compaction ran: the messages went as the client sent them, or with
+    /// an earlier compaction's recorded prefix substituted (see
+    /// [`REPLACED_HEADER`]); `include_usage` may have been added.
     Passthrough,
-    /// Sent with a compaction (new or recorded) substituted.
+    /// A compaction ran for this request and its result was sent.
     Compacted,
     /// Compacted and retried after an upstream overflow error.
     Retried,
@@ -87,6 +92,8 @@ impl Action {
 struct Prepared {
     body: Bytes,
     action: Action,
+    /// Client messages replaced by a compaction record (0 = none).
+    replaced: usize,
     plan: UsagePlan,
     sent: Arc<SentRequest>,
     inbox: super::conversation::Inbox,
@@ -203,11 +210,10 @@ async fn prepare(
         None => original.clone(),
     };
     let mut changed = record.is_some();
-    let mut action = if changed {
-        Action::Compacted
-    } else {
-        Action::Passthrough
-    };
+    // A recorded prefix is a substitution, not a compaction: the action
+    // stays `passthrough` and `x-compactor-replaced` says how many of the
+    // client's messages the recorded replacement stood for.
+    let mut action = Action::Passthrough;
     if changed {
         conv.stats.substituted += 1;
     }
@@ -374,6 +380,7 @@ async fn prepare(
     }
     conv.last_action = action.as_str();
 
+    let replaced = conv.record.as_ref().filter(|_| changed).map_or(0, |r| r.k);
     if changed {
         creq.with_messages(outgoing);
     }
@@ -381,6 +388,7 @@ async fn prepare(
     Prepared {
         body: creq.to_bytes(),
         action,
+        replaced,
         plan,
         sent: est.sent,
         inbox: Arc::clone(&conv.inbox),
@@ -670,6 +678,11 @@ fn finish(
         );
         if let Ok(v) = HeaderValue::from_str(&key.to_string()) {
             parts.headers.insert(SESSION_HEADER, v);
+        }
+        if prepared.replaced > 0 {
+            parts
+                .headers
+                .insert(REPLACED_HEADER, HeaderValue::from(prepared.replaced));
         }
     }
     Response::from_parts(parts, body)
