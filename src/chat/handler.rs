@@ -13,10 +13,9 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use bytes::{Bytes, BytesMut};
+use bytes::Bytes;
 use http::request::Parts;
 use http::{header, HeaderValue, Request, Response, StatusCode};
-use http_body::Body;
 use http_body_util::{BodyExt, Full};
 use hyper::body::Incoming;
 use serde_json::value::RawValue;
@@ -565,13 +564,15 @@ async fn inspect(
     let kind = BodyKind::from_content_type(ct);
     let map_err = |e: hyper::Error| crate::error::ProxyError::UpstreamUnreachable(e.to_string());
     if !status.is_success() {
-        let (held, done, body) = read_prefix(body, MAX_ERROR_PEEK).await.map_err(map_err)?;
-        let overflow = if done {
-            parse_overflow(status.as_u16(), &held)
-        } else {
-            None
+        // The whole error body (bounded), whatever its content type.
+        let peeked = peek_start(body, BodyKind::Json, MAX_ERROR_PEEK)
+            .await
+            .map_err(map_err)?;
+        let overflow = match peeked.start {
+            StreamStart::Undecided => None,
+            _ => parse_overflow(status.as_u16(), &peeked.body.held_bytes()),
         };
-        return Ok((Response::from_parts(parts, body), overflow));
+        return Ok((Response::from_parts(parts, peeked.body), overflow));
     }
     if stream && kind == BodyKind::Sse {
         let peeked = peek_start(body, kind, MAX_STREAM_PEEK)
@@ -585,41 +586,6 @@ async fn inspect(
     }
     let body = crate::usage::peek::PrefixedBody::new(Default::default(), body, false);
     Ok((Response::from_parts(parts, body), None))
-}
-
-/// Reads up to `max` bytes of `body`; returns them, whether the body ended,
-/// and the body with those frames put back in front.
-async fn read_prefix(
-    mut body: Incoming,
-    max: usize,
-) -> Result<(BytesMut, bool, HeldBody), hyper::Error> {
-    let mut held = std::collections::VecDeque::new();
-    let mut bytes = BytesMut::new();
-    let mut done = false;
-    while bytes.len() <= max {
-        match body.frame().await {
-            Some(Ok(frame)) => {
-                if let Some(d) = frame.data_ref() {
-                    bytes.extend_from_slice(d);
-                }
-                held.push_back(frame);
-                if body.is_end_stream() {
-                    done = true;
-                    break;
-                }
-            }
-            Some(Err(e)) => return Err(e),
-            None => {
-                done = true;
-                break;
-            }
-        }
-    }
-    Ok((
-        bytes,
-        done,
-        crate::usage::peek::PrefixedBody::new(held, body, done),
-    ))
 }
 
 /// Turns the upstream response into ours: usage tap (and hider), idle

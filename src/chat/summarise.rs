@@ -135,11 +135,13 @@ impl HttpSummariser {
         self.calls
             .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
 
-        let resp = self
-            .client
-            .request(request)
-            .await
-            .map_err(|e| SummaryError::new(SummaryErrorKind::Network, None, chain(&e)))?;
+        let resp = self.client.request(request).await.map_err(|e| {
+            SummaryError::new(
+                SummaryErrorKind::Network,
+                None,
+                crate::proxy::error_chain(&e),
+            )
+        })?;
         let status = resp.status();
         let body = http_body_util::Limited::new(resp.into_body(), MAX_REPLY_BYTES)
             .collect()
@@ -262,17 +264,6 @@ pub fn parse_reply(body: &[u8]) -> Result<SummaryReply, SummaryError> {
         refusal: text("refusal"),
         reasoning: text("reasoning_content").or_else(|| text("reasoning")),
     })
-}
-
-fn chain(e: &dyn std::error::Error) -> String {
-    let mut s = e.to_string();
-    let mut source = e.source();
-    while let Some(inner) = source {
-        s.push_str(": ");
-        s.push_str(&inner.to_string());
-        source = inner.source();
-    }
-    s
 }
 
 #[cfg(test)]
