@@ -927,6 +927,24 @@ format = "json"
         assert!(raw.upstream_ca_file.is_some());
         assert!(raw.default_context_length.is_some());
         assert_eq!(raw.models.len(), 1);
+        // The documented [compaction] keys are real and show the defaults.
+        let engine =
+            crate::compaction::config::CompactionConfig::from_table(&raw.compaction).unwrap();
+        let de = crate::compaction::config::CompactionConfig::default();
+        assert!(raw.compaction.len() >= 10, "{:?}", raw.compaction);
+        assert_eq!(engine.threshold_percent, de.threshold_percent);
+        assert_eq!(engine.threshold_tokens, de.threshold_tokens);
+        assert_eq!(engine.protect_first_n, de.protect_first_n);
+        assert_eq!(engine.protect_last_n, de.protect_last_n);
+        assert_eq!(engine.min_tail_user_messages, de.min_tail_user_messages);
+        assert_eq!(engine.summary_target_ratio, de.summary_target_ratio);
+        assert_eq!(engine.strategy, de.strategy);
+        assert_eq!(engine.abort_on_summary_failure, de.abort_on_summary_failure);
+        assert_eq!(
+            engine.abort_on_degraded_summary,
+            de.abort_on_degraded_summary
+        );
+        assert_eq!(engine.summary_timeout_secs, de.summary_timeout_secs);
     }
 
     #[test]

@@ -2,7 +2,8 @@
 //! long conversations in flight.
 //!
 //! - [`compaction`]: the pure, synchronous compaction engine (no I/O).
-//! - [`proxy`], [`config`], [`server`]…: the async proxy around it.
+//! - [`proxy`], [`config`], [`app`]: the transparent async proxy around it.
+//! - [`chat`]: the chat-completions path (substitution, compaction, retry).
 //! - [`session`], [`usage`], [`window`]: per-conversation state, the usage tap
 //!   and context-window resolution.
 

@@ -181,12 +181,20 @@ async fn concurrent_requests_compact_once() {
         }));
     }
     let mut key = String::new();
+    let mut actions = Vec::new();
     for t in tasks {
         let (st, h, _) = t.await.unwrap();
         assert_eq!(st, 200);
-        assert_eq!(action(&h), "compacted");
+        assert!(compacted_or_substituted(&h), "{}", action(&h));
+        actions.push(action(&h).to_owned());
         key = session_of(&h);
     }
+    // The first through the lock compacts; the others find its record.
+    actions.sort();
+    assert_eq!(
+        actions,
+        ["compacted", "passthrough", "passthrough", "passthrough"]
+    );
     let summaries: Vec<_> = mock.summaries()[summaries_before..].to_vec();
     assert!(!summaries.is_empty());
     let mut prompts: Vec<_> = summaries.iter().map(|s| s.body.clone()).collect();
@@ -249,7 +257,7 @@ async fn a_client_leaving_during_compaction_leaves_state_usable() {
     let sent = conv.ask();
     let (st, h, _) = post_chat(&url, chat_body("m", &sent, false), &headers).await;
     assert_eq!(st, 200);
-    assert_eq!(action(&h), "compacted");
+    assert!(substituted(&h), "{}", action(&h));
 }
 
 /// Many conversations at once: each upstream request carries only its own

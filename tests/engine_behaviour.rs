@@ -11,6 +11,7 @@ use compactor::compaction::compressor::{
 };
 use compactor::compaction::markers::{classify_handoff, Handoff, INFLIGHT_HEADER, SUMMARY_PREFIX};
 use compactor::compaction::view;
+use compactor::compaction::SummaryReply;
 use engine_support::*;
 use serde_json::{json, Value};
 
@@ -419,4 +420,55 @@ fn no_user_marker_is_added_once_and_never_counts_as_a_user() {
     ));
     assert_eq!(second.outcome, Outcome::Compacted);
     assert_eq!(marker_rows(&second.messages), 1);
+}
+
+/// Issue 5: a summariser that answers with empty content or a truncated
+/// summary gets the deterministic fallback by default; auth/quota and network
+/// failures abort. `abort_on_degraded_summary` restores the reference's v-B
+/// abort for the degraded classes.
+#[test]
+fn degraded_summaries_fall_back_by_default_and_abort_when_configured() {
+    let msgs = alternating(12, "m");
+    let truncated = SummaryReply {
+        content: Some(Value::String("## Partial summ".into())),
+        finish_reason: Some("length".into()),
+        refusal: None,
+        reasoning: None,
+    };
+    for (name, reply) in [("empty", null_content()), ("truncated", truncated)] {
+        let mut c = compressor(2, 2);
+        let res = block_on(c.compress(
+            &msgs,
+            &Stub::reply(reply.clone()),
+            CompressOptions::default(),
+        ));
+        assert_eq!(res.outcome, Outcome::Compacted, "{name}: fallback expected");
+        assert!(res.fallback_used, "{name}");
+        assert!(res.messages.len() < msgs.len(), "{name}");
+
+        let mut strict = compressor_with("test", 100_000, |cfg| {
+            cfg.protect_first_n = 2;
+            cfg.protect_last_n = 2;
+            cfg.abort_on_degraded_summary = true;
+        });
+        let res = block_on(strict.compress(&msgs, &Stub::reply(reply), CompressOptions::default()));
+        assert!(
+            matches!(res.outcome, Outcome::Aborted(_)),
+            "{name}: {:?}",
+            res.outcome
+        );
+        assert_eq!(
+            res.messages, msgs,
+            "{name}: an abort forwards the input unchanged"
+        );
+    }
+    // Auth failures abort whatever the setting.
+    let mut c = compressor(2, 2);
+    let res = block_on(c.compress(
+        &msgs,
+        &Stub::err(status(401, "invalid api key")),
+        CompressOptions::default(),
+    ));
+    assert!(matches!(res.outcome, Outcome::Aborted(_)));
+    assert_eq!(res.messages, msgs);
 }

@@ -13,10 +13,9 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use bytes::{Bytes, BytesMut};
+use bytes::Bytes;
 use http::request::Parts;
 use http::{header, HeaderValue, Request, Response, StatusCode};
-use http_body::Body;
 use http_body_util::{BodyExt, Full};
 use hyper::body::Incoming;
 use serde_json::value::RawValue;
@@ -42,13 +41,16 @@ use crate::window::overflow::{parse_overflow, parse_overflow_event, Overflow, Ov
 
 use super::conversation::{rough_message_tokens, Conversation};
 use super::record::Record;
-use super::summarise::HttpSummariser;
+use super::summarise::{budgets_for_window, HttpSummariser};
 use super::{ChatState, Discovery};
 
 /// Response header naming what compactor did.
 pub const ACTION_HEADER: &str = "x-compactor-action";
 /// Response header carrying the opaque session key.
 pub const SESSION_HEADER: &str = "x-compactor-session";
+/// Response header: how many leading client messages were sent as their
+/// recorded compacted replacement (absent when none).
+pub const REPLACED_HEADER: &str = "x-compactor-replaced";
 
 /// Error bodies up to this size are read to look for an overflow.
 const MAX_ERROR_PEEK: usize = 256 << 10;
@@ -61,9 +63,11 @@ const DISCOVERY_TIMEOUT: Duration = Duration::from_secs(5);
 /// What compactor did to a request (`x-compactor-action`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Action {
-    /// Forwarded as the client sent it (maybe with `include_usage` added).
+    /// No compaction ran: the messages went as the client sent them, or with
+    /// an earlier compaction's recorded prefix substituted (see
+    /// [`REPLACED_HEADER`]); `include_usage` may have been added.
     Passthrough,
-    /// Sent with a compaction (new or recorded) substituted.
+    /// A compaction ran for this request and its result was sent.
     Compacted,
     /// Compacted and retried after an upstream overflow error.
     Retried,
@@ -87,6 +91,8 @@ impl Action {
 struct Prepared {
     body: Bytes,
     action: Action,
+    /// Client messages replaced by a compaction record (0 = none).
+    replaced: usize,
     plan: UsagePlan,
     sent: Arc<SentRequest>,
     inbox: super::conversation::Inbox,
@@ -223,11 +229,10 @@ async fn prepare(
     };
     let mut changed = record.is_some();
     let mut fresh_compaction = false;
-    let mut action = if changed {
-        Action::Compacted
-    } else {
-        Action::Passthrough
-    };
+    // A recorded prefix is a substitution, not a compaction: the action
+    // stays `passthrough` and `x-compactor-replaced` says how many of the
+    // client's messages the recorded replacement stood for.
+    let mut action = Action::Passthrough;
     if changed {
         conv.stats.substituted += 1;
     }
@@ -267,8 +272,14 @@ async fn prepare(
     // upstream reports real usage (reference deferral), unless the request
     // would not even fit the window.
     let defer = comp.trigger.awaiting_real_usage_after_compression && fits_window;
-    let force = overflow.is_some();
-    let wanted = force
+    // After an overflow the compaction must happen. It clears a failure
+    // cooldown only when none is running: a summariser that just failed is
+    // not asked again, the engine uses its deterministic fallback.
+    let force = overflow.is_some() && comp.trigger.cooldown_remaining().is_none();
+    // A request that cannot fit the window is compacted even while the
+    // trigger is blocked (cooldown, breaker): forwarding it can only fail.
+    let must = overflow.is_some() || !fits_window;
+    let wanted = must
         || (!defer
             && est_rough >= threshold
             && comp.trigger.should_compress(Some(est_rough as i64)));
@@ -292,7 +303,7 @@ async fn prepare(
                 &parts.headers,
                 cfg.summary_api_key.as_deref(),
                 Duration::from_secs(cfg.summary_timeout_secs.max(1)),
-                Some(engine_window),
+                budgets_for_window(Some(engine_window), comp.trigger.max_summary_tokens()),
             );
             let started = Instant::now();
             let result = if micro_pass {
@@ -420,6 +431,7 @@ async fn prepare(
     }
     conv.last_action = action.as_str();
 
+    let replaced = conv.record.as_ref().filter(|_| changed).map_or(0, |r| r.k);
     if changed {
         creq.with_messages(outgoing);
     }
@@ -427,6 +439,7 @@ async fn prepare(
     Prepared {
         body: creq.to_bytes(),
         action,
+        replaced,
         plan,
         sent: est.sent,
         inbox: Arc::clone(&conv.inbox),
@@ -617,13 +630,15 @@ async fn inspect(
     let kind = BodyKind::from_content_type(ct);
     let map_err = |e: hyper::Error| crate::error::ProxyError::UpstreamUnreachable(e.to_string());
     if !status.is_success() {
-        let (held, done, body) = read_prefix(body, MAX_ERROR_PEEK).await.map_err(map_err)?;
-        let overflow = if done {
-            parse_overflow(status.as_u16(), &held)
-        } else {
-            None
+        // The whole error body (bounded), whatever its content type.
+        let peeked = peek_start(body, BodyKind::Json, MAX_ERROR_PEEK)
+            .await
+            .map_err(map_err)?;
+        let overflow = match peeked.start {
+            StreamStart::Undecided => None,
+            _ => parse_overflow(status.as_u16(), &peeked.body.held_bytes()),
         };
-        return Ok((Response::from_parts(parts, body), overflow));
+        return Ok((Response::from_parts(parts, peeked.body), overflow));
     }
     if stream && kind == BodyKind::Sse {
         let peeked = peek_start(body, kind, MAX_STREAM_PEEK)
@@ -637,41 +652,6 @@ async fn inspect(
     }
     let body = crate::usage::peek::PrefixedBody::new(Default::default(), body, false);
     Ok((Response::from_parts(parts, body), None))
-}
-
-/// Reads up to `max` bytes of `body`; returns them, whether the body ended,
-/// and the body with those frames put back in front.
-async fn read_prefix(
-    mut body: Incoming,
-    max: usize,
-) -> Result<(BytesMut, bool, HeldBody), hyper::Error> {
-    let mut held = std::collections::VecDeque::new();
-    let mut bytes = BytesMut::new();
-    let mut done = false;
-    while bytes.len() <= max {
-        match body.frame().await {
-            Some(Ok(frame)) => {
-                if let Some(d) = frame.data_ref() {
-                    bytes.extend_from_slice(d);
-                }
-                held.push_back(frame);
-                if body.is_end_stream() {
-                    done = true;
-                    break;
-                }
-            }
-            Some(Err(e)) => return Err(e),
-            None => {
-                done = true;
-                break;
-            }
-        }
-    }
-    Ok((
-        bytes,
-        done,
-        crate::usage::peek::PrefixedBody::new(held, body, done),
-    ))
 }
 
 /// Turns the upstream response into ours: usage tap (and hider), idle
@@ -730,6 +710,11 @@ fn finish(
         );
         if let Ok(v) = HeaderValue::from_str(&key.to_string()) {
             parts.headers.insert(SESSION_HEADER, v);
+        }
+        if prepared.replaced > 0 {
+            parts
+                .headers
+                .insert(REPLACED_HEADER, HeaderValue::from(prepared.replaced));
         }
     }
     Response::from_parts(parts, body)

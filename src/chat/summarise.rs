@@ -63,7 +63,7 @@ impl HttpSummariser {
         client_headers: &HeaderMap,
         api_key: Option<&str>,
         timeout: Duration,
-        window_tokens: Option<u64>,
+        (prompt_budget_chars, max_reply_tokens): (usize, Option<u32>),
     ) -> Self {
         let mut headers = HeaderMap::new();
         for name in FORWARDED {
@@ -84,7 +84,6 @@ impl HttpSummariser {
             HeaderValue::from_static("application/json"),
         );
         headers.insert(header::ACCEPT, HeaderValue::from_static("application/json"));
-        let (prompt_budget_chars, max_reply_tokens) = budgets_for_window(window_tokens);
         Self {
             client,
             base,
@@ -136,11 +135,13 @@ impl HttpSummariser {
         self.calls
             .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
 
-        let resp = self
-            .client
-            .request(request)
-            .await
-            .map_err(|e| SummaryError::new(SummaryErrorKind::Network, None, chain(&e)))?;
+        let resp = self.client.request(request).await.map_err(|e| {
+            SummaryError::new(
+                SummaryErrorKind::Network,
+                None,
+                crate::proxy::error_chain(&e),
+            )
+        })?;
         let status = resp.status();
         let body = http_body_util::Limited::new(resp.into_body(), MAX_REPLY_BYTES)
             .collect()
@@ -182,16 +183,23 @@ impl Summariser for HttpSummariser {
 }
 
 /// Prompt budget (chars) and reply cap (tokens) for a summariser whose
-/// window is `window` tokens. Large windows keep the reference's 160,000-char
-/// input cap and no reply cap. Small windows (self-hosted llama.cpp) split
-/// the window: about 60% for the prompt, the rest for the reply, counting a
-/// conservative 3 characters per token so the prompt really fits.
-pub fn budgets_for_window(window: Option<u64>) -> (usize, Option<u32>) {
+/// window is `window` tokens and whose summaries should be about
+/// `summary_tokens` long.
+///
+/// Large windows keep the reference's 160,000-char input cap and no wire cap
+/// on the reply (a hard cap once produced empty summaries from reasoning
+/// models). Small windows (self-hosted llama.cpp, 2k–32k) must fit prompt and
+/// reply into the window, and a small local model that never stops would
+/// otherwise generate until the window is full: the reply is capped near the
+/// summary budget and the prompt gets the rest, counted at a conservative 3
+/// characters per token.
+pub fn budgets_for_window(window: Option<u64>, summary_tokens: u64) -> (usize, Option<u32>) {
     const REFERENCE_CHARS: usize = crate::compaction::summariser::DEFAULT_PROMPT_BUDGET_CHARS;
+    const MARGIN: u64 = 64;
     match window {
         Some(w) if w < 64_000 => {
-            let prompt_tokens = w * 6 / 10;
-            let reply = (w - prompt_tokens).saturating_sub(64).max(64);
+            let reply = summary_tokens.clamp(96, (w / 4).max(96));
+            let prompt_tokens = w.saturating_sub(reply + MARGIN).max(w / 4);
             let chars = usize::try_from(prompt_tokens * 3).unwrap_or(REFERENCE_CHARS);
             (chars.min(REFERENCE_CHARS), u32::try_from(reply).ok())
         }
@@ -258,17 +266,6 @@ pub fn parse_reply(body: &[u8]) -> Result<SummaryReply, SummaryError> {
     })
 }
 
-fn chain(e: &dyn std::error::Error) -> String {
-    let mut s = e.to_string();
-    let mut source = e.source();
-    while let Some(inner) = source {
-        s.push_str(": ");
-        s.push_str(&inner.to_string());
-        source = inner.source();
-    }
-    s
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -307,12 +304,14 @@ mod tests {
 
     #[test]
     fn small_windows_split_prompt_and_reply() {
-        let (chars, reply) = budgets_for_window(Some(2048));
-        let reply = reply.unwrap() as usize;
-        // The prompt (at 3 chars/token) plus the reply fit the window.
-        assert!(chars / 3 + reply <= 2048, "{chars} {reply}");
-        assert!(reply >= 64);
-        assert_eq!(budgets_for_window(Some(128_000)), (160_000, None));
-        assert_eq!(budgets_for_window(None), (160_000, None));
+        for (w, summary) in [(2048u64, 204u64), (4096, 409), (8192, 819), (32_768, 1638)] {
+            let (chars, reply) = budgets_for_window(Some(w), summary);
+            let reply = u64::from(reply.unwrap());
+            // The prompt (at 3 chars/token) plus the reply fit the window.
+            assert!(chars as u64 / 3 + reply <= w, "{w}: {chars} {reply}");
+            assert!(reply >= summary.min(w / 4), "{w}: {reply}");
+        }
+        assert_eq!(budgets_for_window(Some(128_000), 5000), (160_000, None));
+        assert_eq!(budgets_for_window(None, 5000), (160_000, None));
     }
 }

@@ -423,15 +423,22 @@ impl Compressor {
     }
 
     /// The terminal failure that forbids a destructive fallback, if any.
-    /// An empty summary is not terminal here (design §11: only auth, quota
-    /// and network failures abort; empty content gets the fallback).
+    ///
+    /// Auth/quota and network failures always abort (design §11). Truncated,
+    /// empty and overloaded summaries abort only with
+    /// `abort_on_degraded_summary`; otherwise they get the deterministic
+    /// fallback, as issue 5 and the v-A reference specify.
     pub fn terminal_abort_reason(&self) -> Option<AbortReason> {
         if self.last_summary_auth_failure {
             Some(AbortReason::AuthFailure)
         } else if self.last_summary_network_failure {
             Some(AbortReason::NetworkFailure)
+        } else if !self.cfg.abort_on_degraded_summary {
+            None
         } else if self.last_summary_truncated_failure {
             Some(AbortReason::TruncatedSummary)
+        } else if self.last_summary_empty_failure {
+            Some(AbortReason::EmptySummary)
         } else if self.last_summary_overload_failure {
             Some(AbortReason::Overloaded)
         } else {

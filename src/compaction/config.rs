@@ -84,6 +84,12 @@ pub struct CompactionConfig {
     pub model_thresholds: BTreeMap<String, f64>,
     /// Abort (forward the original messages) instead of inserting a fallback summary.
     pub abort_on_summary_failure: bool,
+    /// Also abort (rather than fall back) when the summary came back
+    /// truncated, empty or from an overloaded provider (the reference's v-B
+    /// rule). Off by default: small local models often run out of reply
+    /// budget, and aborting then means the request overflows the window; the
+    /// deterministic fallback keeps the conversation going.
+    pub abort_on_degraded_summary: bool,
     /// Model used for summaries; `None` = the conversation's own model.
     pub summary_model: Option<String>,
     /// Base URL of a separate summary endpoint; `None` = the proxy's upstream.
@@ -116,6 +122,7 @@ impl std::fmt::Debug for CompactionConfig {
             .field("summary_target_ratio", &self.summary_target_ratio)
             .field("model_thresholds", &self.model_thresholds)
             .field("abort_on_summary_failure", &self.abort_on_summary_failure)
+            .field("abort_on_degraded_summary", &self.abort_on_degraded_summary)
             .field("summary_model", &self.summary_model)
             .field("summary_endpoint", &self.summary_endpoint)
             .field(
@@ -143,6 +150,7 @@ impl Default for CompactionConfig {
             summary_target_ratio: DEFAULT_SUMMARY_TARGET_RATIO,
             model_thresholds: BTreeMap::new(),
             abort_on_summary_failure: false,
+            abort_on_degraded_summary: false,
             summary_model: None,
             summary_endpoint: None,
             summary_api_key: None,

@@ -318,7 +318,7 @@ fn classify_client_error(state: &AppState, e: &hyper_util::client::legacy::Error
 }
 
 /// `outer: inner: innermost`, one line, no content.
-fn error_chain(e: &dyn std::error::Error) -> String {
+pub fn error_chain(e: &dyn std::error::Error) -> String {
     let mut s = e.to_string();
     let mut source = e.source();
     while let Some(inner) = source {

@@ -24,6 +24,9 @@ use crate::request::common_prefix_len;
 pub const MIN_RATIO: f64 = 0.25;
 /// Largest accepted real/rough ratio.
 pub const MAX_RATIO: f64 = 4.0;
+/// Smallest growth (rough tokens) between two observations that yields a
+/// marginal ratio; smaller steps are too noisy.
+const MIN_MARGINAL_ROUGH: i64 = 32;
 
 /// What one request carried, as far as estimation is concerned.
 #[derive(Debug, Clone, Default, PartialEq)]
@@ -106,6 +109,12 @@ pub struct Calibration {
     /// per-message estimates are reused by the next call.
     recent: Option<Arc<SentRequest>>,
     ratio: Option<f64>,
+    /// real/rough of what was added between two consecutive observations
+    /// of one growing conversation. The whole-request ratio mixes in the
+    /// non-message overhead (tool schemas a template may render in fewer
+    /// tokens, chat-template scaffolding), so the marginal ratio prices new
+    /// messages better once it is known.
+    marginal: Option<f64>,
     last_error: Option<f64>,
     observations: u64,
 }
@@ -223,6 +232,7 @@ impl Calibration {
                 let k = obs.sent.hashes.len();
                 let suffix: u64 = sent.rough[k..].iter().sum();
                 let new_rough = suffix as i64 + (overhead as i64 - obs.sent.overhead as i64);
+                let ratio = self.marginal.unwrap_or(ratio);
                 (
                     calibrated(Some(obs.real_prompt), ratio, rough_total, new_rough),
                     Basis::Incremental { reused: k },
@@ -255,6 +265,16 @@ impl Calibration {
         }
         if sent.estimated_tokens > 0 {
             self.last_error = Some(sent.estimated_tokens as f64 / real_prompt as f64 - 1.0);
+        }
+        if let Some(prev) = &self.last {
+            let extends = !prev.sent.hashes.is_empty()
+                && common_prefix_len(&prev.sent.hashes, &sent.hashes) == prev.sent.hashes.len();
+            let grown = rough as i64 - prev.sent.rough_total() as i64;
+            let real_grown = real_prompt as i64 - prev.real_prompt as i64;
+            if extends && grown >= MIN_MARGINAL_ROUGH && real_grown > 0 {
+                self.marginal =
+                    Some((real_grown as f64 / grown as f64).clamp(MIN_RATIO, MAX_RATIO));
+            }
         }
         self.observations += 1;
         self.last = Some(Observation { sent, real_prompt });
@@ -400,5 +420,25 @@ mod tests {
             }
             c.observe(e.sent, actual);
         }
+    }
+
+    /// The whole-request ratio of a first report mixes in overhead that the
+    /// upstream renders cheaply (tool schemas); once two reports of one
+    /// growing conversation exist, new messages are priced at the marginal
+    /// ratio between them.
+    #[test]
+    fn marginal_ratio_prices_new_messages() {
+        let mut c = Calibration::new();
+        let a = msgs(&["aaaaaaaaaa"]);
+        // 10 rough for the message + 1000 rough of overhead, real only 60.
+        let e1 = c.estimate(&a, &message_hashes(&a), 1000, len_est);
+        c.observe(e1.sent, 60);
+        let b = msgs(&["aaaaaaaaaa", &"b".repeat(200)]);
+        let e2 = c.estimate(&b, &message_hashes(&b), 1000, len_est);
+        // Real growth of 400 for 200 rough: marginal ratio 2.
+        c.observe(e2.sent, 460);
+        let d = msgs(&["aaaaaaaaaa", &"b".repeat(200), &"c".repeat(100)]);
+        let e3 = c.estimate(&d, &message_hashes(&d), 1000, len_est);
+        assert_eq!(e3.tokens, 460 + 200);
     }
 }

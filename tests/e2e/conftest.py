@@ -13,6 +13,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import queue
 import signal
@@ -109,6 +110,13 @@ class LlamaServer:
         return _tail(self.log_path) if self.log_path else "<external server>"
 
 
+def slot_n_ctx(url: str) -> int:
+    """The per-slot window llama.cpp enforces (what its overflow error reports)."""
+    status, body = http_get(url + "/props")
+    assert status == 200, f"GET {url}/props -> {status}"
+    return int(json.loads(body)["default_generation_settings"]["n_ctx"])
+
+
 def _start_llama(log_path: Path) -> LlamaServer:
     cmd = [
         sys.executable,
@@ -120,11 +128,11 @@ def _start_llama(log_path: Path) -> LlamaServer:
         "--threads", "2",
         "--exit-with-parent",
     ]
-    log = log_path.open("wb")
-    proc = subprocess.Popen(
-        cmd, stdout=subprocess.PIPE, stderr=log, stdin=subprocess.DEVNULL, text=True,
-        start_new_session=True,
-    )
+    with log_path.open("wb") as log:
+        proc = subprocess.Popen(
+            cmd, stdout=subprocess.PIPE, stderr=log, stdin=subprocess.DEVNULL, text=True,
+            start_new_session=True,
+        )
     lines: queue.Queue[str] = queue.Queue()
     threading.Thread(
         target=lambda: [lines.put(l) for l in iter(proc.stdout.readline, "")], daemon=True
@@ -141,7 +149,7 @@ def _start_llama(log_path: Path) -> LlamaServer:
             url = line.split()[-1].rstrip("/")
             status, _ = http_get(url + "/health")
             if status == 200:
-                return LlamaServer(url=url, n_ctx=LLAMA_N_CTX, proc=proc, log_path=log_path)
+                return LlamaServer(url=url, n_ctx=slot_n_ctx(url), proc=proc, log_path=log_path)
     _stop(proc)
     raise RuntimeError(f"llama.cpp not ready in {LLAMA_START_TIMEOUT_S}s:\n{_tail(log_path)}")
 
@@ -161,7 +169,8 @@ def _stop(proc: subprocess.Popen, grace_s: float = 10.0) -> None:
 def llama(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LlamaServer]:
     external = os.environ.get("E2E_LLAMA_URL")
     if external:
-        yield LlamaServer(url=external.rstrip("/"), n_ctx=LLAMA_N_CTX)
+        url = external.rstrip("/")
+        yield LlamaServer(url=url, n_ctx=slot_n_ctx(url))
         return
     server = _start_llama(tmp_path_factory.mktemp("llama") / "llama.log")
     try:

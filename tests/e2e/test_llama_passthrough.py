@@ -7,6 +7,8 @@ function of the prompt, so a transparent proxy must yield the same text.
 from __future__ import annotations
 
 import json
+import urllib.error
+import urllib.request
 
 import pytest
 
@@ -98,3 +100,35 @@ def test_one_upstream_request_per_small_request(llama_log, llama_tap, compactor,
     assert ex.messages == len(MESSAGES)
     assert ex.stream is stream
     assert ex.prompt_tokens == usage.prompt_tokens
+
+
+def _raw(base: str, method: str, path: str, body: bytes | None = None) -> tuple[int, bytes]:
+    req = urllib.request.Request(base + path, data=body, method=method,
+                                 headers={"Content-Type": "application/json"} if body else {})
+    try:
+        with urllib.request.urlopen(req, timeout=120) as r:
+            return r.status, r.read()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read()
+
+
+@pytest.mark.parametrize(
+    "method, path, body",
+    [
+        ("GET", "/props", None),
+        ("GET", "/health", None),
+        ("POST", "/tokenize", b'{"content":"Hello compactor","with_pieces":true}'),
+        ("POST", "/apply-template", json.dumps({"messages": MESSAGES}).encode()),
+        # Not JSON: compactor forwards the bytes and llama.cpp answers for itself.
+        ("POST", "/v1/chat/completions", b'{"messages": [not json'),
+    ],
+    ids=["props", "health", "tokenize", "apply-template", "chat-not-json"],
+)
+def test_llamacpp_endpoints_identical(llama_log, llama_via_compactor, method, path, body):
+    direct = _raw(llama_log.url, method, path, body)
+    proxied = _raw(llama_via_compactor.url, method, path, body)
+    assert proxied == direct
+    if path == "/v1/chat/completions":
+        assert direct[0] == 400 and b"parse error" in direct[1]
+    else:
+        assert direct[0] == 200

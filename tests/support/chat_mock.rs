@@ -774,3 +774,21 @@ impl Seen {
         String::from_utf8_lossy(&self.body).into_owned()
     }
 }
+
+/// `x-compactor-replaced`: client messages a recorded replacement stood
+/// for (0 when absent).
+pub fn replaced(h: &HeaderMap) -> usize {
+    h.get("x-compactor-replaced")
+        .map(|v| v.to_str().unwrap().parse().unwrap())
+        .unwrap_or(0)
+}
+
+/// Sent with a recorded compaction substituted and no new compaction.
+pub fn substituted(h: &HeaderMap) -> bool {
+    action(h) == "passthrough" && replaced(h) > 0
+}
+
+/// A new compaction ran, or a recorded one was substituted.
+pub fn compacted_or_substituted(h: &HeaderMap) -> bool {
+    action(h) == "compacted" || substituted(h)
+}
