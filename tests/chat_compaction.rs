@@ -440,3 +440,23 @@ async fn forty_turn_agent_run() {
         );
     }
 }
+
+#[tokio::test]
+async fn abort_on_degraded_summary_setting() {
+    // An empty summary falls back by default (tested above); with the
+    // setting it aborts instead, while an HTTP 500 still falls back.
+    let (mock, t) = first_attempt(
+        SummaryMode::Empty,
+        "[compaction]\nabort_on_degraded_summary = true\n",
+    )
+    .await;
+    assert_forwarded_unchanged(&mock, &t);
+    let (mock, t) = first_attempt(
+        SummaryMode::Status(500),
+        "[compaction]\nabort_on_degraded_summary = true\n",
+    )
+    .await;
+    assert_eq!(action(&t.headers), "compacted");
+    let summary = summary_message(&mock.last_chat().messages()).unwrap();
+    assert!(summary.contains(FALLBACK_NOTICE));
+}
