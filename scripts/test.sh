@@ -10,6 +10,10 @@ set -euo pipefail
 repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$repo"
 
+# Many integration tests open sockets in parallel; the default soft limit
+# (1024 on some machines) can make one fail with "Too many open files".
+ulimit -n 65536 2>/dev/null || ulimit -n "$(ulimit -Hn)" 2>/dev/null || true
+
 started=$SECONDS
 done_steps=()
 
