@@ -12,7 +12,7 @@ use serde_json::Value;
 
 use super::assemble::{self, Placement};
 use super::config::CompactionConfig;
-use super::fallback::build_fallback_summary;
+use super::fallback::{build_fallback_body_capped, build_fallback_summary};
 use super::markers::{self, Handoff};
 use super::prune::{self, PruneParams};
 use super::redact::redact_secrets;
@@ -469,10 +469,9 @@ impl Compressor {
             soft_ceiling: super::budget::soft_tail_ceiling(budget, window),
             protect_last_n: self.cfg.protect_last_n,
             min_tail_user_messages: self.cfg.min_tail_user_messages,
-            // The newest user ask always stays verbatim in the tail (a hard
-            // guarantee of compactor); the reference's oversized-active-turn
-            // split (#80449) is available to callers of `tail` but off here.
-            // Pruning pass 4 keeps such a tail within bounds instead.
+            // The tail's own oversized-active-turn rule moves the ask into the
+            // summary; compress splits such a turn itself instead
+            // ([`split_active_turn`]) so the ask stays verbatim.
             allow_split_turn: false,
         }
     }
@@ -748,15 +747,20 @@ impl Compressor {
             (None, true) => serialize::Grounding::NoUserInSession,
             (None, false) => serialize::Grounding::NoUserInWindow,
         };
-        let body = clip_summary(
+        let window = self.trigger.context_length();
+        let body = clip_summary_for_window(
             serialize::ground_task_snapshot_with(&body, grounding),
             target,
+            window,
         );
         self.trigger.note_summary_success();
         self.clear_terminal_flags();
         self.last_summary_error = None;
         self.previous_summary = Some(body.clone());
-        out.summary = Some(markers::normalize_summary_prefix(&body));
+        out.summary = Some(markers::normalize_summary_prefix_with(
+            markers::summary_prefix_for(window),
+            &body,
+        ));
         out
     }
 
@@ -830,11 +834,18 @@ impl Compressor {
             );
         }
 
-        let cut = tail::find_tail_cut_by_tokens(&working, compress_start, &tp);
-        let mut compress_end = cut;
+        // An active turn too large for the tail is cut inside, between tool
+        // rounds; its ask is carried verbatim after the summary.
+        let split = split_active_turn(&working, compress_start, &tp);
+        let mut compress_end = match split {
+            Some((_, keep_from)) => keep_from,
+            None => tail::find_tail_cut_by_tokens(&working, compress_start, &tp),
+        };
+        let split_ask = split.map(|(ask, _)| ask);
         // Bridge rule: an actionable user row must not sit in the slot where
         // a role collision would merge the summary into it.
-        if let Some(u) = view::last_real_user(&working, compress_start) {
+        if let Some(u) = view::last_real_user(&working, compress_start).filter(|_| split.is_none())
+        {
             if compress_end == u && u > 0 {
                 let mut b = u - 1;
                 if view::is_role(&working[b], "tool") {
@@ -888,9 +899,9 @@ impl Compressor {
         // running summary); the tail is not advanced past it, which could
         // summarise the live ask that a user-leading merge carries.
         let tail_start = compress_end;
-        let middle: Vec<Value> = working[compress_start..compress_end]
-            .iter()
-            .filter_map(markers::strip_handoff)
+        let middle: Vec<Value> = (compress_start..compress_end)
+            .filter(|&i| Some(i) != split_ask)
+            .filter_map(|i| markers::strip_handoff(&working[i]))
             .collect();
         if middle.is_empty() {
             return self.no_op(
@@ -959,7 +970,22 @@ impl Compressor {
                         .unwrap_or("summary unavailable (cooldown)")
                 };
                 let why = why.to_string();
-                let fb = build_fallback_summary(&middle, self.previous_summary.as_deref(), &why);
+                let window = self.trigger.context_length();
+                let target =
+                    super::budget::summary_budget(middle_tokens, self.trigger.max_summary_tokens());
+                let fb = match fallback_body_cap(target, window) {
+                    Some(cap) => format!(
+                        "{}\n{}",
+                        markers::SUMMARY_PREFIX,
+                        build_fallback_body_capped(
+                            &middle,
+                            self.previous_summary.as_deref(),
+                            &why,
+                            cap
+                        )
+                    ),
+                    None => build_fallback_summary(&middle, self.previous_summary.as_deref(), &why),
+                };
                 let body = markers::summary_body(&fb);
                 if body.trim().is_empty() {
                     self.previous_summary = snapshot.0;
@@ -969,7 +995,7 @@ impl Compressor {
                 }
                 self.last_summary_fallback_used = true;
                 self.previous_summary = Some(body);
-                markers::normalize_summary_prefix(&fb)
+                markers::normalize_summary_prefix_with(markers::summary_prefix_for(window), &fb)
             }
         };
 
@@ -978,17 +1004,26 @@ impl Compressor {
             .iter()
             .filter_map(markers::strip_handoff)
             .collect();
-        let tail_rows: Vec<Value> = working[tail_start.min(wn)..]
-            .iter()
-            .filter_map(markers::strip_handoff)
+        let tail_rows: Vec<Value> = split_ask
+            .into_iter()
+            .chain(tail_start.min(wn)..wn)
+            .filter_map(|i| markers::strip_handoff(&working[i]))
             .collect();
-        let asm = assemble::assemble(head, &summary, tail_rows);
+        let asm = if split_ask.is_some() {
+            assemble::assemble_split_turn(head, &summary, tail_rows)
+        } else {
+            assemble::assemble(head, &summary, tail_rows)
+        };
         let mut out = sanitize_tool_pairs(asm.messages);
         let mut summary_index = locate_summary(&out, asm.summary_index, asm.placement);
-        if let Some(si) = summary_index {
-            assemble::reappend_inflight_task(&mut out, si, messages);
+        // A split turn carries its ask verbatim; restating it would duplicate
+        // the user's text.
+        if split_ask.is_none() {
+            if let Some(si) = summary_index {
+                assemble::reappend_inflight_task(&mut out, si, messages);
+            }
+            assemble::ensure_user_turn(&mut out, messages);
         }
-        assemble::ensure_user_turn(&mut out, messages);
         strip_historical_media(&mut out);
         for m in out.iter_mut() {
             if let Some(o) = m.as_object_mut() {
@@ -1012,7 +1047,8 @@ impl Compressor {
             summary_index = locate_summary(&out, summary_index.unwrap_or(0), asm.placement);
         }
 
-        self.last_summary_dropped_count = compress_end - compress_start;
+        self.last_summary_dropped_count =
+            compress_end - compress_start - usize::from(split_ask.is_some());
         self.last_compression_made_progress = true;
         self.trigger.compression_count = self.trigger.compression_count.saturating_add(1);
         self.micro = super::micro::MicroState::default();
@@ -1113,6 +1149,95 @@ pub fn clip_summary(body: String, target_tokens: u64) -> String {
     let mut clipped: String = body.chars().take(max_chars).collect();
     clipped.push_str("\n...[summary clipped to fit the context window]");
     clipped
+}
+
+/// Below this window (the reference's 64k trigger floor) summary bodies are
+/// held to their budget exactly; at and above it the reference caps apply.
+pub const STRICT_SUMMARY_WINDOW: u64 = super::budget::MINIMUM_CONTEXT_LENGTH;
+
+/// [`clip_summary`] sized for the window: below [`STRICT_SUMMARY_WINDOW`]
+/// the body is clipped to the summary budget itself (`target` × 4 chars), so
+/// head + summary + tail stay under a small window's trigger and the running
+/// summary cannot grow across compactions.
+pub fn clip_summary_for_window(body: String, target_tokens: u64, window: u64) -> String {
+    if window >= STRICT_SUMMARY_WINDOW {
+        return clip_summary(body, target_tokens);
+    }
+    let max_chars = usize::try_from(target_tokens.saturating_mul(tokens::CHARS_PER_TOKEN))
+        .unwrap_or(usize::MAX);
+    clip_chars(body, max_chars)
+}
+
+/// Clips `body` to at most `max_chars` characters, clip note included.
+fn clip_chars(body: String, max_chars: usize) -> String {
+    const NOTE: &str = "\n...[summary clipped to fit the context window]";
+    if body.chars().count() <= max_chars {
+        return body;
+    }
+    let keep = max_chars.saturating_sub(NOTE.chars().count());
+    let mut clipped: String = body.chars().take(keep).collect();
+    clipped.push_str(NOTE);
+    clipped
+}
+
+/// Character cap of a deterministic fallback body: the summary budget
+/// (× 4 chars) below [`STRICT_SUMMARY_WINDOW`], `None` (the reference's
+/// 8,000-char cap) at and above it.
+pub fn fallback_body_cap(target_tokens: u64, window: u64) -> Option<usize> {
+    if window >= STRICT_SUMMARY_WINDOW {
+        return None;
+    }
+    let cap = usize::try_from(target_tokens.saturating_mul(tokens::CHARS_PER_TOKEN))
+        .unwrap_or(usize::MAX);
+    Some(cap.min(super::fallback::FALLBACK_MAX_CHARS))
+}
+
+/// True for the row that carries the newest user ask: a real user row, or a
+/// user row holding an earlier summary with the ask after its END marker
+/// (the shape a split active turn leaves behind).
+pub fn is_ask_row(m: &Value) -> bool {
+    view::is_real_user(m)
+        || (view::is_role(m, "user")
+            && matches!(
+                markers::classify_handoff(m),
+                Handoff::Standalone { live: Some(_), .. }
+            ))
+}
+
+/// Oversized active turn (§3.5 step 7, #80449, kept verbatim here): when the
+/// newest ask at or after `start` is followed by tool rounds costing more than
+/// the soft ceiling, returns `(ask, keep_from)`: the rounds from `keep_from`
+/// on (the newest that fit, at least one) stay verbatim and the rounds
+/// between the ask and `keep_from` are summarised. `keep_from` always starts
+/// a round (a non-tool row), so a call is never parted from its results.
+pub fn split_active_turn(msgs: &[Value], start: usize, p: &TailParams) -> Option<(usize, usize)> {
+    let n = msgs.len();
+    let ask = (start..n).rev().find(|&i| is_ask_row(&msgs[i]))?;
+    if !msgs[ask + 1..].iter().any(view::has_tool_calls) {
+        return None;
+    }
+    let costs = tail::row_costs(msgs);
+    let ask_cost = markers::strip_handoff(&msgs[ask])
+        .map_or(0, |m| tokens::estimate_msg_budget_tokens(&m, false));
+    let soft = p.soft_ceiling.max(p.budget);
+    let rounds: u64 = costs[ask + 1..].iter().sum();
+    if ask_cost.saturating_add(rounds) <= soft {
+        return None;
+    }
+    let starts: Vec<usize> = (ask + 1..n)
+        .filter(|&i| !view::is_role(&msgs[i], "tool"))
+        .collect();
+    let mut keep_from = *starts.last()?;
+    let mut acc = ask_cost.saturating_add(costs[keep_from..].iter().sum::<u64>());
+    for &g in starts.iter().rev().skip(1) {
+        let add: u64 = costs[g..keep_from].iter().sum();
+        if acc.saturating_add(add) > soft {
+            break;
+        }
+        acc = acc.saturating_add(add);
+        keep_from = g;
+    }
+    (keep_from > ask + 1).then_some((ask, keep_from))
 }
 
 /// Whether a candidate is smaller than its input. At or over the trigger
