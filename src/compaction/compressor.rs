@@ -795,7 +795,21 @@ impl Compressor {
         }
 
         let n = messages.len();
-        let head_size = self.protect_head_size(messages);
+        // A small window over its trigger cannot afford a protected head of
+        // whole tool rounds: an agent's first rounds would leave too few rows
+        // to compact (a no-op, then an overflow). The head shrinks to the
+        // system prompt; an oversized active turn then carries the task.
+        let relax_head = self.trigger.context_length() < STRICT_SUMMARY_WINDOW
+            && tokens_before >= self.trigger.threshold_tokens()
+            && n <= self.protect_head_size(messages) + MIN_ROWS_AFTER_HEAD;
+        let head_of = |c: &Self, msgs: &[Value]| {
+            if relax_head {
+                minimal_head_size(msgs).min(c.protect_head_size(msgs))
+            } else {
+                c.protect_head_size(msgs)
+            }
+        };
+        let head_size = head_of(self, messages);
         tel.head_rows = head_size;
         if n <= head_size + MIN_ROWS_AFTER_HEAD {
             return self.no_op(
@@ -821,7 +835,7 @@ impl Compressor {
         let wn = working.len();
         // The head is measured on the working list (a removed blank echo
         // shifts rows) and never ends inside a tool group.
-        let mut compress_start = self.protect_head_size(&working);
+        let mut compress_start = head_of(self, &working);
         while compress_start < wn && view::is_role(&working[compress_start], "tool") {
             compress_start += 1;
         }
@@ -836,7 +850,18 @@ impl Compressor {
 
         // An active turn too large for the tail is cut inside, between tool
         // rounds; its ask is carried verbatim after the summary.
-        let split = split_active_turn(&working, compress_start, &tp);
+        // The ask may sit in the protected head (an agent's only task): the
+        // head then ends before it, so the ask is carried after the summary
+        // instead of being restated.
+        let split = split_active_turn(
+            &working,
+            minimal_head_size(&working),
+            &tp,
+            (self.trigger.context_length() < STRICT_SUMMARY_WINDOW).then_some(compress_start),
+        );
+        if let Some((ask, _)) = split {
+            compress_start = compress_start.min(ask);
+        }
         let mut compress_end = match split {
             Some((_, keep_from)) => keep_from,
             None => tail::find_tail_cut_by_tokens(&working, compress_start, &tp),
@@ -1192,6 +1217,11 @@ pub fn fallback_body_cap(target_tokens: u64, window: u64) -> Option<usize> {
     Some(cap.min(super::fallback::FALLBACK_MAX_CHARS))
 }
 
+/// The smallest head: the system prompt, if first.
+pub fn minimal_head_size(msgs: &[Value]) -> usize {
+    usize::from(msgs.first().is_some_and(|m| view::is_role(m, "system")))
+}
+
 /// True for the row that carries the newest user ask: a real user row, or a
 /// user row holding an earlier summary with the ask after its END marker
 /// (the shape a split active turn leaves behind).
@@ -1210,7 +1240,16 @@ pub fn is_ask_row(m: &Value) -> bool {
 /// on (the newest that fit, at least one) stay verbatim and the rounds
 /// between the ask and `keep_from` are summarised. `keep_from` always starts
 /// a round (a non-tool row), so a call is never parted from its results.
-pub fn split_active_turn(msgs: &[Value], start: usize, p: &TailParams) -> Option<(usize, usize)> {
+///
+/// `eager_head_end` (small windows): also split when the ask is at or before
+/// this row, where the ordinary cut would either leave it in the head or
+/// summarise it, and restate it afterwards, spending its tokens twice.
+pub fn split_active_turn(
+    msgs: &[Value],
+    start: usize,
+    p: &TailParams,
+    eager_head_end: Option<usize>,
+) -> Option<(usize, usize)> {
     let n = msgs.len();
     let ask = (start..n).rev().find(|&i| is_ask_row(&msgs[i]))?;
     if !msgs[ask + 1..].iter().any(view::has_tool_calls) {
@@ -1221,7 +1260,8 @@ pub fn split_active_turn(msgs: &[Value], start: usize, p: &TailParams) -> Option
         .map_or(0, |m| tokens::estimate_msg_budget_tokens(&m, false));
     let soft = p.soft_ceiling.max(p.budget);
     let rounds: u64 = costs[ask + 1..].iter().sum();
-    if ask_cost.saturating_add(rounds) <= soft {
+    let eager = eager_head_end.is_some_and(|h| ask <= h);
+    if ask_cost.saturating_add(rounds) <= soft && !eager {
         return None;
     }
     let starts: Vec<usize> = (ask + 1..n)
@@ -1236,6 +1276,11 @@ pub fn split_active_turn(msgs: &[Value], start: usize, p: &TailParams) -> Option
         }
         acc = acc.saturating_add(add);
         keep_from = g;
+    }
+    if eager && keep_from <= ask + 1 {
+        // Everything fits once pruned, but the call is over the trigger:
+        // the oldest round is summarised so the ask is not restated.
+        keep_from = starts.get(1).copied().unwrap_or(keep_from);
     }
     (keep_from > ask + 1).then_some((ask, keep_from))
 }
