@@ -853,25 +853,12 @@ impl Compressor {
         // The ask may sit in the protected head (an agent's only task): the
         // head then ends before it, so the ask is carried after the summary
         // instead of being restated.
-        let split = split_active_turn(
-            &working,
-            minimal_head_size(&working),
-            &tp,
-            (self.trigger.context_length() < STRICT_SUMMARY_WINDOW).then_some(compress_start),
-        );
-        if let Some((ask, _)) = split {
-            compress_start = compress_start.min(ask);
-        }
-        let mut compress_end = match split {
-            Some((_, keep_from)) => keep_from,
-            None => tail::find_tail_cut_by_tokens(&working, compress_start, &tp),
-        };
-        let split_ask = split.map(|(ask, _)| ask);
-        // Bridge rule: an actionable user row must not sit in the slot where
-        // a role collision would merge the summary into it.
-        if let Some(u) = view::last_real_user(&working, compress_start).filter(|_| split.is_none())
-        {
-            if compress_end == u && u > 0 {
+        // The ordinary cut: tail by tokens, then the bridge rule (an
+        // actionable user row must not sit in the slot where a role collision
+        // would merge the summary into it).
+        let mut normal_end = tail::find_tail_cut_by_tokens(&working, compress_start, &tp);
+        if let Some(u) = view::last_real_user(&working, compress_start) {
+            if normal_end == u && u > 0 {
                 let mut b = u - 1;
                 if view::is_role(&working[b], "tool") {
                     while b > 0 && view::is_role(&working[b], "tool") {
@@ -879,10 +866,41 @@ impl Compressor {
                     }
                 }
                 if b > compress_start && view::is_role(&working[b], "assistant") {
-                    compress_end = b;
+                    normal_end = b;
                 }
             }
         }
+        let small = self.trigger.context_length() < STRICT_SUMMARY_WINDOW;
+        let mut split = split_active_turn(
+            &working,
+            minimal_head_size(&working),
+            &tp,
+            small.then_some(compress_start),
+        );
+        if split.is_none() && small && tokens_before >= self.trigger.threshold_tokens() {
+            // Pruning may have shrunk the active turn under the ceiling while
+            // the ordinary cut finds nothing but earlier summaries to
+            // compact: splitting the turn is the only way forward.
+            let nothing = working[compress_start..normal_end.max(compress_start)]
+                .iter()
+                .all(|m| markers::strip_handoff(m).is_none());
+            if nothing {
+                split = split_active_turn(
+                    &working,
+                    minimal_head_size(&working),
+                    &tp,
+                    Some(usize::MAX),
+                );
+            }
+        }
+        if let Some((ask, _)) = split {
+            compress_start = compress_start.min(ask);
+        }
+        let compress_end = match split {
+            Some((_, keep_from)) => keep_from,
+            None => normal_end,
+        };
+        let split_ask = split.map(|(ask, _)| ask);
         if compress_start >= compress_end {
             return self.no_op(
                 messages,
