@@ -368,23 +368,3 @@ fn oversized_active_turn_is_split_between_rounds() {
     check_request(&res2.messages, TASK, "second split");
     assert!(res2.messages.iter().filter(|m| view::is_summary(m)).count() == 1);
 }
-
-#[test]
-fn debug_turn29() {
-    let (_, tools) = load("agent_turn8");
-    let mut c = engine(4096);
-    let threshold = c.trigger.threshold_tokens();
-    let s = summariser(Kind::Fails);
-    let mut convo = vec![msg("system", "You are Forge, a careful coding agent. Use the tools."), msg("user", TASK)];
-    for t in 1..=29 {
-        convo.extend(round(t, 1_500 + (t * 389) % 1_500));
-        if t % 6 == 0 { convo.push(msg("user", &format!("Follow-up {}: also keep an eye on the retry path {t}.", t / 6))); }
-        let before = request_tokens(&convo, &tools);
-        if before > threshold {
-            if t == 29 { for m in &convo { let tx = content_str(m); println!("{} {} {:?} {}", view::role(m), tx.len(), &tx[..tx.len().min(60)], compactor::compaction::tokens::estimate_msg_budget_tokens(m, false)); } println!("tp {:?}", c.tail_params()); }
-            let res = block_on(c.compress(&convo, &s, CompressOptions::default()));
-            println!("t {t} {:?}", res.outcome);
-            convo = res.messages;
-        }
-    }
-}

@@ -795,12 +795,11 @@ impl Compressor {
         }
 
         let n = messages.len();
-        // A small window over its trigger cannot afford a protected head of
+        // A small window cannot afford a protected head of
         // whole tool rounds: an agent's first rounds would leave too few rows
         // to compact (a no-op, then an overflow). The head shrinks to the
         // system prompt; an oversized active turn then carries the task.
         let relax_head = self.trigger.context_length() < STRICT_SUMMARY_WINDOW
-            && tokens_before >= self.trigger.threshold_tokens()
             && n <= self.protect_head_size(messages) + MIN_ROWS_AFTER_HEAD;
         let head_of = |c: &Self, msgs: &[Value]| {
             if relax_head {
@@ -877,20 +876,18 @@ impl Compressor {
             &tp,
             small.then_some(compress_start),
         );
-        if split.is_none() && small && tokens_before >= self.trigger.threshold_tokens() {
+        if split.is_none() && small {
             // Pruning may have shrunk the active turn under the ceiling while
             // the ordinary cut finds nothing but earlier summaries to
-            // compact: splitting the turn is the only way forward.
+            // compact: splitting the turn is the only way forward. (The
+            // caller's trigger also counts `tools`, which this estimate does
+            // not see, so no threshold test here.)
             let nothing = working[compress_start..normal_end.max(compress_start)]
                 .iter()
                 .all(|m| markers::strip_handoff(m).is_none());
             if nothing {
-                split = split_active_turn(
-                    &working,
-                    minimal_head_size(&working),
-                    &tp,
-                    Some(usize::MAX),
-                );
+                split =
+                    split_active_turn(&working, minimal_head_size(&working), &tp, Some(usize::MAX));
             }
         }
         if let Some((ask, _)) = split {
