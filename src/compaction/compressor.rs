@@ -820,6 +820,11 @@ impl Compressor {
         }
         // Phase 1: prune tool outputs (no LLM).
         let tp = self.tail_params();
+        // Small windows keep an agent's newest tool result whole when it
+        // takes at most half the trigger: the split keeps its round, and a
+        // stub in its place would make the model repeat the call.
+        let keep_newest_tool_max = (self.trigger.context_length() < STRICT_SUMMARY_WINDOW)
+            .then(|| self.trigger.threshold_tokens() / 2);
         let (pruned, pruned_rows) = prune::prune_old_tool_results(
             messages,
             &PruneParams {
@@ -827,6 +832,7 @@ impl Compressor {
                 protect_tail_tokens: Some(tp.budget),
                 soft_ceiling: Some(tp.soft_ceiling),
                 min_prune_chars: prune::PRUNE_MIN_CHARS,
+                keep_newest_tool_max,
             },
         );
         tel.pruned_rows = pruned_rows;
@@ -886,8 +892,19 @@ impl Compressor {
                 .iter()
                 .all(|m| markers::strip_handoff(m).is_none());
             if nothing {
+                let min_head = minimal_head_size(&working);
                 split =
-                    split_active_turn(&working, minimal_head_size(&working), &tp, Some(usize::MAX));
+                    split_active_turn(&working, min_head, &tp, Some(usize::MAX)).or_else(|| {
+                        // The ask's own turn cannot be cut (one round), but the
+                        // rows before it can go: the bridge rule kept them out of
+                        // the middle only to keep the summary off the ask, and
+                        // the split assembly puts it in front of the ask instead.
+                        let ask = (min_head..wn).rev().find(|&i| is_ask_row(&working[i]))?;
+                        let before = working[compress_start.min(ask)..ask]
+                            .iter()
+                            .any(|m| markers::strip_handoff(m).is_some());
+                        before.then_some((ask, ask + 1))
+                    });
             }
         }
         if let Some((ask, _)) = split {
