@@ -256,8 +256,8 @@ Find the cause in the inventory service, fix it, and make sure the tests pass.";
 
 /// Grows an agent conversation for 40 turns and compacts `previous output +
 /// new messages` whenever the request crosses the threshold, as the proxy
-/// does. Returns how many compactions ran.
-fn simulate(window: u64, kind: Kind, follow_up_every: usize) -> usize {
+/// does. Returns how many compactions ran and the largest request sent.
+fn simulate(window: u64, kind: Kind, follow_up_every: usize) -> (usize, u64) {
     let (_, tools) = load("agent_turn8");
     let mut c = engine(window);
     let threshold = c.trigger.threshold_tokens();
@@ -270,6 +270,7 @@ fn simulate(window: u64, kind: Kind, follow_up_every: usize) -> usize {
         msg("user", TASK),
     ];
     let mut compactions = 0;
+    let mut largest = 0;
     for t in 1..=40 {
         convo.extend(round(t, 1_500 + (t * 389) % 1_500));
         if t % follow_up_every == 0 {
@@ -308,6 +309,7 @@ fn simulate(window: u64, kind: Kind, follow_up_every: usize) -> usize {
             compactions += 1;
         }
         let after = request_tokens(&convo, &tools);
+        largest = largest.max(after);
         assert!(
             after <= threshold,
             "{ctx}: request {after} > threshold {threshold}"
@@ -318,7 +320,7 @@ fn simulate(window: u64, kind: Kind, follow_up_every: usize) -> usize {
         );
         check_request(&convo, &ask, &ctx);
     }
-    compactions
+    (compactions, largest)
 }
 
 /// The newest ask, real or carried after a summary's END marker.
@@ -339,8 +341,9 @@ fn forty_turn_agent_loop_always_fits() {
     for window in WINDOWS {
         for kind in KINDS {
             for every in [6, 7] {
-                let n = simulate(window, kind, every);
+                let (n, largest) = simulate(window, kind, every);
                 assert!(n >= 2, "{window} {kind:?}: only {n} compactions");
+                println!("window {window} {kind:?} follow-up every {every}: {n} compactions, largest request {largest} tokens");
             }
         }
     }
