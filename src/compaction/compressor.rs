@@ -1520,6 +1520,82 @@ mod tests {
     }
 
     #[test]
+    fn small_windows_clip_to_the_budget_itself() {
+        let body = format!("HEAD {}", "x".repeat(10_000));
+        let small = clip_summary_for_window(body.clone(), 100, 2_048);
+        assert!(small.starts_with("HEAD "));
+        assert!(small.chars().count() <= 400, "{}", small.chars().count());
+        let large = clip_summary_for_window(body, 100, 128_000);
+        assert!(large.chars().count() > 400 && large.chars().count() < 900);
+        assert_eq!(fallback_body_cap(204, 2_048), Some(816));
+        assert_eq!(fallback_body_cap(2_000, 128_000), None);
+    }
+
+    fn round(i: usize, result_chars: usize) -> [Value; 2] {
+        [
+            serde_json::json!({"role": "assistant", "content": null,
+                "tool_calls": [{"id": format!("c{i}"), "function": {"name": "f", "arguments": "{}"}}]}),
+            serde_json::json!({"role": "tool", "tool_call_id": format!("c{i}"), "content": "r".repeat(result_chars)}),
+        ]
+    }
+
+    fn params(budget: u64) -> TailParams {
+        TailParams {
+            budget,
+            soft_ceiling: budget,
+            protect_last_n: 20,
+            min_tail_user_messages: 1,
+            allow_split_turn: false,
+        }
+    }
+
+    #[test]
+    fn split_cuts_between_rounds_and_keeps_the_newest() {
+        let mut msgs = vec![
+            serde_json::json!({"role": "system", "content": "s"}),
+            serde_json::json!({"role": "user", "content": "ask"}),
+        ];
+        for i in 0..5 {
+            msgs.extend(round(i, 800));
+        }
+        // Each round costs ~230 tokens: 500 keeps the two newest.
+        let (ask, keep) = split_active_turn(&msgs, 1, &params(500), None).unwrap();
+        assert_eq!(ask, 1);
+        assert_eq!(keep, msgs.len() - 4);
+        assert!(view::has_tool_calls(&msgs[keep]));
+        // A ceiling below one round still keeps the newest round whole.
+        let (_, keep) = split_active_turn(&msgs, 1, &params(10), None).unwrap();
+        assert_eq!(keep, msgs.len() - 2);
+        // A turn that fits is not split, unless eager and the ask is in the head.
+        assert_eq!(split_active_turn(&msgs, 1, &params(100_000), None), None);
+        assert_eq!(
+            split_active_turn(&msgs, 1, &params(100_000), Some(4)),
+            Some((1, 4))
+        );
+        // One round only: nothing inside the turn to summarise.
+        let short: Vec<Value> = msgs[..4].to_vec();
+        assert_eq!(split_active_turn(&short, 1, &params(10), None), None);
+    }
+
+    #[test]
+    fn a_summary_carrying_the_ask_is_an_ask_row() {
+        let carried = markers::prepend_summary(
+            &Value::String("do it".into()),
+            &markers::normalize_summary_prefix("B"),
+        );
+        assert!(is_ask_row(
+            &serde_json::json!({"role": "user", "content": carried})
+        ));
+        let bare = markers::standalone_content(&markers::normalize_summary_prefix("B"));
+        assert!(!is_ask_row(
+            &serde_json::json!({"role": "user", "content": bare})
+        ));
+        assert!(!is_ask_row(
+            &serde_json::json!({"role": "assistant", "content": "x"})
+        ));
+    }
+
+    #[test]
     fn clip_summary_keeps_the_head() {
         let body = format!("HEAD {}", "x".repeat(10_000));
         let out = clip_summary(body, 100);

@@ -1,7 +1,8 @@
 //! Deterministic fallback summary (reference §3.12): what replaces the
 //! compacted turns when the summariser failed and the failure is not one
 //! that aborts. Built locally from the dropped turns, strictly redacted,
-//! capped at 8,000 characters. The latest user ask is recorded exactly once,
+//! capped at 8,000 characters, or at the summary budget of a small window
+//! ([`build_fallback_body_capped`]), so repeated fallbacks cannot grow. The latest user ask is recorded exactly once,
 //! as history (#49307: repeating it under "in progress" / "pending" headings
 //! made the model answer it again).
 
@@ -512,6 +513,46 @@ mod tests {
         );
         assert!(f.contains(FALLBACK_NOTICE));
         assert!(f.contains("User asked: 'ask 199"));
+    }
+
+    #[test]
+    fn capped_body_does_not_grow_across_fallbacks() {
+        let round = |i: usize| {
+            vec![
+                json!({"role": "assistant", "content": format!("step {i}"), "tool_calls": [
+                    {"id": format!("c{i}"), "function": {"name": "read_file", "arguments": format!("{{\"path\":\"src/m{i}.py\"}}")}}]}),
+                json!({"role": "tool", "tool_call_id": format!("c{i}"), "content": "z".repeat(2_000)}),
+            ]
+        };
+        let first: Vec<Value> =
+            std::iter::once(json!({"role": "user", "content": "fix the drift"}))
+                .chain((0..4).flat_map(round))
+                .collect();
+        let cap = 816;
+        let mut prev = build_fallback_body_capped(&first, None, "boom", cap);
+        assert!(prev.chars().count() <= cap, "{}", prev.chars().count());
+        assert!(prev.contains("fix the drift"));
+        for k in 1..12 {
+            let dropped: Vec<Value> = (k * 4..k * 4 + 4).flat_map(round).collect();
+            let next = build_fallback_body_capped(&dropped, Some(&prev), "boom", cap);
+            assert!(
+                next.chars().count() <= cap,
+                "round {k}: {}",
+                next.chars().count()
+            );
+            // The task is carried forward once, not nested.
+            assert!(next.contains("fix the drift"), "round {k}: task lost");
+            assert_eq!(
+                next.matches("From the previous summary").count(),
+                1,
+                "round {k}"
+            );
+            prev = next;
+        }
+        // Large caps keep the reference layout.
+        let full = build_fallback_body_capped(&first, None, "boom", 7_000);
+        assert!(full.contains("## Governing User Outcome"));
+        assert!(!prev.contains("## Governing User Outcome"));
     }
 
     #[test]
