@@ -855,9 +855,6 @@ impl Compressor {
 
         // An active turn too large for the tail is cut inside, between tool
         // rounds; its ask is carried verbatim after the summary.
-        // The ask may sit in the protected head (an agent's only task): the
-        // head then ends before it, so the ask is carried after the summary
-        // instead of being restated.
         // The ordinary cut: tail by tokens, then the bridge rule (an
         // actionable user row must not sit in the slot where a role collision
         // would merge the summary into it).
@@ -876,12 +873,14 @@ impl Compressor {
             }
         }
         let small = self.trigger.context_length() < STRICT_SUMMARY_WINDOW;
-        let mut split = split_active_turn(
-            &working,
-            minimal_head_size(&working),
-            &tp,
-            small.then_some(compress_start),
-        );
+        // Large windows keep the reference's protected head: only an ask
+        // after it is carried.
+        let ask_from = if small {
+            minimal_head_size(&working)
+        } else {
+            compress_start
+        };
+        let mut split = split_active_turn(&working, ask_from, &tp, small.then_some(compress_start));
         if split.is_none() && small {
             // Pruning may have shrunk the active turn under the ceiling while
             // the ordinary cut finds nothing but earlier summaries to
@@ -907,6 +906,9 @@ impl Compressor {
                     });
             }
         }
+        // At small windows the ask may sit in the protected head (an agent's
+        // only task): the head then ends before it, so the ask is carried
+        // after the summary instead of being restated.
         if let Some((ask, _)) = split {
             compress_start = compress_start.min(ask);
         }
