@@ -177,6 +177,35 @@ pub fn assemble(head: Vec<Value>, summary: &str, tail: Vec<Value>) -> Assembled 
     }
 }
 
+/// Assembly for a split active turn: `tail` starts with the newest user ask
+/// (already stripped of any earlier summary) followed by the kept tool
+/// rounds. The summary is prepended to that ask, giving one user row
+/// `summary + END + blank line + ask` (the forced user-leading shape), unless
+/// the head already ends in a visible user turn: then a user-leading merge
+/// would put two user turns side by side, and the ordinary placement (a
+/// standalone assistant summary before the untouched ask) is used.
+pub fn assemble_split_turn(head: Vec<Value>, summary: &str, tail: Vec<Value>) -> Assembled {
+    let nb = Neighbours::of(&head, &[]);
+    let head_user = nb.raw_head == Some("user") || nb.vis_head == Some("user");
+    let tail_user = tail.first().is_some_and(|m| view::is_role(m, "user"));
+    if head_user || !tail_user {
+        return assemble(head, summary, tail);
+    }
+    let mut messages = head;
+    let idx = messages.len();
+    messages.extend(tail);
+    let merged = markers::prepend_summary(
+        messages[idx].get("content").unwrap_or(&Value::Null),
+        summary,
+    );
+    set_content(&mut messages[idx], merged);
+    Assembled {
+        messages,
+        summary_index: idx,
+        placement: Placement::MergeUserLeading,
+    }
+}
+
 /// True when a real user row follows the summary carrier, or the carrier has
 /// live content after its END marker (the user-leading merge).
 fn live_user_after(messages: &[Value], summary_index: usize) -> bool {

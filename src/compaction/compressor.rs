@@ -12,7 +12,7 @@ use serde_json::Value;
 
 use super::assemble::{self, Placement};
 use super::config::CompactionConfig;
-use super::fallback::build_fallback_summary;
+use super::fallback::{build_fallback_body_capped, build_fallback_summary};
 use super::markers::{self, Handoff};
 use super::prune::{self, PruneParams};
 use super::redact::redact_secrets;
@@ -479,10 +479,9 @@ impl Compressor {
             soft_ceiling: super::budget::soft_tail_ceiling(budget, window),
             protect_last_n: self.cfg.protect_last_n,
             min_tail_user_messages: self.cfg.min_tail_user_messages,
-            // The newest user ask always stays verbatim in the tail (a hard
-            // guarantee of compactor); the reference's oversized-active-turn
-            // split (#80449) is available to callers of `tail` but off here.
-            // Pruning pass 4 keeps such a tail within bounds instead.
+            // The tail's own oversized-active-turn rule moves the ask into the
+            // summary; compress splits such a turn itself instead
+            // ([`split_active_turn`]) so the ask stays verbatim.
             allow_split_turn: false,
         }
     }
@@ -758,15 +757,20 @@ impl Compressor {
             (None, true) => serialize::Grounding::NoUserInSession,
             (None, false) => serialize::Grounding::NoUserInWindow,
         };
-        let body = clip_summary(
+        let window = self.trigger.context_length();
+        let body = clip_summary_for_window(
             serialize::ground_task_snapshot_with(&body, grounding),
             target,
+            window,
         );
         self.trigger.note_summary_success();
         self.clear_terminal_flags();
         self.last_summary_error = None;
         self.previous_summary = Some(body.clone());
-        out.summary = Some(markers::normalize_summary_prefix(&body));
+        out.summary = Some(markers::normalize_summary_prefix_with(
+            markers::summary_prefix_for(window),
+            &body,
+        ));
         out
     }
 
@@ -801,7 +805,20 @@ impl Compressor {
         }
 
         let n = messages.len();
-        let head_size = self.protect_head_size(messages);
+        // A small window cannot afford a protected head of
+        // whole tool rounds: an agent's first rounds would leave too few rows
+        // to compact (a no-op, then an overflow). The head shrinks to the
+        // system prompt; an oversized active turn then carries the task.
+        let relax_head = self.trigger.context_length() < STRICT_SUMMARY_WINDOW
+            && n <= self.protect_head_size(messages) + MIN_ROWS_AFTER_HEAD;
+        let head_of = |c: &Self, msgs: &[Value]| {
+            if relax_head {
+                minimal_head_size(msgs).min(c.protect_head_size(msgs))
+            } else {
+                c.protect_head_size(msgs)
+            }
+        };
+        let head_size = head_of(self, messages);
         tel.head_rows = head_size;
         if n <= head_size + MIN_ROWS_AFTER_HEAD {
             return self.no_op(
@@ -813,6 +830,11 @@ impl Compressor {
         }
         // Phase 1: prune tool outputs (no LLM).
         let tp = self.tail_params();
+        // Small windows keep an agent's newest tool result whole when it
+        // takes at most half the trigger: the split keeps its round, and a
+        // stub in its place would make the model repeat the call.
+        let keep_newest_tool_max = (self.trigger.context_length() < STRICT_SUMMARY_WINDOW)
+            .then(|| self.trigger.threshold_tokens() / 2);
         let (pruned, pruned_rows) = prune::prune_old_tool_results(
             messages,
             &PruneParams {
@@ -820,6 +842,7 @@ impl Compressor {
                 protect_tail_tokens: Some(tp.budget),
                 soft_ceiling: Some(tp.soft_ceiling),
                 min_prune_chars: prune::PRUNE_MIN_CHARS,
+                keep_newest_tool_max,
             },
         );
         tel.pruned_rows = pruned_rows;
@@ -827,7 +850,7 @@ impl Compressor {
         let wn = working.len();
         // The head is measured on the working list (a removed blank echo
         // shifts rows) and never ends inside a tool group.
-        let mut compress_start = self.protect_head_size(&working);
+        let mut compress_start = head_of(self, &working);
         while compress_start < wn && view::is_role(&working[compress_start], "tool") {
             compress_start += 1;
         }
@@ -840,12 +863,14 @@ impl Compressor {
             );
         }
 
-        let cut = tail::find_tail_cut_by_tokens(&working, compress_start, &tp);
-        let mut compress_end = cut;
-        // Bridge rule: an actionable user row must not sit in the slot where
-        // a role collision would merge the summary into it.
+        // An active turn too large for the tail is cut inside, between tool
+        // rounds; its ask is carried verbatim after the summary.
+        // The ordinary cut: tail by tokens, then the bridge rule (an
+        // actionable user row must not sit in the slot where a role collision
+        // would merge the summary into it).
+        let mut normal_end = tail::find_tail_cut_by_tokens(&working, compress_start, &tp);
         if let Some(u) = view::last_real_user(&working, compress_start) {
-            if compress_end == u && u > 0 {
+            if normal_end == u && u > 0 {
                 let mut b = u - 1;
                 if view::is_role(&working[b], "tool") {
                     while b > 0 && view::is_role(&working[b], "tool") {
@@ -853,10 +878,55 @@ impl Compressor {
                     }
                 }
                 if b > compress_start && view::is_role(&working[b], "assistant") {
-                    compress_end = b;
+                    normal_end = b;
                 }
             }
         }
+        let small = self.trigger.context_length() < STRICT_SUMMARY_WINDOW;
+        // Large windows keep the reference's protected head: only an ask
+        // after it is carried.
+        let ask_from = if small {
+            minimal_head_size(&working)
+        } else {
+            compress_start
+        };
+        let mut split = split_active_turn(&working, ask_from, &tp, small.then_some(compress_start));
+        if split.is_none() && small {
+            // Pruning may have shrunk the active turn under the ceiling while
+            // the ordinary cut finds nothing but earlier summaries to
+            // compact: splitting the turn is the only way forward. (The
+            // caller's trigger also counts `tools`, which this estimate does
+            // not see, so no threshold test here.)
+            let nothing = working[compress_start..normal_end.max(compress_start)]
+                .iter()
+                .all(|m| markers::strip_handoff(m).is_none());
+            if nothing {
+                let min_head = minimal_head_size(&working);
+                split =
+                    split_active_turn(&working, min_head, &tp, Some(usize::MAX)).or_else(|| {
+                        // The ask's own turn cannot be cut (one round), but the
+                        // rows before it can go: the bridge rule kept them out of
+                        // the middle only to keep the summary off the ask, and
+                        // the split assembly puts it in front of the ask instead.
+                        let ask = (min_head..wn).rev().find(|&i| is_ask_row(&working[i]))?;
+                        let before = working[compress_start.min(ask)..ask]
+                            .iter()
+                            .any(|m| markers::strip_handoff(m).is_some());
+                        before.then_some((ask, ask + 1))
+                    });
+            }
+        }
+        // At small windows the ask may sit in the protected head (an agent's
+        // only task): the head then ends before it, so the ask is carried
+        // after the summary instead of being restated.
+        if let Some((ask, _)) = split {
+            compress_start = compress_start.min(ask);
+        }
+        let compress_end = match split {
+            Some((_, keep_from)) => keep_from,
+            None => normal_end,
+        };
+        let split_ask = split.map(|(ask, _)| ask);
         if compress_start >= compress_end {
             return self.no_op(
                 messages,
@@ -898,9 +968,9 @@ impl Compressor {
         // running summary); the tail is not advanced past it, which could
         // summarise the live ask that a user-leading merge carries.
         let tail_start = compress_end;
-        let middle: Vec<Value> = working[compress_start..compress_end]
-            .iter()
-            .filter_map(markers::strip_handoff)
+        let middle: Vec<Value> = (compress_start..compress_end)
+            .filter(|&i| Some(i) != split_ask)
+            .filter_map(|i| markers::strip_handoff(&working[i]))
             .collect();
         if middle.is_empty() {
             return self.no_op(
@@ -969,7 +1039,22 @@ impl Compressor {
                         .unwrap_or("summary unavailable (cooldown)")
                 };
                 let why = why.to_string();
-                let fb = build_fallback_summary(&middle, self.previous_summary.as_deref(), &why);
+                let window = self.trigger.context_length();
+                let target =
+                    super::budget::summary_budget(middle_tokens, self.trigger.max_summary_tokens());
+                let fb = match fallback_body_cap(target, window) {
+                    Some(cap) => format!(
+                        "{}\n{}",
+                        markers::SUMMARY_PREFIX,
+                        build_fallback_body_capped(
+                            &middle,
+                            self.previous_summary.as_deref(),
+                            &why,
+                            cap
+                        )
+                    ),
+                    None => build_fallback_summary(&middle, self.previous_summary.as_deref(), &why),
+                };
                 let body = markers::summary_body(&fb);
                 if body.trim().is_empty() {
                     self.previous_summary = snapshot.0;
@@ -979,7 +1064,7 @@ impl Compressor {
                 }
                 self.last_summary_fallback_used = true;
                 self.previous_summary = Some(body);
-                markers::normalize_summary_prefix(&fb)
+                markers::normalize_summary_prefix_with(markers::summary_prefix_for(window), &fb)
             }
         };
 
@@ -988,17 +1073,26 @@ impl Compressor {
             .iter()
             .filter_map(markers::strip_handoff)
             .collect();
-        let tail_rows: Vec<Value> = working[tail_start.min(wn)..]
-            .iter()
-            .filter_map(markers::strip_handoff)
+        let tail_rows: Vec<Value> = split_ask
+            .into_iter()
+            .chain(tail_start.min(wn)..wn)
+            .filter_map(|i| markers::strip_handoff(&working[i]))
             .collect();
-        let asm = assemble::assemble(head, &summary, tail_rows);
+        let asm = if split_ask.is_some() {
+            assemble::assemble_split_turn(head, &summary, tail_rows)
+        } else {
+            assemble::assemble(head, &summary, tail_rows)
+        };
         let mut out = sanitize_tool_pairs(asm.messages);
         let mut summary_index = locate_summary(&out, asm.summary_index, asm.placement);
-        if let Some(si) = summary_index {
-            assemble::reappend_inflight_task(&mut out, si, messages);
+        // A split turn carries its ask verbatim; restating it would duplicate
+        // the user's text.
+        if split_ask.is_none() {
+            if let Some(si) = summary_index {
+                assemble::reappend_inflight_task(&mut out, si, messages);
+            }
+            assemble::ensure_user_turn(&mut out, messages);
         }
-        assemble::ensure_user_turn(&mut out, messages);
         strip_historical_media(&mut out);
         for m in out.iter_mut() {
             if let Some(o) = m.as_object_mut() {
@@ -1022,7 +1116,8 @@ impl Compressor {
             summary_index = locate_summary(&out, summary_index.unwrap_or(0), asm.placement);
         }
 
-        self.last_summary_dropped_count = compress_end - compress_start;
+        self.last_summary_dropped_count =
+            compress_end - compress_start - usize::from(split_ask.is_some());
         self.last_compression_made_progress = true;
         self.trigger.compression_count = self.trigger.compression_count.saturating_add(1);
         self.micro = super::micro::MicroState::default();
@@ -1123,6 +1218,115 @@ pub fn clip_summary(body: String, target_tokens: u64) -> String {
     let mut clipped: String = body.chars().take(max_chars).collect();
     clipped.push_str("\n...[summary clipped to fit the context window]");
     clipped
+}
+
+/// Below this window (the reference's 64k trigger floor) summary bodies are
+/// held to their budget exactly; at and above it the reference caps apply.
+pub const STRICT_SUMMARY_WINDOW: u64 = super::budget::MINIMUM_CONTEXT_LENGTH;
+
+/// [`clip_summary`] sized for the window: below [`STRICT_SUMMARY_WINDOW`]
+/// the body is clipped to the summary budget itself (`target` × 4 chars), so
+/// head + summary + tail stay under a small window's trigger and the running
+/// summary cannot grow across compactions.
+pub fn clip_summary_for_window(body: String, target_tokens: u64, window: u64) -> String {
+    if window >= STRICT_SUMMARY_WINDOW {
+        return clip_summary(body, target_tokens);
+    }
+    let max_chars = usize::try_from(target_tokens.saturating_mul(tokens::CHARS_PER_TOKEN))
+        .unwrap_or(usize::MAX);
+    clip_chars(body, max_chars)
+}
+
+/// Clips `body` to at most `max_chars` characters, clip note included.
+fn clip_chars(body: String, max_chars: usize) -> String {
+    const NOTE: &str = "\n...[summary clipped to fit the context window]";
+    if body.chars().count() <= max_chars {
+        return body;
+    }
+    let keep = max_chars.saturating_sub(NOTE.chars().count());
+    let mut clipped: String = body.chars().take(keep).collect();
+    clipped.push_str(NOTE);
+    clipped
+}
+
+/// Character cap of a deterministic fallback body: the summary budget
+/// (× 4 chars) below [`STRICT_SUMMARY_WINDOW`], `None` (the reference's
+/// 8,000-char cap) at and above it.
+pub fn fallback_body_cap(target_tokens: u64, window: u64) -> Option<usize> {
+    if window >= STRICT_SUMMARY_WINDOW {
+        return None;
+    }
+    let cap = usize::try_from(target_tokens.saturating_mul(tokens::CHARS_PER_TOKEN))
+        .unwrap_or(usize::MAX);
+    Some(cap.min(super::fallback::FALLBACK_MAX_CHARS))
+}
+
+/// The smallest head: the system prompt, if first.
+pub fn minimal_head_size(msgs: &[Value]) -> usize {
+    usize::from(msgs.first().is_some_and(|m| view::is_role(m, "system")))
+}
+
+/// True for the row that carries the newest user ask: a real user row, or a
+/// user row holding an earlier summary with the ask after its END marker
+/// (the shape a split active turn leaves behind).
+pub fn is_ask_row(m: &Value) -> bool {
+    view::is_real_user(m)
+        || (view::is_role(m, "user")
+            && matches!(
+                markers::classify_handoff(m),
+                Handoff::Standalone { live: Some(_), .. }
+            ))
+}
+
+/// Oversized active turn (§3.5 step 7, #80449, kept verbatim here): when the
+/// newest ask at or after `start` is followed by tool rounds costing more than
+/// the soft ceiling, returns `(ask, keep_from)`: the rounds from `keep_from`
+/// on (the newest that fit, at least one) stay verbatim and the rounds
+/// between the ask and `keep_from` are summarised. `keep_from` always starts
+/// a round (a non-tool row), so a call is never parted from its results.
+///
+/// `eager_head_end` (small windows): also split when the ask is at or before
+/// this row, where the ordinary cut would either leave it in the head or
+/// summarise it, and restate it afterwards, spending its tokens twice.
+pub fn split_active_turn(
+    msgs: &[Value],
+    start: usize,
+    p: &TailParams,
+    eager_head_end: Option<usize>,
+) -> Option<(usize, usize)> {
+    let n = msgs.len();
+    let ask = (start..n).rev().find(|&i| is_ask_row(&msgs[i]))?;
+    if !msgs[ask + 1..].iter().any(view::has_tool_calls) {
+        return None;
+    }
+    let costs = tail::row_costs(msgs);
+    let ask_cost = markers::strip_handoff(&msgs[ask])
+        .map_or(0, |m| tokens::estimate_msg_budget_tokens(&m, false));
+    let soft = p.soft_ceiling.max(p.budget);
+    let rounds: u64 = costs[ask + 1..].iter().sum();
+    let eager = eager_head_end.is_some_and(|h| ask <= h);
+    if ask_cost.saturating_add(rounds) <= soft && !eager {
+        return None;
+    }
+    let starts: Vec<usize> = (ask + 1..n)
+        .filter(|&i| !view::is_role(&msgs[i], "tool"))
+        .collect();
+    let mut keep_from = *starts.last()?;
+    let mut acc = ask_cost.saturating_add(costs[keep_from..].iter().sum::<u64>());
+    for &g in starts.iter().rev().skip(1) {
+        let add: u64 = costs[g..keep_from].iter().sum();
+        if acc.saturating_add(add) > soft {
+            break;
+        }
+        acc = acc.saturating_add(add);
+        keep_from = g;
+    }
+    if eager && keep_from <= ask + 1 {
+        // Everything fits once pruned, but the call is over the trigger:
+        // the oldest round is summarised so the ask is not restated.
+        keep_from = starts.get(1).copied().unwrap_or(keep_from);
+    }
+    (keep_from > ask + 1).then_some((ask, keep_from))
 }
 
 /// Whether a candidate is smaller than its input. At or over the trigger
@@ -1329,6 +1533,82 @@ mod tests {
             "under threshold: fewer rows count"
         );
         assert!(!is_progress(40, 45, 10, 10, 50));
+    }
+
+    #[test]
+    fn small_windows_clip_to_the_budget_itself() {
+        let body = format!("HEAD {}", "x".repeat(10_000));
+        let small = clip_summary_for_window(body.clone(), 100, 2_048);
+        assert!(small.starts_with("HEAD "));
+        assert!(small.chars().count() <= 400, "{}", small.chars().count());
+        let large = clip_summary_for_window(body, 100, 128_000);
+        assert!(large.chars().count() > 400 && large.chars().count() < 900);
+        assert_eq!(fallback_body_cap(204, 2_048), Some(816));
+        assert_eq!(fallback_body_cap(2_000, 128_000), None);
+    }
+
+    fn round(i: usize, result_chars: usize) -> [Value; 2] {
+        [
+            serde_json::json!({"role": "assistant", "content": null,
+                "tool_calls": [{"id": format!("c{i}"), "function": {"name": "f", "arguments": "{}"}}]}),
+            serde_json::json!({"role": "tool", "tool_call_id": format!("c{i}"), "content": "r".repeat(result_chars)}),
+        ]
+    }
+
+    fn params(budget: u64) -> TailParams {
+        TailParams {
+            budget,
+            soft_ceiling: budget,
+            protect_last_n: 20,
+            min_tail_user_messages: 1,
+            allow_split_turn: false,
+        }
+    }
+
+    #[test]
+    fn split_cuts_between_rounds_and_keeps_the_newest() {
+        let mut msgs = vec![
+            serde_json::json!({"role": "system", "content": "s"}),
+            serde_json::json!({"role": "user", "content": "ask"}),
+        ];
+        for i in 0..5 {
+            msgs.extend(round(i, 800));
+        }
+        // Each round costs ~230 tokens: 500 keeps the two newest.
+        let (ask, keep) = split_active_turn(&msgs, 1, &params(500), None).unwrap();
+        assert_eq!(ask, 1);
+        assert_eq!(keep, msgs.len() - 4);
+        assert!(view::has_tool_calls(&msgs[keep]));
+        // A ceiling below one round still keeps the newest round whole.
+        let (_, keep) = split_active_turn(&msgs, 1, &params(10), None).unwrap();
+        assert_eq!(keep, msgs.len() - 2);
+        // A turn that fits is not split, unless eager and the ask is in the head.
+        assert_eq!(split_active_turn(&msgs, 1, &params(100_000), None), None);
+        assert_eq!(
+            split_active_turn(&msgs, 1, &params(100_000), Some(4)),
+            Some((1, 4))
+        );
+        // One round only: nothing inside the turn to summarise.
+        let short: Vec<Value> = msgs[..4].to_vec();
+        assert_eq!(split_active_turn(&short, 1, &params(10), None), None);
+    }
+
+    #[test]
+    fn a_summary_carrying_the_ask_is_an_ask_row() {
+        let carried = markers::prepend_summary(
+            &Value::String("do it".into()),
+            &markers::normalize_summary_prefix("B"),
+        );
+        assert!(is_ask_row(
+            &serde_json::json!({"role": "user", "content": carried})
+        ));
+        let bare = markers::standalone_content(&markers::normalize_summary_prefix("B"));
+        assert!(!is_ask_row(
+            &serde_json::json!({"role": "user", "content": bare})
+        ));
+        assert!(!is_ask_row(
+            &serde_json::json!({"role": "assistant", "content": "x"})
+        ));
     }
 
     #[test]

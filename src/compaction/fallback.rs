@@ -1,7 +1,8 @@
 //! Deterministic fallback summary (reference §3.12): what replaces the
 //! compacted turns when the summariser failed and the failure is not one
 //! that aborts. Built locally from the dropped turns, strictly redacted,
-//! capped at 8,000 characters. The latest user ask is recorded exactly once,
+//! capped at 8,000 characters, or at the summary budget of a small window
+//! ([`build_fallback_body_capped`]), so repeated fallbacks cannot grow. The latest user ask is recorded exactly once,
 //! as history (#49307: repeating it under "in progress" / "pending" headings
 //! made the model answer it again).
 
@@ -140,11 +141,20 @@ fn collect_paths(text: &str, files: &mut Vec<String>) {
     }
 }
 
+/// Lead-in of a snapshot carried over from the previous summary; stripped
+/// when carrying it again so repeated fallbacks do not nest it.
+const CARRIED_SNAPSHOT_LEAD: &str =
+    "No new user request in the compacted turns. From the previous summary (reference only):";
+
 fn previous_snapshot_line(previous: &str) -> Option<String> {
     let start = previous.find(HISTORICAL_TASK_HEADING)? + HISTORICAL_TASK_HEADING.len();
     let rest = &previous[start..];
     let end = rest.find("\n## ").unwrap_or(rest.len());
-    let t = clean(rest[..end].trim(), 1_400);
+    let mut line = rest[..end].trim();
+    while let Some(r) = line.strip_prefix(CARRIED_SNAPSHOT_LEAD) {
+        line = r.trim_start();
+    }
+    let t = clean(line, 1_400);
     (!t.is_empty()).then_some(t)
 }
 
@@ -258,25 +268,58 @@ pub fn build_fallback_body(
     previous_summary: Option<&str>,
     reason: &str,
 ) -> String {
+    build_fallback_body_capped(
+        dropped,
+        previous_summary,
+        reason,
+        FALLBACK_MAX_CHARS.saturating_sub(SUMMARY_PREFIX.chars().count() + 1),
+    )
+}
+
+/// Bodies capped below this many characters use the short required
+/// sections: the five "Unknown" sections alone would fill a small window's
+/// whole summary budget.
+pub const COMPACT_FALLBACK_BELOW_CHARS: usize = 4_000;
+
+/// [`build_fallback_body`] capped at `max_chars` characters (the summary
+/// budget of a small window). The previous-summary snapshot is quoted within
+/// the same cap, so repeated fallbacks cannot grow.
+pub fn build_fallback_body_capped(
+    dropped: &[Value],
+    previous_summary: Option<&str>,
+    reason: &str,
+    max_chars: usize,
+) -> String {
     let f = extract(dropped);
     let n = dropped.len();
-    let reason = clean(reason, 220);
-    let snapshot = match (&f.last_ask, previous_summary.and_then(previous_snapshot_line)) {
+    let compact = max_chars < COMPACT_FALLBACK_BELOW_CHARS;
+    let reason = clean(reason, if compact { 120 } else { 220 });
+    let snapshot = match (
+        &f.last_ask,
+        previous_summary.and_then(previous_snapshot_line),
+    ) {
         (Some(ask), _) => format!(
             "User asked: {}\nHistorical only; the messages after this summary take precedence.",
             py_quote(ask)
         ),
-        (None, Some(prev)) => format!("No new user request in the compacted turns. From the previous summary (reference only): {prev}"),
+        (None, Some(prev)) => format!("{CARRIED_SNAPSHOT_LEAD} {prev}"),
         (None, None) => "No user request in the compacted turns.".to_string(),
     };
-    let mut required = format!(
+    let mut required = if compact {
+        format!(
+            "{HISTORICAL_TASK_HEADING}\n{snapshot}\n\n\
+## Constraints & Preferences\n- {FALLBACK_NOTICE} ({reason}); assembled locally from {n} compacted messages, secrets redacted. Verify the current state before acting."
+        )
+    } else {
+        format!(
         "{HISTORICAL_TASK_HEADING}\n{snapshot}\n\n\
 ## Governing User Outcome\nUnknown from deterministic fallback — do not infer one; follow the user messages after this summary.\n\n\
 ## Current Subtask\nUnknown from deterministic fallback.\n\n\
 ## Latest User Correction\nUnknown from deterministic fallback.\n\n\
 ## Next Outcome-Relevant Step (Reference Only)\nNone. Do not answer the recorded ask again; respond to the messages after this summary.\n\n\
 ## Constraints & Preferences\n- {FALLBACK_NOTICE} ({reason}), so this summary was assembled locally from {n} compacted messages without a model. Secrets were redacted and details may be missing: verify the current state before acting."
-    );
+        )
+    };
     let numbered = |items: &[String]| {
         items
             .iter()
@@ -294,10 +337,12 @@ pub fn build_fallback_body(
     };
     // (canonical position, text) in priority order.
     let mut optional: Vec<(usize, String)> = Vec::new();
-    optional.push((
-        6,
-        format!("## Critical Context\nBest-effort fallback for {n} compacted messages. Reason: {reason}."),
-    ));
+    if !compact {
+        optional.push((
+            6,
+            format!("## Critical Context\nBest-effort fallback for {n} compacted messages. Reason: {reason}."),
+        ));
+    }
     if !f.actions.is_empty() {
         optional.push((0, format!("## Completed Actions\n{}", numbered(&f.actions))));
     }
@@ -315,7 +360,10 @@ pub fn build_fallback_body(
     }
     if let Some(prev) = previous_summary.filter(|p| !p.trim().is_empty()) {
         let p = redact_secrets(prev.trim());
-        let quoted: String = p.chars().take(PREVIOUS_SNAPSHOT_MAX_CHARS).collect();
+        let quoted: String = p
+            .chars()
+            .take(PREVIOUS_SNAPSHOT_MAX_CHARS.min(max_chars / 2))
+            .collect();
         let quoted = quoted
             .lines()
             .map(|l| format!("> {l}"))
@@ -331,7 +379,7 @@ pub fn build_fallback_body(
         "## Active State\nUnknown — check the working tree and running processes before acting."
             .to_string(),
     ));
-    let budget = FALLBACK_MAX_CHARS.saturating_sub(SUMMARY_PREFIX.chars().count() + 1);
+    let budget = max_chars;
     let mut used = required.chars().count();
     let mut chosen: Vec<(usize, String)> = Vec::new();
     for (pos, text) in optional {
@@ -465,6 +513,46 @@ mod tests {
         );
         assert!(f.contains(FALLBACK_NOTICE));
         assert!(f.contains("User asked: 'ask 199"));
+    }
+
+    #[test]
+    fn capped_body_does_not_grow_across_fallbacks() {
+        let round = |i: usize| {
+            vec![
+                json!({"role": "assistant", "content": format!("step {i}"), "tool_calls": [
+                    {"id": format!("c{i}"), "function": {"name": "read_file", "arguments": format!("{{\"path\":\"src/m{i}.py\"}}")}}]}),
+                json!({"role": "tool", "tool_call_id": format!("c{i}"), "content": "z".repeat(2_000)}),
+            ]
+        };
+        let first: Vec<Value> =
+            std::iter::once(json!({"role": "user", "content": "fix the drift"}))
+                .chain((0..4).flat_map(round))
+                .collect();
+        let cap = 816;
+        let mut prev = build_fallback_body_capped(&first, None, "boom", cap);
+        assert!(prev.chars().count() <= cap, "{}", prev.chars().count());
+        assert!(prev.contains("fix the drift"));
+        for k in 1..12 {
+            let dropped: Vec<Value> = (k * 4..k * 4 + 4).flat_map(round).collect();
+            let next = build_fallback_body_capped(&dropped, Some(&prev), "boom", cap);
+            assert!(
+                next.chars().count() <= cap,
+                "round {k}: {}",
+                next.chars().count()
+            );
+            // The task is carried forward once, not nested.
+            assert!(next.contains("fix the drift"), "round {k}: task lost");
+            assert_eq!(
+                next.matches("From the previous summary").count(),
+                1,
+                "round {k}"
+            );
+            prev = next;
+        }
+        // Large caps keep the reference layout.
+        let full = build_fallback_body_capped(&first, None, "boom", 7_000);
+        assert!(full.contains("## Governing User Outcome"));
+        assert!(!prev.contains("## Governing User Outcome"));
     }
 
     #[test]

@@ -28,6 +28,28 @@ Earlier turns of this conversation were condensed into the summary below so the 
 - Tools remain fully active: when work is needed, act with tools rather than describing what you would do.
 - Files and other state may already reflect the work described here; check before repeating it.";
 
+/// The compact framing used when the window is below
+/// [`COMPACT_PREFIX_WINDOW`] tokens: the same rules as [`SUMMARY_PREFIX`] in
+/// fewer words, because on a 2k window the full prefix alone would take a
+/// fifth of the context before any content.
+pub const SUMMARY_PREFIX_COMPACT: &str = "[COMPACTOR CONTEXT HANDOFF — REFERENCE ONLY]
+Earlier turns, condensed. Background, not instructions.
+- Act only on real user messages after this summary (newest wins); assistant/tool messages after it are work in progress. With no user message after it, continue only an in-flight tool exchange.
+- The Historical Task Snapshot records, never selects, work; do not resume completed or cancelled work. System prompt and memory stay authoritative.
+- Tools stay active; check the current state before repeating work.";
+
+/// Windows below this many tokens get [`SUMMARY_PREFIX_COMPACT`].
+pub const COMPACT_PREFIX_WINDOW: u64 = 16_384;
+
+/// The prefix for a conversation whose context window is `window` tokens.
+pub fn summary_prefix_for(window: u64) -> &'static str {
+    if window < COMPACT_PREFIX_WINDOW {
+        SUMMARY_PREFIX_COMPACT
+    } else {
+        SUMMARY_PREFIX
+    }
+}
+
 /// Closes every summary. The spec pins its two key phrases: it contains
 /// "END OF CONTEXT SUMMARY" and ends with
 /// "respond to the message below, not the summary above ---".
@@ -72,9 +94,10 @@ pub const LEGACY_PREFIXES: &[&str] = &[
 
 /// Every recognised summary start, newest first (full prefix before bare
 /// headlines, so stripping removes the whole framing).
-fn known_prefixes() -> [&'static str; 6] {
+fn known_prefixes() -> [&'static str; 7] {
     [
         SUMMARY_PREFIX,
+        SUMMARY_PREFIX_COMPACT,
         SUMMARY_HEADLINE,
         LEGACY_PREFIXES[0],
         LEGACY_PREFIXES[1],
@@ -119,7 +142,13 @@ pub fn strip_inflight_header(text: &str) -> &str {
 /// Puts [`SUMMARY_PREFIX`] in front of a summary exactly once: a current or
 /// legacy prefix already at the start is replaced, not duplicated.
 pub fn normalize_summary_prefix(summary: &str) -> String {
-    format!("{SUMMARY_PREFIX}\n{}", strip_leading_prefixes(summary))
+    normalize_summary_prefix_with(SUMMARY_PREFIX, summary)
+}
+
+/// [`normalize_summary_prefix`] with an explicit prefix (see
+/// [`summary_prefix_for`]).
+pub fn normalize_summary_prefix_with(prefix: &str, summary: &str) -> String {
+    format!("{prefix}\n{}", strip_leading_prefixes(summary))
 }
 
 /// The body of a summary text: its prefix, any wrapper of a merged row and
@@ -474,6 +503,34 @@ pub fn neutralize_reserved_markers(body: &str) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn compact_prefix_is_recognised_and_stripped() {
+        assert!(SUMMARY_PREFIX_COMPACT.chars().count() <= 520);
+        assert!(SUMMARY_PREFIX_COMPACT.starts_with(SUMMARY_HEADLINE));
+        assert_eq!(summary_prefix_for(2_048), SUMMARY_PREFIX_COMPACT);
+        assert_eq!(summary_prefix_for(16_384), SUMMARY_PREFIX);
+        let s = standalone_content(&normalize_summary_prefix_with(
+            SUMMARY_PREFIX_COMPACT,
+            "BODY",
+        ));
+        assert_eq!(summary_body(&s), "BODY");
+        let c = prepend_summary(
+            &json!("do it"),
+            &normalize_summary_prefix_with(SUMMARY_PREFIX_COMPACT, "B"),
+        );
+        match classify_handoff(&json!({"role": "user", "content": c})) {
+            Handoff::Standalone { body, live } => {
+                assert_eq!(body, "B");
+                assert_eq!(live, Some(json!("do it")));
+            }
+            other => panic!("unexpected {other:?}"),
+        }
+        // Re-normalising swaps one prefix for the other without stacking.
+        let full =
+            normalize_summary_prefix(&normalize_summary_prefix_with(SUMMARY_PREFIX_COMPACT, "X"));
+        assert_eq!(full, format!("{SUMMARY_PREFIX}\nX"));
+    }
 
     #[test]
     fn end_marker_phrases() {

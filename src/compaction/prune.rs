@@ -45,6 +45,11 @@ pub struct PruneParams {
     /// Minimum size of a tool output worth summarising (200; 8,000 on the
     /// proactive path).
     pub min_prune_chars: usize,
+    /// The pressure pass leaves the newest tool result alone when it costs
+    /// at most this many tokens (`None`: the reference's last resort demotes
+    /// it too). Small windows set it: an agent whose just-returned result is
+    /// replaced by a one-line stub repeats the call, turn after turn.
+    pub keep_newest_tool_max: Option<u64>,
 }
 
 impl PruneParams {
@@ -55,6 +60,7 @@ impl PruneParams {
             protect_tail_tokens: None,
             soft_ceiling: None,
             min_prune_chars: PRUNE_MIN_CHARS,
+            keep_newest_tool_max: None,
         }
     }
 }
@@ -260,7 +266,14 @@ pub fn prune_old_tool_results(msgs: &[Value], p: &PruneParams) -> (Vec<Value>, u
 
     // Pass 4: pressure demotion inside an oversized protected tail (#61932).
     if let (Some(soft), Some(_)) = (p.soft_ceiling, p.protect_tail_tokens) {
-        pressure_pass(&mut out, &mut changed, boundary, soft, &calls);
+        pressure_pass(
+            &mut out,
+            &mut changed,
+            boundary,
+            soft,
+            p.keep_newest_tool_max,
+            &calls,
+        );
     }
 
     let count = changed.iter().filter(|c| **c).count();
@@ -272,6 +285,7 @@ fn pressure_pass(
     changed: &mut [bool],
     boundary: usize,
     soft: u64,
+    keep_newest_max: Option<u64>,
     calls: &HashMap<&str, (&str, &str)>,
 ) {
     let n = out.len();
@@ -284,6 +298,10 @@ fn pressure_pass(
     if region <= soft {
         return;
     }
+    let keep_newest = (boundary..n)
+        .rev()
+        .find(|&i| view::is_role(&out[i], "tool"))
+        .is_some_and(|i| keep_newest_max.is_some_and(|max| costs[i] <= max));
     let mut demote = |out: &mut [Value], changed: &mut [bool], i: usize, region: &mut u64| {
         let did = if view::is_role(&out[i], "tool") {
             match demote_tool_row(&out[i], calls, PRUNE_MIN_CHARS) {
@@ -323,8 +341,12 @@ fn pressure_pass(
     if region <= soft {
         return;
     }
-    // 3. Last resort: the newest one as well.
+    // 3. Last resort: the newest one as well, unless it is small enough to
+    // keep.
     if let Some(i) = newest_tool {
+        if keep_newest {
+            return;
+        }
         demote(out, changed, i, &mut region);
     }
 }
@@ -392,6 +414,38 @@ mod tests {
     }
 
     #[test]
+    fn pressure_pass_can_keep_the_newest_result() {
+        let mut msgs = vec![json!({"role": "user", "content": "go"})];
+        for i in 0..3 {
+            let id = format!("c{i}");
+            msgs.push(call(&id));
+            msgs.push(result(&id, json!(format!("{i}{}", "z".repeat(2_000)))));
+        }
+        let base = PruneParams {
+            protect_tail_count: 20,
+            protect_tail_tokens: Some(100_000),
+            soft_ceiling: Some(100),
+            min_prune_chars: PRUNE_MIN_CHARS,
+            keep_newest_tool_max: None,
+        };
+        let (out, _) = prune_old_tool_results(&msgs, &base);
+        assert_ne!(out[6], msgs[6], "reference last resort demotes it");
+        let keep = PruneParams {
+            keep_newest_tool_max: Some(1_000),
+            ..base
+        };
+        let (out, _) = prune_old_tool_results(&msgs, &keep);
+        assert_eq!(out[6], msgs[6]);
+        assert_ne!(out[4], msgs[4], "older results are still demoted");
+        let too_big = PruneParams {
+            keep_newest_tool_max: Some(10),
+            ..base
+        };
+        let (out, _) = prune_old_tool_results(&msgs, &too_big);
+        assert_ne!(out[6], msgs[6]);
+    }
+
+    #[test]
     fn pressure_pass_demotes_an_oversized_protected_tail() {
         let mut msgs = vec![json!({"role": "user", "content": "go"})];
         for i in 0..6 {
@@ -405,6 +459,7 @@ mod tests {
             protect_tail_tokens: Some(100_000),
             soft_ceiling: Some(3_000),
             min_prune_chars: PRUNE_MIN_CHARS,
+            keep_newest_tool_max: None,
         };
         let (out, n) = prune_old_tool_results(&msgs, &p);
         assert!(n > 0);
