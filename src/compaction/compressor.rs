@@ -616,7 +616,15 @@ impl Compressor {
 
     fn record_failure(&mut self, info: FailureInfo, invalid: Option<&SummaryInvalid>, err: &str) {
         let secs = self.trigger.note_summary_failure(info.class, err);
-        tracing::warn!(cooldown_secs = secs, "summary generation failed");
+        // Class and status only: the error text may quote the provider.
+        tracing::warn!(
+            cooldown_secs = secs,
+            class = ?info.class,
+            invalid = ?invalid,
+            auth = info.auth,
+            network = info.network,
+            "summary generation failed"
+        );
         self.last_summary_error = Some(truncate_error_text(err));
         if info.auth {
             self.last_summary_auth_failure = true;
