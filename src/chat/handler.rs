@@ -57,6 +57,8 @@ const MAX_ERROR_PEEK: usize = 256 << 10;
 /// A stream's start is held up to this size while looking for an in-band
 /// overflow error.
 const MAX_STREAM_PEEK: usize = 64 << 10;
+/// "Fits the window" needs the estimate plus 1/10 of it (see `prepare`).
+const ESTIMATE_MARGIN_DIVISOR: u64 = 10;
 /// Timeout of the window discovery probes.
 const DISCOVERY_TIMEOUT: Duration = Duration::from_secs(5);
 
@@ -267,7 +269,12 @@ async fn prepare(
         engine_max_out,
     );
     let threshold = comp.trigger.threshold_tokens();
-    let fits_window = est.tokens + max_out.unwrap_or(0) < window;
+    // The estimate is calibrated but still char-based: a tool output of
+    // file listings tokenizes denser than prose. Near the window's edge a
+    // few percent decide between an answer and an overflow round trip, so
+    // "fits" keeps a margin.
+    let fits_window =
+        est.tokens + est.tokens / ESTIMATE_MARGIN_DIVISOR + max_out.unwrap_or(0) < window;
     // Right after a compaction the rough figure is not trusted until the
     // upstream reports real usage (reference deferral), unless the request
     // would not even fit the window.
@@ -430,6 +437,16 @@ async fn prepare(
         }
     }
     conv.last_action = action.as_str();
+    tracing::debug!(
+        session = %key,
+        action = action.as_str(),
+        messages = outgoing.len(),
+        estimated_prompt = est.tokens,
+        basis = ?est.basis,
+        max_out,
+        window,
+        "chat request prepared"
+    );
 
     let replaced = conv.record.as_ref().filter(|_| changed).map_or(0, |r| r.k);
     if changed {
