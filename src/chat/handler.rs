@@ -24,7 +24,7 @@ use tokio::time::Instant;
 
 use crate::app::AppState;
 use crate::compaction::config::Strategy;
-use crate::compaction::{CompressOptions, Outcome};
+use crate::compaction::{CompressOptions, Compressor, Outcome};
 use crate::error::{full_body, ProxyBody};
 use crate::proxy::body::{boxed, IdleTimeoutBody, ProxyReqBody};
 use crate::proxy::{self, headers};
@@ -313,50 +313,7 @@ async fn prepare(
                 budgets_for_window(Some(engine_window), comp.trigger.max_summary_tokens()),
             );
             let started = Instant::now();
-            let result = if micro_pass {
-                let micro = comp.micro_compact(&values, &summariser).await;
-                let before = crate::compaction::tokens::estimate_messages_tokens_rough(&values);
-                let after =
-                    crate::compaction::tokens::estimate_messages_tokens_rough(&micro.messages);
-                let committed = micro.messages != values;
-                CompactionDone {
-                    kept_suffix: common_suffix(&values, &micro.messages),
-                    messages: micro.messages,
-                    outcome: if committed {
-                        Outcome::Compacted
-                    } else {
-                        Outcome::Rejected
-                    },
-                    fallback_used: false,
-                    feasibility_skip: false,
-                    tokens_before: before,
-                    tokens_after: after,
-                    label: micro.outcome.as_str(),
-                }
-            } else {
-                let r = comp
-                    .compress(
-                        &values,
-                        &summariser,
-                        CompressOptions {
-                            force,
-                            current_tokens: Some(est_rough),
-                            bypass_cooldown: force,
-                            ..CompressOptions::default()
-                        },
-                    )
-                    .await;
-                CompactionDone {
-                    label: outcome_label(r.outcome),
-                    messages: r.messages,
-                    outcome: r.outcome,
-                    fallback_used: r.fallback_used,
-                    feasibility_skip: r.feasibility_skip,
-                    tokens_before: r.tokens_before,
-                    tokens_after: r.tokens_after,
-                    kept_suffix: r.kept_suffix,
-                }
-            };
+            let result = run_engine(comp, &values, &summariser, micro_pass, force, est_rough).await;
             let took = started.elapsed();
             let calls = summariser.calls();
             match result.outcome {
@@ -468,6 +425,60 @@ async fn prepare(
 /// Whether request number `requests` (1-based) is a micro-compaction turn.
 fn conv_turn_due(requests: u64, every_n: u32) -> bool {
     requests % u64::from(every_n.max(1)) == 0
+}
+
+/// One engine pass over `values`: a micro pass (one exchange absorbed) or
+/// a batch compaction, reported in one shape.
+async fn run_engine(
+    comp: &mut Compressor,
+    values: &[Value],
+    summariser: &HttpSummariser,
+    micro_pass: bool,
+    force: bool,
+    current_tokens: u64,
+) -> CompactionDone {
+    if micro_pass {
+        let micro = comp.micro_compact(values, summariser).await;
+        let before = crate::compaction::tokens::estimate_messages_tokens_rough(values);
+        let after = crate::compaction::tokens::estimate_messages_tokens_rough(&micro.messages);
+        let committed = micro.messages != values;
+        return CompactionDone {
+            kept_suffix: common_suffix(values, &micro.messages),
+            messages: micro.messages,
+            outcome: if committed {
+                Outcome::Compacted
+            } else {
+                Outcome::Rejected
+            },
+            fallback_used: false,
+            feasibility_skip: false,
+            tokens_before: before,
+            tokens_after: after,
+            label: micro.outcome.as_str(),
+        };
+    }
+    let r = comp
+        .compress(
+            values,
+            summariser,
+            CompressOptions {
+                force,
+                current_tokens: Some(current_tokens),
+                bypass_cooldown: force,
+                ..CompressOptions::default()
+            },
+        )
+        .await;
+    CompactionDone {
+        label: outcome_label(r.outcome),
+        messages: r.messages,
+        outcome: r.outcome,
+        fallback_used: r.fallback_used,
+        feasibility_skip: r.feasibility_skip,
+        tokens_before: r.tokens_before,
+        tokens_after: r.tokens_after,
+        kept_suffix: r.kept_suffix,
+    }
 }
 
 /// A compaction attempt, batch or micro, in one shape.
