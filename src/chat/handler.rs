@@ -443,7 +443,7 @@ async fn run_engine(
         let after = crate::compaction::tokens::estimate_messages_tokens_rough(&micro.messages);
         let committed = micro.messages != values;
         return CompactionDone {
-            kept_suffix: common_suffix(values, &micro.messages),
+            kept_suffix: crate::compaction::compressor::common_suffix(values, &micro.messages),
             messages: micro.messages,
             outcome: if committed {
                 Outcome::Compacted
@@ -500,14 +500,6 @@ fn outcome_label(o: Outcome) -> &'static str {
         Outcome::NoOp(_) => "noop",
         Outcome::Rejected => "rejected",
     }
-}
-
-fn common_suffix(a: &[Value], b: &[Value]) -> usize {
-    a.iter()
-        .rev()
-        .zip(b.iter().rev())
-        .take_while(|(x, y)| x == y)
-        .count()
 }
 
 /// Stores the record of a committed compaction and returns what to send.

@@ -168,28 +168,9 @@ impl RecordStore {
     }
 }
 
-/// Given the original history and the compacted one, find how many leading
-/// original messages the compaction replaced: the compacted list ends with an
-/// untouched suffix of the original. Returns `(k, j)` where
-/// `compacted[j..] == original[k..]` and the suffix is the longest possible.
-pub fn split_replacement(
-    original: &[serde_json::Value],
-    compacted: &[serde_json::Value],
-) -> (usize, usize) {
-    let mut common = 0;
-    while common < original.len()
-        && common < compacted.len()
-        && original[original.len() - 1 - common] == compacted[compacted.len() - 1 - common]
-    {
-        common += 1;
-    }
-    (original.len() - common, compacted.len() - common)
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
-    use serde_json::json;
 
     fn raw(s: &str) -> Box<RawValue> {
         RawValue::from_string(s.to_string()).unwrap()
@@ -225,26 +206,5 @@ mod tests {
         store.insert(1, Record::new(1, 2, vec![], 0, 0));
         store.insert(1, Record::new(1, 3, vec![], 0, 0));
         assert_eq!(store.len(), 2);
-    }
-
-    #[test]
-    fn split_replacement_finds_untouched_suffix() {
-        let orig = vec![
-            json!({"r":"s"}),
-            json!({"r":1}),
-            json!({"r":2}),
-            json!({"r":3}),
-            json!({"r":4}),
-        ];
-        let comp = vec![
-            json!({"r":"s"}),
-            json!({"r":"summary"}),
-            json!({"r":3}),
-            json!({"r":4}),
-        ];
-        assert_eq!(split_replacement(&orig, &comp), (3, 2));
-        // Nothing in common: everything is replacement.
-        let comp2 = vec![json!({"x":1})];
-        assert_eq!(split_replacement(&orig, &comp2), (5, 1));
     }
 }

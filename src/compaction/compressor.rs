@@ -1378,8 +1378,8 @@ fn locate_summary(out: &[Value], hint: usize, placement: Placement) -> Option<us
     out.iter().position(view::is_summary)
 }
 
-/// Number of trailing rows `a` and `b` share.
-fn common_suffix(a: &[Value], b: &[Value]) -> usize {
+/// Number of trailing rows `a` and `b` share (the `kept_suffix` of a result).
+pub fn common_suffix(a: &[Value], b: &[Value]) -> usize {
     a.iter()
         .rev()
         .zip(b.iter().rev())
