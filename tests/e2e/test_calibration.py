@@ -9,6 +9,7 @@ the admin session view, which is content-free.
 from __future__ import annotations
 
 import json
+import time
 import urllib.request
 
 import pytest
@@ -19,12 +20,20 @@ from conftest import openai_client
 ADMIN = "e2e-admin-token"
 
 
-def session_view(base: str, key: str) -> dict:
+def session_view(base: str, key: str, reports: int | None = None) -> dict:
+    """The admin view; with ``reports``, waits until that many usage reports
+    are recorded (a stream's usage is taken when its body ends on the server,
+    which can be just after the SDK has read ``[DONE]``)."""
     req = urllib.request.Request(
         f"{base}/_compactor/sessions/{key}", headers={"Authorization": f"Bearer {ADMIN}"}
     )
-    with urllib.request.urlopen(req, timeout=10) as r:
-        return json.loads(r.read())
+    deadline = time.monotonic() + 10
+    while True:
+        with urllib.request.urlopen(req, timeout=10) as r:
+            view = json.loads(r.read())
+        if reports is None or view["usage_reports"] >= reports or time.monotonic() > deadline:
+            return view
+        time.sleep(0.05)
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["json", "sse"])
@@ -39,7 +48,7 @@ def test_estimate_after_one_usage_report_is_within_a_few_percent(llama, compacto
     # the 2048 window, so nothing is compacted and the estimate of turn 2,
     # made from turn 1's single usage report, is checked against llama.cpp's
     # own count.
-    for turn in (1, 2):
+    for n, turn in enumerate((1, 2), start=1):
         kwargs = dict(
             model="gemma-3-270m",
             messages=history_through(conv, turn),
@@ -58,7 +67,8 @@ def test_estimate_after_one_usage_report_is_within_a_few_percent(llama, compacto
             raw.parse()
         assert raw.headers["x-compactor-action"] == "passthrough"
         key = raw.headers["x-compactor-session"]
-        view = session_view(via.url, key)
+        view = session_view(via.url, key, reports=n)
+        assert view["usage_reports"] == n, view
         assert view["last_real_prompt_tokens"], view
         errors.append(view["estimate_error"])
     # Turn 1 is uncalibrated (the rough chars/4 guess); turn 2 was estimated
