@@ -33,10 +33,6 @@ use crate::window::discover::{GetError, UpstreamGet};
 use conversation::Conversation;
 use record::RecordStore;
 
-/// Default window when neither config, discovery nor an overflow error says
-/// (llama.cpp's common small default; a learned window replaces it).
-pub const DEFAULT_WINDOW: u64 = 8192;
-
 /// Everything the chat path shares across requests.
 pub struct ChatState {
     /// Engine configuration (`[compaction]`).
@@ -81,14 +77,19 @@ impl ChatState {
             ttl: cfg.session.ttl,
             max_sessions: cfg.session.max_sessions,
         };
+        // Without `default_context_length`, the cache's own default applies
+        // (llama.cpp's common small window; a learned window replaces it).
+        let defaults = WindowConfig::default();
         let windows = WindowCache::new(WindowConfig {
             models: cfg
                 .models
                 .iter()
                 .map(|(k, v)| (k.clone(), v.context_length))
                 .collect(),
-            default_window: cfg.default_context_length.unwrap_or(DEFAULT_WINDOW),
-            ..WindowConfig::default()
+            default_window: cfg
+                .default_context_length
+                .unwrap_or(defaults.default_window),
+            ..defaults
         });
         Ok(Self {
             compaction: Arc::new(compaction),
