@@ -1,15 +1,28 @@
 #!/usr/bin/env bash
-# Load benchmark: what compactor adds over talking to the upstream directly.
+# Load benchmark: what compactor adds over talking to the upstream directly,
+# next to what the cheapest possible proxy hop adds on the same machine.
 #
-#   scripts/bench_load.sh            # 5 s per run
-#   DUR=10 UPSTREAM_DELAY_MS=2 scripts/bench_load.sh
+#   scripts/bench_load.sh                      # shared layout, 5 s per run
+#   LAYOUT=pinned scripts/bench_load.sh        # wrk+mock on CPU 0, proxy on CPU 1
+#   LAYOUT=both DUR=8 scripts/bench_load.sh
+#   UPSTREAM_DELAY_MS=2 scripts/bench_load.sh  # upstream think time
 #
 # Builds with --profile perf, starts the fast mock upstream
-# (examples/mock_upstream.rs) and compactor on loopback, then runs wrk
-# direct vs through compactor: p50/p99 at concurrency 1 and requests/s at
-# concurrency 64, for non-streaming (JSON) and streaming (SSE) chat requests,
-# plus time to first SSE byte (examples/ttfb.rs). Everything is bounded
-# (DUR seconds per wrk run, at most 10) and loopback only.
+# (examples/mock_upstream.rs), the naive proxy (examples/naive_proxy.rs:
+# hyper server + pooled client and nothing else, the yardstick for the price
+# of one hop) and compactor, all on loopback. For each target wrk reports
+# p50/p99 at concurrency 1 and requests/s at concurrency 64, for
+# non-streaming (json), streaming (sse: 22 events written back to back) and
+# paced streaming (sse_paced: 1 ms between events, like a fast model)
+# requests; the proxies' CPU per request is read from /proc. Then time to
+# first SSE byte (examples/ttfb.rs).
+#
+# Layouts:
+#   shared  everything shares both cores (what a laptop does; a proxy hop
+#           then also takes CPU away from the load generator and the mock).
+#   pinned  wrk and the mock on CPU 0, the proxy under test alone on CPU 1:
+#           the direct run gets the same CPU 0, so the ratio says whether
+#           the proxy is the bottleneck.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -17,36 +30,44 @@ DUR="${DUR:-5}"
 if [ "$DUR" -gt 10 ]; then DUR=10; fi
 DELAY="${UPSTREAM_DELAY_MS:-0}"
 TTFB_N="${TTFB_N:-200}"
+LAYOUT="${LAYOUT:-shared}"
 OUT="${OUT:-target/bench_load}"
 mkdir -p "$OUT"
 
 command -v wrk >/dev/null || apt-get install -y wrk >/dev/null
+if [ "$LAYOUT" != shared ] && [ "$(nproc)" -lt 2 ]; then
+  echo "LAYOUT=$LAYOUT needs 2 CPUs" >&2; exit 1
+fi
 
-cargo build --profile perf --bin compactor --example mock_upstream --example ttfb
+cargo build --profile perf --bin compactor --example mock_upstream --example ttfb --example naive_proxy
 BIN=target/perf
 
 PIDS=()
 cleanup() { for p in "${PIDS[@]}"; do kill "$p" 2>/dev/null || true; done; }
 trap cleanup EXIT
 
-# Starts a process logging to $2 and waits for its `listening on <addr>` line.
+# start VAR LOG CPUS CMD...: starts CMD on CPUS (or anywhere if empty) in
+# the background, waits for its `listening on <addr>` line, sets VAR to the
+# address and VAR_PID to its pid.
 start() {
-  local log="$2"; shift 2
-  "$@" >"$log" 2>&1 &
-  PIDS+=($!)
+  local var="$1" log="$2" cpus="$3"; shift 3
+  if [ -n "$cpus" ]; then
+    taskset -c "$cpus" "$@" >"$log" 2>&1 &
+  else
+    "$@" >"$log" 2>&1 &
+  fi
+  local pid=$!
+  PIDS+=("$pid")
   for _ in $(seq 1 100); do
     if grep -q "listening on" "$log"; then
-      grep -o "listening on [0-9.:]*" "$log" | head -1 | awk '{print $3}'
+      printf -v "$var" '%s' "$(grep -o "listening on [0-9.:]*" "$log" | head -1 | awk '{print $3}')"
+      printf -v "${var}_PID" '%s' "$pid"
       return
     fi
     sleep 0.1
   done
   echo "process did not start: $log" >&2; cat "$log" >&2; exit 1
 }
-
-MOCK=$(start mock "$OUT/mock.log" "$BIN/examples/mock_upstream" 127.0.0.1:0 "$DELAY")
-PROXY=$(COMPACTOR_LISTEN=127.0.0.1:0 COMPACTOR_UPSTREAM="http://$MOCK" NO_COLOR=1 \
-  start proxy "$OUT/compactor.log" "$BIN/compactor" --config /dev/null)
 
 cat >"$OUT/json.lua" <<'LUA'
 wrk.method = "POST"
@@ -62,43 +83,76 @@ LUA
 # wrk latency value (e.g. 45.00us, 1.20ms) → microseconds.
 to_us() { awk -v v="$1" 'BEGIN{ n=v+0; if (v ~ /us$/) print n; else if (v ~ /ms$/) print n*1000; else if (v ~ /s$/) print n*1000000; else print n }'; }
 
-# run TARGET MODE CONNS THREADS → prints "p50_us p99_us rps"
-# Modes: json (non-streaming), sse (22 events written back to back: the worst
-# case for a frame-by-frame proxy), sse_paced (1 ms between events, like a
-# fast model: every event must be flushed on its own, direct or not).
+# CPU time (user+system) of a process in microseconds.
+cpu_us() { awk -v hz="$(getconf CLK_TCK)" '{ printf "%.0f", ($14 + $15) * 1e6 / hz }' "/proc/$1/stat"; }
+
+# run TARGET PID MODE CONNS → prints "p50_us p99_us rps cpu_us_per_request"
+# (cpu is 0 for the direct run: PID is empty).
 run() {
-  local target="$1" mode="$2" conns="$3" threads="$4"
+  local target="$1" pid="$2" mode="$3" conns="$4"
+  local threads=1; [ "$conns" -gt 1 ] && threads=2
   local url="http://$target/v1/chat/completions" script="$mode"
   if [ "$mode" = sse_paced ]; then url="$url?gap_ms=1"; script=sse; fi
-  local f="$OUT/wrk_${target//[:.]/_}_${mode}_c${conns}.txt"
-  wrk -t"$threads" -c"$conns" -d"${DUR}s" --latency -s "$OUT/$script.lua" "$url" >"$f"
+  local f="$OUT/wrk_${LAYOUT_NOW}_${target//[:.]/_}_${mode}_c${conns}.txt"
+  local before=0 after=0
+  [ -n "$pid" ] && before=$(cpu_us "$pid")
+  $LOADGEN wrk -t"$threads" -c"$conns" -d"${DUR}s" --latency -s "$OUT/$script.lua" "$url" >"$f"
+  [ -n "$pid" ] && after=$(cpu_us "$pid")
   if grep -q "Non-2xx" "$f"; then echo "non-2xx responses in $f" >&2; exit 1; fi
-  local p50 p99 rps
+  local p50 p99 rps n
   p50=$(to_us "$(awk '$1=="50%"{print $2}' "$f")")
   p99=$(to_us "$(awk '$1=="99%"{print $2}' "$f")")
   rps=$(awk '/Requests\/sec/{print $2}' "$f")
-  echo "$p50 $p99 $rps"
+  n=$(awk '/requests in/{print $1}' "$f")
+  echo "$p50 $p99 $rps $(awk -v d=$((after - before)) -v n="$n" 'BEGIN{printf "%.1f", (n > 0 ? d / n : 0)}')"
 }
 
-echo "mock upstream: $MOCK (delay ${DELAY} ms)   compactor: $PROXY   ${DUR}s per run   $(nproc) cores"
-printf "%-9s %-4s | %10s %10s %10s | %10s %10s %10s | %9s %9s %7s\n" \
-  mode conc "dir p50us" "dir p99us" "dir rps" "cmp p50us" "cmp p99us" "cmp rps" "+p50 us" "+p99 us" "rps %"
-for mode in json sse sse_paced; do
-  for conc in 1 64; do
-    threads=1; [ "$conc" -gt 1 ] && threads=2
-    read -r d50 d99 drps < <(run "$MOCK" "$mode" "$conc" "$threads")
-    read -r p50 p99 prps < <(run "$PROXY" "$mode" "$conc" "$threads")
-    awk -v m="$mode" -v c="$conc" -v d50="$d50" -v d99="$d99" -v dr="$drps" \
-        -v p50="$p50" -v p99="$p99" -v pr="$prps" 'BEGIN{
-      printf "%-9s %-4s | %10.1f %10.1f %10.0f | %10.1f %10.1f %10.0f | %9.1f %9.1f %6.1f%%\n",
-        m, c, d50, d99, dr, p50, p99, pr, p50-d50, p99-d99, 100*pr/dr }'
-  done
-done
+bench_layout() {
+  LAYOUT_NOW="$1"
+  local load_cpus="" proxy_cpus=""
+  LOADGEN=""
+  if [ "$LAYOUT_NOW" = pinned ]; then
+    load_cpus=0; proxy_cpus=1; LOADGEN="taskset -c 0"
+  fi
+  start MOCK "$OUT/mock.log" "$load_cpus" "$BIN/examples/mock_upstream" 127.0.0.1:0 "$DELAY"
+  start NAIVE "$OUT/naive.log" "$proxy_cpus" "$BIN/examples/naive_proxy" 127.0.0.1:0 "$MOCK"
+  COMPACTOR_LISTEN=127.0.0.1:0 COMPACTOR_UPSTREAM="http://$MOCK" NO_COLOR=1 \
+    start PROXY "$OUT/compactor_$LAYOUT_NOW.log" "$proxy_cpus" "$BIN/compactor" --config /dev/null
 
-echo
-echo "time to first SSE byte (sequential, ${TTFB_N} requests, 1 ms between upstream events):"
-echo "  direct:    $("$BIN/examples/ttfb" "http://$MOCK/v1/chat/completions?gap_ms=1" "$TTFB_N")"
-echo "  compactor: $("$BIN/examples/ttfb" "http://$PROXY/v1/chat/completions?gap_ms=1" "$TTFB_N")"
-echo
-echo "compactor metrics (overhead histogram):"
-curl -s "http://$PROXY/_compactor/metrics" | grep -E "^compactor_proxy_overhead_seconds_(bucket\{le=\"0.000(1|25|5)\"|count)|^compactor_requests_total" || true
+  echo
+  echo "== layout: $LAYOUT_NOW   mock upstream $MOCK (delay ${DELAY} ms)   ${DUR}s per run   $(nproc) cores"
+  echo "   p50/p99 in µs; rps = requests/s; cpu = proxy CPU µs per request; % = of direct rps"
+  printf "%-9s %-3s | %7s %7s %7s | %7s %7s %7s %5s %6s | %7s %7s %7s %5s %6s\n" \
+    mode conc "dir p50" "dir p99" "dir rps" "nv p50" "nv p99" "nv rps" "nv %" "nv cpu" \
+    "cmp p50" "cmp p99" "cmp rps" "cmp %" "cmpcpu"
+  for mode in json sse sse_paced; do
+    for conc in 1 64; do
+      read -r d50 d99 drps _ < <(run "$MOCK" "" "$mode" "$conc")
+      read -r n50 n99 nrps ncpu < <(run "$NAIVE" "$NAIVE_PID" "$mode" "$conc")
+      read -r p50 p99 prps pcpu < <(run "$PROXY" "$PROXY_PID" "$mode" "$conc")
+      awk -v m="$mode" -v c="$conc" -v d50="$d50" -v d99="$d99" -v dr="$drps" \
+          -v n50="$n50" -v n99="$n99" -v nr="$nrps" -v nc="$ncpu" \
+          -v p50="$p50" -v p99="$p99" -v pr="$prps" -v pc="$pcpu" 'BEGIN{
+        printf "%-9s %-3s | %7.0f %7.0f %7.0f | %7.0f %7.0f %7.0f %4.0f%% %6.1f | %7.0f %7.0f %7.0f %4.0f%% %6.1f\n",
+          m, c, d50, d99, dr, n50, n99, nr, 100*nr/dr, nc, p50, p99, pr, 100*pr/dr, pc }'
+    done
+  done
+
+  echo
+  echo "time to first SSE byte (sequential, ${TTFB_N} requests, 1 ms between upstream events):"
+  echo "  direct:    $($LOADGEN "$BIN/examples/ttfb" "http://$MOCK/v1/chat/completions?gap_ms=1" "$TTFB_N")"
+  echo "  naive:     $($LOADGEN "$BIN/examples/ttfb" "http://$NAIVE/v1/chat/completions?gap_ms=1" "$TTFB_N")"
+  echo "  compactor: $($LOADGEN "$BIN/examples/ttfb" "http://$PROXY/v1/chat/completions?gap_ms=1" "$TTFB_N")"
+  echo
+  echo "compactor overhead histogram (total minus upstream wait):"
+  curl -s "http://$PROXY/_compactor/metrics" \
+    | grep -E "^compactor_proxy_overhead_seconds_(bucket\{le=\"0.000(1|25|5)\"|count)|^compactor_requests_total" || true
+  cleanup
+  PIDS=()
+}
+
+case "$LAYOUT" in
+  shared | pinned) bench_layout "$LAYOUT" ;;
+  both) bench_layout shared; bench_layout pinned ;;
+  *) echo "LAYOUT must be shared, pinned or both" >&2; exit 1 ;;
+esac

@@ -20,10 +20,14 @@ fn main() -> ExitCode {
     if cli.validate_and_exit {
         return ExitCode::SUCCESS;
     }
-    if let Err(e) = telemetry::init(config.log_format) {
-        eprintln!("compactor: {e}");
-        return ExitCode::from(EXIT_USAGE);
-    }
+    // Held to the end of `main`: dropping it writes the buffered log lines.
+    let _log = match telemetry::init(config.log_format) {
+        Ok(guard) => guard,
+        Err(e) => {
+            eprintln!("compactor: {e}");
+            return ExitCode::from(EXIT_USAGE);
+        }
+    };
     // One process-wide provider, so nothing can pick a second one at runtime.
     let _ = rustls::crypto::ring::default_provider().install_default();
     let result = tokio::runtime::Runtime::new()

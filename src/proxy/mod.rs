@@ -6,6 +6,7 @@
 
 pub mod body;
 pub mod chat;
+pub mod coalesce;
 pub mod headers;
 pub mod upstream;
 
@@ -175,7 +176,7 @@ pub async fn handle(
             "request"
         );
     });
-    let body = ObservedBody::new(body, on_eos).boxed_unsync();
+    let body = ObservedBody::new(coalesce::CoalesceBody::new(body), on_eos).boxed_unsync();
     Ok(Response::from_parts(parts, body))
 }
 

@@ -22,7 +22,10 @@ use std::task::{Context, Poll};
 
 use bytes::{Buf, Bytes, BytesMut};
 use http_body::{Body, Frame, SizeHint};
-use memchr::{memchr2, memmem};
+use std::sync::LazyLock;
+
+use memchr::memchr2;
+use memchr::memmem::Finder;
 use pin_project_lite::pin_project;
 
 use super::sse::MAX_EVENT_BYTES;
@@ -252,8 +255,12 @@ fn data_payload(block: &[u8]) -> Option<Range<usize>> {
     found
 }
 
+/// Finds `"finish_reason"` (built once, see [`super::USAGE_KEY`]).
+static FINISH_REASON_KEY: LazyLock<Finder<'static>> =
+    LazyLock::new(|| Finder::new(b"\"finish_reason\""));
+
 fn judge(block: &[u8]) -> Verdict {
-    if memmem::find(block, b"\"usage\"").is_none() {
+    if super::USAGE_KEY.find(block).is_none() {
         return Verdict::Keep;
     }
     let Some(range) = data_payload(block) else {
@@ -304,7 +311,7 @@ fn judge(block: &[u8]) -> Verdict {
 /// the data object's closing brace in the block, and whether it already has
 /// `timings`.
 fn finish_chunk_close(block: &[u8]) -> Option<(usize, bool)> {
-    let has_finish = memmem::find_iter(block, b"\"finish_reason\"").any(|p| {
+    let has_finish = FINISH_REASON_KEY.find_iter(block).any(|p| {
         let rest = block[p + 15..].trim_ascii_start();
         rest.strip_prefix(b":")
             .is_some_and(|r| !r.trim_ascii_start().starts_with(b"null"))

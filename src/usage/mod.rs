@@ -18,7 +18,9 @@ pub mod peek;
 pub mod sse;
 pub mod tap;
 
-use memchr::memmem;
+use std::sync::LazyLock;
+
+use memchr::memmem::Finder;
 use serde::Deserialize;
 use serde_json::value::RawValue;
 use serde_json::Value;
@@ -277,10 +279,18 @@ fn choices_have_content(raw: &RawValue) -> bool {
     })
 }
 
+// Built once: building a memmem searcher costs more than scanning a
+// typical SSE event, and these run on every event of every stream.
+/// Finds `"usage"`.
+pub(crate) static USAGE_KEY: LazyLock<Finder<'static>> =
+    LazyLock::new(|| Finder::new(b"\"usage\""));
+/// Finds `"timings"`.
+static TIMINGS_KEY: LazyLock<Finder<'static>> = LazyLock::new(|| Finder::new(b"\"timings\""));
+
 /// `"usage"` followed by `:` and an object (so the `"usage":null` OpenAI adds
 /// to every chunk does not trigger a parse).
 fn has_usage_object(data: &[u8]) -> bool {
-    memmem::find_iter(data, b"\"usage\"").any(|p| {
+    USAGE_KEY.find_iter(data).any(|p| {
         let rest = &data[p + 7..];
         let rest = rest.trim_ascii_start();
         rest.strip_prefix(b":")
@@ -402,7 +412,7 @@ fn on_event(
     }
     // After the start is settled only usage/timings matter; skip the parse
     // for the (vast majority of) chunks that carry neither.
-    let interesting = has_usage_object(ev.data) || memmem::find(ev.data, b"\"timings\"").is_some();
+    let interesting = has_usage_object(ev.data) || TIMINGS_KEY.find(ev.data).is_some();
     if !undecided && !interesting {
         return;
     }

@@ -7,6 +7,7 @@ use super::*;
 use bytes::{Bytes, BytesMut};
 use http_body::Frame;
 use http_body_util::BodyExt;
+use memchr::memmem;
 use proptest::prelude::*;
 use std::sync::{Arc, Mutex};
 
