@@ -40,7 +40,10 @@ pub enum ParseError {
 /// body, where that value sits in the original bytes.
 #[derive(Debug)]
 struct Member {
-    raw: Box<RawValue>,
+    /// The value; `None` for `messages`, which lives (parsed) in
+    /// [`ChatRequest::messages`]: a second copy of the whole history per
+    /// request would be pure waste.
+    raw: Option<Box<RawValue>>,
     /// Byte range of the value in `original`; `None` for added members.
     span: Option<Range<usize>>,
     /// `raw` differs from the original value.
@@ -108,16 +111,19 @@ impl ChatRequest {
         let mut top = IndexMap::with_capacity(borrowed.0.len());
         let mut messages = None;
         for (k, v) in borrowed.0 {
-            if k == "messages" {
+            let span = offset_in(&original, v.get());
+            let raw = if k == "messages" {
                 let list: Vec<Box<RawValue>> =
                     serde_json::from_str(v.get()).map_err(ParseError::MessagesNotArray)?;
                 messages = Some(list);
-            }
-            let span = offset_in(&original, v.get());
+                None
+            } else {
+                Some(v.to_owned())
+            };
             top.insert(
                 k,
                 Member {
-                    raw: v.to_owned(),
+                    raw,
                     span,
                     changed: false,
                 },
@@ -139,7 +145,7 @@ impl ChatRequest {
 
     /// Raw top-level member, if present.
     pub fn get_raw(&self, key: &str) -> Option<&RawValue> {
-        self.top.get(key).map(|m| &*m.raw)
+        self.top.get(key).and_then(|m| m.raw.as_deref())
     }
 
     /// The messages (replaced ones after [`Self::with_messages`]).
@@ -197,6 +203,13 @@ impl ChatRequest {
             == Some(Value::Bool(true))
     }
 
+    /// Moves the messages out, leaving none. The body is not considered
+    /// changed: put them (or others) back with [`Self::with_messages`] to
+    /// send something else.
+    pub fn take_messages(&mut self) -> Vec<Box<RawValue>> {
+        std::mem::take(&mut self.messages)
+    }
+
     /// Replaces `messages`; the member keeps its position in the body.
     pub fn with_messages(&mut self, messages: Vec<Box<RawValue>>) {
         self.messages = messages;
@@ -234,12 +247,12 @@ impl ChatRequest {
         };
         match self.top.get_mut("stream_options") {
             Some(m) => {
-                m.raw = raw;
+                m.raw = Some(raw);
                 m.changed = true;
             }
             None => {
                 let added = Member {
-                    raw,
+                    raw: Some(raw),
                     span: None,
                     changed: true,
                 };
@@ -270,17 +283,19 @@ impl ChatRequest {
         for (k, m) in &self.top {
             let replaced_messages = k == "messages" && self.messages_replaced;
             let Some(orig) = m.span.clone() else {
-                appended.push((k, &m.raw));
+                if let Some(raw) = m.raw.as_deref() {
+                    appended.push((k, raw));
+                }
                 continue;
             };
             if !m.changed && !replaced_messages {
                 continue;
             }
             out.extend_from_slice(&src[cursor..orig.start]);
-            if replaced_messages {
-                write_array(&mut out, &self.messages);
-            } else {
-                out.extend_from_slice(m.raw.get().as_bytes());
+            match (replaced_messages, m.raw.as_deref()) {
+                (true, _) => write_array(&mut out, &self.messages),
+                (false, Some(raw)) => out.extend_from_slice(raw.get().as_bytes()),
+                (false, None) => out.extend_from_slice(&src[orig.clone()]),
             }
             cursor = orig.end;
         }

@@ -10,6 +10,7 @@
 //! The session lock is held while deciding and compacting, never while the
 //! response streams.
 
+use std::borrow::Cow;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -214,20 +215,23 @@ async fn prepare(
         .tokens;
 
     // 1. Substitute the longest recorded compaction of this history.
-    let original: Vec<Box<RawValue>> = creq.messages().to_vec();
+    // Moved out, not copied: the history is the bulk of the body, and the
+    // original bytes still go upstream unless `with_messages` runs below.
+    let original: Vec<Box<RawValue>> = creq.take_messages();
     let client_hashes = conv.client_chain.chain(&original).to_vec();
     let record = chat
         .records
         .lookup(cred, &client_hashes, conv.record.as_ref());
     conv.record = record.clone();
-    let mut outgoing: Vec<Box<RawValue>> = match &record {
-        Some(r) => r
-            .replacement
-            .iter()
-            .chain(&original[r.k..])
-            .cloned()
-            .collect(),
-        None => original.clone(),
+    let mut outgoing: Cow<'_, [Box<RawValue>]> = match &record {
+        Some(r) => Cow::Owned(
+            r.replacement
+                .iter()
+                .chain(&original[r.k..])
+                .cloned()
+                .collect(),
+        ),
+        None => Cow::Borrowed(&original),
     };
     let mut changed = record.is_some();
     let mut fresh_compaction = false;
@@ -358,7 +362,7 @@ async fn prepare(
                         summariser_ms = took.as_millis() as u64,
                         "compaction"
                     );
-                    outgoing = new_outgoing;
+                    outgoing = Cow::Owned(new_outgoing);
                     changed = true;
                     fresh_compaction = true;
                     action = Action::Compacted;
@@ -407,7 +411,7 @@ async fn prepare(
 
     let replaced = conv.record.as_ref().filter(|_| changed).map_or(0, |r| r.k);
     if changed {
-        creq.with_messages(outgoing);
+        creq.with_messages(outgoing.into_owned());
     }
     let plan = plan_usage(&mut creq);
     Prepared {
