@@ -12,9 +12,10 @@
 # hyper server + pooled client and nothing else, the yardstick for the price
 # of one hop) and compactor, all on loopback. For each target wrk reports
 # p50/p99 at concurrency 1 and requests/s at concurrency 64, for
-# non-streaming (json), streaming (sse: 22 events written back to back) and
-# paced streaming (sse_paced: 1 ms between events, like a fast model)
-# requests; the proxies' CPU per request is read from /proc. Then time to
+# non-streaming (json; json_big: an agent-sized turn of 61 messages, 20 KB),
+# streaming (sse: 22 events written back to back) and paced streaming
+# (sse_paced: 1 ms between events, like a fast model) requests; the proxies'
+# CPU per request is read from /proc. Then time to
 # first SSE byte (examples/ttfb.rs).
 #
 # Layouts:
@@ -74,6 +75,22 @@ wrk.method = "POST"
 wrk.headers["Content-Type"] = "application/json"
 wrk.body = '{"model":"bench","messages":[{"role":"user","content":"hi"}]}'
 LUA
+# An agent-sized turn: 61 messages, about 20 KB.
+big_body() {
+  local msgs='{"role":"system","content":"You are a helpful assistant."}' role i
+  local filler
+  filler=$(printf 'lorem ipsum dolor sit amet, consectetur adipiscing elit. %.0s' 1 2 3 4 5)
+  for i in $(seq 0 59); do
+    role=user; [ $((i % 2)) = 1 ] && role=assistant
+    msgs+=",{\"role\":\"$role\",\"content\":\"message $i $filler\"}"
+  done
+  printf '{"model":"bench","messages":[%s]}' "$msgs"
+}
+cat >"$OUT/json_big.lua" <<LUA
+wrk.method = "POST"
+wrk.headers["Content-Type"] = "application/json"
+wrk.body = '$(big_body)'
+LUA
 cat >"$OUT/sse.lua" <<'LUA'
 wrk.method = "POST"
 wrk.headers["Content-Type"] = "application/json"
@@ -125,7 +142,7 @@ bench_layout() {
   printf "%-9s %-3s | %7s %7s %7s | %7s %7s %7s %5s %6s | %7s %7s %7s %5s %6s\n" \
     mode conc "dir p50" "dir p99" "dir rps" "nv p50" "nv p99" "nv rps" "nv %" "nv cpu" \
     "cmp p50" "cmp p99" "cmp rps" "cmp %" "cmpcpu"
-  for mode in json sse sse_paced; do
+  for mode in json json_big sse sse_paced; do
     for conc in 1 64; do
       read -r d50 d99 drps _ < <(run "$MOCK" "" "$mode" "$conc")
       read -r n50 n99 nrps ncpu < <(run "$NAIVE" "$NAIVE_PID" "$mode" "$conc")
