@@ -18,12 +18,11 @@
 
 use std::ops::Range;
 use std::pin::Pin;
+use std::sync::LazyLock;
 use std::task::{Context, Poll};
 
 use bytes::{Buf, Bytes, BytesMut};
 use http_body::{Body, Frame, SizeHint};
-use std::sync::LazyLock;
-
 use memchr::memchr2;
 use memchr::memmem::Finder;
 use pin_project_lite::pin_project;
