@@ -11,8 +11,9 @@
 //! conversation that forks, retries or arrives without a session header still
 //! finds the compaction made for the history it shares.
 
+use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::time::Duration;
 
 use dashmap::DashMap;
@@ -65,6 +66,11 @@ pub type RecordKey = (u128, u128);
 /// Bounded, content-addressed store of compaction records.
 pub struct RecordStore {
     map: DashMap<RecordKey, Arc<Record>>,
+    /// How many records there are of each prefix length `k`. A lookup
+    /// probes only these lengths: probing every prefix would cost one map
+    /// lookup per message of the history on every request, most of all
+    /// before the first compaction, when there is nothing to find.
+    lengths: Mutex<BTreeMap<usize, usize>>,
     epoch: Instant,
     ttl: Duration,
     max: usize,
@@ -74,6 +80,7 @@ impl RecordStore {
     pub fn new(ttl: Duration, max: usize) -> Self {
         Self {
             map: DashMap::new(),
+            lengths: Mutex::new(BTreeMap::new()),
             epoch: Instant::now(),
             ttl,
             max: max.max(1),
@@ -96,8 +103,13 @@ impl RecordStore {
     pub fn insert(&self, cred: u128, record: Record) -> Arc<Record> {
         record.last_used.store(self.tick(), Ordering::Relaxed);
         let record = Arc::new(record);
-        self.map
+        let replaced = self
+            .map
             .insert((cred, record.prefix_hash), Arc::clone(&record));
+        if let Some(old) = replaced {
+            self.uncount(old.k);
+        }
+        *self.lengths().entry(record.k).or_insert(0) += 1;
         if self.map.len() > self.max {
             self.evict_lru();
         }
@@ -121,12 +133,37 @@ impl RecordStore {
             }
         }
         // Longest first: a later compaction covers more of the history.
-        for (i, h) in hashes.iter().enumerate().rev() {
-            if let Some(found) = self.touch(cred, *h, i + 1) {
-                return Some(found);
+        // Copied out so no map lock is ever taken under the lengths lock.
+        let lengths: Vec<usize> = self
+            .lengths()
+            .range(1..=hashes.len())
+            .rev()
+            .map(|(k, _)| *k)
+            .collect();
+        lengths
+            .into_iter()
+            .find_map(|k| self.touch(cred, hashes[k - 1], k))
+    }
+
+    fn lengths(&self) -> MutexGuard<'_, BTreeMap<usize, usize>> {
+        self.lengths.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// Forgets one record of length `k` (it was removed from the map).
+    fn uncount(&self, k: usize) {
+        let mut lengths = self.lengths();
+        if let Some(n) = lengths.get_mut(&k) {
+            *n -= 1;
+            if *n == 0 {
+                lengths.remove(&k);
             }
         }
-        None
+    }
+
+    fn remove(&self, key: &RecordKey) {
+        if let Some((_, old)) = self.map.remove(key) {
+            self.uncount(old.k);
+        }
     }
 
     fn touch(&self, cred: u128, hash: u128, k: usize) -> Option<Arc<Record>> {
@@ -136,7 +173,7 @@ impl RecordStore {
         }
         let now = self.tick();
         if now.saturating_sub(rec.last_used.load(Ordering::Relaxed)) > self.ttl.as_millis() as u64 {
-            self.map.remove(&(cred, hash));
+            self.remove(&(cred, hash));
             return None;
         }
         rec.last_used.store(now, Ordering::Relaxed);
@@ -147,8 +184,17 @@ impl RecordStore {
     pub fn sweep(&self) {
         let now = self.tick();
         let ttl = self.ttl.as_millis() as u64;
-        self.map
-            .retain(|_, r| now.saturating_sub(r.last_used.load(Ordering::Relaxed)) <= ttl);
+        let mut dropped = Vec::new();
+        self.map.retain(|_, r| {
+            let keep = now.saturating_sub(r.last_used.load(Ordering::Relaxed)) <= ttl;
+            if !keep {
+                dropped.push(r.k);
+            }
+            keep
+        });
+        for k in dropped {
+            self.uncount(k);
+        }
     }
 
     fn evict_lru(&self) {
@@ -159,9 +205,7 @@ impl RecordStore {
                 .min_by_key(|e| e.value().last_used.load(Ordering::Relaxed))
                 .map(|e| *e.key());
             match oldest {
-                Some(k) => {
-                    self.map.remove(&k);
-                }
+                Some(k) => self.remove(&k),
                 None => break,
             }
         }
@@ -197,6 +241,40 @@ mod tests {
         let rec = store.insert(1, Record::new(2, 22, vec![raw("1")], 1, 1));
         assert!(store.lookup(1, &[11, 23, 33], Some(&rec)).is_none());
         assert_eq!(store.lookup(1, &[11, 22, 33], Some(&rec)).unwrap().k, 2);
+    }
+
+    /// The lengths index always matches what the map holds.
+    fn assert_lengths_match(store: &RecordStore) {
+        let mut actual = BTreeMap::new();
+        for e in store.map.iter() {
+            *actual.entry(e.value().k).or_insert(0) += 1;
+        }
+        assert_eq!(*store.lengths(), actual);
+    }
+
+    #[test]
+    fn lengths_index_follows_insert_replace_evict_and_sweep() {
+        let store = RecordStore::new(Duration::from_millis(50), 3);
+        store.insert(1, Record::new(2, 22, vec![], 0, 0));
+        store.insert(1, Record::new(4, 44, vec![], 0, 0));
+        store.insert(2, Record::new(4, 44, vec![], 0, 0));
+        assert_lengths_match(&store);
+        // Same key again: replaced, not counted twice.
+        store.insert(1, Record::new(4, 44, vec![], 0, 0));
+        assert_lengths_match(&store);
+        // Over the bound: the least recently used goes.
+        store.insert(3, Record::new(7, 77, vec![], 0, 0));
+        assert_eq!(store.len(), 3);
+        assert_lengths_match(&store);
+        assert_eq!(store.lookup(3, &[1, 2, 3, 4, 5, 6, 77], None).unwrap().k, 7);
+        // Expired on lookup, then swept.
+        std::thread::sleep(Duration::from_millis(80));
+        assert!(store.lookup(3, &[1, 2, 3, 4, 5, 6, 77], None).is_none());
+        assert_lengths_match(&store);
+        store.sweep();
+        assert!(store.is_empty());
+        assert_lengths_match(&store);
+        assert!(store.lengths().is_empty());
     }
 
     #[test]
