@@ -246,7 +246,14 @@ async fn prepare(
     // 2. Estimate what would be sent (calibrated by real usage).
     let max_out = creq.max_output_tokens();
     let overhead = conv.tools_overhead(creq.get_raw("tools"));
-    let sent_hashes = conv.sent_chain.chain(&outgoing).to_vec();
+    let sent_hashes = match &outgoing {
+        // Sending the client's own history: its chain is already computed.
+        Cow::Borrowed(_) => {
+            conv.sent_chain = conv.client_chain.clone();
+            client_hashes.clone()
+        }
+        Cow::Owned(o) => conv.sent_chain.chain(o).to_vec(),
+    };
     let mut est =
         conv.calibration
             .estimate(&outgoing, &sent_hashes, overhead, rough_message_tokens);
