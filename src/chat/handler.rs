@@ -36,8 +36,8 @@ use crate::session::store::Entry;
 use crate::usage::hide::HideUsageBody;
 use crate::usage::inject::{plan_usage, UsagePlan};
 use crate::usage::peek::peek_start;
-use crate::usage::tap::{Eos, Observer, TapBody};
-use crate::usage::{BodyKind, StreamStart, UsageExtractor};
+use crate::usage::tap::TapBody;
+use crate::usage::{BodyKind, StreamStart, TapOutcome, UsageObserver};
 use crate::window::overflow::{parse_overflow, parse_overflow_event, Overflow, OverflowKind};
 
 use super::conversation::{rough_message_tokens, Conversation};
@@ -704,12 +704,21 @@ fn finish(
             .and_then(|v| v.to_str().ok()),
     );
     let success = parts.status.is_success();
-    let observer = UsagePoster {
-        extractor: UsageExtractor::new(kind),
-        // Error bodies carry no usage worth calibrating on.
-        target: success.then(|| (Arc::clone(&prepared.inbox), Arc::clone(&prepared.sent))),
-        state: Arc::clone(state),
-    };
+    let mut observer = UsageObserver::new(kind, |_: TapOutcome| {});
+    // Error bodies carry no usage worth calibrating on.
+    if success {
+        let (inbox, sent) = (Arc::clone(&prepared.inbox), Arc::clone(&prepared.sent));
+        let state = Arc::clone(state);
+        observer = observer.on_usage(Box::new(move |report| {
+            if let Some((prompt, _)) = report.prompt_tokens() {
+                state.chat.metrics.prompt_tokens(prompt);
+            }
+            match inbox.lock() {
+                Ok(mut q) => q.push((sent, report)),
+                Err(poisoned) => poisoned.into_inner().push((sent, report)),
+            };
+        }));
+    }
     let tapped = TapBody::new(body, observer);
     let idle = state.config.timeouts.idle;
     let metrics = Arc::clone(&state.metrics);
@@ -739,48 +748,6 @@ fn finish(
         }
     }
     Response::from_parts(parts, body)
-}
-
-/// Posts a response's usage to the conversation's inbox as soon as the
-/// upstream reports it (the usage chunk comes before `[DONE]`), at the end
-/// of the body at the latest (JSON bodies, llama.cpp `timings`). Posting
-/// early means a client that sends its next turn right after reading the
-/// stream's end is estimated with this turn's real count.
-struct UsagePoster {
-    extractor: UsageExtractor,
-    target: Option<(super::conversation::Inbox, Arc<SentRequest>)>,
-    state: Arc<AppState>,
-}
-
-impl UsagePoster {
-    fn post(&mut self) {
-        let report = self.extractor.report();
-        let Some((prompt, _)) = report.prompt_tokens() else {
-            return;
-        };
-        let Some((inbox, sent)) = self.target.take() else {
-            return;
-        };
-        self.state.chat.metrics.prompt_tokens(prompt);
-        match inbox.lock() {
-            Ok(mut q) => q.push((sent, report)),
-            Err(poisoned) => poisoned.into_inner().push((sent, report)),
-        };
-    }
-}
-
-impl Observer for UsagePoster {
-    fn on_data(&mut self, data: &[u8]) {
-        self.extractor.feed(data);
-        if self.target.is_some() && self.extractor.report().usage.is_some() {
-            self.post();
-        }
-    }
-
-    fn on_eos(mut self, _eos: Eos) {
-        self.extractor.finish();
-        self.post();
-    }
 }
 
 /// A response compactor writes itself (admin views).

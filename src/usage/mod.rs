@@ -466,10 +466,15 @@ pub struct TapOutcome {
     pub oversized: u64,
 }
 
+/// Called with a body's usage as soon as it is known (see
+/// [`UsageObserver::on_usage`]).
+pub type OnUsage = Box<dyn FnOnce(UsageReport) + Send>;
+
 /// [`Observer`] that extracts usage and hands a [`TapOutcome`] to `done`
 /// exactly once, when the body ends.
 pub struct UsageObserver<F: FnOnce(TapOutcome)> {
     extractor: UsageExtractor,
+    on_usage: Option<OnUsage>,
     done: Option<F>,
 }
 
@@ -478,7 +483,29 @@ impl<F: FnOnce(TapOutcome)> UsageObserver<F> {
     pub fn new(kind: BodyKind, done: F) -> Self {
         Self {
             extractor: UsageExtractor::new(kind),
+            on_usage: None,
             done: Some(done),
+        }
+    }
+
+    /// Also hands the report to `f` as soon as it has a prompt count: at
+    /// the usage chunk, which comes before `[DONE]`, or at the end of the
+    /// body at the latest (JSON bodies, llama.cpp `timings`). Never called
+    /// for a body that reports none. A client that sends its next turn
+    /// right after the stream ends is then estimated with this turn's real
+    /// count.
+    pub fn on_usage(mut self, f: OnUsage) -> Self {
+        self.on_usage = Some(f);
+        self
+    }
+
+    fn post_usage(&mut self) {
+        let report = self.extractor.report();
+        if report.prompt_tokens().is_none() {
+            return;
+        }
+        if let Some(f) = self.on_usage.take() {
+            f(report);
         }
     }
 }
@@ -486,10 +513,14 @@ impl<F: FnOnce(TapOutcome)> UsageObserver<F> {
 impl<F: FnOnce(TapOutcome)> Observer for UsageObserver<F> {
     fn on_data(&mut self, data: &[u8]) {
         self.extractor.feed(data);
+        if self.on_usage.is_some() && self.extractor.report().usage.is_some() {
+            self.post_usage();
+        }
     }
 
     fn on_eos(mut self, eos: Eos) {
         self.extractor.finish();
+        self.post_usage();
         let e = &self.extractor;
         let outcome = TapOutcome {
             report: e.report(),

@@ -219,6 +219,50 @@ async fn observer_through_tap_delivers_outcome_once() {
     assert_eq!(got[0].bytes, s.len() as u64);
 }
 
+/// Feeds `body` to an observer with an `on_usage` hook in `step`-byte
+/// pieces; returns (bytes fed when the hook fired, the report it got).
+fn early_usage(kind: BodyKind, body: &[u8], step: usize) -> Option<(usize, UsageReport)> {
+    let fired: Arc<Mutex<Option<UsageReport>>> = Arc::default();
+    let sink = fired.clone();
+    let mut obs = UsageObserver::new(kind, |_: TapOutcome| {}).on_usage(Box::new(move |r| {
+        assert!(sink.lock().unwrap().replace(r).is_none(), "fired twice");
+    }));
+    let mut at = None;
+    let mut fed = 0;
+    for piece in body.chunks(step) {
+        obs.on_data(piece);
+        fed += piece.len();
+        if at.is_none() && fired.lock().unwrap().is_some() {
+            at = Some(fed);
+        }
+    }
+    obs.on_eos(tap::Eos::Complete);
+    let report = (*fired.lock().unwrap())?;
+    Some((at.unwrap_or(body.len() + 1), report))
+}
+
+#[test]
+fn on_usage_fires_at_the_usage_chunk_before_done() {
+    let s = fixture!("sse/openai_with_usage.sse");
+    let (at, report) = early_usage(BodyKind::Sse, s, 16).unwrap();
+    let done = memmem::find(s, b"data: [DONE]").unwrap();
+    assert!(
+        at <= done + 16,
+        "fired after [DONE]: at {at}, [DONE] at {done}"
+    );
+    assert_eq!(report.prompt_tokens(), Some((9, PromptSource::Usage)));
+}
+
+#[test]
+fn on_usage_fires_at_the_end_of_a_json_body_and_never_without_usage() {
+    let json = fixture!("json/openai_response.json");
+    let (at, report) = early_usage(BodyKind::Json, json, 7).unwrap();
+    // A JSON body is parsed whole: only its end can tell.
+    assert_eq!(at, json.len() + 1);
+    assert!(report.prompt_tokens().is_some());
+    assert!(early_usage(BodyKind::Sse, fixture!("sse/openai_without_usage.sse"), 16).is_none());
+}
+
 // ---- hiding ----
 
 fn hide(chunks: &[&[u8]]) -> Vec<u8> {
