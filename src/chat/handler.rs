@@ -25,6 +25,7 @@ use tokio::time::Instant;
 
 use crate::app::AppState;
 use crate::compaction::config::Strategy;
+use crate::compaction::trigger::Trigger;
 use crate::compaction::{CompressOptions, Compressor, Outcome};
 use crate::error::{full_body, ProxyBody};
 use crate::proxy::body::{boxed, IdleTimeoutBody, ProxyReqBody};
@@ -279,35 +280,23 @@ async fn prepare(
         engine_window,
         engine_max_out,
     );
-    let threshold = comp.trigger.threshold_tokens();
-    // The estimate is calibrated but still char-based: a tool output of
-    // file listings tokenizes denser than prose. Near the window's edge a
-    // few percent decide between an answer and an overflow round trip, so
-    // "fits" keeps a margin.
-    let fits_window =
-        est.tokens + est.tokens / ESTIMATE_MARGIN_DIVISOR + max_out.unwrap_or(0) < window;
-    // Right after a compaction the rough figure is not trusted until the
-    // upstream reports real usage (reference deferral), unless the request
-    // would not even fit the window.
-    let defer = comp.trigger.awaiting_real_usage_after_compression && fits_window;
-    // After an overflow the compaction must happen. It clears a failure
-    // cooldown only when none is running: a summariser that just failed is
-    // not asked again, the engine uses its deterministic fallback.
-    let force = overflow.is_some() && comp.trigger.cooldown_remaining().is_none();
-    // A request that cannot fit the window is compacted even while the
-    // trigger is blocked (cooldown, breaker): forwarding it can only fail.
-    let must = overflow.is_some() || !fits_window;
-    let wanted = must
-        || (!defer
-            && est_rough >= threshold
-            && comp.trigger.should_compress(Some(est_rough as i64)));
-    // Micro-compaction is per turn (reference §4: every Nth turn, whatever
-    // the size); over the threshold the batch compaction still runs, since
-    // absorbing one exchange per request cannot keep up with a full window.
-    let micro_pass = !wanted
-        && cfg.strategy == Strategy::Micro
-        && overflow.is_none()
-        && conv_turn_due(turn, cfg.micro_every_n_turns);
+    let micro_due = cfg.strategy == Strategy::Micro && conv_turn_due(turn, cfg.micro_every_n_turns);
+    let Decision {
+        threshold,
+        wanted,
+        micro_pass,
+        force,
+    } = decide(
+        &mut comp.trigger,
+        Sizes {
+            est_real: est.tokens,
+            est_rough,
+            max_out,
+            window,
+        },
+        overflow.is_some(),
+        micro_due,
+    );
     if wanted || micro_pass {
         let values: Result<Vec<Value>, _> = outgoing
             .iter()
@@ -436,6 +425,66 @@ async fn prepare(
 /// Whether request number `requests` (1-based) is a micro-compaction turn.
 fn conv_turn_due(requests: u64, every_n: u32) -> bool {
     requests % u64::from(every_n.max(1)) == 0
+}
+
+/// What a request's size looks like to the trigger.
+struct Sizes {
+    /// Calibrated prompt estimate, real tokens.
+    est_real: u64,
+    /// The same in the engine's rough units.
+    est_rough: u64,
+    /// The request's output cap, real tokens.
+    max_out: Option<u64>,
+    /// The context window, real tokens.
+    window: u64,
+}
+
+/// Whether and how a request is compacted.
+struct Decision {
+    /// The trigger's threshold (rough units), for the log line.
+    threshold: u64,
+    /// A batch compaction runs.
+    wanted: bool,
+    /// A micro pass runs instead (strategy `micro`, its turn, no batch).
+    micro_pass: bool,
+    /// The compaction must happen now (after an overflow, no cooldown).
+    force: bool,
+}
+
+/// The trigger decision, free of I/O (the trigger keeps its own counters).
+fn decide(trigger: &mut Trigger, s: Sizes, overflow: bool, micro_due: bool) -> Decision {
+    let threshold = trigger.threshold_tokens();
+    // The estimate is calibrated but still char-based: a tool output of
+    // file listings tokenizes denser than prose. Near the window's edge a
+    // few percent decide between an answer and an overflow round trip, so
+    // "fits" keeps a margin.
+    let fits_window =
+        s.est_real + s.est_real / ESTIMATE_MARGIN_DIVISOR + s.max_out.unwrap_or(0) < s.window;
+    // Right after a compaction the rough figure is not trusted until the
+    // upstream reports real usage (reference deferral), unless the request
+    // would not even fit the window.
+    let defer = trigger.awaiting_real_usage_after_compression && fits_window;
+    // After an overflow the compaction must happen. It clears a failure
+    // cooldown only when none is running: a summariser that just failed is
+    // not asked again, the engine uses its deterministic fallback.
+    let force = overflow && trigger.cooldown_remaining().is_none();
+    // A request that cannot fit the window is compacted even while the
+    // trigger is blocked (cooldown, breaker): forwarding it can only fail.
+    let must = overflow || !fits_window;
+    let wanted = must
+        || (!defer
+            && s.est_rough >= threshold
+            && trigger.should_compress(Some(s.est_rough as i64)));
+    // Micro-compaction is per turn (reference §4: every Nth turn, whatever
+    // the size); over the threshold the batch compaction still runs, since
+    // absorbing one exchange per request cannot keep up with a full window.
+    let micro_pass = !wanted && !overflow && micro_due;
+    Decision {
+        threshold,
+        wanted,
+        micro_pass,
+        force,
+    }
 }
 
 /// One engine pass over `values`: a micro pass (one exchange absorbed) or
@@ -759,4 +808,78 @@ pub fn json_response(status: StatusCode, body: String) -> Response<ProxyBody> {
         HeaderValue::from_static("application/json"),
     );
     resp
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::compaction::config::CompactionConfig;
+    use crate::compaction::trigger::{Clock, WindowSource};
+
+    const WINDOW: u64 = 10_000;
+
+    fn trigger() -> Trigger {
+        let cfg = Arc::new(CompactionConfig::default());
+        Trigger::new(cfg, "m", WindowSource::Known(WINDOW), None).with_clock(Clock::manual())
+    }
+
+    fn sizes(est: u64) -> Sizes {
+        Sizes {
+            est_real: est,
+            est_rough: est,
+            max_out: None,
+            window: WINDOW,
+        }
+    }
+
+    /// The trigger's threshold for [`WINDOW`].
+    fn threshold() -> u64 {
+        decide(&mut trigger(), sizes(0), false, false).threshold
+    }
+
+    #[test]
+    fn below_the_threshold_nothing_runs_and_above_it_a_batch_does() {
+        let th = threshold();
+        assert!(
+            th + th / ESTIMATE_MARGIN_DIVISOR < WINDOW,
+            "test needs a fitting threshold"
+        );
+        let d = decide(&mut trigger(), sizes(th - 1), false, false);
+        assert!(!d.wanted && !d.micro_pass && !d.force);
+        let d = decide(&mut trigger(), sizes(th), false, false);
+        assert!(d.wanted && !d.micro_pass && !d.force);
+    }
+
+    #[test]
+    fn deferral_holds_unless_the_request_cannot_fit() {
+        let th = threshold();
+        let mut t = trigger();
+        t.awaiting_real_usage_after_compression = true;
+        assert!(!decide(&mut t, sizes(th), false, false).wanted);
+        // Estimate plus its margin over the window: compacted anyway.
+        let d = decide(&mut t, sizes(WINDOW - WINDOW / 20), false, false);
+        assert!(d.wanted && !d.force);
+        // The output cap counts towards fitting too.
+        let s = Sizes {
+            max_out: Some(WINDOW / 2),
+            ..sizes(th)
+        };
+        assert!(decide(&mut t, s, false, false).wanted);
+    }
+
+    #[test]
+    fn an_overflow_forces_a_compaction_whatever_the_size() {
+        let d = decide(&mut trigger(), sizes(10), true, true);
+        assert!(d.wanted && d.force && !d.micro_pass);
+    }
+
+    #[test]
+    fn a_micro_pass_runs_on_its_turn_below_the_threshold_only() {
+        let th = threshold();
+        let d = decide(&mut trigger(), sizes(10), false, true);
+        assert!(d.micro_pass && !d.wanted);
+        let d = decide(&mut trigger(), sizes(th), false, true);
+        assert!(d.wanted && !d.micro_pass);
+        assert!(!decide(&mut trigger(), sizes(10), false, false).micro_pass);
+    }
 }
