@@ -17,6 +17,7 @@ pub mod metrics;
 pub mod proxy;
 pub mod request;
 pub mod session;
+pub mod sync;
 pub mod telemetry;
 pub mod usage;
 pub mod window;

@@ -11,7 +11,7 @@
 //! the batch itself, and [`LogGuard`] flushes on exit.
 
 use std::io::Write;
-use std::sync::{Arc, Condvar, Mutex, MutexGuard, PoisonError};
+use std::sync::{Arc, Condvar, Mutex, PoisonError};
 use std::thread::JoinHandle;
 use std::time::Duration;
 
@@ -19,6 +19,7 @@ use tracing_subscriber::fmt::MakeWriter;
 use tracing_subscriber::EnvFilter;
 
 use crate::config::LogFormat;
+use crate::sync::lock;
 
 /// Filter used when `RUST_LOG` is unset or invalid.
 pub const DEFAULT_FILTER: &str = "compactor=info";
@@ -65,10 +66,6 @@ struct Shared<W> {
     /// The destination; locked before `pending` by whoever writes, so
     /// batches reach it in order.
     out: Mutex<W>,
-}
-
-fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(PoisonError::into_inner)
 }
 
 impl<W: Write> Shared<W> {

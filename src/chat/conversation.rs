@@ -131,10 +131,7 @@ impl Conversation {
 
     /// Applies usage posted by finished responses.
     pub fn drain_inbox(&mut self) {
-        let posted = match self.inbox.lock() {
-            Ok(mut q) => std::mem::take(&mut *q),
-            Err(poisoned) => std::mem::take(&mut *poisoned.into_inner()),
-        };
+        let posted = std::mem::take(&mut *crate::sync::lock(&self.inbox));
         for (sent, report) in posted {
             let Some(usage) = report.effective() else {
                 continue;

@@ -762,10 +762,7 @@ fn finish(
             if let Some((prompt, _)) = report.prompt_tokens() {
                 state.chat.metrics.prompt_tokens(prompt);
             }
-            match inbox.lock() {
-                Ok(mut q) => q.push((sent, report)),
-                Err(poisoned) => poisoned.into_inner().push((sent, report)),
-            };
+            crate::sync::lock(&inbox).push((sent, report));
         }));
     }
     let tapped = TapBody::new(body, observer);

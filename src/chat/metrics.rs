@@ -55,18 +55,11 @@ impl Default for ChatMetrics {
 }
 
 fn bump(map: &Mutex<BTreeMap<&'static str, u64>>, key: &'static str) {
-    let mut m = match map.lock() {
-        Ok(m) => m,
-        Err(p) => p.into_inner(),
-    };
-    *m.entry(key).or_default() += 1;
+    *crate::sync::lock(map).entry(key).or_default() += 1;
 }
 
 fn read(map: &Mutex<BTreeMap<&'static str, u64>>) -> BTreeMap<&'static str, u64> {
-    match map.lock() {
-        Ok(m) => m.clone(),
-        Err(p) => p.into_inner().clone(),
-    }
+    crate::sync::lock(map).clone()
 }
 
 impl ChatMetrics {

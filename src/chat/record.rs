@@ -13,7 +13,7 @@
 
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
+use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
 use dashmap::DashMap;
@@ -146,7 +146,7 @@ impl RecordStore {
     }
 
     fn lengths(&self) -> MutexGuard<'_, BTreeMap<usize, usize>> {
-        self.lengths.lock().unwrap_or_else(PoisonError::into_inner)
+        crate::sync::lock(&self.lengths)
     }
 
     /// Forgets one record of length `k` (it was removed from the map).
