@@ -70,32 +70,9 @@ start() {
   echo "process did not start: $log" >&2; cat "$log" >&2; exit 1
 }
 
-cat >"$OUT/json.lua" <<'LUA'
-wrk.method = "POST"
-wrk.headers["Content-Type"] = "application/json"
-wrk.body = '{"model":"bench","messages":[{"role":"user","content":"hi"}]}'
-LUA
-# An agent-sized turn: 61 messages, about 20 KB.
-big_body() {
-  local msgs='{"role":"system","content":"You are a helpful assistant."}' role i
-  local filler
-  filler=$(printf 'lorem ipsum dolor sit amet, consectetur adipiscing elit. %.0s' 1 2 3 4 5)
-  for i in $(seq 0 59); do
-    role=user; [ $((i % 2)) = 1 ] && role=assistant
-    msgs+=",{\"role\":\"$role\",\"content\":\"message $i $filler\"}"
-  done
-  printf '{"model":"bench","messages":[%s]}' "$msgs"
-}
-cat >"$OUT/json_big.lua" <<LUA
-wrk.method = "POST"
-wrk.headers["Content-Type"] = "application/json"
-wrk.body = '$(big_body)'
-LUA
-cat >"$OUT/sse.lua" <<'LUA'
-wrk.method = "POST"
-wrk.headers["Content-Type"] = "application/json"
-wrk.body = '{"model":"bench","stream":true,"messages":[{"role":"user","content":"hi"}]}'
-LUA
+# Request bodies as wrk scripts: $OUT/{json,json_big,json_agent,sse}.lua
+. scripts/bench_bodies.sh
+write_bodies "$OUT"
 
 # wrk latency value (e.g. 45.00us, 1.20ms) → microseconds.
 to_us() { awk -v v="$1" 'BEGIN{ n=v+0; if (v ~ /us$/) print n; else if (v ~ /ms$/) print n*1000; else if (v ~ /s$/) print n*1000000; else print n }'; }

@@ -60,8 +60,16 @@ pub struct ChatRequest {
     messages_replaced: bool,
 }
 
-/// Borrowed parse of the top level: key → raw value pointing into the input.
-struct BorrowedTop<'a>(Vec<(String, &'a RawValue)>);
+/// One top-level value of the borrowed parse, pointing into the input.
+enum TopValue<'a> {
+    Raw(&'a RawValue),
+    /// The elements of `messages`, read in the same pass as the top level,
+    /// so a request body is scanned once, not twice.
+    Messages(Vec<&'a RawValue>),
+}
+
+/// Borrowed parse of the top level, in body order.
+struct BorrowedTop<'a>(Vec<(String, TopValue<'a>)>);
 
 impl<'de> serde::Deserialize<'de> for BorrowedTop<'de> {
     fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
@@ -72,9 +80,13 @@ impl<'de> serde::Deserialize<'de> for BorrowedTop<'de> {
                 f.write_str("a JSON object")
             }
             fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<Self::Value, A::Error> {
-                let mut out: Vec<(String, &'de RawValue)> = Vec::new();
+                let mut out: Vec<(String, TopValue<'de>)> = Vec::new();
                 while let Some(k) = map.next_key::<String>()? {
-                    let v: &'de RawValue = map.next_value()?;
+                    let v = if k == "messages" {
+                        TopValue::Messages(map.next_value::<MessageList<'de>>()?.0)
+                    } else {
+                        TopValue::Raw(map.next_value()?)
+                    };
                     if out.iter().any(|(existing, _)| *existing == k) {
                         return Err(de::Error::custom(DUPLICATE_MARK));
                     }
@@ -87,7 +99,56 @@ impl<'de> serde::Deserialize<'de> for BorrowedTop<'de> {
     }
 }
 
+/// The `messages` array as borrowed raw elements; anything else is an error
+/// marked [`NOT_ARRAY_MARK`].
+struct MessageList<'a>(Vec<&'a RawValue>);
+
+impl<'de> serde::Deserialize<'de> for MessageList<'de> {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct V;
+        impl<'de> Visitor<'de> for V {
+            type Value = MessageList<'de>;
+            fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
+                f.write_str(NOT_ARRAY_MARK)
+            }
+            fn visit_seq<A: de::SeqAccess<'de>>(self, mut seq: A) -> Result<Self::Value, A::Error> {
+                let mut out = Vec::with_capacity(seq.size_hint().unwrap_or(0));
+                while let Some(m) = seq.next_element::<&'de RawValue>()? {
+                    out.push(m);
+                }
+                Ok(MessageList(out))
+            }
+        }
+        d.deserialize_seq(V)
+    }
+}
+
 const DUPLICATE_MARK: &str = "compactor: duplicate key";
+const NOT_ARRAY_MARK: &str = "compactor: `messages` as an array";
+
+/// The byte range of the `messages` array in `body`. From its elements when
+/// it has any: only JSON whitespace may stand between `[` and the first
+/// element, and between the last element and `]`. An empty array has no
+/// element to start from and is found by a second, raw parse.
+fn messages_span(body: &[u8], elements: &[&RawValue]) -> Option<Range<usize>> {
+    span_around(body, elements).or_else(|| raw_messages_span(body))
+}
+
+fn span_around(body: &[u8], elements: &[&RawValue]) -> Option<Range<usize>> {
+    let is_ws = |b: &u8| matches!(b, b' ' | b'\t' | b'\n' | b'\r');
+    let (first, last) = (elements.first()?, elements.last()?);
+    let first = offset_in(body, first.get())?;
+    let last = offset_in(body, last.get())?;
+    let open = body[..first.start].iter().rposition(|b| !is_ws(b))?;
+    let close = last.end + body[last.end..].iter().position(|b| !is_ws(b))?;
+    (body[open] == b'[' && body[close] == b']').then_some(open..close + 1)
+}
+
+#[cold]
+fn raw_messages_span(body: &[u8]) -> Option<Range<usize>> {
+    let top: IndexMap<&str, &RawValue> = serde_json::from_slice(body).ok()?;
+    offset_in(body, top.get("messages")?.get())
+}
 
 /// Offset of `inner` inside `outer`, when `inner` is a sub-slice of it.
 fn offset_in(outer: &[u8], inner: &str) -> Option<Range<usize>> {
@@ -97,13 +158,16 @@ fn offset_in(outer: &[u8], inner: &str) -> Option<Range<usize>> {
 }
 
 impl ChatRequest {
-    /// Parses `bytes` (the whole request body). Cheap: only the top level and
+    /// Parses `bytes` (the whole request body) in one pass. Cheap: only the top level and
     /// the boundaries of each message are parsed.
     pub fn parse(bytes: impl Into<Bytes>) -> Result<Self, ParseError> {
         let original: Bytes = bytes.into();
         let borrowed: BorrowedTop<'_> = serde_json::from_slice(&original).map_err(|e| {
-            if e.to_string().contains(DUPLICATE_MARK) {
+            let text = e.to_string();
+            if text.contains(DUPLICATE_MARK) {
                 ParseError::DuplicateKey
+            } else if text.contains(NOT_ARRAY_MARK) {
+                ParseError::MessagesNotArray(e)
             } else {
                 ParseError::NotObject(e)
             }
@@ -111,14 +175,13 @@ impl ChatRequest {
         let mut top = IndexMap::with_capacity(borrowed.0.len());
         let mut messages = None;
         for (k, v) in borrowed.0 {
-            let span = offset_in(&original, v.get());
-            let raw = if k == "messages" {
-                let list: Vec<Box<RawValue>> =
-                    serde_json::from_str(v.get()).map_err(ParseError::MessagesNotArray)?;
-                messages = Some(list);
-                None
-            } else {
-                Some(v.to_owned())
+            let (raw, span) = match v {
+                TopValue::Raw(v) => (Some(v.to_owned()), offset_in(&original, v.get())),
+                TopValue::Messages(list) => {
+                    let span = messages_span(&original, &list);
+                    messages = Some(list.into_iter().map(ToOwned::to_owned).collect());
+                    (None, span)
+                }
             };
             top.insert(
                 k,
@@ -575,6 +638,36 @@ mod tests {
     }
 
     #[test]
+    fn messages_span_is_the_whole_array_however_it_is_spaced() {
+        for body in [
+            r#"{"messages":[]}"#,
+            r#"{"messages": [ ] ,"x":1}"#,
+            "{\"a\":[1],\"messages\" :\n[\n {\"role\":\"user\"} ,\r\n\t\"s\"\n] }",
+            r#"{"messages":[1],"b":{"messages":[2,3]}}"#,
+        ] {
+            let r = ChatRequest::parse(body.as_bytes().to_vec()).unwrap();
+            let span = r.top["messages"].span.clone().unwrap();
+            assert_eq!(
+                Some(&span),
+                raw_messages_span(body.as_bytes()).as_ref(),
+                "{body}"
+            );
+            // Non-empty arrays are found from their elements, without the
+            // second parse.
+            let top: BorrowedTop<'_> = serde_json::from_str(body).unwrap();
+            for (k, v) in top.0 {
+                if let (true, TopValue::Messages(list)) = (k == "messages", v) {
+                    let around = span_around(body.as_bytes(), &list);
+                    assert_eq!(around, (!list.is_empty()).then_some(span.clone()));
+                }
+            }
+        }
+        let mut r = ChatRequest::parse(br#"{"messages": [ ] ,"x":1}"#.to_vec()).unwrap();
+        r.with_messages(vec![raw("1")]);
+        assert_eq!(&r.to_bytes()[..], br#"{"messages": [1] ,"x":1}"#);
+    }
+
+    #[test]
     fn rejects_what_cannot_be_rewritten() {
         assert!(matches!(
             ChatRequest::parse(b"not json".to_vec()),
@@ -588,9 +681,19 @@ mod tests {
             ChatRequest::parse(br#"{"model":"m"}"#.to_vec()),
             Err(ParseError::MissingMessages)
         ));
+        for not_array in [
+            r#"{"messages":{}}"#,
+            r#"{"messages":null}"#,
+            r#"{"messages":"x"}"#,
+        ] {
+            assert!(matches!(
+                ChatRequest::parse(not_array.as_bytes().to_vec()),
+                Err(ParseError::MessagesNotArray(_))
+            ));
+        }
         assert!(matches!(
-            ChatRequest::parse(br#"{"messages":{}}"#.to_vec()),
-            Err(ParseError::MessagesNotArray(_))
+            ChatRequest::parse(br#"{"messages":[{"a":}]}"#.to_vec()),
+            Err(ParseError::NotObject(_))
         ));
         assert!(matches!(
             ChatRequest::parse(br#"{"messages":[],"model":"a","model":"b"}"#.to_vec()),

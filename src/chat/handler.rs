@@ -123,8 +123,8 @@ pub async fn handle(state: Arc<AppState>, req: Request<ProxyReqBody>) -> Respons
         return send_plain(&state, parts, bytes).await;
     };
     let chat = &state.chat;
-    let (key, _source) = chat.keyer.derive(&parts.headers, &creq);
-    let cred = chat.keyer.credential(&parts.headers).as_u128();
+    let (key, _source, cred) = chat.keyer.derive_with_credential(&parts.headers, &creq);
+    let cred = cred.as_u128();
     let entry = chat.sessions.get_or_create(key, Conversation::default);
 
     let mut prepared = prepare(&state, &entry, &parts, creq, (key, cred), None).await;

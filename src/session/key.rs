@@ -11,13 +11,15 @@
 use std::borrow::Cow;
 use std::fmt;
 use std::hash::{BuildHasher, Hasher};
+use std::sync::{Arc, Mutex};
 
 use http::header::{HeaderMap, HeaderName};
 use serde::Deserialize;
 use serde_json::value::RawValue;
-use xxhash_rust::xxh3::Xxh3;
+use xxhash_rust::xxh3::{xxh3_128, Xxh3};
 
 use crate::request::{message_hash, ChatRequest};
+use crate::sync::lock;
 
 /// The default header list, in precedence order. `a+b` means: header `a`,
 /// combined with header `b` when that is present too (Claude Code subagents
@@ -32,7 +34,11 @@ pub const DEFAULT_SESSION_HEADERS: &[&str] = &[
 ];
 
 /// Headers whose values identify the client's credential.
-const CREDENTIAL_HEADERS: &[&str] = &["authorization", "api-key", "x-api-key"];
+const CREDENTIAL_HEADERS: [HeaderName; 3] = [
+    http::header::AUTHORIZATION,
+    HeaderName::from_static("api-key"),
+    HeaderName::from_static("x-api-key"),
+];
 
 /// Opaque session key (printed as 32 hex digits).
 #[derive(Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -149,6 +155,7 @@ impl HeaderRule {
 pub struct SessionKeyer {
     rules: Vec<HeaderRule>,
     secret: u64,
+    openings: Arc<OpeningMemo>,
 }
 
 // Domain tags keep ids from different kinds of source apart.
@@ -171,7 +178,11 @@ impl SessionKeyer {
             .iter()
             .map(|h| HeaderRule::parse(h.as_ref()))
             .collect::<Result<_, _>>()?;
-        Ok(Self { rules, secret })
+        Ok(Self {
+            rules,
+            secret,
+            openings: Arc::default(),
+        })
     }
 
     /// Keyer with the default header list.
@@ -183,7 +194,11 @@ impl SessionKeyer {
         let secret = std::collections::hash_map::RandomState::new()
             .build_hasher()
             .finish();
-        Self { rules, secret }
+        Self {
+            rules,
+            secret,
+            openings: Arc::default(),
+        }
     }
 
     /// Fingerprint of the credential headers present (`Authorization`,
@@ -191,9 +206,9 @@ impl SessionKeyer {
     pub fn credential(&self, headers: &HeaderMap) -> CredentialFingerprint {
         let mut h = Xxh3::with_seed(self.secret);
         h.update(b"compactor-credential");
-        for name in CREDENTIAL_HEADERS {
-            for v in headers.get_all(*name) {
-                h.update(name.as_bytes());
+        for name in &CREDENTIAL_HEADERS {
+            for v in headers.get_all(name) {
+                h.update(name.as_str().as_bytes());
                 h.update(&(v.len() as u64).to_le_bytes());
                 h.update(v.as_bytes());
             }
@@ -203,13 +218,27 @@ impl SessionKeyer {
 
     /// The session key of a parsed request.
     pub fn derive(&self, headers: &HeaderMap, req: &ChatRequest) -> (SessionKey, SessionSource) {
-        self.derive_parts(
+        let (key, source, _) = self.derive_with_credential(headers, req);
+        (key, source)
+    }
+
+    /// [`Self::derive`], also giving the credential fingerprint it hashed in
+    /// (the caller needs both; the headers are then hashed once).
+    pub fn derive_with_credential(
+        &self,
+        headers: &HeaderMap,
+        req: &ChatRequest,
+    ) -> (SessionKey, SessionSource, CredentialFingerprint) {
+        let cred = self.credential(headers);
+        let (key, source) = self.derive_for(
+            cred,
             headers,
             req.session_id().as_deref(),
             req.prompt_cache_key().as_deref(),
             req.model().as_deref(),
             req.messages(),
-        )
+        );
+        (key, source, cred)
     }
 
     /// The session key from its ingredients.
@@ -221,7 +250,25 @@ impl SessionKeyer {
         model: Option<&str>,
         messages: &[Box<RawValue>],
     ) -> (SessionKey, SessionSource) {
-        let cred = self.credential(headers);
+        self.derive_for(
+            self.credential(headers),
+            headers,
+            body_session_id,
+            prompt_cache_key,
+            model,
+            messages,
+        )
+    }
+
+    fn derive_for(
+        &self,
+        cred: CredentialFingerprint,
+        headers: &HeaderMap,
+        body_session_id: Option<&str>,
+        prompt_cache_key: Option<&str>,
+        model: Option<&str>,
+        messages: &[Box<RawValue>],
+    ) -> (SessionKey, SessionSource) {
         for rule in &self.rules {
             let Some(v) = headers.get(&rule.name).filter(|v| !v.is_empty()) else {
                 continue;
@@ -251,9 +298,9 @@ impl SessionKeyer {
                 SessionSource::BodyPromptCacheKey,
             );
         }
-        let (system, first) = opening_messages(messages);
-        let sys_h = system.map_or(0, message_hash).to_le_bytes();
-        let first_h = first.map_or(0, message_hash).to_le_bytes();
+        let (system, first) = self.openings.opening(messages);
+        let sys_h = system.unwrap_or(0).to_le_bytes();
+        let first_h = first.unwrap_or(0).to_le_bytes();
         let model = model.unwrap_or("").as_bytes();
         (
             self.key(cred, TAG_FINGERPRINT, &[model, &sys_h, &first_h]),
@@ -280,31 +327,121 @@ struct RoleOnly<'a> {
     role: Option<Cow<'a, str>>,
 }
 
-/// First system/developer message and first other message.
-fn opening_messages(messages: &[Box<RawValue>]) -> (Option<&RawValue>, Option<&RawValue>) {
-    let mut system = None;
-    let mut first = None;
-    for m in messages {
+/// What the fingerprint takes from one message.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Opening {
+    /// `system` or `developer`.
+    is_system: bool,
+    /// [`message_hash`]: canonical, so reformatting clients keep their key.
+    hash: u128,
+}
+
+impl Opening {
+    fn of(m: &RawValue) -> Self {
         let role = serde_json::from_str::<RoleOnly<'_>>(m.get())
             .ok()
             .and_then(|r| r.role);
-        let is_system = matches!(role.as_deref(), Some("system" | "developer"));
-        if is_system && system.is_none() {
-            system = Some(&**m);
-        } else if !is_system && first.is_none() {
-            first = Some(&**m);
-        }
-        if system.is_some() && first.is_some() {
-            break;
+        Self {
+            is_system: matches!(role.as_deref(), Some("system" | "developer")),
+            hash: message_hash(m),
         }
     }
-    (system, first)
+}
+
+/// Slots in [`OpeningMemo`] (a power of two).
+const OPENING_SLOTS: usize = 1024;
+
+/// Direct-mapped memo of [`Opening::of`], keyed by a hash of the message's
+/// raw bytes. Every turn of a conversation repeats its opening verbatim, and
+/// an agent's system prompt (tool manuals, rules) often runs to tens of KB:
+/// parsing it into a `Value` for the canonical hash on every request costs
+/// far more than hashing its bytes. Bounded by construction; a slot shared
+/// by two openings only costs the parse again.
+struct OpeningMemo {
+    slots: Box<[Mutex<Option<Memoised>>]>,
+}
+
+/// A raw-bytes hash and what it was found to describe.
+type Memoised = (u128, Opening);
+
+impl Default for OpeningMemo {
+    fn default() -> Self {
+        Self {
+            slots: (0..OPENING_SLOTS).map(|_| Mutex::new(None)).collect(),
+        }
+    }
+}
+
+impl fmt::Debug for OpeningMemo {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("OpeningMemo")
+            .field("slots", &self.slots.len())
+            .finish()
+    }
+}
+
+impl OpeningMemo {
+    fn describe(&self, m: &RawValue) -> Opening {
+        let raw = xxh3_128(m.get().as_bytes());
+        let slot = &self.slots[(raw as usize) & (OPENING_SLOTS - 1)];
+        if let Some((seen, opening)) = *lock(slot) {
+            if seen == raw {
+                return opening;
+            }
+        }
+        let opening = Opening::of(m);
+        *lock(slot) = Some((raw, opening));
+        opening
+    }
+
+    /// Canonical hashes of the first system/developer message and of the
+    /// first other message.
+    fn opening(&self, messages: &[Box<RawValue>]) -> (Option<u128>, Option<u128>) {
+        let mut system = None;
+        let mut first = None;
+        for m in messages {
+            let o = self.describe(m);
+            if o.is_system && system.is_none() {
+                system = Some(o.hash);
+            } else if !o.is_system && first.is_none() {
+                first = Some(o.hash);
+            }
+            if system.is_some() && first.is_some() {
+                break;
+            }
+        }
+        (system, first)
+    }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
     use http::HeaderValue;
+
+    #[test]
+    fn opening_memo_answers_what_a_parse_answers() {
+        // More messages than slots: some share a slot and evict each other.
+        let memo = OpeningMemo::default();
+        let messages: Vec<Box<RawValue>> = (0..3 * OPENING_SLOTS)
+            .map(|i| {
+                let role = if i % 3 == 0 { "system" } else { "user" };
+                let text = format!(r#"{{"role":"{role}","content":"m{i}"}}"#);
+                RawValue::from_string(text).unwrap()
+            })
+            .collect();
+        for _ in 0..2 {
+            for m in &messages {
+                assert_eq!(memo.describe(m), Opening::of(m));
+            }
+        }
+        assert!(memo.describe(&messages[0]).is_system);
+        assert!(!memo.describe(&messages[1]).is_system);
+        // Reformatted: another slot, the same canonical hash.
+        let spaced =
+            RawValue::from_string(r#"{ "content": "m0", "role": "system" }"#.into()).unwrap();
+        assert_eq!(memo.describe(&spaced), memo.describe(&messages[0]));
+    }
 
     fn keyer() -> SessionKeyer {
         SessionKeyer::with_secret(DEFAULT_SESSION_HEADERS, 42).unwrap()

@@ -1,5 +1,5 @@
 //! Tracing setup: `RUST_LOG`-style filter (default `compactor=info`), text or
-//! JSON, written to stdout in batches.
+//! JSON, written to stdout in batches, text formatted by [`line`].
 //!
 //! Every request logs one line. Written straight to stdout that is one
 //! `write` syscall per request on the request's worker thread, about a
@@ -20,6 +20,8 @@ use tracing_subscriber::EnvFilter;
 
 use crate::config::LogFormat;
 use crate::sync::lock;
+
+pub mod line;
 
 /// Filter used when `RUST_LOG` is unset or invalid.
 pub const DEFAULT_FILTER: &str = "compactor=info";
@@ -45,9 +47,12 @@ pub fn init(format: LogFormat) -> Result<LogGuard, TelemetryError> {
     let builder = tracing_subscriber::fmt()
         .with_env_filter(filter)
         .with_ansi(ansi)
+        .with_timer(line::CachedUtc)
         .with_writer(writer);
     let result = match format {
-        LogFormat::Text => builder.try_init(),
+        // Colours come from tracing-subscriber's own field formatter.
+        LogFormat::Text if ansi => builder.try_init(),
+        LogFormat::Text => builder.fmt_fields(line::PlainFields).try_init(),
         LogFormat::Json => builder.json().try_init(),
     };
     result.map_err(|e| TelemetryError(e.to_string()))?;

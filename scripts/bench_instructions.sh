@@ -1,0 +1,89 @@
+#!/usr/bin/env bash
+# User-space instructions per request, counted by valgrind (callgrind):
+# compactor next to the naive proxy (examples/naive_proxy.rs, the price of a
+# bare hyper hop), for each request body of scripts/bench_bodies.sh.
+#
+#   scripts/bench_instructions.sh                   # all bodies
+#   MODES="json json_agent" scripts/bench_instructions.sh
+#   COMPACTOR_BIN=/tmp/old-compactor scripts/bench_instructions.sh   # A/B
+#
+# Wall-clock numbers on a 2-core VM drift ±20% from run to run; instruction
+# counts repeat to within a percent whatever else the machine does, so this
+# is the benchmark to judge a change of compactor's own per-request work.
+# Kernel time (the socket syscalls) is not counted: scripts/bench_load.sh
+# measures the whole.
+#
+# Each target runs under callgrind, gets a warm-up of wrk traffic (pools,
+# caches, session state), then its counters are zeroed, DUR seconds of
+# traffic at 4 connections are counted and divided by the requests wrk
+# completed.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+DUR="${DUR:-4}"
+MODES="${MODES:-json json_big json_agent sse}"
+OUT="${OUT:-target/bench_instructions}"
+mkdir -p "$OUT"
+
+command -v wrk >/dev/null || apt-get install -y wrk >/dev/null
+command -v valgrind >/dev/null || apt-get install -y valgrind >/dev/null
+
+cargo build --profile perf --bin compactor --example mock_upstream --example naive_proxy
+BIN=target/perf
+COMPACTOR_BIN="${COMPACTOR_BIN:-$BIN/compactor}"
+
+. scripts/bench_bodies.sh
+write_bodies "$OUT"
+
+PIDS=()
+cleanup() { for p in "${PIDS[@]}"; do kill "$p" 2>/dev/null || true; done; }
+trap cleanup EXIT
+
+# wait_addr LOG: the address of the `listening on <addr>` line in LOG.
+wait_addr() {
+  for _ in $(seq 1 300); do
+    if grep -q "listening on" "$1"; then
+      grep -o "listening on [0-9.:]*" "$1" | head -1 | awk '{print $3}'
+      return
+    fi
+    sleep 0.1
+  done
+  echo "process did not start: $1" >&2; cat "$1" >&2; exit 1
+}
+
+"$BIN/examples/mock_upstream" 127.0.0.1:0 0 >"$OUT/mock.log" 2>&1 &
+PIDS+=($!)
+MOCK=$(wait_addr "$OUT/mock.log")
+
+# count NAME MODE CMD...: Ir per request of CMD serving MODE.
+count() {
+  local name="$1" mode="$2"; shift 2
+  local log="$OUT/$name.$mode.log" data="$OUT/callgrind.$name.$mode"
+  rm -f "$data"*
+  COMPACTOR_LISTEN=127.0.0.1:0 COMPACTOR_UPSTREAM="http://$MOCK" NO_COLOR=1 \
+    valgrind --tool=callgrind --callgrind-out-file="$data" "$@" >"$log" 2>&1 &
+  local pid=$!
+  PIDS+=("$pid")
+  local addr url
+  addr=$(wait_addr "$log")
+  url="http://$addr/v1/chat/completions"
+  wrk -t1 -c4 -d2s -s "$OUT/$mode.lua" "$url" >/dev/null
+  callgrind_control -z "$pid" >/dev/null 2>&1
+  wrk -t1 -c4 -d"${DUR}s" -s "$OUT/$mode.lua" "$url" >"$OUT/wrk.$name.$mode.txt"
+  callgrind_control -d "$pid" >/dev/null 2>&1
+  kill "$pid"; wait "$pid" 2>/dev/null || true
+  local n total
+  n=$(awk '/requests in/{print $1}' "$OUT/wrk.$name.$mode.txt")
+  total=$(callgrind_annotate "$(ls -t "$data".* | head -1)" 2>/dev/null \
+    | awk '/PROGRAM TOTALS/{gsub(",", "", $1); print $1}')
+  echo $((total / n))
+}
+
+echo "user-space instructions per request (valgrind callgrind, wrk -c4, ${DUR}s)"
+printf "%-11s %12s %12s %7s\n" mode naive compactor ratio
+for mode in $MODES; do
+  naive=$(count naive "$mode" "$BIN/examples/naive_proxy" 127.0.0.1:0 "$MOCK")
+  comp=$(count compactor "$mode" "$COMPACTOR_BIN" --config /dev/null)
+  awk -v m="$mode" -v n="$naive" -v c="$comp" \
+    'BEGIN{printf "%-11s %12d %12d %6.2fx\n", m, n, c, c / n}'
+done
