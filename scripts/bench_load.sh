@@ -6,13 +6,15 @@
 #   LAYOUT=pinned scripts/bench_load.sh        # wrk+mock on CPU 0, proxy on CPU 1
 #   LAYOUT=both DUR=8 scripts/bench_load.sh
 #   UPSTREAM_DELAY_MS=2 scripts/bench_load.sh  # upstream think time
+#   MODES="json sse" scripts/bench_load.sh     # a subset of the request kinds
 #
 # Builds with --profile perf, starts the fast mock upstream
 # (examples/mock_upstream.rs), the naive proxy (examples/naive_proxy.rs:
 # hyper server + pooled client and nothing else, the yardstick for the price
 # of one hop) and compactor, all on loopback. For each target wrk reports
 # p50/p99 at concurrency 1 and requests/s at concurrency 64, for
-# non-streaming (json; json_big: an agent-sized turn of 61 messages, 20 KB),
+# non-streaming (json; json_big: a long chat of 61 messages, 20 KB;
+# json_agent: a 12 KB system prompt and 40 messages, 25 KB),
 # streaming (sse: 22 events written back to back) and paced streaming
 # (sse_paced: 1 ms between events, like a fast model) requests; the proxies'
 # CPU per request is read from /proc. Then time to
@@ -119,7 +121,7 @@ bench_layout() {
   printf "%-9s %-3s | %7s %7s %7s | %7s %7s %7s %5s %6s | %7s %7s %7s %5s %6s\n" \
     mode conc "dir p50" "dir p99" "dir rps" "nv p50" "nv p99" "nv rps" "nv %" "nv cpu" \
     "cmp p50" "cmp p99" "cmp rps" "cmp %" "cmpcpu"
-  for mode in json json_big sse sse_paced; do
+  for mode in ${MODES:-json json_big json_agent sse sse_paced}; do
     for conc in 1 64; do
       read -r d50 d99 drps _ < <(run "$MOCK" "" "$mode" "$conc")
       read -r n50 n99 nrps ncpu < <(run "$NAIVE" "$NAIVE_PID" "$mode" "$conc")
