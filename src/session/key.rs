@@ -242,24 +242,6 @@ impl SessionKeyer {
     }
 
     /// The session key from its ingredients.
-    pub fn derive_parts(
-        &self,
-        headers: &HeaderMap,
-        body_session_id: Option<&str>,
-        prompt_cache_key: Option<&str>,
-        model: Option<&str>,
-        messages: &[Box<RawValue>],
-    ) -> (SessionKey, SessionSource) {
-        self.derive_for(
-            self.credential(headers),
-            headers,
-            body_session_id,
-            prompt_cache_key,
-            model,
-            messages,
-        )
-    }
-
     fn derive_for(
         &self,
         cred: CredentialFingerprint,
