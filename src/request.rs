@@ -158,8 +158,8 @@ fn offset_in(outer: &[u8], inner: &str) -> Option<Range<usize>> {
 }
 
 impl ChatRequest {
-    /// Parses `bytes` (the whole request body) in one pass. Cheap: only the top level and
-    /// the boundaries of each message are parsed.
+    /// Parses `bytes` (the whole request body) in one pass. Cheap: only the
+    /// top level and the boundaries of each message are parsed.
     pub fn parse(bytes: impl Into<Bytes>) -> Result<Self, ParseError> {
         let original: Bytes = bytes.into();
         let borrowed: BorrowedTop<'_> = serde_json::from_slice(&original).map_err(|e| {
