@@ -168,6 +168,14 @@ async fn discovered_window_makes_compaction_proactive() {
         "no overflow reached the upstream limit"
     );
     assert_eq!(mock.props_hits(), 1, "discovery once per (upstream, model)");
+    // The probe presents the client's credential and nothing else of its.
+    let probe = mock
+        .seen()
+        .into_iter()
+        .find(|s| s.path == "/props")
+        .expect("the /props probe was recorded");
+    assert_eq!(probe.headers.get(AUTH.0).unwrap(), AUTH.1);
+    assert!(probe.headers.get("x-session-id").is_none());
 }
 
 /// A history that compaction shrinks, ending in a user message too big for

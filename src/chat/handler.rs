@@ -206,7 +206,7 @@ async fn prepare(
     let discovery = Discovery {
         client: &state.client,
         base: &state.config.upstream,
-        headers: credential_headers(&parts.headers),
+        client_headers: &parts.headers,
         timeout: DISCOVERY_TIMEOUT,
     };
     let window = chat
@@ -635,17 +635,6 @@ fn summary_base(
         .as_deref()
         .and_then(|s| crate::config::UpstreamBase::parse(s).ok())
         .unwrap_or_else(|| state.config.upstream.clone())
-}
-
-/// Only the credential headers, for window discovery.
-fn credential_headers(h: &http::HeaderMap) -> http::HeaderMap {
-    let mut out = http::HeaderMap::new();
-    for name in ["authorization", "api-key", "x-api-key"] {
-        for v in h.get_all(name) {
-            out.append(name, v.clone());
-        }
-    }
-    out
 }
 
 /// Sends `body` upstream with the client's headers (Content-Length fixed).

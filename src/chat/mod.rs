@@ -120,8 +120,10 @@ pub struct Discovery<'a> {
     pub client: &'a UpstreamClient,
     /// Upstream base.
     pub base: &'a crate::config::UpstreamBase,
-    /// Credentials to present (some upstreams guard `/v1/models`).
-    pub headers: HeaderMap,
+    /// The client's request headers: only their credential headers are
+    /// presented (some upstreams guard `/v1/models`), picked out when a
+    /// probe runs, not on every request.
+    pub client_headers: &'a HeaderMap,
     /// Per-probe timeout.
     pub timeout: Duration,
 }
@@ -137,7 +139,7 @@ impl UpstreamGet for Discovery<'_> {
             .map_err(|e| GetError::Transport(e.to_string()))?;
         let mut req = http::Request::new(crate::proxy::body::boxed(Empty::<bytes::Bytes>::new()));
         *req.uri_mut() = uri;
-        *req.headers_mut() = self.headers.clone();
+        *req.headers_mut() = crate::session::key::credential_headers(self.client_headers);
         if let Ok(host) = http::HeaderValue::from_str(self.base.authority.as_str()) {
             req.headers_mut().insert(http::header::HOST, host);
         }

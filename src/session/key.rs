@@ -40,6 +40,17 @@ const CREDENTIAL_HEADERS: [HeaderName; 3] = [
     HeaderName::from_static("x-api-key"),
 ];
 
+/// Only the credential headers of `h` (what window discovery presents).
+pub fn credential_headers(h: &HeaderMap) -> HeaderMap {
+    let mut out = HeaderMap::new();
+    for name in &CREDENTIAL_HEADERS {
+        for v in h.get_all(name) {
+            out.append(name.clone(), v.clone());
+        }
+    }
+    out
+}
+
 /// Opaque session key (printed as 32 hex digits).
 #[derive(Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct SessionKey(u128);
@@ -400,6 +411,25 @@ impl OpeningMemo {
 mod tests {
     use super::*;
     use http::HeaderValue;
+
+    #[test]
+    fn credential_headers_keeps_only_credentials() {
+        let h = headers(&[
+            ("authorization", "Bearer a"),
+            ("x-api-key", "k1"),
+            ("x-api-key", "k2"),
+            ("api-key", "az"),
+            ("x-session-id", "s"),
+            ("content-type", "application/json"),
+        ]);
+        let out = credential_headers(&h);
+        assert_eq!(out.len(), 4);
+        let values =
+            |n: &str| -> Vec<&str> { out.get_all(n).iter().map(|v| v.to_str().unwrap()).collect() };
+        assert_eq!(values("authorization"), ["Bearer a"]);
+        assert_eq!(values("x-api-key"), ["k1", "k2"]);
+        assert_eq!(values("api-key"), ["az"]);
+    }
 
     #[test]
     fn opening_memo_answers_what_a_parse_answers() {
