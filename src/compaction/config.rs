@@ -21,10 +21,6 @@ pub const DEFAULT_SUMMARY_TARGET_RATIO: f64 = 0.20;
 pub const MIN_SUMMARY_TARGET_RATIO: f64 = 0.10;
 /// Upper clamp of `summary_target_ratio`.
 pub const MAX_SUMMARY_TARGET_RATIO: f64 = 0.80;
-/// Default preflight passes per turn.
-pub const DEFAULT_MAX_ATTEMPTS: u32 = 3;
-/// Default idle timeout of a summary call (progress extends it).
-pub const DEFAULT_SUMMARY_IDLE_TIMEOUT_SECS: u64 = 120;
 /// Default hard ceiling of a summary call.
 pub const DEFAULT_SUMMARY_TIMEOUT_SECS: u64 = 600;
 
@@ -97,16 +93,12 @@ pub struct CompactionConfig {
     /// Bearer key for the summary endpoint; `None` = the client's own
     /// credentials. Never printed by `Debug`.
     pub summary_api_key: Option<String>,
-    /// Idle timeout of one summary call in seconds (progress extends it).
-    pub summary_idle_timeout_secs: u64,
     /// Hard ceiling of one summary call in seconds.
     pub summary_timeout_secs: u64,
     /// Batch or micro compaction.
     pub strategy: Strategy,
     /// Charge reasoning of every assistant turn (not only the newest) in estimates.
     pub charge_stale_thinking: bool,
-    /// Preflight compaction passes allowed per request.
-    pub max_attempts: u32,
     /// Micro strategy: run on every Nth turn (1 = every turn).
     pub micro_every_n_turns: u32,
 }
@@ -129,11 +121,9 @@ impl std::fmt::Debug for CompactionConfig {
                 "summary_api_key",
                 &self.summary_api_key.as_ref().map(|_| "<redacted>"),
             )
-            .field("summary_idle_timeout_secs", &self.summary_idle_timeout_secs)
             .field("summary_timeout_secs", &self.summary_timeout_secs)
             .field("strategy", &self.strategy)
             .field("charge_stale_thinking", &self.charge_stale_thinking)
-            .field("max_attempts", &self.max_attempts)
             .field("micro_every_n_turns", &self.micro_every_n_turns)
             .finish()
     }
@@ -154,11 +144,9 @@ impl Default for CompactionConfig {
             summary_model: None,
             summary_endpoint: None,
             summary_api_key: None,
-            summary_idle_timeout_secs: DEFAULT_SUMMARY_IDLE_TIMEOUT_SECS,
             summary_timeout_secs: DEFAULT_SUMMARY_TIMEOUT_SECS,
             strategy: Strategy::Batch,
             charge_stale_thinking: true,
-            max_attempts: DEFAULT_MAX_ATTEMPTS,
             micro_every_n_turns: 1,
         }
     }
@@ -214,16 +202,8 @@ impl CompactionConfig {
                 format!("must be in (0, 1], or (1, 100] as a percentage; got {v}"),
             ));
         }
-        if self.max_attempts == 0 {
-            return Err(ConfigError::new("max_attempts", "must be at least 1"));
-        }
-        if self.summary_timeout_secs == 0 || self.summary_idle_timeout_secs == 0 {
-            let key = if self.summary_timeout_secs == 0 {
-                "summary_timeout_secs"
-            } else {
-                "summary_idle_timeout_secs"
-            };
-            return Err(ConfigError::new(key, "must be positive"));
+        if self.summary_timeout_secs == 0 {
+            return Err(ConfigError::new("summary_timeout_secs", "must be positive"));
         }
         if self.micro_every_n_turns == 0 {
             return Err(ConfigError::new(
