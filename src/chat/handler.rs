@@ -315,49 +315,36 @@ async fn prepare(
             let started = Instant::now();
             let result = run_engine(comp, &values, &summariser, micro_pass, force, est_rough).await;
             let took = started.elapsed();
-            let calls = summariser.calls();
-            match result.outcome {
-                Outcome::Compacted => {
-                    // The batch trigger's deferral and strike rules judge
-                    // batch compactions only; a micro pass is routine.
-                    if !micro_pass {
-                        comp.trigger.record_completed_compaction(
-                            result.fallback_used,
-                            result.feasibility_skip,
-                            result.tokens_after,
-                        );
-                    }
-                    let saved = result.tokens_before.saturating_sub(result.tokens_after);
-                    conv.stats.compactions += 1;
-                    conv.stats.fallback_compactions += u64::from(result.fallback_used);
-                    conv.stats.tokens_saved += saved;
-                    conv.stats.overflow_retries += u64::from(force);
-                    chat.metrics
-                        .compaction(result.label, saved, (calls > 0).then_some(took));
-                    let new_outgoing = commit_record(
-                        chat,
-                        conv,
-                        cred,
-                        &original,
-                        &client_hashes,
-                        &outgoing,
-                        &result,
-                    );
-                    tracing::info!(
-                        session = %key,
-                        outcome = result.label,
-                        fallback = result.fallback_used,
-                        messages_before = outgoing.len(),
-                        messages_after = new_outgoing.len(),
-                        tokens_before = result.tokens_before,
-                        tokens_after = result.tokens_after,
-                        estimated_prompt = est.tokens,
-                        threshold,
-                        window,
-                        summariser_calls = calls,
-                        summariser_ms = took.as_millis() as u64,
-                        "compaction"
-                    );
+            // The batch trigger's deferral and strike rules judge batch
+            // compactions only; a micro pass is routine.
+            if result.outcome == Outcome::Compacted && !micro_pass {
+                comp.trigger.record_completed_compaction(
+                    result.fallback_used,
+                    result.feasibility_skip,
+                    result.tokens_after,
+                );
+            }
+            let booked = book_pass(
+                chat,
+                conv,
+                &Pass {
+                    key,
+                    cred,
+                    original: &original,
+                    client_hashes: &client_hashes,
+                    outgoing: &outgoing,
+                    micro_pass,
+                    force,
+                    est_tokens: est.tokens,
+                    threshold,
+                    window,
+                    summariser_calls: summariser.calls(),
+                    took,
+                },
+                &result,
+            );
+            match booked {
+                Booked::Compacted(new_outgoing) => {
                     outgoing = Cow::Owned(new_outgoing);
                     changed = true;
                     fresh_compaction = true;
@@ -370,26 +357,8 @@ async fn prepare(
                         rough_message_tokens,
                     );
                 }
-                // A micro pass with nothing to absorb is no event.
-                Outcome::Rejected if micro_pass && calls == 0 => {}
-                other => {
-                    if matches!(other, Outcome::Aborted(_)) {
-                        conv.stats.aborted += 1;
-                        action = Action::Aborted;
-                    }
-                    chat.metrics
-                        .compaction(result.label, 0, (calls > 0).then_some(took));
-                    tracing::info!(
-                        outcome = result.label,
-                        messages = outgoing.len(),
-                        estimated_prompt = est.tokens,
-                        threshold,
-                        window,
-                        summariser_calls = calls,
-                        summariser_ms = took.as_millis() as u64,
-                        "compaction not committed"
-                    );
-                }
+                Booked::Aborted => action = Action::Aborted,
+                Booked::Nothing => {}
             }
         }
     }
@@ -419,6 +388,107 @@ async fn prepare(
         inbox: Arc::clone(&conv.inbox),
         fresh_compaction,
         est_tokens: est.tokens,
+    }
+}
+
+/// An engine pass over a request, as [`book_pass`] needs it.
+struct Pass<'a> {
+    key: SessionKey,
+    cred: u128,
+    /// The client's messages and their chain.
+    original: &'a [Box<RawValue>],
+    client_hashes: &'a [u128],
+    /// What the engine was given.
+    outgoing: &'a [Box<RawValue>],
+    micro_pass: bool,
+    force: bool,
+    /// Calibrated prompt estimate before the pass, real tokens.
+    est_tokens: u64,
+    threshold: u64,
+    window: u64,
+    summariser_calls: u64,
+    took: Duration,
+}
+
+/// What a booked pass leaves the request with.
+enum Booked {
+    /// Send these messages instead (the compaction is recorded).
+    Compacted(Vec<Box<RawValue>>),
+    /// The compaction was abandoned; the messages go as they were.
+    Aborted,
+    /// Nothing to change.
+    Nothing,
+}
+
+/// Books a finished engine pass: conversation stats, metrics and the log
+/// line; a committed compaction also becomes a record. Synchronous: the
+/// pass itself (the summariser's I/O) is over.
+fn book_pass(
+    chat: &ChatState,
+    conv: &mut Conversation,
+    p: &Pass<'_>,
+    result: &CompactionDone,
+) -> Booked {
+    let summariser_took = (p.summariser_calls > 0).then_some(p.took);
+    match result.outcome {
+        Outcome::Compacted => {
+            let saved = result.tokens_before.saturating_sub(result.tokens_after);
+            conv.stats.compactions += 1;
+            conv.stats.fallback_compactions += u64::from(result.fallback_used);
+            conv.stats.tokens_saved += saved;
+            conv.stats.overflow_retries += u64::from(p.force);
+            chat.metrics
+                .compaction(result.label, saved, summariser_took);
+            let new_outgoing = commit_record(
+                chat,
+                conv,
+                p.cred,
+                p.original,
+                p.client_hashes,
+                p.outgoing,
+                result,
+            );
+            tracing::info!(
+                session = %p.key,
+                outcome = result.label,
+                fallback = result.fallback_used,
+                messages_before = p.outgoing.len(),
+                messages_after = new_outgoing.len(),
+                tokens_before = result.tokens_before,
+                tokens_after = result.tokens_after,
+                estimated_prompt = p.est_tokens,
+                threshold = p.threshold,
+                window = p.window,
+                summariser_calls = p.summariser_calls,
+                summariser_ms = p.took.as_millis() as u64,
+                "compaction"
+            );
+            Booked::Compacted(new_outgoing)
+        }
+        // A micro pass with nothing to absorb is no event.
+        Outcome::Rejected if p.micro_pass && p.summariser_calls == 0 => Booked::Nothing,
+        other => {
+            let aborted = matches!(other, Outcome::Aborted(_));
+            if aborted {
+                conv.stats.aborted += 1;
+            }
+            chat.metrics.compaction(result.label, 0, summariser_took);
+            tracing::info!(
+                outcome = result.label,
+                messages = p.outgoing.len(),
+                estimated_prompt = p.est_tokens,
+                threshold = p.threshold,
+                window = p.window,
+                summariser_calls = p.summariser_calls,
+                summariser_ms = p.took.as_millis() as u64,
+                "compaction not committed"
+            );
+            if aborted {
+                Booked::Aborted
+            } else {
+                Booked::Nothing
+            }
+        }
     }
 }
 
