@@ -221,4 +221,11 @@ fn json_log_format() {
         .as_str()
         .unwrap()
         .starts_with("listening on 127.0.0.1:"));
+    // RFC 3339 UTC with microseconds: 2026-11-30T12:51:24.732882Z.
+    let ts = v["timestamp"].as_str().unwrap();
+    let shape: String = ts
+        .chars()
+        .map(|c| if c.is_ascii_digit() { 'd' } else { c })
+        .collect();
+    assert_eq!(shape, "dddd-dd-ddTdd:dd:dd.ddddddZ", "{ts}");
 }
