@@ -16,25 +16,32 @@ const HOP_BY_HOP: &[HeaderName] = &[
 /// Removes hop-by-hop headers: the fixed set, `Keep-Alive`, any `Proxy-*`,
 /// and every header named in `Connection`.
 pub fn strip_hop_by_hop(headers: &mut HeaderMap) {
-    // Collect names listed in Connection before removing Connection itself.
-    let listed: Vec<HeaderName> = headers
-        .get_all(header::CONNECTION)
-        .iter()
-        .filter_map(|v| v.to_str().ok())
-        .flat_map(|v| v.split(','))
-        .filter_map(|n| HeaderName::from_bytes(n.trim().as_bytes()).ok())
-        .collect();
-    for name in listed.iter().chain(HOP_BY_HOP) {
-        headers.remove(name);
-    }
-    headers.remove("keep-alive");
-    // Proxy-* (Proxy-Connection, Proxy-Authorization, …) concern this hop only.
-    let proxy_named: Vec<HeaderName> = headers
+    // One look at the names present instead of a hashed `remove` per
+    // candidate: most messages carry none of them, and then nothing is
+    // allocated or removed. Runs on every request and every response.
+    let mut doomed: Vec<HeaderName> = headers
         .keys()
-        .filter(|k| k.as_str().starts_with("proxy-"))
+        .filter(|k| {
+            HOP_BY_HOP.contains(k)
+                || k.as_str() == "keep-alive"
+                // Proxy-Connection and friends concern this hop only.
+                || k.as_str().starts_with("proxy-")
+        })
         .cloned()
         .collect();
-    for name in proxy_named {
+    if doomed.is_empty() {
+        return;
+    }
+    // Names listed in Connection, read before Connection itself goes.
+    doomed.extend(
+        headers
+            .get_all(header::CONNECTION)
+            .iter()
+            .filter_map(|v| v.to_str().ok())
+            .flat_map(|v| v.split(','))
+            .filter_map(|n| HeaderName::from_bytes(n.trim().as_bytes()).ok()),
+    );
+    for name in doomed {
         headers.remove(name);
     }
 }
