@@ -146,7 +146,9 @@ fn span_around(body: &[u8], elements: &[&RawValue]) -> Option<Range<usize>> {
 
 #[cold]
 fn raw_messages_span(body: &[u8]) -> Option<Range<usize>> {
-    let top: IndexMap<&str, &RawValue> = serde_json::from_slice(body).ok()?;
+    // Owned keys: a key written with escapes (`"m\u0065ssages"`) cannot be
+    // borrowed, and the main parse matched it after unescaping.
+    let top: IndexMap<String, &RawValue> = serde_json::from_slice(body).ok()?;
     offset_in(body, top.get("messages")?.get())
 }
 
@@ -665,6 +667,11 @@ mod tests {
         let mut r = ChatRequest::parse(br#"{"messages": [ ] ,"x":1}"#.to_vec()).unwrap();
         r.with_messages(vec![raw("1")]);
         assert_eq!(&r.to_bytes()[..], br#"{"messages": [1] ,"x":1}"#);
+        // An escaped key names `messages` too; its empty array is found.
+        let body = r#"{"m\u0065ssages":[],"x":1}"#;
+        let mut r = ChatRequest::parse(body.as_bytes().to_vec()).unwrap();
+        r.with_messages(vec![raw("2")]);
+        assert_eq!(&r.to_bytes()[..], br#"{"m\u0065ssages":[2],"x":1}"#);
     }
 
     #[test]
