@@ -5,6 +5,12 @@
 # Stops at the first failing step and ends with a one-line summary.
 # Arguments are passed to pytest (e.g. `-k sdk`); TEST_SH_SKIP="fmt clippy" skips named steps
 # locally (CI never sets it).
+#
+# Prerequisites (this script checks them and installs nothing system-wide; on a fresh Debian
+# machine `bash scripts/install_prereqs.sh` installs them, and .ci/run calls it first):
+#   - a Rust toolchain with rustfmt and clippy;
+#   - python3 (3.10+) with venv or pip: the e2e Python packages go into .venv (setup_e2e.sh);
+#   - docker-compose, only to check docker-compose.yml (`docker-compose config`).
 set -euo pipefail
 
 repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -37,16 +43,14 @@ step() {
     done_steps+=("$name:$((SECONDS - t0))s")
 }
 
-ensure_docker_compose() {
-    command -v docker-compose >/dev/null 2>&1 && return 0
-    echo "docker-compose not found; installing Debian's package"
-    local sudo=""
-    [[ $(id -u) -eq 0 ]] || sudo="sudo"
-    $sudo apt-get update -qq && DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq docker-compose >/dev/null
+require() {
+    command -v "$1" >/dev/null 2>&1 && return 0
+    echo "test.sh: '$1' not found: $2 (bash scripts/install_prereqs.sh installs it on Debian)" >&2
+    return 127
 }
 
 compose_check() {
-    ensure_docker_compose && docker-compose -f docker-compose.yml config -q
+    require docker-compose "needed to check docker-compose.yml" && docker-compose -f docker-compose.yml config -q
 }
 
 e2e() {
