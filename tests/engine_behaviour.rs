@@ -3,6 +3,9 @@
 //! oversized active turn, §3.7 rehydration, §3.13 in-flight re-append,
 //! §3.15 user-turn guarantee, abort rollback, the proxy's suffix bookkeeping).
 
+// Test helpers panic on bad fixtures: that is a failed test, as in a #[test].
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
 mod engine_support;
 
 use compactor::compaction::assemble::{ensure_user_turn, NO_USER_TURN_MARKER};

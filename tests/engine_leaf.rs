@@ -3,6 +3,9 @@
 //! Module names follow the reference test classes; test names are the
 //! reference names minus `test_`.
 
+// Test helpers panic on bad fixtures: that is a failed test, as in a #[test].
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
 use compactor::compaction::{args, markers, serialize, tokens, tool_summary};
 use serde_json::{json, Value};
 

@@ -1,6 +1,9 @@
 //! Ports of the reference tail-cut, pruning and sanitiser tests
 //! (`test_context_compressor.py`, `test_replay_budget_accounting.py`).
 
+// Test helpers panic on bad fixtures: that is a failed test, as in a #[test].
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
 mod engine_support;
 
 use compactor::compaction::prune::{prune_old_tool_results, PruneParams};

@@ -6,6 +6,9 @@
 //! [`WindowSource`]. Python attributes set directly map to the `Trigger`'s
 //! public fields or its `set_*` pins.
 
+// Test helpers panic on bad fixtures: that is a failed test, as in a #[test].
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
