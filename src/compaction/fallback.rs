@@ -8,8 +8,9 @@
 
 use super::markers::{HISTORICAL_TASK_HEADING, SUMMARY_PREFIX};
 use super::redact::redact_secrets;
-use super::serialize::{content_text, is_synthetic_user, py_quote};
+use super::serialize::{py_quote, render_content};
 use super::tool_summary::summarize_tool_result;
+use super::view::is_synthetic_user;
 use regex::Regex;
 use serde_json::Value;
 use std::collections::HashMap;
@@ -180,7 +181,7 @@ fn extract(dropped: &[Value]) -> Facts {
     }
     let mut actions: Vec<String> = Vec::new();
     for m in dropped {
-        let text = content_text(m.get("content"));
+        let text = render_content(m.get("content"));
         match role(m) {
             "user" => f.note_user(m, &text),
             "assistant" => f.note_assistant(m, &text, &mut actions),
