@@ -37,8 +37,11 @@ pub const LEAN_TAIL_WINDOW_RATIO: f64 = 0.025;
 pub const LEAN_TAIL_FLOOR: u64 = 10_000;
 /// Lean tail mode: ceiling.
 pub const LEAN_TAIL_CEILING: u64 = 25_000;
-/// Window assumed when nothing else is known (reference fallback).
-pub const DEFAULT_CONTEXT_LENGTH: u64 = 256_000;
+/// Window assumed when nothing else is known: the binary's documented
+/// `default_context_length`, llama.cpp's common small window. Guessing
+/// small costs an early compaction; guessing large costs an overflow round
+/// trip on every request until the real window is learned.
+pub const DEFAULT_CONTEXT_LENGTH: u64 = 8_192;
 
 fn floor_mul(n: u64, f: f64) -> u64 {
     // Same rounding as the reference's `int(n * f)` for non-negative inputs.

@@ -143,7 +143,8 @@ impl Clock {
 pub enum WindowSource {
     /// The window is already known (config table, learned value).
     Known(u64),
-    /// Resolve on first need; a result of 0 means unknown (256,000 assumed).
+    /// Resolve on first need; a result of 0 means unknown
+    /// ([`DEFAULT_CONTEXT_LENGTH`] assumed).
     Lazy(Box<dyn FnOnce() -> u64 + Send>),
 }
 
