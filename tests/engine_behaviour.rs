@@ -311,6 +311,7 @@ fn proxy_lifecycle_trigger_compact_verify() {
         prompt_tokens: Some(threshold + 500),
         completion_tokens: Some(10),
         total_tokens: Some(threshold + 510),
+        ..Default::default()
     });
     assert!(c.trigger.should_compress(None));
     let res = block_on(c.compress(&msgs, &Stub::ok("sum"), CompressOptions::default()));
@@ -327,6 +328,7 @@ fn proxy_lifecycle_trigger_compact_verify() {
         prompt_tokens: Some(res.tokens_after),
         completion_tokens: Some(10),
         total_tokens: None,
+        ..Default::default()
     });
     assert_eq!(c.trigger.ineffective_compression_count, 0);
     assert_eq!(c.trigger.fallback_streak, 0);

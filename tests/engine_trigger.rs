@@ -57,6 +57,7 @@ fn usage(p: u64, c: u64, t: u64) -> Usage {
         prompt_tokens: Some(p),
         completion_tokens: Some(c),
         total_tokens: Some(t),
+        ..Default::default()
     }
 }
 

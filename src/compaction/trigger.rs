@@ -43,17 +43,9 @@ pub const DEFER_TOLERANCE_MIN_TOKENS: u64 = 4_096;
 /// Deferral tolerance as a fraction of the threshold.
 pub const DEFER_TOLERANCE_RATIO: f64 = 0.05;
 
-/// Token usage as reported by the upstream (`usage` of a chat completion).
-/// Missing fields count as 0.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
-pub struct Usage {
-    /// Real prompt tokens (system, tools and messages).
-    pub prompt_tokens: Option<u64>,
-    /// Completion tokens.
-    pub completion_tokens: Option<u64>,
-    /// Total tokens.
-    pub total_tokens: Option<u64>,
-}
+/// The trigger learns from the same [`Usage`] the proxy extracts from
+/// responses (missing fields count as 0; the cached part is not used).
+pub use crate::usage::Usage;
 
 /// Source of time for cooldowns and deadlines. [`Clock::system`] reads the
 /// real clocks; [`Clock::manual`] starts at the current time and moves only
