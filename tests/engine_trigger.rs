@@ -123,7 +123,7 @@ fn does_not_defer_when_rough_growth_is_large() {
 
 #[test]
 fn defers_immediately_after_compaction_with_stale_real_prompt() {
-    // #36718: the stale pre-compaction real value is over the threshold; the
+    // The stale pre-compaction real value is over the threshold; the
     // awaiting flag must still force deferral.
     let mut c = compressor();
     c.set_threshold_tokens(85_000);
@@ -136,7 +136,7 @@ fn defers_immediately_after_compaction_with_stale_real_prompt() {
 
 #[test]
 fn threshold_below_window_at_minimum_ctx() {
-    // #14690: at the 64k minimum the floored trigger used to equal the window.
+    // At the 64k minimum the floored trigger used to equal the window.
     let t = compute_threshold_tokens(MINIMUM_CONTEXT_LENGTH, None, 0.50, None);
     assert!(t < MINIMUM_CONTEXT_LENGTH);
     assert_eq!(t, 54_400);
@@ -232,7 +232,7 @@ fn real_usage_state_cleared() {
 
 #[test]
 fn defer_no_longer_suppresses_after_switch() {
-    // #23767: the old model's "it fit" must not defer preflight on a smaller model.
+    // The old model's "it fit" must not defer preflight on a smaller model.
     let mut c = big_model();
     c.last_real_prompt_tokens = 50_000;
     c.last_rough_tokens_when_real_prompt_fit = 90_000;

@@ -1,4 +1,4 @@
-//! The compress pipeline (reference §3): head protection, tool-output
+//! The compress pipeline: head protection, tool-output
 //! pruning, tail cut, handoff rehydration, summary generation with failure
 //! handling, assembly, sanitising and the final size check.
 //!
@@ -139,7 +139,7 @@ pub struct CompressTelemetry {
     pub summary_calls: u32,
     /// Chunks the middle was summarised in (1 = a single prompt).
     pub chunk_count: usize,
-    /// Reference failure class name, when the attempt did not go cleanly.
+    /// Failure class name, when the attempt did not go cleanly.
     pub failure_class: Option<&'static str>,
     /// The caller's token figure, if given.
     pub current_tokens: Option<u64>,
@@ -374,7 +374,7 @@ fn is_instructions(m: &Value) -> bool {
     view::is_role(m, "system") || view::is_role(m, "developer")
 }
 
-/// Access/quota test of reference §3.14: a rate limit is transient; auth
+/// Access/quota test: a rate limit is transient; auth
 /// failures, missing keys, 401/402/403 and permanent quota markers are not.
 pub fn is_access_or_quota_error(status: Option<u16>, message: &str) -> bool {
     let m = message.to_lowercase();
@@ -430,7 +430,7 @@ pub fn is_access_or_quota_error(status: Option<u16>, message: &str) -> bool {
     permanent_quota
 }
 
-/// Classifies a failed summary call (reference §3.9).
+/// Classifies a failed summary call.
 pub fn classify_error(e: &SummaryError) -> FailureInfo {
     let m = e.message.to_lowercase();
     let mut info = FailureInfo {
@@ -1492,8 +1492,8 @@ pub fn clip_summary(body: String, target_tokens: u64) -> String {
     clipped
 }
 
-/// Below this window (the reference's 64k trigger floor) summary bodies are
-/// held to their budget exactly; at and above it the reference caps apply.
+/// Below this window (the 64k trigger floor) summary bodies are held to
+/// their budget exactly; at and above it the looser overshoot cap applies.
 pub const STRICT_SUMMARY_WINDOW: u64 = super::budget::MINIMUM_CONTEXT_LENGTH;
 
 /// [`clip_summary`] sized for the window: below [`STRICT_SUMMARY_WINDOW`]
@@ -1522,7 +1522,7 @@ fn clip_chars(body: String, max_chars: usize) -> String {
 }
 
 /// Character cap of a deterministic fallback body: the summary budget
-/// (× 4 chars) below [`STRICT_SUMMARY_WINDOW`], `None` (the reference's
+/// (× 4 chars) below [`STRICT_SUMMARY_WINDOW`], `None` (the standard
 /// 8,000-char cap) at and above it.
 pub fn fallback_body_cap(target_tokens: u64, window: u64) -> Option<usize> {
     if window >= STRICT_SUMMARY_WINDOW {
@@ -1550,7 +1550,7 @@ pub fn is_ask_row(m: &Value) -> bool {
             ))
 }
 
-/// Oversized active turn (§3.5 step 7, #80449, kept verbatim here): when the
+/// Oversized active turn: when the
 /// newest ask at or after `start` is followed by tool rounds costing more than
 /// the soft ceiling, returns `(ask, keep_from)`: the rounds from `keep_from`
 /// on (the newest that fit, at least one) stay verbatim and the rounds
@@ -1605,7 +1605,7 @@ pub fn split_active_turn(
 /// threshold (every automatic compaction) only fewer tokens count: a
 /// token-neutral rewrite would re-fire on the next request. Below it (manual
 /// or forced calls on short chats) fewer rows also count, which is the
-/// reference's guard against "messages N→N" loops (#40803).
+/// guard against "messages N→N" loops.
 pub fn is_progress(
     tokens_before: u64,
     tokens_after: u64,
@@ -1617,7 +1617,7 @@ pub fn is_progress(
 }
 
 /// Removes blank user echoes right after the latest actionable user row,
-/// when an assistant row follows them (§3.4). A blank row not followed by an
+/// when an assistant row follows them. A blank row not followed by an
 /// assistant may be a deliberate alternation placeholder and stays.
 pub fn remove_blank_echoes(mut msgs: Vec<Value>) -> Vec<Value> {
     let Some(u) = view::last_real_user(&msgs, 0) else {
@@ -1676,8 +1676,8 @@ fn strip_historical_media(out: &mut [Value]) {
     }
 }
 
-/// Mechanical shrinking of a candidate that is not smaller than its input
-/// (§3.15 salvage): drop thinking from older assistants, clear old tool
+/// Mechanical shrinking of a candidate that is not smaller than its input:
+/// drop thinking from older assistants, clear old tool
 /// bodies, cap a standalone summary.
 fn salvage(out: &mut [Value], summary_index: Option<usize>) {
     let newest_asst = view::last_assistant(out);

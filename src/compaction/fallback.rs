@@ -1,10 +1,10 @@
-//! Deterministic fallback summary (reference §3.12): what replaces the
+//! Deterministic fallback summary: what replaces the
 //! compacted turns when the summariser failed and the failure is not one
 //! that aborts. Built locally from the dropped turns, strictly redacted,
 //! capped at 8,000 characters, or at the summary budget of a small window
 //! ([`build_fallback_body_capped`]), so repeated fallbacks cannot grow. The latest user ask is recorded exactly once,
-//! as history (#49307: repeating it under "in progress" / "pending" headings
-//! made the model answer it again).
+//! as history: repeating it under "in progress" / "pending" headings made
+//! the model answer it again.
 
 use super::markers::{HISTORICAL_TASK_HEADING, SUMMARY_PREFIX};
 use super::redact::redact_secrets;
@@ -582,7 +582,7 @@ mod tests {
             );
             prev = next;
         }
-        // Large caps keep the reference layout.
+        // Large caps keep the full layout.
         let full = build_fallback_body_capped(&first, None, "boom", 7_000);
         assert!(full.contains("## Governing User Outcome"));
         assert!(!prev.contains("## Governing User Outcome"));

@@ -1,4 +1,4 @@
-//! Micro-compaction (reference §4): the alternative strategy that folds the
+//! Micro-compaction: the alternative strategy that folds the
 //! oldest un-absorbed exchange (one assistant turn and its tool results) into
 //! a rolling summary on every pass, instead of one large compaction when the
 //! window fills.
@@ -6,7 +6,7 @@
 //! Off by default: every pass rewrites the prompt prefix and so breaks the
 //! provider's prompt cache each turn. User rows are never absorbed (their
 //! words are the intent everything else derives from); only assistant/tool
-//! rows are. Like the reference, this leaves user rows adjacent where
+//! rows are. This leaves user rows adjacent where
 //! exchanges were absorbed, so it suits upstreams that accept consecutive
 //! user messages.
 

@@ -1,5 +1,4 @@
-//! Everything between the compacted turns and the summariser (reference
-//! §3.8): serialising turns to text, bounding and chunking that text, the
+//! Everything between the compacted turns and the summariser: serialising turns to text, bounding and chunking that text, the
 //! summary prompt, validating the reply and grounding its task snapshot.
 
 use super::markers::{
@@ -198,7 +197,7 @@ pub fn serialize_message(msg: &Value) -> String {
     }
 }
 
-/// Serializes turns for the summariser (reference §3.8): one block per
+/// Serializes turns for the summariser: one block per
 /// message separated by blank lines — `[ROLE]: text`, `[TOOL RESULT id]:
 /// text`, assistants with a `[Tool calls: name(args) …]` list. Content is
 /// flattened, strictly redacted, `MEDIA:` directives become `[media
@@ -498,7 +497,8 @@ fn collapse_ws(s: &str) -> String {
     s.split_whitespace().collect::<Vec<_>>().join(" ")
 }
 
-/// Quotes `s` the way the reference renders a Python string literal:
+/// Quotes `s` like a Python string literal (the form agent runtimes
+/// print tool arguments in, so a summary reads like their own logs):
 /// single quotes unless the text contains a single quote and no double one.
 pub fn py_quote(s: &str) -> String {
     if s.contains('\'') && !s.contains('"') {

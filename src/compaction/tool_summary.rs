@@ -1,4 +1,4 @@
-//! One-line summaries of old tool results (reference §3.3.1): what the pruning
+//! One-line summaries of old tool results: what the pruning
 //! pass leaves in place of a large tool output, and what the deterministic
 //! fallback lists as completed actions. Never fails: unknown tools and bad
 //! arguments get a generic line.
@@ -89,7 +89,7 @@ struct ToolResult<'a> {
 }
 
 /// One-line summary of a tool result, following the per-tool formats of the
-/// reference (terminal, read_file, write_file, search_files, patch, browser_*,
+/// common agent tools (terminal, read_file, write_file, search_files, patch, browser_*,
 /// web_search, web_extract, delegate_task, execute_code, skills, memory,
 /// todo, clarify, cronjob, process…) with a generic `[name] k1=v k2=v (N chars
 /// result)` fallback. Bad JSON arguments count as no arguments.
@@ -328,7 +328,7 @@ const PATH_KEYS: &[&str] = &[
 ];
 
 /// Summaries for tool names common in other agents (shell, read/write/edit,
-/// search, fetch), matched case-insensitively. The reference only knows its
+/// search, fetch), matched case-insensitively. A single agent only knows its
 /// own tool names; a proxy sees every client's, and a one-line summary that
 /// keeps the path or command is worth far more than the generic line.
 fn common_tool_summary(name: &str, args: &Args, content: &str) -> Option<String> {

@@ -1,7 +1,7 @@
-//! Per-conversation trigger and calibration state (reference notes §3.15,
-//! cooldown classes §1.4 / §3.9, persistence §5).
+//! Per-conversation trigger and calibration state: when to compact, the
+//! failure cooldowns, and the fields that survive a restart.
 //!
-//! Owner: trigger helper. One [`Trigger`] lives in each conversation's state.
+//! One [`Trigger`] lives in each conversation's state.
 //! It answers "should this conversation be compacted now?" from the real
 //! `prompt_tokens` the upstream reported, judges whether the last compaction
 //! worked once the next real usage arrives, and holds the breakers that stop
@@ -131,7 +131,7 @@ impl Clock {
 
 /// Where the context window comes from. A lazy source is called at most
 /// once, on first need (never in [`Trigger::new`]): resolving may probe the
-/// upstream (#32221).
+/// upstream.
 pub enum WindowSource {
     /// The window is already known (config table, learned value).
     Known(u64),
@@ -149,7 +149,7 @@ impl fmt::Debug for WindowSource {
     }
 }
 
-/// Why a summary attempt failed, for choosing its cooldown (reference §1.4, §3.9).
+/// Why a summary attempt failed, for choosing its cooldown.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum FailureClass {
     /// No summary provider configured: 600 s.
@@ -197,7 +197,7 @@ pub fn cooldown_for(class: FailureClass, consecutive: u32) -> u64 {
     }
 }
 
-/// Reference preflight display seed guard (#36718): a preflight estimate may
+/// Preflight display seed guard: a preflight estimate may
 /// raise `last_prompt_tokens` but never overwrite the −1 "just compacted"
 /// sentinel (or any negative value).
 pub fn seed_preflight(last_prompt_tokens: i64, preflight: u64) -> i64 {
@@ -219,7 +219,7 @@ pub fn truncate_error_text(err: &str) -> String {
     s
 }
 
-/// The per-session fields that survive a restart (reference §5): cooldown,
+/// The per-session fields that survive a restart: cooldown,
 /// strikes, streak, recovery deadline, compaction count. Times are wall-clock
 /// milliseconds since the Unix epoch.
 #[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
@@ -279,8 +279,8 @@ pub struct TriggerStatus {
 
 /// Per-conversation trigger, calibration and breaker state.
 ///
-/// The `pub` fields mirror the reference's attributes so callers and tests can
-/// set them directly; derived budgets are computed lazily from the window.
+/// The counters are `pub` so callers and tests can read and set them
+/// directly; derived budgets are computed lazily from the window.
 pub struct Trigger {
     cfg: Arc<CompactionConfig>,
     model: String,
@@ -617,7 +617,7 @@ impl Trigger {
     /// Whether automatic compaction should run at `prompt_tokens` (default:
     /// `last_prompt_tokens`). False below the threshold; false when blocked,
     /// with a warning, because a silently blocked session grows into the
-    /// provider's hard limit (#62708).
+    /// provider's hard limit.
     pub fn should_compress(&mut self, prompt_tokens: Option<i64>) -> bool {
         let tokens = prompt_tokens.unwrap_or(self.last_prompt_tokens);
         if tokens <= 0 {
@@ -702,7 +702,7 @@ impl Trigger {
     /// tokens become the real reading; a reading below the threshold clears
     /// the strikes (not the fallback streak). If a compaction awaits its
     /// verdict, a reading still at or over the threshold is a strike
-    /// (incompressible system prompt + tool schemas, #14695). The verify and
+    /// (incompressible system prompt + tool schemas). The verify and
     /// awaiting flags are always cleared, even when usage is missing.
     pub fn update_from_response(&mut self, usage: &Usage) {
         let prompt = usage.prompt_tokens.unwrap_or(0);
@@ -742,8 +742,9 @@ impl Trigger {
     }
 
     /// Whether a preflight compaction triggered by the rough estimate `rough`
-    /// should wait one request for real usage (reference v-A rule, which the
-    /// spec tests pin). Defer when over the threshold and either a compaction
+    /// should wait one request for real usage: right after a compaction, or
+    /// while the rough figure grew only a little, the real count is the
+    /// better judge and costs nothing but one request. Defer when over the threshold and either a compaction
     /// awaits its real usage, or the last real reading fit and `rough` grew by
     /// at most `max(4,096, 5% of threshold)` over the rough baseline that fit
     /// (the baseline is then raised). Never defers when the provider omits
@@ -777,7 +778,7 @@ impl Trigger {
     /// The conversation's model, window, upstream or reservation changed.
     /// Budgets are re-derived from the raw config (so leaving an overridden
     /// model restores the configured percent), all real-usage calibration is
-    /// zeroed (0, not −1) and strikes reset (#23767). A runtime change (model
+    /// zeroed (0, not −1) and strikes reset. A runtime change (model
     /// or base URL) also resets the fallback streak and clears the failure
     /// cooldown: cooldowns belong to the failed route. `window`/`max_tokens`
     /// replace the current values only when given. A call that changes
@@ -968,7 +969,7 @@ impl Trigger {
     }
 
     /// `/new`-style reset: every per-session field, including counters,
-    /// cooldowns, backoffs, calibration and the skip count (#15547). The
+    /// cooldowns, backoffs, calibration and the skip count. The
     /// window, model and derived budgets are kept.
     pub fn reset_session(&mut self) {
         self.last_prompt_tokens = 0;
@@ -1029,7 +1030,7 @@ impl Trigger {
         }
     }
 
-    /// Load persisted state (reference `bind_session_state`). Counters,
+    /// Load persisted state. Counters,
     /// recovery deadline and compaction count are taken from the snapshot; a
     /// live persisted cooldown replaces the local one, while a snapshot
     /// without one keeps a live local cooldown (a failed write must not
