@@ -1,7 +1,7 @@
-//! Ports of `test_micro_compaction.py`. `_micro_summarize_one` → the scripted
-//! [`Stub`] summariser; `_micro_compact_enabled` → `Strategy::Micro`;
-//! `COMPRESSED_SUMMARY_METADATA_KEY` rows → rows classified as summaries;
-//! caplog telemetry lines → the returned `MicroTelemetry` record.
+//! Ported micro-compaction tests (tests/REFERENCE_PARITY.md maps them). The
+//! summary call is the scripted [`Stub`] summariser; the strategy switch is
+//! `Strategy::Micro`; summary metadata rows are rows classified as
+//! summaries; telemetry lines are the returned `MicroTelemetry` record.
 
 // Test helpers panic on bad fixtures: that is a failed test, as in a #[test].
 #![allow(clippy::unwrap_used, clippy::expect_used)]

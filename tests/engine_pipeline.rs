@@ -1,8 +1,7 @@
-//! Ports of the reference compress-pipeline tests (`test_context_compressor.py`).
-//! The patched `call_llm` is the scripted [`Stub`] summariser; private
-//! `_compressed_summary` metadata is `CompressResult::summary_index`; the
-//! reference's `_last_*` attributes are the figures of the returned
-//! `CompressResult` / `SummaryAttempt`.
+//! Ported compress-pipeline tests (tests/REFERENCE_PARITY.md maps them). The
+//! patched LLM call is the scripted [`Stub`] summariser; summary metadata is
+//! `CompressResult::summary_index`; per-call figures are read from the
+//! returned `CompressResult` / `SummaryAttempt`.
 
 // Test helpers panic on bad fixtures: that is a failed test, as in a #[test].
 #![allow(clippy::unwrap_used, clippy::expect_used)]
@@ -568,8 +567,8 @@ fn success_clears_persisted_session_cooldown() {
     c.trigger.set_failure_cooldown(999, "timeout");
     let persisted = c.trigger.snapshot();
     c.trigger.restore(persisted);
-    // The reference zeroes the in-memory deadline but keeps the DB row; a
-    // bypassing (provider-proven) call is our equivalent of that state.
+    // A persisted cooldown outlives the restart; a bypassing
+    // (provider-proven) call must still run and then clear it.
     let msgs = seven();
     let s = Stub::ok("summary text");
     let res = block_on(c.compress(
@@ -918,8 +917,8 @@ fn iterative_update_path_is_bounded() {
     let turns: Vec<Value> = (0..80)
         .map(|i| msg("user", &format!("turn-{i}-{}", "x".repeat(6000))))
         .collect();
-    // The reference's summariser takes the whole bounded prompt in one call;
-    // our stub declares exactly the bound the test asserts as its window.
+    // One call must take the whole bounded prompt: the stub declares exactly
+    // the bound the test asserts as its window.
     let s = Stub::ok("updated summary").with_budget(2 * CAP + 30_000);
     let summary = block_on(c.generate_summary(&s, &turns, None))
         .summary

@@ -1,5 +1,5 @@
-//! Ports of the reference trigger/calibration tests
-//! (`spec/test_context_compressor.py`) plus compactor's own tests of the
+//! Ported trigger/calibration tests (tests/REFERENCE_PARITY.md maps them)
+//! plus compactor's own tests of the
 //! budget math at small windows, cooldowns and breakers.
 //!
 //! Python fixtures patch `get_model_context_length`; here the window is a
@@ -30,7 +30,7 @@ fn cfg_with(f: impl FnOnce(&mut CompactionConfig)) -> Arc<CompactionConfig> {
     Arc::new(c)
 }
 
-/// Reference `compressor` fixture: model "test/model", threshold 0.85,
+/// The ported `compressor` fixture: model "test/model", threshold 0.85,
 /// protect 2/2, window 100,000, resolved.
 fn compressor() -> Trigger {
     let cfg = cfg_with(|c| {
@@ -513,9 +513,9 @@ fn skip_count_resets_on_bind_session_state() {
     assert_eq!(c.prellm_skip_count, 0);
 }
 
-// ================================================================ beyond the reference
+// ================================================================ not ported: our own
 
-/// Windows of 64k and more: exactly the reference's numbers.
+/// Windows of 64k and more: exactly the classic fixed numbers.
 #[test]
 fn reference_numbers_hold_at_64k_and_above() {
     struct Case {
@@ -607,7 +607,7 @@ fn reference_numbers_hold_at_64k_and_above() {
         assert_eq!(b.threshold_tokens, case.threshold, "{}", case.name);
         assert_eq!(b.tail_token_budget, case.tail, "{}", case.name);
         assert_eq!(b.max_summary_tokens, case.max_summary, "{}", case.name);
-        // The reference 2,000-token summary floor applies unchanged.
+        // The 2,000-token summary floor applies unchanged.
         assert_eq!(b.summary_budget(0), 2_000, "{}", case.name);
     }
 }
@@ -644,13 +644,13 @@ fn small_windows_fit_with_room_for_reply() {
 
 #[test]
 fn small_window_summary_floor_is_clamped() {
-    // The reference's 2,000 floor would exceed a 2k window's trigger.
+    // The fixed 2,000 floor would exceed a 2k window's trigger.
     let b = Budgets::compute(&CompactionConfig::default(), "m", 2_048, None);
     assert_eq!(b.threshold_tokens, 1_740);
     assert_eq!(b.max_summary_tokens, 102);
     assert_eq!(b.summary_budget(0), 204);
     assert_eq!(b.tail_token_budget, 348);
-    // At 32k the floor is the reference's again.
+    // At 32k the fixed floor applies again.
     let b = Budgets::compute(&CompactionConfig::default(), "m", 32_768, None);
     assert_eq!(b.summary_budget(0), 2_000);
 }
@@ -1110,7 +1110,8 @@ fn from_table_errors_name_the_key() {
     for (src, key) in [
         ("threshold_percent = \"x\"", "threshold_percent"),
         ("bogus = 1", "bogus"),
-        // Reference knobs the proxy has no use for are refused, not ignored.
+        // Knobs the proxy has no use for are refused, not ignored: a typo'd
+        // or foreign setting must not pass silently.
         ("max_attempts = 3", "max_attempts"),
         (
             "summary_idle_timeout_secs = 60",
@@ -1322,7 +1323,7 @@ fn summary_cap_clamped_only_when_trigger_is_small() {
     // The same through the Trigger.
     let mut t = trig(cfg, "m", 1_000_000);
     assert_eq!(t.max_summary_tokens(), 5_000);
-    // Reference numbers otherwise.
+    // The classic numbers otherwise.
     let b = Budgets::compute(&CompactionConfig::default(), "m", 1_000_000, None);
     assert_eq!(b.max_summary_tokens, 10_000);
 }

@@ -1,6 +1,6 @@
 //! Shared helpers for the engine's integration tests: a scripted summariser
-//! standing in for the reference tests' patched LLM call, and compressor
-//! builders mirroring the reference fixtures.
+//! standing in for the ported tests' patched LLM call, and compressor
+//! builders mirroring their fixtures.
 #![allow(dead_code)]
 
 use std::collections::VecDeque;
@@ -123,7 +123,7 @@ pub fn null_content() -> SummaryReply {
 }
 
 /// A compressor over a known window with a manual clock; `f` edits the
-/// reference defaults (`DEFAULT_CONFIG`).
+/// defaults.
 pub fn compressor_with(
     model: &str,
     window: u64,
@@ -145,7 +145,7 @@ pub fn compressor(first: usize, last: usize) -> Compressor {
     })
 }
 
-/// The reference `compressor` fixture: model "test/model", 100k window,
+/// The ported `compressor` fixture: model "test/model", 100k window,
 /// threshold 0.85, protect_first_n=2, protect_last_n=2.
 pub fn fixture() -> Compressor {
     compressor_with("test/model", 100_000, |c| {
