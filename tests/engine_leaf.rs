@@ -233,7 +233,7 @@ mod charge_stale_thinking {
         assert!(stale < bare + 100);
     }
 
-    /// The Python default argument is `charge_stale_thinking=True`; here the
+    /// Stale thinking is charged by default; here the
     /// flag is explicit and its default lives in the config
     /// (`charge_stale_thinking: true`), mirrored by
     /// `tokens::DEFAULT_CHARGE_STALE_THINKING`.

@@ -2,9 +2,9 @@
 //! plus compactor's own tests of the
 //! budget math at small windows, cooldowns and breakers.
 //!
-//! Python fixtures patch `get_model_context_length`; here the window is a
-//! [`WindowSource`]. Python attributes set directly map to the `Trigger`'s
-//! public fields or its `set_*` pins.
+//! The window a fixture would patch in is a [`WindowSource`]; attributes a
+//! test sets directly map to the `Trigger`'s public fields or its `set_*`
+//! pins.
 
 // Test helpers panic on bad fixtures: that is a failed test, as in a #[test].
 #![allow(clippy::unwrap_used, clippy::expect_used)]
@@ -144,8 +144,8 @@ fn threshold_below_window_at_minimum_ctx() {
 
 #[test]
 fn max_tokens_coercion_treats_non_int_as_no_reservation() {
-    // Python coerces a MagicMock; the proxy's equivalent is whatever JSON a
-    // client puts in `max_tokens`.
+    // Whatever JSON a client puts in `max_tokens` must coerce to a
+    // reservation or to none, never to garbage.
     assert_eq!(coerce_max_tokens(None), None);
     assert_eq!(coerce_max_tokens(Some(&json!(null))), None);
     assert_eq!(coerce_max_tokens(Some(&json!(0))), None);
@@ -261,7 +261,7 @@ fn no_cap_uses_ratio_only() {
 
 #[test]
 fn invalid_cap_treated_as_none() {
-    // Python passes the cap to the constructor; here it arrives from TOML.
+    // The cap arrives from TOML.
     for src in [
         "threshold_percent = 0.5\nthreshold_tokens = 0",
         "threshold_percent = 0.5\nthreshold_tokens = -100",

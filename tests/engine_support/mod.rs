@@ -82,7 +82,7 @@ impl Summariser for Stub {
     }
 }
 
-// StubProviderError / Python exception equivalents.
+// Provider errors as the summariser reports them.
 
 /// `RuntimeError("no provider")`: no summary provider configured.
 pub fn no_provider() -> SummaryError {
@@ -108,7 +108,7 @@ pub fn json_decode() -> SummaryError {
         "Expecting value: line 1 column 1 (char 0)",
     )
 }
-/// An httpcore premature-close error (`_is_connection_error` → True).
+/// A premature close of the response stream (a connection error).
 pub fn stream_closed(msg: &str) -> SummaryError {
     SummaryError::new(SummaryErrorKind::StreamClosed, None, msg)
 }
