@@ -296,7 +296,7 @@ impl SummaryFailure {
 
     fn from_error(e: &SummaryError) -> Self {
         let info = classify_error(e);
-        Self::new(info.kind(), info.class, &e.to_string())
+        Self::new(info.kind, info.class, &e.to_string())
     }
 
     fn invalid(inv: &SummaryInvalid) -> Self {
@@ -341,27 +341,8 @@ pub struct SummaryAttempt {
 pub struct FailureInfo {
     /// Cooldown class.
     pub class: FailureClass,
-    /// Access or quota failure (abort).
-    pub auth: bool,
-    /// Network or stream failure (abort).
-    pub network: bool,
-    /// Overloaded provider (abort).
-    pub overload: bool,
-}
-
-impl FailureInfo {
-    /// The kind of failure this classification stands for.
-    pub fn kind(&self) -> SummaryFailureKind {
-        if self.auth {
-            SummaryFailureKind::Auth
-        } else if self.network {
-            SummaryFailureKind::Network
-        } else if self.overload {
-            SummaryFailureKind::Overloaded
-        } else {
-            SummaryFailureKind::Other
-        }
-    }
+    /// What it means for the compaction (abort or fall back).
+    pub kind: SummaryFailureKind,
 }
 
 fn lower_contains_any(hay: &str, needles: &[&str]) -> bool {
@@ -435,16 +416,14 @@ pub fn classify_error(e: &SummaryError) -> FailureInfo {
     let m = e.message.to_lowercase();
     let mut info = FailureInfo {
         class: FailureClass::Other,
-        auth: false,
-        network: false,
-        overload: false,
+        kind: SummaryFailureKind::Other,
     };
     if e.kind == SummaryErrorKind::NoProvider {
         info.class = FailureClass::NoProvider;
         return info;
     }
     if is_access_or_quota_error(e.status, &e.message) {
-        info.auth = true;
+        info.kind = SummaryFailureKind::Auth;
         info.class = FailureClass::Auth;
         return info;
     }
@@ -460,7 +439,7 @@ pub fn classify_error(e: &SummaryError) -> FailureInfo {
             ],
         );
     if e.kind == SummaryErrorKind::Network || stream_closed {
-        info.network = true;
+        info.kind = SummaryFailureKind::Network;
         info.class = FailureClass::StreamClosed;
     } else if e.kind == SummaryErrorKind::Timeout
         || matches!(e.status, Some(408 | 429 | 502 | 504))
@@ -473,7 +452,7 @@ pub fn classify_error(e: &SummaryError) -> FailureInfo {
     } else if lower_contains_any(&m, &["overloaded", "at capacity", "over capacity"])
         || e.status == Some(529)
     {
-        info.overload = true;
+        info.kind = SummaryFailureKind::Overloaded;
         info.class = FailureClass::Overloaded;
     } else if matches!(e.status, Some(404 | 503))
         || lower_contains_any(
@@ -1771,7 +1750,7 @@ mod tests {
         assert_eq!(err(NoProvider, None, "x").class, FailureClass::NoProvider);
         let t = err(Timeout, None, "deadline");
         assert_eq!(t.class, FailureClass::Timeout);
-        assert!(!t.network && !t.auth);
+        assert_eq!(t.kind, SummaryFailureKind::Other);
         assert_eq!(err(Http, Some(504), "gateway").class, FailureClass::Timeout);
         assert_eq!(
             err(Http, None, "request timed out").class,
@@ -1779,17 +1758,20 @@ mod tests {
         );
         assert_eq!(err(Decode, None, "bad body").class, FailureClass::Decode);
         let n = err(Network, None, "connection refused");
-        assert!(n.network);
+        assert_eq!(n.kind, SummaryFailureKind::Network);
         assert_eq!(n.class, FailureClass::StreamClosed);
-        assert!(err(Http, None, "peer closed connection without sending").network);
+        assert_eq!(
+            err(Http, None, "peer closed connection without sending").kind,
+            SummaryFailureKind::Network
+        );
         let o = err(Http, Some(529), "Overloaded");
-        assert!(o.overload);
+        assert_eq!(o.kind, SummaryFailureKind::Overloaded);
         assert_eq!(
             err(Http, Some(404), "no such model").class,
             FailureClass::ModelNotFound
         );
         assert_eq!(err(Http, Some(500), "boom").class, FailureClass::Other);
-        assert!(err(Http, Some(401), "nope").auth);
+        assert_eq!(err(Http, Some(401), "nope").kind, SummaryFailureKind::Auth);
     }
 
     #[test]
