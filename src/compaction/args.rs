@@ -18,7 +18,7 @@ pub const DEFAULT_MAX_LEAF_CHARS: usize = 200;
 pub const ARGS_SHRINK_MIN_CHARS: usize = 500;
 
 /// Suffix every shortened leaf ends with. The head of the marker is loud and
-/// clearly not prose: models imitated a bare "...[truncated]" in new tool
+/// clearly not prose: models imitated a bare `...[truncated]` in new tool
 /// calls and wrote it to disk. The tail keeps the common
 /// `...[truncated]` ending that downstream checks recognise.
 pub const TRUNCATION_TAG: &str = "...[truncated]";

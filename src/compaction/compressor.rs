@@ -1,10 +1,13 @@
-//! The compress pipeline: head protection, tool-output
-//! pruning, tail cut, handoff rehydration, summary generation with failure
-//! handling, assembly, sanitising and the final size check.
+//! The compress pipeline: head protection, tool-output pruning, tail cut,
+//! handoff rehydration, summary generation with failure handling, assembly,
+//! sanitising and the final size check.
 //!
 //! A compaction either commits (a strictly smaller conversation) or leaves
 //! the input exactly as it was: aborted, no-op and rejected results return the
-//! input messages unchanged.
+//! input messages unchanged. The phases only decide; the compressor's own
+//! state (running summary, cooldowns, counters, the standing failure) is
+//! changed once, at the end, according to the outcome, so no early return
+//! needs a rollback.
 
 use std::sync::Arc;
 
