@@ -60,7 +60,7 @@ fn compressor(window: u64) -> Compressor {
 fn bench(c: &mut Criterion) {
     let rt = tokio::runtime::Builder::new_current_thread()
         .build()
-        .unwrap();
+        .expect("a current-thread runtime builds");
     let sizes = [10usize, 100, 1_000, 5_000];
 
     let mut g = c.benchmark_group("decision_no_compaction");

@@ -4,6 +4,9 @@
 //! verbatim (exactly once) and never orphan a tool call or result, also when
 //! the active turn alone outgrows the tail and has to be split.
 
+// Test helpers panic on bad fixtures: that is a failed test, as in a #[test].
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
 mod engine_support;
 
 use compactor::compaction::compressor::{CompressOptions, Compressor, Outcome};

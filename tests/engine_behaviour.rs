@@ -1,7 +1,10 @@
-//! Pipeline behaviour beyond the reference test list: the reference notes'
-//! rules that no reference test pins (§3.4 blank echoes, §3.5 bridge rule and
-//! oversized active turn, §3.7 rehydration, §3.13 in-flight re-append,
-//! §3.15 user-turn guarantee, abort rollback, the proxy's suffix bookkeeping).
+//! Pipeline rules no ported test pins: blank echoes, the bridge rule and the
+//! oversized active turn, rehydration of earlier summaries, the in-flight
+//! re-append, the user-turn guarantee, abort rollback and the proxy's
+//! suffix bookkeeping.
+
+// Test helpers panic on bad fixtures: that is a failed test, as in a #[test].
+#![allow(clippy::unwrap_used, clippy::expect_used)]
 
 mod engine_support;
 
@@ -308,6 +311,7 @@ fn proxy_lifecycle_trigger_compact_verify() {
         prompt_tokens: Some(threshold + 500),
         completion_tokens: Some(10),
         total_tokens: Some(threshold + 510),
+        ..Default::default()
     });
     assert!(c.trigger.should_compress(None));
     let res = block_on(c.compress(&msgs, &Stub::ok("sum"), CompressOptions::default()));
@@ -324,6 +328,7 @@ fn proxy_lifecycle_trigger_compact_verify() {
         prompt_tokens: Some(res.tokens_after),
         completion_tokens: Some(10),
         total_tokens: None,
+        ..Default::default()
     });
     assert_eq!(c.trigger.ineffective_compression_count, 0);
     assert_eq!(c.trigger.fallback_streak, 0);
@@ -422,10 +427,11 @@ fn no_user_marker_is_added_once_and_never_counts_as_a_user() {
     assert_eq!(marker_rows(&second.messages), 1);
 }
 
-/// Issue 5: a summariser that answers with empty content or a truncated
-/// summary gets the deterministic fallback by default; auth/quota and network
-/// failures abort. `abort_on_degraded_summary` restores the reference's v-B
-/// abort for the degraded classes.
+/// A summariser that answers with empty content or a truncated summary gets
+/// the deterministic fallback by default (small local models run out of
+/// reply budget often, and an abort would overflow the window); auth/quota
+/// and network failures abort. `abort_on_degraded_summary` makes the
+/// degraded classes abort too.
 #[test]
 fn degraded_summaries_fall_back_by_default_and_abort_when_configured() {
     let msgs = alternating(12, "m");

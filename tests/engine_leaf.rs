@@ -1,7 +1,9 @@
-//! Reference tests for the engine's pure leaf functions, ported from the
-//! spec (`test_context_compressor.py`, `test_replay_budget_accounting.py`).
-//! Module names follow the reference test classes; test names are the
-//! reference names minus `test_`.
+//! Ported tests of the engine's pure leaf functions (tests/REFERENCE_PARITY.md
+//! maps each to its origin). Module names follow the original test classes;
+//! test names are the original names minus `test_`.
+
+// Test helpers panic on bad fixtures: that is a failed test, as in a #[test].
+#![allow(clippy::unwrap_used, clippy::expect_used)]
 
 use compactor::compaction::{args, markers, serialize, tokens, tool_summary};
 use serde_json::{json, Value};
@@ -123,14 +125,14 @@ mod summary_prompt_bounding {
     }
 }
 
-/// `test_replay_budget_accounting.py::test_api_content_matches_wire_substitution_without_mutation`,
-/// one test per parametrised case.
+/// The ported `api_content_matches_wire_substitution_without_mutation`, one
+/// test per parametrised case.
 ///
-/// The reference compares against `substitute_api_content` (the agent's own
-/// wire transform). The proxy has no such transform: the rule the estimator
+/// The original compares against an agent-side wire transform. The proxy
+/// has no such transform: the rule the estimator
 /// mirrors is "a non-empty string `api_content` on a user/assistant row is
 /// what the model reads; anything else is ignored". Each case therefore
-/// states the wire content the spec's substitution yields.
+/// states the wire content that substitution yields.
 mod api_content_matches_wire_substitution_without_mutation {
     use super::*;
 
@@ -231,7 +233,7 @@ mod charge_stale_thinking {
         assert!(stale < bare + 100);
     }
 
-    /// The Python default argument is `charge_stale_thinking=True`; here the
+    /// Stale thinking is charged by default; here the
     /// flag is explicit and its default lives in the config
     /// (`charge_stale_thinking: true`), mirrored by
     /// `tokens::DEFAULT_CHARGE_STALE_THINKING`.
@@ -310,7 +312,7 @@ fn estimate_speed_probe() {
     println!("1000 msgs: wire estimate {wire:?}, budget walk {walk:?} (sink {sink})");
 }
 
-/// Property tests over the leaf functions (beyond the reference).
+/// Property tests over the leaf functions (our own, not ported).
 mod leaf_properties {
     use super::*;
     use markers::{

@@ -1,12 +1,16 @@
-//! Ports of the reference compress-pipeline tests (`test_context_compressor.py`).
-//! The patched `call_llm` is the scripted [`Stub`] summariser; private
-//! `_compressed_summary` metadata is `CompressResult::summary_index`; the
-//! reference's `_last_*` attributes are the `Compressor`'s `last_*` fields.
+//! Ported compress-pipeline tests (tests/REFERENCE_PARITY.md maps them). The
+//! patched LLM call is the scripted [`Stub`] summariser; summary metadata is
+//! `CompressResult::summary_index`; per-call figures are read from the
+//! returned `CompressResult` / `SummaryAttempt`.
+
+// Test helpers panic on bad fixtures: that is a failed test, as in a #[test].
+#![allow(clippy::unwrap_used, clippy::expect_used)]
 
 mod engine_support;
 
 use compactor::compaction::compressor::{
-    is_access_or_quota_error, AbortReason, CompressOptions, Outcome,
+    is_access_or_quota_error, AbortReason, AuxModelFailure, CompressOptions, CompressResult,
+    Compressor, Outcome, SummaryAttempt, SummaryFailureKind,
 };
 use compactor::compaction::fallback::build_fallback_summary;
 use compactor::compaction::markers::{END_MARKER, HISTORICAL_TASK_HEADING, SUMMARY_PREFIX};
@@ -23,11 +27,11 @@ fn run(
     block_on(c.compress(msgs, s, CompressOptions::default())).messages
 }
 
-fn run_forced(
-    c: &mut compactor::compaction::compressor::Compressor,
-    msgs: &[Value],
-    s: &Stub,
-) -> Vec<Value> {
+fn run_res(c: &mut Compressor, msgs: &[Value], s: &Stub) -> CompressResult {
+    block_on(c.compress(msgs, s, CompressOptions::default()))
+}
+
+fn run_forced_res(c: &mut Compressor, msgs: &[Value], s: &Stub) -> CompressResult {
     block_on(c.compress(
         msgs,
         s,
@@ -37,7 +41,22 @@ fn run_forced(
             ..Default::default()
         },
     ))
-    .messages
+}
+
+fn failure_kind(a: &SummaryAttempt) -> Option<SummaryFailureKind> {
+    a.failure.as_ref().map(|f| f.kind)
+}
+
+fn res_failure_kind(r: &CompressResult) -> Option<SummaryFailureKind> {
+    r.summary_failure.as_ref().map(|f| f.kind)
+}
+
+fn aux_model(f: &Option<AuxModelFailure>) -> Option<&str> {
+    f.as_ref().map(|f| f.model.as_str())
+}
+
+fn aux_error(f: &Option<AuxModelFailure>) -> Option<&str> {
+    f.as_ref().map(|f| f.error.as_str())
 }
 
 fn eight_with_system() -> Vec<Value> {
@@ -126,7 +145,9 @@ fn none_content_does_not_crash() {
         msg("user", "thanks"),
     ];
     let s = Stub::ok("[CONTEXT SUMMARY]: tool calls happened");
-    let out = block_on(c.generate_summary(&s, &turns, None)).unwrap();
+    let out = block_on(c.generate_summary(&s, &turns, None))
+        .summary
+        .unwrap();
     assert!(out.starts_with(SUMMARY_PREFIX));
     assert!(out.contains("tool calls happened"));
 }
@@ -150,17 +171,19 @@ fn do_something() -> Vec<Value> {
 fn none_content_treated_as_failure_not_empty_summary() {
     let mut c = compressor(3, 20);
     let s = Stub::reply(null_content());
-    let out = block_on(c.generate_summary(&s, &do_something(), None));
-    assert!(out.is_none());
+    let attempt = block_on(c.generate_summary(&s, &do_something(), None));
+    assert!(attempt.summary.is_none());
     assert!(c.trigger.cooldown_remaining().is_some());
-    assert!(c.last_summary_empty_failure);
+    assert_eq!(failure_kind(&attempt), Some(SummaryFailureKind::Empty));
 }
 
 #[test]
 fn string_message_coerced_to_summary_content() {
     let mut c = compressor(3, 20);
     let s = Stub::ok("plain summary text");
-    let out = block_on(c.generate_summary(&s, &do_something(), None)).unwrap();
+    let out = block_on(c.generate_summary(&s, &do_something(), None))
+        .summary
+        .unwrap();
     assert!(
         out.starts_with(&format!("{SUMMARY_PREFIX}\n{HISTORICAL_TASK_HEADING}\n")),
         "{out}"
@@ -207,8 +230,8 @@ fn grounding_preserves_following_sections_across_regrounding() {
 fn summary_failure_enters_cooldown_and_skips_retry() {
     let mut c = compressor(3, 20);
     let s = Stub::err(plain("boom"));
-    let first = block_on(c.generate_summary(&s, &do_something(), None));
-    let second = block_on(c.generate_summary(&s, &do_something(), None));
+    let first = block_on(c.generate_summary(&s, &do_something(), None)).summary;
+    let second = block_on(c.generate_summary(&s, &do_something(), None)).summary;
     assert!(first.is_none() && second.is_none());
     assert_eq!(s.calls(), 1);
 }
@@ -237,11 +260,11 @@ fn out_of_extra_usage_400_aborts_instead_of_dropping_context() {
         400,
         "Error code: 400 - {'error': {'message': 'out of extra usage'}}",
     ));
-    let out = run_forced(&mut c, &msgs, &s);
-    assert_eq!(out, msgs);
-    assert!(c.last_summary_auth_failure);
-    assert!(c.last_compress_aborted);
-    assert!(!c.last_summary_fallback_used);
+    let res = run_forced_res(&mut c, &msgs, &s);
+    assert_eq!(res.messages, msgs);
+    assert_eq!(res_failure_kind(&res), Some(SummaryFailureKind::Auth));
+    assert!(res.abort_reason().is_some());
+    assert!(!res.fallback_used);
 }
 
 #[test]
@@ -260,15 +283,15 @@ fn missing_provider_api_key_preserves_original_messages() {
     ));
     assert_eq!(res.messages, msgs);
     assert_eq!(res.outcome, Outcome::Aborted(AbortReason::AuthFailure));
-    let err = c.last_summary_error.clone().unwrap();
+    let err = res.summary_failure.clone().unwrap().error;
     assert!(
         MISSING_KEY.starts_with(err.trim_end_matches("...")),
         "{err}"
     );
-    assert!(c.last_summary_auth_failure);
-    assert!(c.last_compress_aborted);
-    assert!(!c.last_summary_fallback_used);
-    assert_eq!(c.last_summary_dropped_count, 0);
+    assert_eq!(res_failure_kind(&res), Some(SummaryFailureKind::Auth));
+    assert!(res.abort_reason().is_some());
+    assert!(!res.fallback_used);
+    assert_eq!(res.dropped_count, 0);
 }
 
 #[test]
@@ -279,29 +302,29 @@ fn quota_402_with_retry_uses_existing_fallback() {
         402,
         "quota exceeded, please retry after the window resets",
     ));
-    let out = run_forced(&mut c, &msgs, &s);
-    assert_ne!(out, msgs);
-    assert!(!c.last_summary_auth_failure);
-    assert!(!c.last_compress_aborted);
-    assert!(c.last_summary_fallback_used);
+    let res = run_forced_res(&mut c, &msgs, &s);
+    assert_ne!(res.messages, msgs);
+    assert_ne!(res_failure_kind(&res), Some(SummaryFailureKind::Auth));
+    assert!(res.abort_reason().is_none());
+    assert!(res.fallback_used);
 }
 
 #[test]
 fn also_flags_auth_failure_403() {
     let mut c = compressor(3, 20);
     let s = Stub::err(auth_err(403));
-    block_on(c.generate_summary(&s, &alternating(10, "msg "), None));
-    assert!(c.last_summary_auth_failure);
+    let attempt = block_on(c.generate_summary(&s, &alternating(10, "msg "), None));
+    assert_eq!(failure_kind(&attempt), Some(SummaryFailureKind::Auth));
 }
 
 #[test]
 fn generate_summary_flags_network_failure() {
     let mut c = compressor(3, 20);
     let s = Stub::err(connection());
-    let out = block_on(c.generate_summary(&s, &alternating(10, "msg "), None));
-    assert!(out.is_none());
-    assert!(c.last_summary_network_failure);
-    assert!(!c.last_summary_auth_failure);
+    let attempt = block_on(c.generate_summary(&s, &alternating(10, "msg "), None));
+    assert!(attempt.summary.is_none());
+    assert_eq!(failure_kind(&attempt), Some(SummaryFailureKind::Network));
+    assert_ne!(failure_kind(&attempt), Some(SummaryFailureKind::Auth));
 }
 
 // -------------------------------------------------- TestSummaryFallbackToMainModel
@@ -318,18 +341,17 @@ fn model_not_found_404_falls_back_to_main_and_succeeds() {
         Err(status(404, "404 model_not_found: no such model")),
         Ok(SummaryReply::text("summary via main model")),
     ]);
-    let out = block_on(c.generate_summary(&s, &do_something(), None));
+    let attempt = block_on(c.generate_summary(&s, &do_something(), None));
+    let out = attempt.summary.clone();
     assert_eq!(s.calls(), 2);
     assert_eq!(s.request(0).model.as_deref(), Some("broken-aux-model"));
     assert_eq!(s.request(1).model, None);
     assert!(out.unwrap().contains("summary via main model"));
     assert_eq!(
-        c.last_aux_model_failure_model.as_deref(),
+        aux_model(&attempt.aux_model_failure),
         Some("broken-aux-model")
     );
-    assert!(c
-        .last_aux_model_failure_error
-        .as_deref()
+    assert!(aux_error(&attempt.aux_model_failure)
         .unwrap()
         .contains("404"));
 }
@@ -338,7 +360,7 @@ fn model_not_found_404_falls_back_to_main_and_succeeds() {
 fn no_fallback_when_summary_model_equals_main_model() {
     let mut c = with_summary_model("main-model", "main-model");
     let s = Stub::err(plain("500 internal error"));
-    let out = block_on(c.generate_summary(&s, &do_something(), None));
+    let out = block_on(c.generate_summary(&s, &do_something(), None)).summary;
     assert_eq!(s.calls(), 1);
     assert!(out.is_none());
     assert!(!c.summary_model_fallen_back);
@@ -351,18 +373,18 @@ fn json_decode_error_falls_back_to_main_and_succeeds() {
         Err(json_decode()),
         Ok(SummaryReply::text("summary via main model")),
     ]);
-    let out = block_on(c.generate_summary(&s, &do_something(), None));
+    let attempt = block_on(c.generate_summary(&s, &do_something(), None));
+    let out = attempt.summary.clone();
     assert_eq!(s.calls(), 2);
     assert_eq!(s.request(0).model.as_deref(), Some("aux-via-broken-proxy"));
     assert_eq!(s.request(1).model, None);
     assert!(out.unwrap().contains("summary via main model"));
     assert_eq!(
-        c.last_aux_model_failure_model.as_deref(),
+        aux_model(&attempt.aux_model_failure),
         Some("aux-via-broken-proxy")
     );
     assert!(
-        c.last_aux_model_failure_error
-            .as_deref()
+        aux_error(&attempt.aux_model_failure)
             .unwrap()
             .chars()
             .count()
@@ -381,7 +403,7 @@ fn incomplete_chunked_read_falls_back_to_main() {
         )),
         Ok(SummaryReply::text("summary via main model")),
     ]);
-    let out = block_on(c.generate_summary(&s, &do_something(), None));
+    let out = block_on(c.generate_summary(&s, &do_something(), None)).summary;
     assert_eq!(s.calls(), 2);
     assert_eq!(s.request(0).model.as_deref(), Some("aux-stream-model"));
     assert_eq!(s.request(1).model, None);
@@ -394,7 +416,7 @@ fn streaming_closed_on_main_uses_short_cooldown() {
     let s = Stub::err(stream_closed(
         "RemoteProtocolError: response ended prematurely",
     ));
-    let out = block_on(c.generate_summary(&s, &do_something(), None));
+    let out = block_on(c.generate_summary(&s, &do_something(), None)).summary;
     assert!(out.is_none());
     // The manual clock is frozen: exactly the 30 s short cooldown remains.
     assert_eq!(
@@ -420,17 +442,11 @@ fn compress_exposes_aux_failure_fields_after_successful_fallback() {
         Err(status(400, "400 provider rejected configured model")),
         Ok(SummaryReply::text("summary via main")),
     ]);
-    let out = run(&mut c, &seven(), &s);
-    assert!(!c.last_summary_fallback_used);
-    assert_eq!(
-        c.last_aux_model_failure_model.as_deref(),
-        Some("broken-aux-model")
-    );
-    assert!(c
-        .last_aux_model_failure_error
-        .as_deref()
-        .unwrap()
-        .contains("400"));
+    let res = run_res(&mut c, &seven(), &s);
+    let out = res.messages.clone();
+    assert!(!res.fallback_used);
+    assert_eq!(aux_model(&res.aux_model_failure), Some("broken-aux-model"));
+    assert!(aux_error(&res.aux_model_failure).unwrap().contains("400"));
     assert!(out
         .iter()
         .any(|m| content_str(m).contains("summary via main")));
@@ -447,15 +463,15 @@ fn compress_clears_aux_failure_fields_at_start_of_next_call() {
         Err(status(400, "400 aux model busted")),
         Ok(SummaryReply::text("summary via main")),
     ]);
-    run(&mut c, &seven(), &s);
+    let first = run_res(&mut c, &seven(), &s);
     assert_eq!(
-        c.last_aux_model_failure_model.as_deref(),
+        aux_model(&first.aux_model_failure),
         Some("broken-aux-model")
     );
     c.previous_summary = None;
-    run(&mut c, &seven(), &Stub::ok("summary via main"));
-    assert_eq!(c.last_aux_model_failure_model, None);
-    assert_eq!(c.last_aux_model_failure_error, None);
+    let next = run_res(&mut c, &seven(), &Stub::ok("summary via main"));
+    assert_eq!(aux_model(&next.aux_model_failure), None);
+    assert_eq!(aux_error(&next.aux_model_failure), None);
 }
 
 // -------------------------------------- TestSummaryFailureTrackingForGatewayWarning
@@ -463,11 +479,12 @@ fn compress_clears_aux_failure_fields_at_start_of_next_call() {
 #[test]
 fn compress_records_fallback_and_dropped_count_on_summary_failure() {
     let mut c = compressor(2, 2);
-    let out = run(&mut c, &seven(), &Stub::err(plain("404 model not found")));
-    assert!(c.last_summary_fallback_used);
-    assert!(c.last_summary_dropped_count > 0);
-    assert!(c.last_summary_error.is_some());
-    assert!(!c.last_compress_aborted);
+    let res = run_res(&mut c, &seven(), &Stub::err(plain("404 model not found")));
+    let out = res.messages.clone();
+    assert!(res.fallback_used);
+    assert!(res.dropped_count > 0);
+    assert!(res.summary_failure.is_some());
+    assert!(res.abort_reason().is_none());
     assert!(out
         .iter()
         .any(|m| content_str(m).contains("Summary generation was unavailable")));
@@ -517,11 +534,12 @@ fn abort_compressor() -> compactor::compaction::compressor::Compressor {
 fn compress_aborts_and_preserves_messages_on_summary_failure() {
     let mut c = abort_compressor();
     let msgs = seven();
-    let out = run(&mut c, &msgs, &Stub::err(plain("404 model not found")));
-    assert!(c.last_compress_aborted);
-    assert!(c.last_summary_error.is_some());
-    assert!(!c.last_summary_fallback_used);
-    assert_eq!(c.last_summary_dropped_count, 0);
+    let res = run_res(&mut c, &msgs, &Stub::err(plain("404 model not found")));
+    let out = res.messages.clone();
+    assert!(res.abort_reason().is_some());
+    assert!(res.summary_failure.is_some());
+    assert!(!res.fallback_used);
+    assert_eq!(res.dropped_count, 0);
     assert_eq!(out, msgs);
     assert!(!out
         .iter()
@@ -537,7 +555,7 @@ fn aux_fallback_clears_persisted_session_cooldown_before_retry() {
     c.trigger.restore(persisted);
     assert!(c.trigger.cooldown_remaining().is_some());
     c.summary_model = Some("aux/model".into());
-    c.fallback_to_main_for_compression("provider down");
+    c.fallback_to_main_for_compression();
     assert_eq!(c.summary_model, None);
     assert!(c.trigger.cooldown_remaining().is_none());
     assert!(c.trigger.snapshot().cooldown_until_unix_ms.is_none());
@@ -549,8 +567,8 @@ fn success_clears_persisted_session_cooldown() {
     c.trigger.set_failure_cooldown(999, "timeout");
     let persisted = c.trigger.snapshot();
     c.trigger.restore(persisted);
-    // The reference zeroes the in-memory deadline but keeps the DB row; a
-    // bypassing (provider-proven) call is our equivalent of that state.
+    // A persisted cooldown outlives the restart; a bypassing
+    // (provider-proven) call must still run and then clear it.
     let msgs = seven();
     let s = Stub::ok("summary text");
     let res = block_on(c.compress(
@@ -563,7 +581,7 @@ fn success_clears_persisted_session_cooldown() {
         },
     ));
     assert!(s.calls() >= 1);
-    assert!(!c.last_compress_aborted);
+    assert!(res.abort_reason().is_none());
     assert!(res.messages.len() < msgs.len());
     assert!(c.trigger.snapshot().cooldown_until_unix_ms.is_none());
 }
@@ -778,10 +796,10 @@ fn small_conversation_still_compresses() {
 fn network_failure_cooldown_reentry_still_aborts() {
     let mut c = compressor(2, 2);
     let msgs = alternating(12, "msg ");
-    let first = run_forced(&mut c, &msgs, &Stub::err(connection()));
-    assert_eq!(first, msgs);
-    assert!(c.last_compress_aborted);
-    assert!(c.last_summary_network_failure);
+    let first = run_forced_res(&mut c, &msgs, &Stub::err(connection()));
+    assert_eq!(first.messages, msgs);
+    assert!(first.abort_reason().is_some());
+    assert_eq!(res_failure_kind(&first), Some(SummaryFailureKind::Network));
     let s = Stub::ok("should not be called");
     let res = block_on(c.compress(
         &msgs,
@@ -793,22 +811,22 @@ fn network_failure_cooldown_reentry_still_aborts() {
     ));
     assert_eq!(res.messages, msgs);
     assert_eq!(s.calls(), 0, "the cooldown holds the retry");
-    assert!(c.last_compress_aborted);
-    assert!(!c.last_summary_fallback_used);
+    assert!(res.abort_reason().is_some());
+    assert!(!res.fallback_used);
 }
 
 #[test]
 fn auth_failure_cooldown_reentry_still_aborts() {
     let mut c = compressor(2, 2);
     let msgs = alternating(12, "msg ");
-    let first = run_forced(
+    let first = run_forced_res(
         &mut c,
         &msgs,
         &Stub::err(status(401, "Error code: 401 - invalid api key")),
     );
-    assert_eq!(first, msgs);
-    assert!(c.last_compress_aborted);
-    assert!(c.last_summary_auth_failure);
+    assert_eq!(first.messages, msgs);
+    assert!(first.abort_reason().is_some());
+    assert_eq!(res_failure_kind(&first), Some(SummaryFailureKind::Auth));
     let res = block_on(c.compress(
         &msgs,
         &Stub::ok("x"),
@@ -818,8 +836,8 @@ fn auth_failure_cooldown_reentry_still_aborts() {
         },
     ));
     assert_eq!(res.messages, msgs);
-    assert!(c.last_compress_aborted);
-    assert!(!c.last_summary_fallback_used);
+    assert!(res.abort_reason().is_some());
+    assert!(!res.fallback_used);
 }
 
 // --------------------------------------------------------- TestDoubleCompactionSummaryRole
@@ -899,10 +917,12 @@ fn iterative_update_path_is_bounded() {
     let turns: Vec<Value> = (0..80)
         .map(|i| msg("user", &format!("turn-{i}-{}", "x".repeat(6000))))
         .collect();
-    // The reference's summariser takes the whole bounded prompt in one call;
-    // our stub declares exactly the bound the test asserts as its window.
+    // One call must take the whole bounded prompt: the stub declares exactly
+    // the bound the test asserts as its window.
     let s = Stub::ok("updated summary").with_budget(2 * CAP + 30_000);
-    let summary = block_on(c.generate_summary(&s, &turns, None)).unwrap();
+    let summary = block_on(c.generate_summary(&s, &turns, None))
+        .summary
+        .unwrap();
     assert_eq!(s.calls(), 1);
     let prompt = s.last_request().prompt;
     assert!(summary.starts_with(SUMMARY_PREFIX));
@@ -943,7 +963,7 @@ fn skip_does_not_increment_strike_counter() {
 fn skip_does_not_trip_abort_on_stale_auth_failure() {
     let mut c = fixture();
     c.trigger.ineffective_compression_count = 1;
-    c.last_summary_auth_failure = true;
+    c.terminal_failure = Some(SummaryFailureKind::Auth);
     let s = Stub::ok("LLM summary");
     let res = block_on(c.compress(&pairs(10, "short reply"), &s, CompressOptions::default()));
     assert_eq!(res.outcome, Outcome::Compacted);
@@ -955,7 +975,7 @@ fn skip_does_not_trip_abort_on_stale_auth_failure() {
 fn skip_does_not_trip_abort_on_stale_network_failure() {
     let mut c = fixture();
     c.trigger.ineffective_compression_count = 1;
-    c.last_summary_network_failure = true;
+    c.terminal_failure = Some(SummaryFailureKind::Network);
     let s = Stub::ok("LLM summary");
     let res = block_on(c.compress(&pairs(10, "short reply"), &s, CompressOptions::default()));
     assert_eq!(res.outcome, Outcome::Compacted);
@@ -1010,7 +1030,7 @@ fn skip_fires_on_fat_tail_small_middle() {
     let res = block_on(c.compress(&msgs, &s, CompressOptions::default()));
     assert_eq!(s.calls(), 0);
     assert_eq!(c.trigger.prellm_skip_count, 1);
-    assert!(c.last_feasibility_skip);
+    assert!(res.feasibility_skip);
     assert!(res.messages.len() < msgs.len());
 }
 
@@ -1023,7 +1043,7 @@ fn boundary_accounting_skip_does_not_feed_fallback_streak() {
         let s = Stub::ok("LLM summary");
         let res = block_on(c.compress(&msgs, &s, CompressOptions::default()));
         assert_eq!(s.calls(), 0);
-        assert!(c.last_compression_made_progress);
+        assert!(res.made_progress());
         c.trigger.record_completed_compaction(
             res.fallback_used,
             res.feasibility_skip,
@@ -1052,8 +1072,8 @@ fn real_fallback_still_feeds_streak() {
     c.trigger.ineffective_compression_count = 1;
     let msgs = pairs(10, &"filler ".repeat(3000));
     let res = block_on(c.compress(&msgs, &Stub::err(plain("boom")), CompressOptions::default()));
-    assert!(!c.last_feasibility_skip);
-    assert!(c.last_summary_fallback_used);
+    assert!(!res.feasibility_skip);
+    assert!(res.fallback_used);
     c.trigger.record_completed_compaction(
         res.fallback_used,
         res.feasibility_skip,

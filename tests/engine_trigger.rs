@@ -1,10 +1,13 @@
-//! Ports of the reference trigger/calibration tests
-//! (`spec/test_context_compressor.py`) plus compactor's own tests of the
+//! Ported trigger/calibration tests (tests/REFERENCE_PARITY.md maps them)
+//! plus compactor's own tests of the
 //! budget math at small windows, cooldowns and breakers.
 //!
-//! Python fixtures patch `get_model_context_length`; here the window is a
-//! [`WindowSource`]. Python attributes set directly map to the `Trigger`'s
-//! public fields or its `set_*` pins.
+//! The window a fixture would patch in is a [`WindowSource`]; attributes a
+//! test sets directly map to the `Trigger`'s public fields or its `set_*`
+//! pins.
+
+// Test helpers panic on bad fixtures: that is a failed test, as in a #[test].
+#![allow(clippy::unwrap_used, clippy::expect_used)]
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
@@ -27,7 +30,7 @@ fn cfg_with(f: impl FnOnce(&mut CompactionConfig)) -> Arc<CompactionConfig> {
     Arc::new(c)
 }
 
-/// Reference `compressor` fixture: model "test/model", threshold 0.85,
+/// The ported `compressor` fixture: model "test/model", threshold 0.85,
 /// protect 2/2, window 100,000, resolved.
 fn compressor() -> Trigger {
     let cfg = cfg_with(|c| {
@@ -54,6 +57,7 @@ fn usage(p: u64, c: u64, t: u64) -> Usage {
         prompt_tokens: Some(p),
         completion_tokens: Some(c),
         total_tokens: Some(t),
+        ..Default::default()
     }
 }
 
@@ -119,7 +123,7 @@ fn does_not_defer_when_rough_growth_is_large() {
 
 #[test]
 fn defers_immediately_after_compaction_with_stale_real_prompt() {
-    // #36718: the stale pre-compaction real value is over the threshold; the
+    // The stale pre-compaction real value is over the threshold; the
     // awaiting flag must still force deferral.
     let mut c = compressor();
     c.set_threshold_tokens(85_000);
@@ -132,7 +136,7 @@ fn defers_immediately_after_compaction_with_stale_real_prompt() {
 
 #[test]
 fn threshold_below_window_at_minimum_ctx() {
-    // #14690: at the 64k minimum the floored trigger used to equal the window.
+    // At the 64k minimum the floored trigger used to equal the window.
     let t = compute_threshold_tokens(MINIMUM_CONTEXT_LENGTH, None, 0.50, None);
     assert!(t < MINIMUM_CONTEXT_LENGTH);
     assert_eq!(t, 54_400);
@@ -140,8 +144,8 @@ fn threshold_below_window_at_minimum_ctx() {
 
 #[test]
 fn max_tokens_coercion_treats_non_int_as_no_reservation() {
-    // Python coerces a MagicMock; the proxy's equivalent is whatever JSON a
-    // client puts in `max_tokens`.
+    // Whatever JSON a client puts in `max_tokens` must coerce to a
+    // reservation or to none, never to garbage.
     assert_eq!(coerce_max_tokens(None), None);
     assert_eq!(coerce_max_tokens(Some(&json!(null))), None);
     assert_eq!(coerce_max_tokens(Some(&json!(0))), None);
@@ -228,7 +232,7 @@ fn real_usage_state_cleared() {
 
 #[test]
 fn defer_no_longer_suppresses_after_switch() {
-    // #23767: the old model's "it fit" must not defer preflight on a smaller model.
+    // The old model's "it fit" must not defer preflight on a smaller model.
     let mut c = big_model();
     c.last_real_prompt_tokens = 50_000;
     c.last_rough_tokens_when_real_prompt_fit = 90_000;
@@ -257,7 +261,7 @@ fn no_cap_uses_ratio_only() {
 
 #[test]
 fn invalid_cap_treated_as_none() {
-    // Python passes the cap to the constructor; here it arrives from TOML.
+    // The cap arrives from TOML.
     for src in [
         "threshold_percent = 0.5\nthreshold_tokens = 0",
         "threshold_percent = 0.5\nthreshold_tokens = -100",
@@ -509,9 +513,9 @@ fn skip_count_resets_on_bind_session_state() {
     assert_eq!(c.prellm_skip_count, 0);
 }
 
-// ================================================================ beyond the reference
+// ================================================================ not ported: our own
 
-/// Windows of 64k and more: exactly the reference's numbers.
+/// Windows of 64k and more: exactly the classic fixed numbers.
 #[test]
 fn reference_numbers_hold_at_64k_and_above() {
     struct Case {
@@ -603,7 +607,7 @@ fn reference_numbers_hold_at_64k_and_above() {
         assert_eq!(b.threshold_tokens, case.threshold, "{}", case.name);
         assert_eq!(b.tail_token_budget, case.tail, "{}", case.name);
         assert_eq!(b.max_summary_tokens, case.max_summary, "{}", case.name);
-        // The reference 2,000-token summary floor applies unchanged.
+        // The 2,000-token summary floor applies unchanged.
         assert_eq!(b.summary_budget(0), 2_000, "{}", case.name);
     }
 }
@@ -640,13 +644,13 @@ fn small_windows_fit_with_room_for_reply() {
 
 #[test]
 fn small_window_summary_floor_is_clamped() {
-    // The reference's 2,000 floor would exceed a 2k window's trigger.
+    // The fixed 2,000 floor would exceed a 2k window's trigger.
     let b = Budgets::compute(&CompactionConfig::default(), "m", 2_048, None);
     assert_eq!(b.threshold_tokens, 1_740);
     assert_eq!(b.max_summary_tokens, 102);
     assert_eq!(b.summary_budget(0), 204);
     assert_eq!(b.tail_token_budget, 348);
-    // At 32k the floor is the reference's again.
+    // At 32k the fixed floor applies again.
     let b = Budgets::compute(&CompactionConfig::default(), "m", 32_768, None);
     assert_eq!(b.summary_budget(0), 2_000);
 }
@@ -1106,7 +1110,8 @@ fn from_table_errors_name_the_key() {
     for (src, key) in [
         ("threshold_percent = \"x\"", "threshold_percent"),
         ("bogus = 1", "bogus"),
-        // Reference knobs the proxy has no use for are refused, not ignored.
+        // Knobs the proxy has no use for are refused, not ignored: a typo'd
+        // or foreign setting must not pass silently.
         ("max_attempts = 3", "max_attempts"),
         (
             "summary_idle_timeout_secs = 60",
@@ -1318,7 +1323,7 @@ fn summary_cap_clamped_only_when_trigger_is_small() {
     // The same through the Trigger.
     let mut t = trig(cfg, "m", 1_000_000);
     assert_eq!(t.max_summary_tokens(), 5_000);
-    // Reference numbers otherwise.
+    // The classic numbers otherwise.
     let b = Budgets::compute(&CompactionConfig::default(), "m", 1_000_000, None);
     assert_eq!(b.max_summary_tokens, 10_000);
 }

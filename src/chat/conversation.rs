@@ -143,14 +143,14 @@ impl Conversation {
             let scale = self.engine_scale();
             if let Some(comp) = self.compressor.as_mut() {
                 let prompt = usage.prompt_tokens.map(|p| scale.to_rough(p));
-                comp.trigger
-                    .update_from_response(&crate::compaction::trigger::Usage {
-                        prompt_tokens: prompt,
-                        completion_tokens: usage.completion_tokens,
-                        total_tokens: prompt
-                            .map(|p| p + usage.completion_tokens.unwrap_or(0))
-                            .or(usage.total_tokens),
-                    });
+                comp.trigger.update_from_response(&crate::usage::Usage {
+                    prompt_tokens: prompt,
+                    completion_tokens: usage.completion_tokens,
+                    total_tokens: prompt
+                        .map(|p| p + usage.completion_tokens.unwrap_or(0))
+                        .or(usage.total_tokens),
+                    cached_tokens: usage.cached_tokens,
+                });
             }
         }
     }

@@ -466,7 +466,9 @@ fn book_pass(
             Booked::Compacted(new_outgoing)
         }
         // A micro pass with nothing to absorb is no event.
-        Outcome::Rejected if p.micro_pass && p.summariser_calls == 0 => Booked::Nothing,
+        Outcome::Rejected | Outcome::NoOp(_) if p.micro_pass && p.summariser_calls == 0 => {
+            Booked::Nothing
+        }
         other => {
             let aborted = matches!(other, Outcome::Aborted(_));
             if aborted {
@@ -567,28 +569,10 @@ async fn run_engine(
     force: bool,
     current_tokens: u64,
 ) -> CompactionDone {
-    if micro_pass {
-        let micro = comp.micro_compact(values, summariser).await;
-        let before = crate::compaction::tokens::estimate_messages_tokens_rough(values);
-        let after = crate::compaction::tokens::estimate_messages_tokens_rough(&micro.messages);
-        let committed = micro.messages != values;
-        return CompactionDone {
-            kept_suffix: crate::compaction::compressor::common_suffix(values, &micro.messages),
-            messages: micro.messages,
-            outcome: if committed {
-                Outcome::Compacted
-            } else {
-                Outcome::Rejected
-            },
-            fallback_used: false,
-            feasibility_skip: false,
-            tokens_before: before,
-            tokens_after: after,
-            label: micro.outcome.as_str(),
-        };
-    }
-    let r = comp
-        .compress(
+    let r = if micro_pass {
+        comp.micro_compact(values, summariser).await
+    } else {
+        comp.compress(
             values,
             summariser,
             CompressOptions {
@@ -598,9 +582,10 @@ async fn run_engine(
                 ..CompressOptions::default()
             },
         )
-        .await;
+        .await
+    };
     CompactionDone {
-        label: outcome_label(r.outcome),
+        label: r.label(),
         messages: r.messages,
         outcome: r.outcome,
         fallback_used: r.fallback_used,
@@ -621,15 +606,6 @@ struct CompactionDone {
     tokens_after: u64,
     kept_suffix: usize,
     label: &'static str,
-}
-
-fn outcome_label(o: Outcome) -> &'static str {
-    match o {
-        Outcome::Compacted => "compacted",
-        Outcome::Aborted(_) => "aborted",
-        Outcome::NoOp(_) => "noop",
-        Outcome::Rejected => "rejected",
-    }
 }
 
 /// Stores the record of a committed compaction and returns what to send.

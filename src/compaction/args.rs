@@ -1,8 +1,8 @@
-//! JSON-aware shrinking of large tool-call arguments (reference §3.3.2).
+//! JSON-aware shrinking of large tool-call arguments.
 //!
 //! Slicing the raw argument string produced invalid JSON, and strict
-//! providers then rejected every later turn with a non-retryable 400
-//! (#11762). Here the arguments are parsed, long string leaves are shortened,
+//! providers then rejected every later turn with a non-retryable 400.
+//! Here the arguments are parsed, long string leaves are shortened,
 //! and the result is re-serialised with the original key order, so the output
 //! is valid JSON whenever the input was.
 
@@ -18,8 +18,8 @@ pub const DEFAULT_MAX_LEAF_CHARS: usize = 200;
 pub const ARGS_SHRINK_MIN_CHARS: usize = 500;
 
 /// Suffix every shortened leaf ends with. The head of the marker is loud and
-/// clearly not prose: models imitated a bare "...[truncated]" in new tool
-/// calls and wrote it to disk (#83714). The tail keeps the reference's
+/// clearly not prose: models imitated a bare `...[truncated]` in new tool
+/// calls and wrote it to disk. The tail keeps the common
 /// `...[truncated]` ending that downstream checks recognise.
 pub const TRUNCATION_TAG: &str = "...[truncated]";
 

@@ -1,5 +1,5 @@
-//! Assembly of the compacted conversation (reference §3.11, §3.13 step 2,
-//! §3.15 user-turn guarantee): head + summary + tail, with the summary's role
+//! Assembly of the compacted conversation, with its user-turn guarantee:
+//! head + summary + tail, with the summary's role
 //! chosen so that no two user or two assistant rows end up side by side, and
 //! merged into the first tail row when neither role fits.
 
@@ -78,8 +78,8 @@ impl Neighbours {
 }
 
 /// True when the summary must be a user message: it would be the first
-/// visible message (Anthropic/Bedrock move the system prompt out, #52160), or
-/// no user text survives in head and tail ("No user query found", #58753).
+/// visible message (Anthropic/Bedrock move the system prompt out), or
+/// no user text survives in head and tail ("No user query found").
 pub fn must_force_user(head: &[Value], tail: &[Value]) -> bool {
     let only_system_head = head
         .last()
@@ -219,7 +219,7 @@ fn live_user_after(messages: &[Value], summary_index: usize) -> bool {
 }
 
 /// Re-appends the newest real user ask when it went into the head or the
-/// summary and is still unfinished (#100818): without it, the summary prefix
+/// summary and is still unfinished: without it, the summary prefix
 /// tells the model to act only on user messages after it, and there are none.
 /// Returns true when something was added.
 pub fn reappend_inflight_task(
@@ -279,7 +279,7 @@ fn append_user_text(messages: &mut Vec<Value>, text: &str) {
     messages.push(json!({"role": "user", "content": text}));
 }
 
-/// The caller's guarantee (§3.15): some real user row survives. The newest one
+/// The caller's guarantee: some real user row survives. The newest one
 /// from the original is re-inserted when none does; a fixed marker is used
 /// when the conversation never had one. Returns true when something was added.
 pub fn ensure_user_turn(messages: &mut Vec<Value>, original: &[Value]) -> bool {

@@ -1,7 +1,7 @@
-//! Pure threshold and budget math (reference notes §1.1–§1.3).
+//! Pure threshold and budget math.
 //!
-//! Owner: trigger helper. For windows of 64k and more every number equals the
-//! reference's. Below that the reference's fixed floors (64,000-token trigger,
+//! For windows of 64k and more the numbers are the classic fixed ones.
+//! Below that the fixed floors (64,000-token trigger,
 //! 2,000-token summary floor) would not fit, so each floor is clamped by a
 //! fraction of the real window: small windows (2k–32k, usual for llama.cpp)
 //! get a trigger below the usable window and a tail + summary that fit under
@@ -11,7 +11,7 @@ use serde_json::Value;
 
 use super::config::{sanitize_percent, CompactionConfig};
 
-/// Reference `MINIMUM_CONTEXT_LENGTH`: the absolute floor of the trigger.
+/// The absolute floor of the trigger on windows that can afford it.
 pub const MINIMUM_CONTEXT_LENGTH: u64 = 64_000;
 /// Trigger ratio used when the 64k floor would exceed the usable window.
 pub const MIN_WINDOW_TRIGGER_RATIO: f64 = 0.85;
@@ -19,7 +19,8 @@ pub const MIN_WINDOW_TRIGGER_RATIO: f64 = 0.85;
 pub const SMALL_CONTEXT_WINDOW: u64 = 512_000;
 /// Raise-only percent floor for windows below [`SMALL_CONTEXT_WINDOW`].
 pub const SMALL_CONTEXT_PERCENT_FLOOR: f64 = 0.75;
-/// Reference per-compaction summary budget floor.
+/// Per-compaction summary budget floor: below it a summary loses the
+/// structure that makes it worth having.
 pub const SUMMARY_BUDGET_FLOOR: u64 = 2_000;
 /// Fraction of the middle the summary budget aims for.
 pub const SUMMARY_MIDDLE_RATIO: f64 = 0.20;
@@ -37,11 +38,14 @@ pub const LEAN_TAIL_WINDOW_RATIO: f64 = 0.025;
 pub const LEAN_TAIL_FLOOR: u64 = 10_000;
 /// Lean tail mode: ceiling.
 pub const LEAN_TAIL_CEILING: u64 = 25_000;
-/// Window assumed when nothing else is known (reference fallback).
-pub const DEFAULT_CONTEXT_LENGTH: u64 = 256_000;
+/// Window assumed when nothing else is known: the binary's documented
+/// `default_context_length`, llama.cpp's common small window. Guessing
+/// small costs an early compaction; guessing large costs an overflow round
+/// trip on every request until the real window is learned.
+pub const DEFAULT_CONTEXT_LENGTH: u64 = 8_192;
 
 fn floor_mul(n: u64, f: f64) -> u64 {
-    // Same rounding as the reference's `int(n * f)` for non-negative inputs.
+    // Truncation toward zero, so budgets never round up past a cap.
     let v = (n as f64 * f).floor();
     if v <= 0.0 {
         0
@@ -50,12 +54,12 @@ fn floor_mul(n: u64, f: f64) -> u64 {
     }
 }
 
-/// Trigger in tokens (reference `_compute_threshold_tokens`, v-B, §1.1).
+/// Trigger in tokens.
 ///
 /// The usable input is `window − max_tokens` (the whole window when the
 /// reservation leaves nothing). The ratio trigger is floored at 64,000 tokens,
-/// but never above 85% of the usable window, and never equal to it
-/// (#14690). `cap` (the absolute `threshold_tokens`) then applies, itself
+/// but never above 85% of the usable window, and never equal to it.
+/// `cap` (the absolute `threshold_tokens`) then applies, itself
 /// bounded by the window. The result is at least 1.
 pub fn compute_threshold_tokens(
     window: u64,
@@ -123,8 +127,7 @@ pub fn apply_small_window_floor(percent: f64, window: u64) -> f64 {
     }
 }
 
-/// Tail token budget: `floor(threshold × ratio)` (reference v-A / v-B legacy
-/// mode, the mode the reference tests pin), reduced to at most 20% of the
+/// Tail token budget: `floor(threshold × ratio)`, reduced to at most 20% of the
 /// window, at least 1. `ratio` is clamped to [0.10, 0.80].
 pub fn tail_token_budget(threshold: u64, window: u64, ratio: f64) -> u64 {
     let ratio = super::config::clamp_ratio(ratio);
@@ -133,8 +136,7 @@ pub fn tail_token_budget(threshold: u64, window: u64, ratio: f64) -> u64 {
         .max(1)
 }
 
-/// Lean-mode tail budget (reference v-B default, not used by the engine's
-/// default path): `clamp(2.5% of window, 10,000, 25,000)`, reduced to 20% of
+/// Lean-mode tail budget (not used by the engine's default path): `clamp(2.5% of window, 10,000, 25,000)`, reduced to 20% of
 /// the window. The 10,000 floor is itself clamped to 10% of the window so a
 /// small window keeps room for head, summary and reply.
 pub fn lean_tail_token_budget(window: u64) -> u64 {
@@ -152,7 +154,7 @@ pub fn max_summary_tokens(window: u64) -> u64 {
 
 /// [`max_summary_tokens`] further limited to a quarter of the trigger.
 ///
-/// The reference sizes the summary from the window alone; when a large
+/// Sizing the summary from the window alone is not enough: when a large
 /// output reservation or a low absolute cap makes the trigger small, a
 /// window-sized summary could approach the trigger itself and re-fire
 /// compaction at once. The clamp only binds when the trigger is below
@@ -164,10 +166,10 @@ pub fn max_summary_tokens_for(window: u64, threshold: u64) -> u64 {
 
 /// Summary target for one compaction: `max(floor, min(20% of middle, max_summary))`.
 ///
-/// The reference floor is 2,000 tokens, which wins even over a lower cap. For
+/// The floor is 2,000 tokens, which wins even over a lower cap. For
 /// small windows that floor alone could exceed the trigger, so it is clamped
 /// to `2 × max_summary` (10% of the window whenever `max_summary` comes from
-/// [`max_summary_tokens`]); from 20k windows up this is exactly the reference.
+/// [`max_summary_tokens`]); from 20k windows up the floor applies unchanged.
 pub fn summary_budget(middle_tokens: u64, max_summary: u64) -> u64 {
     let floor = SUMMARY_BUDGET_FLOOR
         .min(max_summary.saturating_mul(2))
@@ -182,11 +184,11 @@ pub fn soft_tail_ceiling(budget: u64, window: u64) -> u64 {
     soft.max(budget)
 }
 
-/// Reference `_coerce_max_tokens` for the request's `max_tokens` /
+/// The request's `max_tokens` /
 /// `max_completion_tokens`: a positive integer is an output reservation;
 /// anything else (absent, null, zero, negative, fractional, non-numeric)
 /// means none, so the threshold math never sees garbage. Numeric strings
-/// are accepted as the reference's `int()` does.
+/// are accepted: some clients send them.
 pub fn coerce_max_tokens(v: Option<&Value>) -> Option<u64> {
     match v? {
         Value::Number(n) => {
@@ -219,7 +221,7 @@ pub struct Budgets {
 
 impl Budgets {
     /// Derive every budget from the raw config (per-model override, small
-    /// window floor, trigger math, cap), as the reference's `update_model` does.
+    /// window floor, trigger math, cap), whenever the model or window changes.
     pub fn compute(
         cfg: &CompactionConfig,
         model: &str,
@@ -291,7 +293,7 @@ mod tests {
 
     #[test]
     fn summary_budget_reference_floor_above_40k() {
-        // 32k window: max_summary 1,600 but the 2,000 floor still wins (reference).
+        // 32k window: max_summary 1,600 but the 2,000 floor still wins.
         assert_eq!(summary_budget(1_000, max_summary_tokens(32_000)), 2_000);
         assert_eq!(summary_budget(100_000, max_summary_tokens(200_000)), 10_000);
         assert_eq!(summary_budget(30_000, max_summary_tokens(200_000)), 6_000);

@@ -1,19 +1,23 @@
-//! The compress pipeline (reference §3): head protection, tool-output
-//! pruning, tail cut, handoff rehydration, summary generation with failure
-//! handling, assembly, sanitising and the final size check.
+//! The compress pipeline: head protection, tool-output pruning, tail cut,
+//! handoff rehydration, summary generation with failure handling, assembly,
+//! sanitising and the final size check.
 //!
 //! A compaction either commits (a strictly smaller conversation) or leaves
 //! the input exactly as it was: aborted, no-op and rejected results return the
-//! input messages unchanged.
+//! input messages unchanged. The phases only decide; the compressor's own
+//! state (running summary, cooldowns, counters, the standing failure) is
+//! changed once, at the end, according to the outcome, so no early return
+//! needs a rollback.
 
 use std::sync::Arc;
 
 use serde_json::Value;
 
-use super::assemble::{self, Placement};
+use super::assemble;
 use super::config::CompactionConfig;
 use super::fallback::{build_fallback_body_capped, build_fallback_summary};
 use super::markers::{self, Handoff};
+use super::micro::{MicroPass, MicroState};
 use super::prune::{self, PruneParams};
 use super::redact::redact_secrets;
 use super::sanitize::sanitize_tool_pairs;
@@ -92,6 +96,20 @@ pub enum NoOpReason {
     NoCompressibleWindow,
     /// The window held only earlier summaries.
     EmptyPostHandoffWindow,
+    /// A micro pass found no complete exchange to absorb.
+    NothingToAbsorb,
+}
+
+impl NoOpReason {
+    /// Telemetry name.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::InsufficientMessages => "insufficient_messages",
+            Self::NoCompressibleWindow => "no_compressible_window",
+            Self::EmptyPostHandoffWindow => "empty_post_handoff_window",
+            Self::NothingToAbsorb => "nothing_to_absorb",
+        }
+    }
 }
 
 /// Result class of a `compress` call.
@@ -124,13 +142,13 @@ pub struct CompressTelemetry {
     pub summary_calls: u32,
     /// Chunks the middle was summarised in (1 = a single prompt).
     pub chunk_count: usize,
-    /// Reference failure class name, when the attempt did not go cleanly.
+    /// Failure class name, when the attempt did not go cleanly.
     pub failure_class: Option<&'static str>,
     /// The caller's token figure, if given.
     pub current_tokens: Option<u64>,
 }
 
-/// What `compress` produced.
+/// What `compress` (or a micro pass) produced.
 #[derive(Clone, Debug, PartialEq)]
 pub struct CompressResult {
     /// The conversation to send (the input itself unless `Compacted`).
@@ -152,8 +170,173 @@ pub struct CompressResult {
     /// How many trailing input rows `messages` ends with unchanged: the
     /// output is `replacement + input[input.len() - kept_suffix..]`.
     pub kept_suffix: usize,
+    /// This call's failed summary attempt, if it made one that failed.
+    pub summary_failure: Option<SummaryFailure>,
+    /// A distinct summary model failed in this call and the main model
+    /// took over (the caller may want to warn about the configuration).
+    pub aux_model_failure: Option<AuxModelFailure>,
+    /// What a micro pass did (`None` for a batch compaction).
+    pub micro: Option<MicroPass>,
     /// Content-free accounting.
     pub telemetry: CompressTelemetry,
+}
+
+impl CompressResult {
+    /// Why the call was abandoned, if it was.
+    pub fn abort_reason(&self) -> Option<AbortReason> {
+        match self.outcome {
+            Outcome::Aborted(r) => Some(r),
+            _ => None,
+        }
+    }
+
+    /// Whether a smaller conversation was committed.
+    pub fn made_progress(&self) -> bool {
+        self.outcome == Outcome::Compacted
+    }
+
+    /// Short name of what happened, for metrics and log lines.
+    pub fn label(&self) -> &'static str {
+        if let Some(m) = &self.micro {
+            return m.outcome.as_str();
+        }
+        match self.outcome {
+            Outcome::Compacted => "compacted",
+            Outcome::Aborted(_) => "aborted",
+            Outcome::NoOp(_) => "noop",
+            Outcome::Rejected => "rejected",
+        }
+    }
+}
+
+/// How a summary attempt failed. Declared worst first: when several
+/// failures pile up before a success, the first in this order decides
+/// whether a later call aborts.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub enum SummaryFailureKind {
+    /// Access or quota failure: the credential is broken.
+    Auth,
+    /// The provider could not be reached or closed the stream.
+    Network,
+    /// The summary was cut off.
+    Truncated,
+    /// The summary came back empty.
+    Empty,
+    /// The provider is overloaded.
+    Overloaded,
+    /// Anything else (timeouts, refusals, unknown models…).
+    Other,
+}
+
+impl SummaryFailureKind {
+    /// Whether this failure outlives its call (see
+    /// [`Compressor::terminal_failure`]).
+    pub fn is_terminal(self) -> bool {
+        self != Self::Other
+    }
+
+    /// Telemetry class name.
+    pub fn class_name(self) -> &'static str {
+        match self {
+            Self::Auth => "summary_auth_failure",
+            Self::Network => "summary_network_failure",
+            Self::Truncated => "summary_truncated_failure",
+            Self::Empty => "summary_empty_content_failure",
+            Self::Overloaded => "summary_overload_failure",
+            Self::Other => "summary_generation_failed",
+        }
+    }
+
+    /// The abort a standing failure of this kind forces. Auth/quota and
+    /// network failures always abort: a fallback summary would throw the
+    /// context away for a problem a retry cannot fix. Degraded summaries
+    /// (truncated, empty, overloaded) abort only when configured to;
+    /// otherwise the deterministic fallback takes over.
+    pub fn abort_reason(self, abort_on_degraded: bool) -> Option<AbortReason> {
+        match self {
+            Self::Auth => Some(AbortReason::AuthFailure),
+            Self::Network => Some(AbortReason::NetworkFailure),
+            Self::Other => None,
+            _ if !abort_on_degraded => None,
+            Self::Truncated => Some(AbortReason::TruncatedSummary),
+            Self::Empty => Some(AbortReason::EmptySummary),
+            Self::Overloaded => Some(AbortReason::Overloaded),
+        }
+    }
+}
+
+/// The worse of two standing failures.
+fn worst(
+    a: Option<SummaryFailureKind>,
+    b: Option<SummaryFailureKind>,
+) -> Option<SummaryFailureKind> {
+    match (a, b) {
+        (Some(x), Some(y)) => Some(x.min(y)),
+        (x, None) => x,
+        (None, y) => y,
+    }
+}
+
+/// A failed summary attempt.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct SummaryFailure {
+    /// What kind of failure.
+    pub kind: SummaryFailureKind,
+    /// Cooldown class.
+    pub class: FailureClass,
+    /// Error text (≤ 220 chars).
+    pub error: String,
+}
+
+impl SummaryFailure {
+    fn new(kind: SummaryFailureKind, class: FailureClass, error: &str) -> Self {
+        Self {
+            kind,
+            class,
+            error: truncate_error_text(error),
+        }
+    }
+
+    fn from_error(e: &SummaryError) -> Self {
+        let info = classify_error(e);
+        Self::new(info.kind, info.class, &e.to_string())
+    }
+
+    fn invalid(inv: &SummaryInvalid) -> Self {
+        let (kind, class) = match inv {
+            SummaryInvalid::Empty => (SummaryFailureKind::Empty, FailureClass::EmptyContent),
+            SummaryInvalid::Truncated => (SummaryFailureKind::Truncated, FailureClass::Truncated),
+            SummaryInvalid::Refusal => (SummaryFailureKind::Other, FailureClass::Other),
+        };
+        Self::new(kind, class, &inv.to_string())
+    }
+}
+
+/// A distinct summary model that failed before the main model took over.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct AuxModelFailure {
+    /// The summary model that failed.
+    pub model: String,
+    /// Its error text (≤ 220 chars).
+    pub error: String,
+}
+
+/// One summary generation: the summary, or how it failed, and what it cost.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct SummaryAttempt {
+    /// The summary to place (prefix and body), when it succeeded.
+    pub summary: Option<String>,
+    /// Its body alone: the next running summary.
+    pub body: Option<String>,
+    /// The failure, when it failed. Neither this nor `summary` is set when
+    /// a live cooldown held the call.
+    pub failure: Option<SummaryFailure>,
+    /// A distinct summary model failed and the main model was tried.
+    pub aux_model_failure: Option<AuxModelFailure>,
+    /// Summary calls made (including a retry on the main model).
+    pub calls: u32,
+    /// Chunks the input was summarised in.
+    pub chunks: usize,
 }
 
 /// A summary failure after classification.
@@ -161,12 +344,8 @@ pub struct CompressResult {
 pub struct FailureInfo {
     /// Cooldown class.
     pub class: FailureClass,
-    /// Access or quota failure (abort).
-    pub auth: bool,
-    /// Network or stream failure (abort).
-    pub network: bool,
-    /// Overloaded provider (abort).
-    pub overload: bool,
+    /// What it means for the compaction (abort or fall back).
+    pub kind: SummaryFailureKind,
 }
 
 fn lower_contains_any(hay: &str, needles: &[&str]) -> bool {
@@ -179,7 +358,7 @@ fn is_instructions(m: &Value) -> bool {
     view::is_role(m, "system") || view::is_role(m, "developer")
 }
 
-/// Access/quota test of reference §3.14: a rate limit is transient; auth
+/// Access/quota test: a rate limit is transient; auth
 /// failures, missing keys, 401/402/403 and permanent quota markers are not.
 pub fn is_access_or_quota_error(status: Option<u16>, message: &str) -> bool {
     let m = message.to_lowercase();
@@ -235,21 +414,19 @@ pub fn is_access_or_quota_error(status: Option<u16>, message: &str) -> bool {
     permanent_quota
 }
 
-/// Classifies a failed summary call (reference §3.9).
+/// Classifies a failed summary call.
 pub fn classify_error(e: &SummaryError) -> FailureInfo {
     let m = e.message.to_lowercase();
     let mut info = FailureInfo {
         class: FailureClass::Other,
-        auth: false,
-        network: false,
-        overload: false,
+        kind: SummaryFailureKind::Other,
     };
     if e.kind == SummaryErrorKind::NoProvider {
         info.class = FailureClass::NoProvider;
         return info;
     }
     if is_access_or_quota_error(e.status, &e.message) {
-        info.auth = true;
+        info.kind = SummaryFailureKind::Auth;
         info.class = FailureClass::Auth;
         return info;
     }
@@ -265,7 +442,7 @@ pub fn classify_error(e: &SummaryError) -> FailureInfo {
             ],
         );
     if e.kind == SummaryErrorKind::Network || stream_closed {
-        info.network = true;
+        info.kind = SummaryFailureKind::Network;
         info.class = FailureClass::StreamClosed;
     } else if e.kind == SummaryErrorKind::Timeout
         || matches!(e.status, Some(408 | 429 | 502 | 504))
@@ -278,7 +455,7 @@ pub fn classify_error(e: &SummaryError) -> FailureInfo {
     } else if lower_contains_any(&m, &["overloaded", "at capacity", "over capacity"])
         || e.status == Some(529)
     {
-        info.overload = true;
+        info.kind = SummaryFailureKind::Overloaded;
         info.class = FailureClass::Overloaded;
     } else if matches!(e.status, Some(404 | 503))
         || lower_contains_any(
@@ -294,24 +471,6 @@ pub fn classify_error(e: &SummaryError) -> FailureInfo {
         info.class = FailureClass::ModelNotFound;
     }
     info
-}
-
-fn failure_class_name(f: &FailureInfo, invalid: Option<&SummaryInvalid>) -> &'static str {
-    match invalid {
-        Some(SummaryInvalid::Empty) => return "summary_empty_content_failure",
-        Some(SummaryInvalid::Truncated) => return "summary_truncated_failure",
-        Some(SummaryInvalid::Refusal) => return "summary_generation_failed",
-        None => {}
-    }
-    if f.auth {
-        "summary_auth_failure"
-    } else if f.network {
-        "summary_network_failure"
-    } else if f.overload {
-        "summary_overload_failure"
-    } else {
-        "summary_generation_failed"
-    }
 }
 
 /// Text of a reply's content (string or list of text parts).
@@ -337,41 +496,126 @@ pub struct Compressor {
     pub summary_model: Option<String>,
     /// A distinct summary model failed and the main model took over.
     pub summary_model_fallen_back: bool,
-    /// Error text of the last failed summary attempt (≤ 220 chars).
-    pub last_summary_error: Option<String>,
-    /// Terminal flag: access/quota failure. Survives until a summary succeeds.
-    pub last_summary_auth_failure: bool,
-    /// Terminal flag: network failure. Survives until a summary succeeds.
-    pub last_summary_network_failure: bool,
-    /// Terminal flag: truncated summary.
-    pub last_summary_truncated_failure: bool,
-    /// Terminal flag: empty summary.
-    pub last_summary_empty_failure: bool,
-    /// Terminal flag: overloaded provider.
-    pub last_summary_overload_failure: bool,
-    /// The distinct summary model that failed in this call, if any.
-    pub last_aux_model_failure_model: Option<String>,
-    /// Its error text (≤ 220 chars).
-    pub last_aux_model_failure_error: Option<String>,
-    /// The last call aborted (input returned unchanged).
-    pub last_compress_aborted: bool,
-    /// The last call used the deterministic fallback.
-    pub last_summary_fallback_used: bool,
-    /// Rows the last call summarised.
-    pub last_summary_dropped_count: usize,
-    /// The last call took the feasibility skip.
-    pub last_feasibility_skip: bool,
-    /// The last call committed a smaller conversation.
-    pub last_compression_made_progress: bool,
+    /// The worst terminal summary failure since the last successful summary.
+    /// It outlives the call that saw it: a later call that returns early on
+    /// the cooldown must still abort rather than fall through to a fallback
+    /// summary that would drop context.
+    pub terminal_failure: Option<SummaryFailureKind>,
     /// Micro-compaction state.
-    pub micro: super::micro::MicroState,
+    pub micro: MicroState,
 }
 
-struct SummaryOutcome {
-    summary: Option<String>,
-    calls: u32,
-    chunks: usize,
-    failure: Option<&'static str>,
+/// The running summary a compaction works from and keeps if it commits.
+#[derive(Clone, Debug)]
+struct SummaryState {
+    previous: Option<String>,
+    has_user_turn: bool,
+}
+
+/// The rows one compaction works on, decided before any summary call.
+struct Cut {
+    /// The input after pruning and blank-echo removal.
+    working: Vec<Value>,
+    /// First summarised row.
+    start: usize,
+    /// First row kept after the summary.
+    end: usize,
+    /// The ask of an oversized active turn, carried verbatim after the
+    /// summary while the rounds before `end` are summarised.
+    split_ask: Option<usize>,
+}
+
+impl Cut {
+    /// The rows to summarise, earlier summaries unwrapped to their bodies
+    /// (those are in the running summary already).
+    fn middle(&self) -> Vec<Value> {
+        (self.start..self.end)
+            .filter(|&i| Some(i) != self.split_ask)
+            .filter_map(|i| markers::strip_handoff(&self.working[i]))
+            .collect()
+    }
+}
+
+/// What one compress call has decided so far. Nothing of it touches the
+/// compressor until [`Compressor::finish`] applies it, so every early
+/// return leaves the state exactly as the outcome says.
+struct Pass {
+    force: bool,
+    tokens_before: u64,
+    tel: CompressTelemetry,
+    attempt: Option<SummaryAttempt>,
+    feasibility_skip: bool,
+    fallback_used: bool,
+    /// The running summary to keep: set when the call commits, and when the
+    /// window turned out to hold only earlier summaries (what the handoff
+    /// scan adopted from the wire stands then).
+    keep_state: Option<SummaryState>,
+}
+
+/// How a compress call ends.
+enum Ending {
+    Unchanged(Outcome),
+    Compacted {
+        messages: Vec<Value>,
+        summary_index: Option<usize>,
+        tokens_after: u64,
+        dropped_count: usize,
+    },
+}
+
+impl Pass {
+    fn into_result(self, messages: &[Value], ending: Ending) -> CompressResult {
+        let (summary_failure, aux_model_failure) = self
+            .attempt
+            .map_or((None, None), |a| (a.failure, a.aux_model_failure));
+        let mut tel = self.tel;
+        match ending {
+            Ending::Compacted {
+                messages: out,
+                summary_index,
+                tokens_after,
+                dropped_count,
+            } => {
+                tel.messages_after = out.len();
+                CompressResult {
+                    kept_suffix: common_suffix(messages, &out),
+                    messages: out,
+                    outcome: Outcome::Compacted,
+                    summary_index,
+                    fallback_used: self.fallback_used,
+                    feasibility_skip: self.feasibility_skip,
+                    dropped_count,
+                    tokens_before: self.tokens_before,
+                    tokens_after,
+                    summary_failure,
+                    aux_model_failure,
+                    micro: None,
+                    telemetry: tel,
+                }
+            }
+            Ending::Unchanged(outcome) => {
+                if let Outcome::NoOp(reason) = outcome {
+                    tel.failure_class = Some(reason.as_str());
+                }
+                tel.messages_after = messages.len();
+                CompressResult {
+                    messages: messages.to_vec(),
+                    outcome,
+                    summary_index: None,
+                    fallback_used: false,
+                    feasibility_skip: self.feasibility_skip,
+                    dropped_count: 0,
+                    tokens_before: self.tokens_before,
+                    tokens_after: self.tokens_before,
+                    kept_suffix: messages.len(),
+                    summary_failure,
+                    aux_model_failure,
+                    micro: None,
+                    telemetry: tel,
+                }
+            }
+        }
+    }
 }
 
 impl Compressor {
@@ -385,20 +629,8 @@ impl Compressor {
             summary_has_user_turn: true,
             summary_model,
             summary_model_fallen_back: false,
-            last_summary_error: None,
-            last_summary_auth_failure: false,
-            last_summary_network_failure: false,
-            last_summary_truncated_failure: false,
-            last_summary_empty_failure: false,
-            last_summary_overload_failure: false,
-            last_aux_model_failure_model: None,
-            last_aux_model_failure_error: None,
-            last_compress_aborted: false,
-            last_summary_fallback_used: false,
-            last_summary_dropped_count: 0,
-            last_feasibility_skip: false,
-            last_compression_made_progress: false,
-            micro: super::micro::MicroState::default(),
+            terminal_failure: None,
+            micro: MicroState::default(),
         }
     }
 
@@ -407,47 +639,19 @@ impl Compressor {
         self.trigger.reset_session();
         self.previous_summary = None;
         self.summary_has_user_turn = true;
-        self.clear_terminal_flags();
-        self.last_summary_error = None;
-        self.last_aux_model_failure_model = None;
-        self.last_aux_model_failure_error = None;
-        self.micro = super::micro::MicroState::default();
+        self.terminal_failure = None;
+        self.micro = MicroState::default();
     }
 
-    fn clear_terminal_flags(&mut self) {
-        self.last_summary_auth_failure = false;
-        self.last_summary_network_failure = false;
-        self.last_summary_truncated_failure = false;
-        self.last_summary_empty_failure = false;
-        self.last_summary_overload_failure = false;
-    }
-
-    /// The terminal failure that forbids a destructive fallback, if any.
-    ///
-    /// Auth/quota and network failures always abort (design §11). Truncated,
-    /// empty and overloaded summaries abort only with
-    /// `abort_on_degraded_summary`; otherwise they get the deterministic
-    /// fallback, as issue 5 and the v-A reference specify.
+    /// The standing terminal failure that forbids a fallback, if any.
     pub fn terminal_abort_reason(&self) -> Option<AbortReason> {
-        if self.last_summary_auth_failure {
-            Some(AbortReason::AuthFailure)
-        } else if self.last_summary_network_failure {
-            Some(AbortReason::NetworkFailure)
-        } else if !self.cfg.abort_on_degraded_summary {
-            None
-        } else if self.last_summary_truncated_failure {
-            Some(AbortReason::TruncatedSummary)
-        } else if self.last_summary_empty_failure {
-            Some(AbortReason::EmptySummary)
-        } else if self.last_summary_overload_failure {
-            Some(AbortReason::Overloaded)
-        } else {
-            None
-        }
+        self.terminal_failure?
+            .abort_reason(self.cfg.abort_on_degraded_summary)
     }
 
     /// `protect_first_n` after decay: 0 once a compaction happened, a
-    /// summary is in memory, or a handoff sits near the start (#11996).
+    /// summary is in memory, or a handoff sits near the start (the head it
+    /// would protect was summarised already).
     pub fn effective_protect_first_n(&self, msgs: &[Value]) -> usize {
         if self.trigger.compression_count >= 1 || self.previous_summary.is_some() {
             return 0;
@@ -468,6 +672,16 @@ impl Compressor {
     pub fn protect_head_size(&self, msgs: &[Value]) -> usize {
         let sys = usize::from(msgs.first().is_some_and(is_instructions));
         (sys + self.effective_protect_first_n(msgs)).min(msgs.len())
+    }
+
+    /// The head of one compress call: relaxed to the system prompt alone
+    /// when a small window cannot afford more (see [`Compressor::cut`]).
+    fn head_size(&self, msgs: &[Value], relax: bool) -> usize {
+        if relax {
+            minimal_head_size(msgs).min(self.protect_head_size(msgs))
+        } else {
+            self.protect_head_size(msgs)
+        }
     }
 
     /// Tail-cut parameters from the current budgets.
@@ -502,11 +716,10 @@ impl Compressor {
     }
 
     /// Switches summaries to the main model after a distinct summary model
-    /// failed: records the failure for the caller's warning and clears the
-    /// cooldown so the retry can run at once.
-    pub fn fallback_to_main_for_compression(&mut self, error: &str) {
-        self.last_aux_model_failure_model = self.summary_model.take();
-        self.last_aux_model_failure_error = Some(truncate_error_text(error));
+    /// failed, and clears the cooldown so the retry is not held back by the
+    /// failure of a model that is no longer used.
+    pub fn fallback_to_main_for_compression(&mut self) {
+        self.summary_model = None;
         self.summary_model_fallen_back = true;
         self.trigger.clear_failure_cooldown();
     }
@@ -536,141 +749,67 @@ impl Compressor {
         (!lines.is_empty()).then(|| format!("Recent user focus:\n{}", lines.join("\n")))
     }
 
-    /// One summary call with the fallback-to-main retry. `Ok(body)` is the
-    /// cleaned, validated body; `Err` carries the failure already recorded.
-    async fn call_once(
-        &mut self,
-        s: &dyn Summariser,
-        prompt: String,
-        calls: &mut u32,
-        no_user_session: bool,
-    ) -> Result<String, &'static str> {
-        loop {
-            let model = if self.distinct_summary_model() {
-                self.summary_model.clone()
-            } else {
-                None
-            };
-            let req = SummaryRequest {
-                model: model.clone(),
-                prompt: prompt.clone(),
-                max_tokens: None,
-                temperature: None,
-            };
-            *calls += 1;
-            let (err_text, info, invalid) = match s.summarise(req).await {
-                Ok(reply) => {
-                    let text = reply_text(&reply);
-                    match serialize::validate_summary_reply(
-                        text.as_deref(),
-                        reply.finish_reason.as_deref(),
-                        reply.refusal.as_deref(),
-                        reply.reasoning.as_deref(),
-                    ) {
-                        // Provenance: a session without user turns must not
-                        // get a summary that attributes anything to a user
-                        // (#64650); that reply is treated as a refusal.
-                        Ok(body) if no_user_session && serialize::attributes_to_user(&body) => {
-                            let info = FailureInfo {
-                                class: FailureClass::Other,
-                                auth: false,
-                                network: false,
-                                overload: false,
-                            };
-                            (
-                                "summary attributed text to a user in a session without user turns"
-                                    .to_string(),
-                                info,
-                                Some(SummaryInvalid::Refusal),
-                            )
-                        }
-                        Ok(body) => return Ok(body),
-                        Err(inv) => {
-                            let class = match inv {
-                                SummaryInvalid::Empty => FailureClass::EmptyContent,
-                                SummaryInvalid::Truncated => FailureClass::Truncated,
-                                SummaryInvalid::Refusal => FailureClass::Other,
-                            };
-                            let info = FailureInfo {
-                                class,
-                                auth: false,
-                                network: false,
-                                overload: false,
-                            };
-                            (inv.to_string(), info, Some(inv))
-                        }
-                    }
-                }
-                Err(e) => (e.to_string(), classify_error(&e), None),
-            };
-            if model.is_some() && !self.summary_model_fallen_back {
-                tracing::warn!("summary model failed; retrying once on the main model");
-                self.fallback_to_main_for_compression(&err_text);
-                continue;
+    /// Applies what a summary attempt taught: the model switch, the
+    /// cooldown and the standing failure, or the success that clears them.
+    fn apply_attempt(&mut self, a: &SummaryAttempt) {
+        if a.aux_model_failure.is_some() {
+            self.fallback_to_main_for_compression();
+        }
+        if let Some(f) = &a.failure {
+            let secs = self.trigger.note_summary_failure(f.class, &f.error);
+            // Class and kind only: the error text may quote the provider.
+            tracing::warn!(
+                cooldown_secs = secs,
+                class = ?f.class,
+                kind = ?f.kind,
+                "summary generation failed"
+            );
+            if f.kind.is_terminal() {
+                self.terminal_failure = worst(self.terminal_failure, Some(f.kind));
             }
-            let name = failure_class_name(&info, invalid.as_ref());
-            self.record_failure(info, invalid.as_ref(), &err_text);
-            return Err(name);
+        } else if a.summary.is_some() {
+            self.trigger.note_summary_success();
+            self.terminal_failure = None;
         }
     }
 
-    fn record_failure(&mut self, info: FailureInfo, invalid: Option<&SummaryInvalid>, err: &str) {
-        let secs = self.trigger.note_summary_failure(info.class, err);
-        // Class and status only: the error text may quote the provider.
-        tracing::warn!(
-            cooldown_secs = secs,
-            class = ?info.class,
-            invalid = ?invalid,
-            auth = info.auth,
-            network = info.network,
-            "summary generation failed"
-        );
-        self.last_summary_error = Some(truncate_error_text(err));
-        if info.auth {
-            self.last_summary_auth_failure = true;
-        }
-        if info.network {
-            self.last_summary_network_failure = true;
-        }
-        if info.overload {
-            self.last_summary_overload_failure = true;
-        }
-        match invalid {
-            Some(SummaryInvalid::Empty) => self.last_summary_empty_failure = true,
-            Some(SummaryInvalid::Truncated) => self.last_summary_truncated_failure = true,
-            _ => {}
-        }
-    }
-
-    /// Generates the summary of `turns` (reference §3.8-§3.9): `Some(prefix +
-    /// body)` on success, `None` on failure or during a cooldown. Long input
-    /// is summarised in rolling chunks that each fit the summariser's prompt
-    /// budget.
+    /// Generates the summary of `turns` on its own (outside a compaction)
+    /// and keeps it as the running summary when it succeeds. Long input is
+    /// summarised in rolling chunks that each fit the summariser's prompt
+    /// budget; a live cooldown returns an empty attempt.
     pub async fn generate_summary(
         &mut self,
         s: &dyn Summariser,
         turns: &[Value],
         focus_topic: Option<&str>,
-    ) -> Option<String> {
-        self.generate_summary_inner(s, turns, focus_topic, false, None)
-            .await
-            .summary
+    ) -> SummaryAttempt {
+        let state = SummaryState {
+            previous: self.previous_summary.clone(),
+            has_user_turn: self.summary_has_user_turn,
+        };
+        let a = self
+            .attempt_summary(s, turns, &state, focus_topic, false, None)
+            .await;
+        self.apply_attempt(&a);
+        if let Some(body) = &a.body {
+            self.previous_summary = Some(body.clone());
+        }
+        a
     }
 
-    async fn generate_summary_inner(
+    /// One summary generation from `state`'s running summary. Touches no
+    /// compressor state but the trigger's cached budgets: the caller applies
+    /// the attempt.
+    async fn attempt_summary(
         &mut self,
         s: &dyn Summariser,
         turns: &[Value],
+        state: &SummaryState,
         focus_topic: Option<&str>,
         bypass_cooldown: bool,
         today: Option<&str>,
-    ) -> SummaryOutcome {
-        let mut out = SummaryOutcome {
-            summary: None,
-            calls: 0,
-            chunks: 0,
-            failure: None,
-        };
+    ) -> SummaryAttempt {
+        let mut out = SummaryAttempt::default();
         if !bypass_cooldown && self.trigger.cooldown_active() {
             return out;
         }
@@ -678,57 +817,27 @@ impl Compressor {
             .iter()
             .map(|m| tokens::estimate_msg_budget_tokens(m, false))
             .sum();
-        let max_summary = self.trigger.max_summary_tokens();
-        let target = super::budget::summary_budget(middle_tokens, max_summary);
-        let auto = if focus_topic.is_none() {
-            Self::auto_focus(turns)
+        let target =
+            super::budget::summary_budget(middle_tokens, self.trigger.max_summary_tokens());
+        let focus = focus_topic
+            .map(str::to_owned)
+            .or_else(|| Self::auto_focus(turns));
+        let no_user_turns = !turns.iter().any(view::is_real_user) && !state.has_user_turn;
+        let (chunks, prev_cap) = plan_chunks(
+            turns,
+            state.previous.as_deref(),
+            focus.as_deref(),
+            s.prompt_budget_chars(),
+        );
+        out.chunks = chunks.len();
+
+        let mut model = if self.distinct_summary_model() {
+            self.summary_model.clone()
         } else {
             None
         };
-        let focus = focus_topic.map(str::to_owned).or(auto);
-        let no_user_turns = !turns.iter().any(view::is_real_user) && !self.summary_has_user_turn;
-
-        let budget = s.prompt_budget_chars();
-        let overhead = serialize::prompt_overhead_chars(focus.as_deref());
-        let serialized = serialize_for_summary(turns);
-        let prev_len = self
-            .previous_summary
-            .as_deref()
-            .map_or(0, |p| p.chars().count().min(SUMMARY_INPUT_MAX_CHARS));
-        let turns_len = serialized.chars().count().min(SUMMARY_INPUT_MAX_CHARS);
-
-        let fits = overhead + prev_len + turns_len <= budget;
-        let chunks: Vec<String> = if fits {
-            vec![serialized]
-        } else {
-            let room = budget.saturating_sub(overhead).max(1_000);
-            let per_chunk = (room - room / 3).max(500);
-            let mut parts: Vec<String> = chunk_for_budget(turns, per_chunk)
-                .iter()
-                .map(|c| bound_summary_input(&serialize_for_summary(c), per_chunk))
-                .collect();
-            if parts.len() > MAX_SUMMARY_CHUNKS {
-                // Bounded like the reference's single-prompt input: keep the
-                // oldest and the newest parts, drop the middle (#96603: an
-                // unbounded digest loop made 28 calls).
-                let head = MAX_SUMMARY_CHUNKS * 3 / 8;
-                let tail_n = MAX_SUMMARY_CHUNKS - head;
-                let keep_tail = parts.split_off(parts.len() - tail_n);
-                parts.truncate(head);
-                parts.extend(keep_tail);
-            }
-            parts
-        };
-        out.chunks = chunks.len();
-        // In chunked mode the running summary gets a third of the room, the
-        // chunk the rest, so every prompt fits the summariser.
-        let prev_cap = if fits {
-            SUMMARY_INPUT_MAX_CHARS
-        } else {
-            (budget.saturating_sub(overhead) / 3).max(500)
-        };
-
-        let mut running = self.previous_summary.clone();
+        let mut fallen_back = self.summary_model_fallen_back;
+        let mut running = state.previous.clone();
         let n = chunks.len();
         for (i, text) in chunks.iter().enumerate() {
             let prev = running.as_deref().map(|p| bound_summary_input(p, prev_cap));
@@ -741,13 +850,14 @@ impl Compressor {
                 no_user_turns,
                 chunk: (n > 1).then_some((i, n)),
             });
-            match self
-                .call_once(s, prompt, &mut out.calls, no_user_turns)
-                .await
-            {
+            let call = SummaryCall {
+                prompt,
+                no_user_session: no_user_turns,
+            };
+            match call.run(s, &mut model, &mut fallen_back, &mut out).await {
                 Ok(body) => running = Some(body),
-                Err(name) => {
-                    out.failure = Some(name);
+                Err(f) => {
+                    out.failure = Some(f);
                     return out;
                 }
             }
@@ -771,78 +881,91 @@ impl Compressor {
             target,
             window,
         );
-        self.trigger.note_summary_success();
-        self.clear_terminal_flags();
-        self.last_summary_error = None;
-        self.previous_summary = Some(body.clone());
         out.summary = Some(markers::normalize_summary_prefix_with(
             markers::summary_prefix_for(window),
             &body,
         ));
+        out.body = Some(body);
         out
     }
 
-    /// Runs one compaction of `messages` (reference §3).
+    /// Runs one compaction of `messages`: cut, summarise (or fall back),
+    /// assemble, check the candidate is smaller. State is committed once,
+    /// at the end, according to the outcome.
     pub async fn compress(
         &mut self,
         messages: &[Value],
         s: &dyn Summariser,
         opts: CompressOptions,
     ) -> CompressResult {
-        // Per-call flags. The terminal failure flags are deliberately kept:
-        // a cooldown early-return does not set them again, and forgetting
-        // them would fall through to a destructive fallback (#29559).
-        self.last_summary_fallback_used = false;
-        self.last_summary_dropped_count = 0;
-        self.last_feasibility_skip = false;
-        self.last_summary_error = None;
-        self.last_aux_model_failure_model = None;
-        self.last_aux_model_failure_error = None;
-        self.last_compress_aborted = false;
-        self.last_compression_made_progress = false;
-
         let tokens_before = tokens::estimate_messages_tokens_rough(messages);
-        let mut tel = CompressTelemetry {
-            messages_before: messages.len(),
-            current_tokens: opts.current_tokens,
-            ..Default::default()
+        let mut pass = Pass {
+            force: opts.force,
+            tokens_before,
+            tel: CompressTelemetry {
+                messages_before: messages.len(),
+                current_tokens: opts.current_tokens,
+                ..Default::default()
+            },
+            attempt: None,
+            feasibility_skip: false,
+            fallback_used: false,
+            keep_state: None,
         };
-        if opts.force {
-            self.trigger.clear_failure_cooldown();
-            self.trigger.clear_structural_backoff();
-        }
-
-        let n = messages.len();
-        // A small window cannot afford a protected head of
-        // whole tool rounds: an agent's first rounds would leave too few rows
-        // to compact (a no-op, then an overflow). The head shrinks to the
-        // system prompt; an oversized active turn then carries the task.
-        let relax_head = self.trigger.context_length() < STRICT_SUMMARY_WINDOW
-            && n <= self.protect_head_size(messages) + MIN_ROWS_AFTER_HEAD;
-        let head_of = |c: &Self, msgs: &[Value]| {
-            if relax_head {
-                minimal_head_size(msgs).min(c.protect_head_size(msgs))
-            } else {
-                c.protect_head_size(msgs)
+        let cut = match self.cut(messages, &mut pass.tel) {
+            Ok(cut) => cut,
+            Err(reason) => {
+                return self.finish(messages, pass, Ending::Unchanged(Outcome::NoOp(reason)))
             }
         };
-        let head_size = head_of(self, messages);
+        let state = self.adopt_handoffs(&cut.working);
+        let middle = cut.middle();
+        if middle.is_empty() {
+            pass.keep_state = Some(state);
+            let ending = Ending::Unchanged(Outcome::NoOp(NoOpReason::EmptyPostHandoffWindow));
+            return self.finish(messages, pass, ending);
+        }
+        let summary = match self
+            .summarise_middle(s, &middle, &state, &opts, &mut pass)
+            .await
+        {
+            Ok(summary) => summary,
+            Err(reason) => {
+                return self.finish(messages, pass, Ending::Unchanged(Outcome::Aborted(reason)))
+            }
+        };
+        let ending =
+            self.assemble_candidate(messages, &cut, &summary.0, tokens_before, &mut pass.tel);
+        if matches!(ending, Ending::Compacted { .. }) {
+            pass.keep_state = Some(SummaryState {
+                previous: Some(summary.1),
+                has_user_turn: state.has_user_turn,
+            });
+        }
+        self.finish(messages, pass, ending)
+    }
+
+    /// Head, pruning and tail cut: the rows to summarise, or why there are
+    /// none.
+    fn cut(&mut self, messages: &[Value], tel: &mut CompressTelemetry) -> Result<Cut, NoOpReason> {
+        let n = messages.len();
+        let small = self.trigger.context_length() < STRICT_SUMMARY_WINDOW;
+        // A small window cannot afford a protected head of whole tool
+        // rounds: an agent's first rounds would leave too few rows to
+        // compact (a no-op, then an overflow). The head shrinks to the
+        // system prompt; an oversized active turn then carries the task.
+        let relax_head = small && n <= self.protect_head_size(messages) + MIN_ROWS_AFTER_HEAD;
+        let head_size = self.head_size(messages, relax_head);
         tel.head_rows = head_size;
         if n <= head_size + MIN_ROWS_AFTER_HEAD {
-            return self.no_op(
-                messages,
-                NoOpReason::InsufficientMessages,
-                tokens_before,
-                tel,
-            );
+            return Err(NoOpReason::InsufficientMessages);
         }
-        // Phase 1: prune tool outputs (no LLM).
+        // Prune old tool outputs first (no LLM).
         let tp = self.tail_params();
         // Small windows keep an agent's newest tool result whole when it
         // takes at most half the trigger: the split keeps its round, and a
         // stub in its place would make the model repeat the call.
-        let keep_newest_tool_max = (self.trigger.context_length() < STRICT_SUMMARY_WINDOW)
-            .then(|| self.trigger.threshold_tokens() / 2);
+        let keep_newest_tool_max = small.then(|| self.trigger.threshold_tokens() / 2);
         let (pruned, pruned_rows) = prune::prune_old_tool_results(
             messages,
             &PruneParams {
@@ -855,247 +978,206 @@ impl Compressor {
         );
         tel.pruned_rows = pruned_rows;
         let working = remove_blank_echoes(pruned);
-        let wn = working.len();
         // The head is measured on the working list (a removed blank echo
         // shifts rows) and never ends inside a tool group.
-        let mut compress_start = head_of(self, &working);
-        while compress_start < wn && view::is_role(&working[compress_start], "tool") {
-            compress_start += 1;
+        let mut start = self.head_size(&working, relax_head);
+        while start < working.len() && view::is_role(&working[start], "tool") {
+            start += 1;
         }
-        if compress_start >= wn {
-            return self.no_op(
-                messages,
-                NoOpReason::NoCompressibleWindow,
-                tokens_before,
-                tel,
-            );
+        if start >= working.len() {
+            return Err(NoOpReason::NoCompressibleWindow);
         }
+        let (start, end, split_ask) = choose_cut(&working, start, &tp, small);
+        if start >= end {
+            return Err(NoOpReason::NoCompressibleWindow);
+        }
+        Ok(Cut {
+            working,
+            start,
+            end,
+            split_ask,
+        })
+    }
 
-        // An active turn too large for the tail is cut inside, between tool
-        // rounds; its ask is carried verbatim after the summary.
-        // The ordinary cut: tail by tokens, then the bridge rule (an
-        // actionable user row must not sit in the slot where a role collision
-        // would merge the summary into it).
-        let mut normal_end = tail::find_tail_cut_by_tokens(&working, compress_start, &tp);
-        if let Some(u) = view::last_real_user(&working, compress_start) {
-            if normal_end == u && u > 0 {
-                let mut b = u - 1;
-                if view::is_role(&working[b], "tool") {
-                    while b > 0 && view::is_role(&working[b], "tool") {
-                        b -= 1;
-                    }
-                }
-                if b > compress_start && view::is_role(&working[b], "assistant") {
-                    normal_end = b;
-                }
-            }
-        }
-        let small = self.trigger.context_length() < STRICT_SUMMARY_WINDOW;
-        // Large windows keep the reference's protected head: only an ask
-        // after it is carried.
-        let ask_from = if small {
-            minimal_head_size(&working)
-        } else {
-            compress_start
-        };
-        let mut split = split_active_turn(&working, ask_from, &tp, small.then_some(compress_start));
-        if split.is_none() && small {
-            // Pruning may have shrunk the active turn under the ceiling while
-            // the ordinary cut finds nothing but earlier summaries to
-            // compact: splitting the turn is the only way forward. (The
-            // caller's trigger also counts `tools`, which this estimate does
-            // not see, so no threshold test here.)
-            let nothing = working[compress_start..normal_end.max(compress_start)]
-                .iter()
-                .all(|m| markers::strip_handoff(m).is_none());
-            if nothing {
-                let min_head = minimal_head_size(&working);
-                split =
-                    split_active_turn(&working, min_head, &tp, Some(usize::MAX)).or_else(|| {
-                        // The ask's own turn cannot be cut (one round), but the
-                        // rows before it can go: the bridge rule kept them out of
-                        // the middle only to keep the summary off the ask, and
-                        // the split assembly puts it in front of the ask instead.
-                        let ask = (min_head..wn).rev().find(|&i| is_ask_row(&working[i]))?;
-                        let before = working[compress_start.min(ask)..ask]
-                            .iter()
-                            .any(|m| markers::strip_handoff(m).is_some());
-                        before.then_some((ask, ask + 1))
-                    });
-            }
-        }
-        // At small windows the ask may sit in the protected head (an agent's
-        // only task): the head then ends before it, so the ask is carried
-        // after the summary instead of being restated.
-        if let Some((ask, _)) = split {
-            compress_start = compress_start.min(ask);
-        }
-        let compress_end = match split {
-            Some((_, keep_from)) => keep_from,
-            None => normal_end,
-        };
-        let split_ask = split.map(|(ask, _)| ask);
-        if compress_start >= compress_end {
-            return self.no_op(
-                messages,
-                NoOpReason::NoCompressibleWindow,
-                tokens_before,
-                tel,
-            );
-        }
-
-        // Handoff scan over the whole transcript (after the system row).
-        let snapshot = (self.previous_summary.clone(), self.summary_has_user_turn);
-        let sys = usize::from(is_instructions(&working[0]));
-        let mut handoff_bodies = Vec::new();
-        for m in working.iter().skip(sys) {
-            match markers::classify_handoff(m) {
-                Handoff::None => {}
-                Handoff::Standalone { body, .. } | Handoff::Merged { body, .. } => {
-                    handoff_bodies.push(body);
-                }
-            }
-        }
-        if handoff_bodies.is_empty() {
+    /// The running summary after the handoff scan over the whole transcript
+    /// (after the system row): the compressor's own, else the bodies of the
+    /// earlier summaries on the wire.
+    fn adopt_handoffs(&self, working: &[Value]) -> SummaryState {
+        let sys = usize::from(working.first().is_some_and(is_instructions));
+        let bodies: Vec<String> = working
+            .iter()
+            .skip(sys)
+            .filter_map(|m| match markers::classify_handoff(m) {
+                Handoff::None => None,
+                Handoff::Standalone { body, .. } | Handoff::Merged { body, .. } => Some(body),
+            })
+            .collect();
+        let previous = if bodies.is_empty() {
             // A summary in memory without any handoff on the wire belongs to
-            // another conversation (#38788).
-            self.previous_summary = None;
-        } else if self.previous_summary.is_none() {
-            self.previous_summary = Some(handoff_bodies.join("\n\n"));
-        }
-        let has_real_user = working.iter().any(view::is_real_user);
+            // another conversation (the client started over or switched).
+            None
+        } else {
+            self.previous_summary
+                .clone()
+                .or_else(|| Some(bodies.join("\n\n")))
+        };
         // Provenance: a real user row decides; without one, an earlier
         // summary decides by its sentinel; a fresh session without user rows
-        // has none (no user intent may be attributed, #64650).
-        self.summary_has_user_turn = has_real_user
-            || self
-                .previous_summary
+        // has none, and no user intent may be attributed to it.
+        let has_user_turn = working.iter().any(view::is_real_user)
+            || previous
                 .as_deref()
                 .is_some_and(|p| !p.contains(markers::NO_USER_SENTINEL));
-        // A handoff inside the tail is unwrapped in place (its body is in the
-        // running summary); the tail is not advanced past it, which could
-        // summarise the live ask that a user-leading merge carries.
-        let tail_start = compress_end;
-        let middle: Vec<Value> = (compress_start..compress_end)
-            .filter(|&i| Some(i) != split_ask)
-            .filter_map(|i| markers::strip_handoff(&working[i]))
-            .collect();
-        if middle.is_empty() {
-            return self.no_op(
-                messages,
-                NoOpReason::EmptyPostHandoffWindow,
-                tokens_before,
-                tel,
-            );
+        SummaryState {
+            previous,
+            has_user_turn,
         }
+    }
+
+    /// The summary of `middle` as `(summary, body)`: the summariser's, or
+    /// the deterministic fallback when it was skipped or failed and no
+    /// abort applies.
+    async fn summarise_middle(
+        &mut self,
+        s: &dyn Summariser,
+        middle: &[Value],
+        state: &SummaryState,
+        opts: &CompressOptions,
+        pass: &mut Pass,
+    ) -> Result<(String, String), AbortReason> {
         let middle_tokens: u64 = middle
             .iter()
             .map(|m| tokens::estimate_msg_budget_tokens(m, false))
             .sum();
-        tel.middle_tokens = middle_tokens;
-
-        // Summary, or the feasibility skip.
+        pass.tel.middle_tokens = middle_tokens;
+        // A conversation that compacted ineffectively before and whose
+        // middle is tiny is not worth a summary call.
         let threshold = self.trigger.threshold_tokens();
-        let skip = !opts.force
+        pass.feasibility_skip = !opts.force
             && self.trigger.ineffective_compression_count >= 1
             && (middle_tokens as f64) < threshold as f64 * FEASIBILITY_MIDDLE_RATIO;
-        let summary = if skip {
-            self.last_feasibility_skip = true;
-            self.trigger.prellm_skip_count = self.trigger.prellm_skip_count.saturating_add(1);
-            tel.failure_class = Some("feasibility_skip");
-            None
+        let why = if pass.feasibility_skip {
+            pass.tel.failure_class = Some("feasibility_skip");
+            "feasibility skip: the summarised window was too small for an LLM call".to_string()
         } else {
-            let so = self
-                .generate_summary_inner(
+            // A forced call clears the cooldown (at commit), so it is not
+            // held by it.
+            let bypass = opts.bypass_cooldown || opts.force;
+            let a = self
+                .attempt_summary(
                     s,
-                    &middle,
+                    middle,
+                    state,
                     opts.focus_topic.as_deref(),
-                    opts.bypass_cooldown,
+                    bypass,
                     opts.today.as_deref(),
                 )
                 .await;
-            tel.summary_calls = so.calls;
-            tel.chunk_count = so.chunks;
-            if self.last_aux_model_failure_model.is_some() {
-                tel.failure_class = Some("aux_model_fallback");
+            pass.tel.summary_calls = a.calls;
+            pass.tel.chunk_count = a.chunks;
+            if a.aux_model_failure.is_some() {
+                pass.tel.failure_class = Some("aux_model_fallback");
             }
-            if so.failure.is_some() {
-                tel.failure_class = so.failure;
+            if let Some(f) = &a.failure {
+                pass.tel.failure_class = Some(f.kind.class_name());
             }
-            so.summary
+            let done = a.summary.clone().zip(a.body.clone());
+            let why = a.failure.as_ref().map_or_else(
+                || "summary unavailable (cooldown)".to_string(),
+                |f| f.error.clone(),
+            );
+            let standing = worst(
+                self.terminal_failure,
+                a.failure
+                    .as_ref()
+                    .map(|f| f.kind)
+                    .filter(|k| k.is_terminal()),
+            );
+            pass.attempt = Some(a);
+            if let Some(done) = done {
+                return Ok(done);
+            }
+            let reason = standing
+                .and_then(|k| k.abort_reason(self.cfg.abort_on_degraded_summary))
+                .or(self
+                    .cfg
+                    .abort_on_summary_failure
+                    .then_some(AbortReason::SummaryFailed));
+            if let Some(r) = reason {
+                return Err(r);
+            }
+            why
         };
+        self.fallback_summary(middle, middle_tokens, state, &why, pass)
+    }
 
-        let summary = match summary {
-            Some(s) => s,
-            None => {
-                if !skip {
-                    let reason = self.terminal_abort_reason().or(self
-                        .cfg
-                        .abort_on_summary_failure
-                        .then_some(AbortReason::SummaryFailed));
-                    if let Some(r) = reason {
-                        self.previous_summary = snapshot.0;
-                        self.summary_has_user_turn = snapshot.1;
-                        return self.abort(messages, r, tokens_before, tel);
-                    }
-                }
-                let why = if skip {
-                    "feasibility skip: the summarised window was too small for an LLM call"
-                } else {
-                    self.last_summary_error
-                        .as_deref()
-                        .unwrap_or("summary unavailable (cooldown)")
-                };
-                let why = why.to_string();
-                let window = self.trigger.context_length();
-                let target =
-                    super::budget::summary_budget(middle_tokens, self.trigger.max_summary_tokens());
-                let fb = match fallback_body_cap(target, window) {
-                    Some(cap) => format!(
-                        "{}\n{}",
-                        markers::SUMMARY_PREFIX,
-                        build_fallback_body_capped(
-                            &middle,
-                            self.previous_summary.as_deref(),
-                            &why,
-                            cap
-                        )
-                    ),
-                    None => build_fallback_summary(&middle, self.previous_summary.as_deref(), &why),
-                };
-                let body = markers::summary_body(&fb);
-                if body.trim().is_empty() {
-                    self.previous_summary = snapshot.0;
-                    self.summary_has_user_turn = snapshot.1;
-                    tel.failure_class = Some("deterministic_fallback_invalid");
-                    return self.abort(messages, AbortReason::FallbackInvalid, tokens_before, tel);
-                }
-                self.last_summary_fallback_used = true;
-                self.previous_summary = Some(body);
-                markers::normalize_summary_prefix_with(markers::summary_prefix_for(window), &fb)
-            }
+    /// The deterministic fallback summary, sized for the window.
+    fn fallback_summary(
+        &mut self,
+        middle: &[Value],
+        middle_tokens: u64,
+        state: &SummaryState,
+        why: &str,
+        pass: &mut Pass,
+    ) -> Result<(String, String), AbortReason> {
+        let window = self.trigger.context_length();
+        let target =
+            super::budget::summary_budget(middle_tokens, self.trigger.max_summary_tokens());
+        let prev = state.previous.as_deref();
+        let fb = match fallback_body_cap(target, window) {
+            Some(cap) => format!(
+                "{}\n{}",
+                markers::SUMMARY_PREFIX,
+                build_fallback_body_capped(middle, prev, why, cap)
+            ),
+            None => build_fallback_summary(middle, prev, why),
         };
+        let body = markers::summary_body(&fb);
+        if body.trim().is_empty() {
+            pass.tel.failure_class = Some("deterministic_fallback_invalid");
+            return Err(AbortReason::FallbackInvalid);
+        }
+        pass.fallback_used = true;
+        let summary =
+            markers::normalize_summary_prefix_with(markers::summary_prefix_for(window), &fb);
+        Ok((summary, body))
+    }
 
-        // Assembly.
-        let head: Vec<Value> = working[..compress_start]
+    /// Head + summary + tail, sanitised, and the check that the candidate
+    /// is smaller than the input (salvaged once if it is not).
+    fn assemble_candidate(
+        &mut self,
+        messages: &[Value],
+        cut: &Cut,
+        summary: &str,
+        tokens_before: u64,
+        tel: &mut CompressTelemetry,
+    ) -> Ending {
+        let working = &cut.working;
+        let wn = working.len();
+        let head: Vec<Value> = working[..cut.start]
             .iter()
             .filter_map(markers::strip_handoff)
             .collect();
-        let tail_rows: Vec<Value> = split_ask
+        // A handoff inside the tail is unwrapped in place (its body is in the
+        // running summary); the tail is not advanced past it, which could
+        // summarise the live ask that a user-leading merge carries.
+        let tail_rows: Vec<Value> = cut
+            .split_ask
             .into_iter()
-            .chain(tail_start.min(wn)..wn)
+            .chain(cut.end.min(wn)..wn)
             .filter_map(|i| markers::strip_handoff(&working[i]))
             .collect();
-        let asm = if split_ask.is_some() {
-            assemble::assemble_split_turn(head, &summary, tail_rows)
+        let asm = if cut.split_ask.is_some() {
+            assemble::assemble_split_turn(head, summary, tail_rows)
         } else {
-            assemble::assemble(head, &summary, tail_rows)
+            assemble::assemble(head, summary, tail_rows)
         };
         let mut out = sanitize_tool_pairs(asm.messages);
-        let mut summary_index = locate_summary(&out, asm.summary_index, asm.placement);
+        let mut summary_index = locate_summary(&out, asm.summary_index);
         // A split turn carries its ask verbatim; restating it would duplicate
         // the user's text.
-        if split_ask.is_none() {
+        if cut.split_ask.is_none() {
             if let Some(si) = summary_index {
                 assemble::reappend_inflight_task(&mut out, si, messages);
             }
@@ -1109,102 +1191,266 @@ impl Compressor {
         }
 
         // The candidate must be strictly smaller than the input.
+        let n = messages.len();
+        let threshold = self.trigger.threshold_tokens();
         let mut tokens_after = tokens::estimate_messages_tokens_rough(&out);
         if !is_progress(tokens_before, tokens_after, n, out.len(), threshold) {
             salvage(&mut out, summary_index);
             tokens_after = tokens::estimate_messages_tokens_rough(&out);
             let user_ok = out.iter().any(|m| view::is_role(m, "user"));
             if !is_progress(tokens_before, tokens_after, n, out.len(), threshold) || !user_ok {
-                self.previous_summary = snapshot.0;
-                self.summary_has_user_turn = snapshot.1;
-                self.trigger.record_rejected_compaction();
                 tel.failure_class = Some("rejected_not_smaller");
-                return self.finish_unchanged(messages, Outcome::Rejected, tokens_before, tel);
+                return Ending::Unchanged(Outcome::Rejected);
             }
-            summary_index = locate_summary(&out, summary_index.unwrap_or(0), asm.placement);
+            summary_index = locate_summary(&out, summary_index.unwrap_or(0));
         }
-
-        self.last_summary_dropped_count =
-            compress_end - compress_start - usize::from(split_ask.is_some());
-        self.last_compression_made_progress = true;
-        self.trigger.compression_count = self.trigger.compression_count.saturating_add(1);
-        self.micro = super::micro::MicroState::default();
-        tel.messages_after = out.len();
-        let kept_suffix = common_suffix(messages, &out);
-        tracing::info!(
-            messages_before = tel.messages_before,
-            messages_after = tel.messages_after,
-            tokens_before,
-            tokens_after,
-            fallback = self.last_summary_fallback_used,
-            "compaction committed"
-        );
-        CompressResult {
+        Ending::Compacted {
             messages: out,
-            outcome: Outcome::Compacted,
             summary_index,
-            fallback_used: self.last_summary_fallback_used,
-            feasibility_skip: self.last_feasibility_skip,
-            dropped_count: self.last_summary_dropped_count,
-            tokens_before,
             tokens_after,
-            kept_suffix,
-            telemetry: tel,
+            dropped_count: cut.end - cut.start - usize::from(cut.split_ask.is_some()),
         }
     }
 
-    fn no_op(
-        &mut self,
-        messages: &[Value],
-        reason: NoOpReason,
-        tokens_before: u64,
-        mut tel: CompressTelemetry,
-    ) -> CompressResult {
-        // Nothing to compact is a backoff, not a strike (lesson 3).
-        self.trigger.set_structural_backoff();
-        tel.failure_class = Some(match reason {
-            NoOpReason::InsufficientMessages => "insufficient_messages",
-            NoOpReason::NoCompressibleWindow => "no_compressible_window",
-            NoOpReason::EmptyPostHandoffWindow => "empty_post_handoff_window",
-        });
-        self.finish_unchanged(messages, Outcome::NoOp(reason), tokens_before, tel)
+    /// Commits what the call decided, once, and builds its result.
+    fn finish(&mut self, messages: &[Value], mut pass: Pass, ending: Ending) -> CompressResult {
+        if pass.force {
+            self.trigger.clear_failure_cooldown();
+            self.trigger.clear_structural_backoff();
+        }
+        if let Some(a) = &pass.attempt {
+            self.apply_attempt(a);
+        }
+        if pass.feasibility_skip {
+            self.trigger.prellm_skip_count = self.trigger.prellm_skip_count.saturating_add(1);
+        }
+        match &ending {
+            Ending::Compacted {
+                messages: out,
+                tokens_after,
+                ..
+            } => {
+                self.commit_state(pass.keep_state.take());
+                self.trigger.compression_count = self.trigger.compression_count.saturating_add(1);
+                self.micro = MicroState::default();
+                tracing::info!(
+                    messages_before = messages.len(),
+                    messages_after = out.len(),
+                    tokens_before = pass.tokens_before,
+                    tokens_after,
+                    fallback = pass.fallback_used,
+                    "compaction committed"
+                );
+            }
+            Ending::Unchanged(Outcome::NoOp(_)) => {
+                // Nothing to compact is a backoff, not a strike: the
+                // conversation is fine, it just has to grow first.
+                self.trigger.set_structural_backoff();
+                self.commit_state(pass.keep_state.take());
+            }
+            Ending::Unchanged(Outcome::Rejected) => self.trigger.record_rejected_compaction(),
+            Ending::Unchanged(Outcome::Aborted(reason)) => {
+                tracing::warn!(?reason, "compaction aborted; messages forwarded unchanged");
+            }
+            Ending::Unchanged(Outcome::Compacted) => {}
+        }
+        pass.into_result(messages, ending)
     }
 
-    fn abort(
-        &mut self,
-        messages: &[Value],
-        reason: AbortReason,
-        tokens_before: u64,
-        tel: CompressTelemetry,
-    ) -> CompressResult {
-        self.last_compress_aborted = true;
-        self.last_summary_fallback_used = false;
-        self.last_summary_dropped_count = 0;
-        tracing::warn!(?reason, "compaction aborted; messages forwarded unchanged");
-        self.finish_unchanged(messages, Outcome::Aborted(reason), tokens_before, tel)
-    }
-
-    fn finish_unchanged(
-        &mut self,
-        messages: &[Value],
-        outcome: Outcome,
-        tokens_before: u64,
-        mut tel: CompressTelemetry,
-    ) -> CompressResult {
-        tel.messages_after = messages.len();
-        CompressResult {
-            messages: messages.to_vec(),
-            outcome,
-            summary_index: None,
-            fallback_used: false,
-            feasibility_skip: self.last_feasibility_skip,
-            dropped_count: 0,
-            tokens_before,
-            tokens_after: tokens_before,
-            kept_suffix: messages.len(),
-            telemetry: tel,
+    fn commit_state(&mut self, state: Option<SummaryState>) {
+        if let Some(st) = state {
+            self.previous_summary = st.previous;
+            self.summary_has_user_turn = st.has_user_turn;
         }
     }
+}
+
+/// One summary prompt, sent with the retry on the main model.
+struct SummaryCall {
+    prompt: String,
+    /// The session has no user turns: a reply attributing anything to a
+    /// user is invented and counts as a refusal.
+    no_user_session: bool,
+}
+
+impl SummaryCall {
+    /// Sends the prompt on `model` (`None` = the main model). A distinct
+    /// summary model that fails is recorded in `out` and the prompt is
+    /// retried once on the main model, which later prompts then use too.
+    async fn run(
+        &self,
+        s: &dyn Summariser,
+        model: &mut Option<String>,
+        fallen_back: &mut bool,
+        out: &mut SummaryAttempt,
+    ) -> Result<String, SummaryFailure> {
+        loop {
+            let req = SummaryRequest {
+                model: model.clone(),
+                prompt: self.prompt.clone(),
+                max_tokens: None,
+                temperature: None,
+            };
+            out.calls += 1;
+            let failure = match s.summarise(req).await {
+                Ok(reply) => match self.check(&reply) {
+                    Ok(body) => return Ok(body),
+                    Err(f) => f,
+                },
+                Err(e) => SummaryFailure::from_error(&e),
+            };
+            if !*fallen_back {
+                if let Some(m) = model.take() {
+                    tracing::warn!("summary model failed; retrying once on the main model");
+                    out.aux_model_failure = Some(AuxModelFailure {
+                        model: m,
+                        error: failure.error,
+                    });
+                    *fallen_back = true;
+                    continue;
+                }
+            }
+            return Err(failure);
+        }
+    }
+
+    /// The cleaned, validated body of a reply.
+    fn check(&self, reply: &SummaryReply) -> Result<String, SummaryFailure> {
+        let text = reply_text(reply);
+        let body = serialize::validate_summary_reply(
+            text.as_deref(),
+            reply.finish_reason.as_deref(),
+            reply.refusal.as_deref(),
+            reply.reasoning.as_deref(),
+        )
+        .map_err(|inv| SummaryFailure::invalid(&inv))?;
+        if self.no_user_session && serialize::attributes_to_user(&body) {
+            return Err(SummaryFailure::new(
+                SummaryFailureKind::Other,
+                FailureClass::Other,
+                "summary attributed text to a user in a session without user turns",
+            ));
+        }
+        Ok(body)
+    }
+}
+
+/// The summary input as prompts that each fit a summariser of `budget`
+/// characters: one when everything fits, else rolling chunks (bounded in
+/// number); with the cap on the running summary quoted in each prompt.
+fn plan_chunks(
+    turns: &[Value],
+    previous: Option<&str>,
+    focus: Option<&str>,
+    budget: usize,
+) -> (Vec<String>, usize) {
+    let overhead = serialize::prompt_overhead_chars(focus);
+    let serialized = serialize_for_summary(turns);
+    let prev_len = previous.map_or(0, |p| p.chars().count().min(SUMMARY_INPUT_MAX_CHARS));
+    let turns_len = serialized.chars().count().min(SUMMARY_INPUT_MAX_CHARS);
+    if overhead + prev_len + turns_len <= budget {
+        return (vec![serialized], SUMMARY_INPUT_MAX_CHARS);
+    }
+    let room = budget.saturating_sub(overhead).max(1_000);
+    let per_chunk = (room - room / 3).max(500);
+    let mut parts: Vec<String> = chunk_for_budget(turns, per_chunk)
+        .iter()
+        .map(|c| bound_summary_input(&serialize_for_summary(c), per_chunk))
+        .collect();
+    if parts.len() > MAX_SUMMARY_CHUNKS {
+        // Bounded like a single prompt's input: keep the oldest and the
+        // newest parts and drop the middle, so one compaction cannot turn
+        // into dozens of summary calls.
+        let head = MAX_SUMMARY_CHUNKS * 3 / 8;
+        let tail_n = MAX_SUMMARY_CHUNKS - head;
+        let keep_tail = parts.split_off(parts.len() - tail_n);
+        parts.truncate(head);
+        parts.extend(keep_tail);
+    }
+    // The running summary gets a third of the room, the chunk the rest, so
+    // every prompt fits the summariser.
+    let prev_cap = (budget.saturating_sub(overhead) / 3).max(500);
+    (parts, prev_cap)
+}
+
+/// The tail cut and the oversized-active-turn split over `working` from
+/// `start`: `(start, end, split_ask)`.
+fn choose_cut(
+    working: &[Value],
+    start: usize,
+    tp: &TailParams,
+    small: bool,
+) -> (usize, usize, Option<usize>) {
+    let normal_end = bridged_tail_cut(working, start, tp);
+    // Large windows keep the whole protected head: only an ask after it is
+    // carried.
+    let ask_from = if small {
+        minimal_head_size(working)
+    } else {
+        start
+    };
+    let mut split = split_active_turn(working, ask_from, tp, small.then_some(start));
+    if split.is_none() && small {
+        split = forced_split(working, start, normal_end, tp);
+    }
+    // At small windows the ask may sit in the protected head (an agent's
+    // only task): the head then ends before it, so the ask is carried
+    // after the summary instead of being restated.
+    let start = split.map_or(start, |(ask, _)| start.min(ask));
+    let end = split.map_or(normal_end, |(_, keep_from)| keep_from);
+    (start, end, split.map(|(ask, _)| ask))
+}
+
+/// The ordinary cut: tail by tokens, then the bridge rule (an actionable
+/// user row must not sit in the slot where a role collision would merge
+/// the summary into it).
+fn bridged_tail_cut(working: &[Value], start: usize, tp: &TailParams) -> usize {
+    let mut end = tail::find_tail_cut_by_tokens(working, start, tp);
+    if let Some(u) = view::last_real_user(working, start) {
+        if end == u && u > 0 {
+            let mut b = u - 1;
+            while b > 0 && view::is_role(&working[b], "tool") {
+                b -= 1;
+            }
+            if b > start && view::is_role(&working[b], "assistant") {
+                end = b;
+            }
+        }
+    }
+    end
+}
+
+/// The split of last resort at small windows: pruning may have shrunk the
+/// active turn under the ceiling while the ordinary cut finds nothing but
+/// earlier summaries to compact, so splitting the turn is the only way
+/// forward. (The caller's trigger also counts `tools`, which this estimate
+/// does not see, so there is no threshold test here.)
+fn forced_split(
+    working: &[Value],
+    start: usize,
+    normal_end: usize,
+    tp: &TailParams,
+) -> Option<(usize, usize)> {
+    let nothing = working[start..normal_end.max(start)]
+        .iter()
+        .all(|m| markers::strip_handoff(m).is_none());
+    if !nothing {
+        return None;
+    }
+    let min_head = minimal_head_size(working);
+    split_active_turn(working, min_head, tp, Some(usize::MAX)).or_else(|| {
+        // The ask's own turn cannot be cut (one round), but the rows before
+        // it can go: the bridge rule kept them out of the middle only to
+        // keep the summary off the ask, and the split assembly puts it in
+        // front of the ask instead.
+        let ask = (min_head..working.len())
+            .rev()
+            .find(|&i| is_ask_row(&working[i]))?;
+        let before = working[start.min(ask)..ask]
+            .iter()
+            .any(|m| markers::strip_handoff(m).is_some());
+        before.then_some((ask, ask + 1))
+    })
 }
 
 /// Summaries longer than this many times their token target are clipped.
@@ -1228,8 +1474,8 @@ pub fn clip_summary(body: String, target_tokens: u64) -> String {
     clipped
 }
 
-/// Below this window (the reference's 64k trigger floor) summary bodies are
-/// held to their budget exactly; at and above it the reference caps apply.
+/// Below this window (the 64k trigger floor) summary bodies are held to
+/// their budget exactly; at and above it the looser overshoot cap applies.
 pub const STRICT_SUMMARY_WINDOW: u64 = super::budget::MINIMUM_CONTEXT_LENGTH;
 
 /// [`clip_summary`] sized for the window: below [`STRICT_SUMMARY_WINDOW`]
@@ -1258,7 +1504,7 @@ fn clip_chars(body: String, max_chars: usize) -> String {
 }
 
 /// Character cap of a deterministic fallback body: the summary budget
-/// (× 4 chars) below [`STRICT_SUMMARY_WINDOW`], `None` (the reference's
+/// (× 4 chars) below [`STRICT_SUMMARY_WINDOW`], `None` (the standard
 /// 8,000-char cap) at and above it.
 pub fn fallback_body_cap(target_tokens: u64, window: u64) -> Option<usize> {
     if window >= STRICT_SUMMARY_WINDOW {
@@ -1286,7 +1532,7 @@ pub fn is_ask_row(m: &Value) -> bool {
             ))
 }
 
-/// Oversized active turn (§3.5 step 7, #80449, kept verbatim here): when the
+/// Oversized active turn: when the
 /// newest ask at or after `start` is followed by tool rounds costing more than
 /// the soft ceiling, returns `(ask, keep_from)`: the rounds from `keep_from`
 /// on (the newest that fit, at least one) stay verbatim and the rounds
@@ -1341,7 +1587,7 @@ pub fn split_active_turn(
 /// threshold (every automatic compaction) only fewer tokens count: a
 /// token-neutral rewrite would re-fire on the next request. Below it (manual
 /// or forced calls on short chats) fewer rows also count, which is the
-/// reference's guard against "messages N→N" loops (#40803).
+/// guard against "messages N→N" loops.
 pub fn is_progress(
     tokens_before: u64,
     tokens_after: u64,
@@ -1353,7 +1599,7 @@ pub fn is_progress(
 }
 
 /// Removes blank user echoes right after the latest actionable user row,
-/// when an assistant row follows them (§3.4). A blank row not followed by an
+/// when an assistant row follows them. A blank row not followed by an
 /// assistant may be a deliberate alternation placeholder and stays.
 pub fn remove_blank_echoes(mut msgs: Vec<Value>) -> Vec<Value> {
     let Some(u) = view::last_real_user(&msgs, 0) else {
@@ -1370,11 +1616,10 @@ pub fn remove_blank_echoes(mut msgs: Vec<Value>) -> Vec<Value> {
 }
 
 /// Where the summary carrier ended up after sanitising removed rows.
-fn locate_summary(out: &[Value], hint: usize, placement: Placement) -> Option<usize> {
+fn locate_summary(out: &[Value], hint: usize) -> Option<usize> {
     if out.get(hint).is_some_and(view::is_summary) {
         return Some(hint);
     }
-    let _ = placement;
     out.iter().position(view::is_summary)
 }
 
@@ -1413,8 +1658,8 @@ fn strip_historical_media(out: &mut [Value]) {
     }
 }
 
-/// Mechanical shrinking of a candidate that is not smaller than its input
-/// (§3.15 salvage): drop thinking from older assistants, clear old tool
+/// Mechanical shrinking of a candidate that is not smaller than its input:
+/// drop thinking from older assistants, clear old tool
 /// bodies, cap a standalone summary.
 fn salvage(out: &mut [Value], summary_index: Option<usize>) {
     let newest_asst = view::last_assistant(out);
@@ -1508,7 +1753,7 @@ mod tests {
         assert_eq!(err(NoProvider, None, "x").class, FailureClass::NoProvider);
         let t = err(Timeout, None, "deadline");
         assert_eq!(t.class, FailureClass::Timeout);
-        assert!(!t.network && !t.auth);
+        assert_eq!(t.kind, SummaryFailureKind::Other);
         assert_eq!(err(Http, Some(504), "gateway").class, FailureClass::Timeout);
         assert_eq!(
             err(Http, None, "request timed out").class,
@@ -1516,17 +1761,20 @@ mod tests {
         );
         assert_eq!(err(Decode, None, "bad body").class, FailureClass::Decode);
         let n = err(Network, None, "connection refused");
-        assert!(n.network);
+        assert_eq!(n.kind, SummaryFailureKind::Network);
         assert_eq!(n.class, FailureClass::StreamClosed);
-        assert!(err(Http, None, "peer closed connection without sending").network);
+        assert_eq!(
+            err(Http, None, "peer closed connection without sending").kind,
+            SummaryFailureKind::Network
+        );
         let o = err(Http, Some(529), "Overloaded");
-        assert!(o.overload);
+        assert_eq!(o.kind, SummaryFailureKind::Overloaded);
         assert_eq!(
             err(Http, Some(404), "no such model").class,
             FailureClass::ModelNotFound
         );
         assert_eq!(err(Http, Some(500), "boom").class, FailureClass::Other);
-        assert!(err(Http, Some(401), "nope").auth);
+        assert_eq!(err(Http, Some(401), "nope").kind, SummaryFailureKind::Auth);
     }
 
     #[test]

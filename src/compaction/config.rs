@@ -1,7 +1,6 @@
-//! Compaction settings (`[compaction]` in `proxy.toml`) with the reference
-//! compressor's defaults.
+//! Compaction settings (`[compaction]` in `proxy.toml`) and their defaults.
 //!
-//! Owner: trigger helper. Values are stored as configured; the accessors
+//! Values are stored as configured; the accessors
 //! (`effective_*`) apply the clamps the engine relies on so a bad config can
 //! never produce nonsensical budgets.
 
@@ -9,7 +8,8 @@ use std::collections::BTreeMap;
 
 use serde::{Deserialize, Deserializer};
 
-/// Default trigger ratio (reference PR #1096 lowered it from 0.85).
+/// Default trigger ratio: 0.85 left too little room for the reply and the
+/// summary call on busy agent turns.
 pub const DEFAULT_THRESHOLD_PERCENT: f64 = 0.50;
 /// Default number of leading non-system messages protected on the first compaction.
 pub const DEFAULT_PROTECT_FIRST_N: usize = 3;
@@ -47,16 +47,15 @@ impl ConfigError {
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Deserialize, serde::Serialize)]
 #[serde(rename_all = "lowercase")]
 pub enum Strategy {
-    /// One summary of the whole middle per compaction (reference default).
+    /// One summary of the whole middle per compaction (the default).
     #[default]
     Batch,
     /// Rolling per-exchange summaries (off by default upstream: breaks the prompt cache every turn).
     Micro,
 }
 
-/// Settings of the compaction engine. Every field has the reference default,
-/// so an empty `[compaction]` table equals [`CompactionConfig::default`]
-/// (the reference's `DEFAULT_CONFIG`).
+/// Settings of the compaction engine. Every field has a default, so an
+/// empty `[compaction]` table equals [`CompactionConfig::default`].
 #[derive(Clone, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct CompactionConfig {
@@ -64,7 +63,7 @@ pub struct CompactionConfig {
     /// windows). Values in (1, 100] are read as percentages (`75` = 0.75).
     pub threshold_percent: f64,
     /// Absolute trigger cap in tokens; `None` = ratio only. Zero, negative or
-    /// non-numeric values deserialise to `None`, as the reference treats an invalid cap.
+    /// non-numeric values deserialise to `None`: an invalid cap is no cap.
     #[serde(deserialize_with = "de_positive_cap")]
     pub threshold_tokens: Option<u64>,
     /// Leading non-system messages kept verbatim on the first compaction.
@@ -81,8 +80,7 @@ pub struct CompactionConfig {
     /// Abort (forward the original messages) instead of inserting a fallback summary.
     pub abort_on_summary_failure: bool,
     /// Also abort (rather than fall back) when the summary came back
-    /// truncated, empty or from an overloaded provider (the reference's v-B
-    /// rule). Off by default: small local models often run out of reply
+    /// truncated, empty or from an overloaded provider. Off by default: small local models often run out of reply
     /// budget, and aborting then means the request overflows the window; the
     /// deterministic fallback keeps the conversation going.
     pub abort_on_degraded_summary: bool,
@@ -184,7 +182,7 @@ impl CompactionConfig {
     }
 
     /// Reject values the engine cannot interpret. Out-of-range ratios are
-    /// clamped by the accessors instead, as the reference does.
+    /// clamped by the accessors instead.
     pub fn validate(&self) -> Result<(), ConfigError> {
         let pct_ok = |p: f64| p.is_finite() && p > 0.0 && p <= 100.0;
         if !pct_ok(self.threshold_percent) {
@@ -231,7 +229,8 @@ impl CompactionConfig {
     }
 }
 
-/// Clamp a summary ratio to the reference's [0.10, 0.80] range.
+/// Clamp a summary ratio to [0.10, 0.80]: outside it the tail either
+/// vanishes or leaves nothing to summarise.
 pub fn clamp_ratio(r: f64) -> f64 {
     if !r.is_finite() {
         return DEFAULT_SUMMARY_TARGET_RATIO;
@@ -255,7 +254,7 @@ pub fn sanitize_percent(p: f64) -> f64 {
 }
 
 /// Accept any TOML scalar for the cap; only a positive number enables it.
-/// The reference treats zero, negative and non-numeric caps as "no cap"
+/// Zero, negative and non-numeric caps mean "no cap"
 /// rather than failing, so a typo never disables compaction altogether.
 fn de_positive_cap<'de, D: Deserializer<'de>>(d: D) -> Result<Option<u64>, D::Error> {
     #[derive(Deserialize)]

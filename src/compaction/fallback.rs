@@ -1,15 +1,16 @@
-//! Deterministic fallback summary (reference §3.12): what replaces the
+//! Deterministic fallback summary: what replaces the
 //! compacted turns when the summariser failed and the failure is not one
 //! that aborts. Built locally from the dropped turns, strictly redacted,
 //! capped at 8,000 characters, or at the summary budget of a small window
 //! ([`build_fallback_body_capped`]), so repeated fallbacks cannot grow. The latest user ask is recorded exactly once,
-//! as history (#49307: repeating it under "in progress" / "pending" headings
-//! made the model answer it again).
+//! as history: repeating it under "in progress" / "pending" headings made
+//! the model answer it again.
 
 use super::markers::{HISTORICAL_TASK_HEADING, SUMMARY_PREFIX};
 use super::redact::redact_secrets;
-use super::serialize::{content_text, is_synthetic_user, py_quote};
+use super::serialize::{py_quote, render_content};
 use super::tool_summary::summarize_tool_result;
+use super::view::is_synthetic_user;
 use regex::Regex;
 use serde_json::Value;
 use std::collections::HashMap;
@@ -180,68 +181,11 @@ fn extract(dropped: &[Value]) -> Facts {
     }
     let mut actions: Vec<String> = Vec::new();
     for m in dropped {
-        let text = content_text(m.get("content"));
+        let text = render_content(m.get("content"));
         match role(m) {
-            "user" => {
-                let synthetic = is_synthetic_user(m);
-                if !synthetic && !text.trim().is_empty() {
-                    f.last_ask = Some(shorten(&clean(&text, usize::MAX)));
-                }
-                collect_paths(&redact_secrets(&text), &mut f.files);
-                let label = if synthetic {
-                    "INTERNAL CONTEXT"
-                } else {
-                    "USER"
-                };
-                f.last_turns
-                    .push(format!("{label}: {}", clean(&text, TURN_MAX_CHARS)));
-            }
-            "assistant" => {
-                let calls = tool_calls(m);
-                for c in calls {
-                    if let Ok(Value::Object(args)) = serde_json::from_str::<Value>(&call_args(c)) {
-                        for key in ["path", "workdir", "file_path", "output_path"] {
-                            if let Some(p) = args.get(key).and_then(Value::as_str) {
-                                push_unique(&mut f.files, clean(p, 300), MAX_FILES);
-                            }
-                        }
-                    }
-                }
-                collect_paths(&redact_secrets(&text), &mut f.files);
-                let cleaned = clean(&text, TURN_MAX_CHARS);
-                if calls.is_empty() {
-                    if !cleaned.is_empty() {
-                        actions.push(shorten(&cleaned));
-                    }
-                    f.last_turns.push(format!("ASSISTANT: {cleaned}"));
-                } else {
-                    let line = called_tools_line(calls);
-                    actions.push(line.clone());
-                    let names = line.trim_start_matches("Called tool(s): ");
-                    let sep = if cleaned.is_empty() { "" } else { " — " };
-                    f.last_turns
-                        .push(format!("ASSISTANT: tool calls: {names}{sep}{cleaned}"));
-                }
-            }
-            "tool" => {
-                let id = m.get("tool_call_id").and_then(Value::as_str).unwrap_or("");
-                let (name, args) = calls_by_id
-                    .get(id)
-                    .cloned()
-                    .unwrap_or_else(|| ("tool".to_string(), String::new()));
-                actions.push(shorten(&clean(
-                    &summarize_tool_result(&name, &args, &text),
-                    TURN_MAX_CHARS,
-                )));
-                if ERROR_WORDS.as_ref().is_some_and(|re| re.is_match(&text))
-                    && f.blocked.len() < MAX_BLOCKED
-                {
-                    f.blocked.push(clean(&text, 500));
-                }
-                collect_paths(&redact_secrets(&text), &mut f.files);
-                f.last_turns
-                    .push(format!("TOOL: {}", clean(&text, TURN_MAX_CHARS)));
-            }
+            "user" => f.note_user(m, &text),
+            "assistant" => f.note_assistant(m, &text, &mut actions),
+            "tool" => f.note_tool(m, &text, &calls_by_id, &mut actions),
             other => {
                 if !text.trim().is_empty() {
                     f.last_turns.push(format!(
@@ -258,6 +202,77 @@ fn extract(dropped: &[Value]) -> Facts {
     let skip = f.last_turns.len().saturating_sub(MAX_LAST_TURNS);
     f.last_turns.drain(..skip);
     f
+}
+
+impl Facts {
+    fn note_user(&mut self, m: &Value, text: &str) {
+        let synthetic = is_synthetic_user(m);
+        if !synthetic && !text.trim().is_empty() {
+            self.last_ask = Some(shorten(&clean(text, usize::MAX)));
+        }
+        collect_paths(&redact_secrets(text), &mut self.files);
+        let label = if synthetic {
+            "INTERNAL CONTEXT"
+        } else {
+            "USER"
+        };
+        self.last_turns
+            .push(format!("{label}: {}", clean(text, TURN_MAX_CHARS)));
+    }
+
+    fn note_assistant(&mut self, m: &Value, text: &str, actions: &mut Vec<String>) {
+        let calls = tool_calls(m);
+        for c in calls {
+            if let Ok(Value::Object(args)) = serde_json::from_str::<Value>(&call_args(c)) {
+                for key in ["path", "workdir", "file_path", "output_path"] {
+                    if let Some(p) = args.get(key).and_then(Value::as_str) {
+                        push_unique(&mut self.files, clean(p, 300), MAX_FILES);
+                    }
+                }
+            }
+        }
+        collect_paths(&redact_secrets(text), &mut self.files);
+        let cleaned = clean(text, TURN_MAX_CHARS);
+        if calls.is_empty() {
+            if !cleaned.is_empty() {
+                actions.push(shorten(&cleaned));
+            }
+            self.last_turns.push(format!("ASSISTANT: {cleaned}"));
+        } else {
+            let line = called_tools_line(calls);
+            actions.push(line.clone());
+            let names = line.trim_start_matches("Called tool(s): ");
+            let sep = if cleaned.is_empty() { "" } else { " — " };
+            self.last_turns
+                .push(format!("ASSISTANT: tool calls: {names}{sep}{cleaned}"));
+        }
+    }
+
+    fn note_tool(
+        &mut self,
+        m: &Value,
+        text: &str,
+        calls_by_id: &HashMap<&str, (String, String)>,
+        actions: &mut Vec<String>,
+    ) {
+        let id = m.get("tool_call_id").and_then(Value::as_str).unwrap_or("");
+        let (name, args) = calls_by_id
+            .get(id)
+            .cloned()
+            .unwrap_or_else(|| ("tool".to_string(), String::new()));
+        actions.push(shorten(&clean(
+            &summarize_tool_result(&name, &args, text),
+            TURN_MAX_CHARS,
+        )));
+        if ERROR_WORDS.as_ref().is_some_and(|re| re.is_match(text))
+            && self.blocked.len() < MAX_BLOCKED
+        {
+            self.blocked.push(clean(text, 500));
+        }
+        collect_paths(&redact_secrets(text), &mut self.files);
+        self.last_turns
+            .push(format!("TOOL: {}", clean(text, TURN_MAX_CHARS)));
+    }
 }
 
 /// The fallback body (no prefix): the five leading sections, then optional
@@ -305,7 +320,7 @@ pub fn build_fallback_body_capped(
         (None, Some(prev)) => format!("{CARRIED_SNAPSHOT_LEAD} {prev}"),
         (None, None) => "No user request in the compacted turns.".to_string(),
     };
-    let mut required = if compact {
+    let required = if compact {
         format!(
             "{HISTORICAL_TASK_HEADING}\n{snapshot}\n\n\
 ## Constraints & Preferences\n- {FALLBACK_NOTICE} ({reason}); assembled locally from {n} compacted messages, secrets redacted. Verify the current state before acting."
@@ -320,6 +335,20 @@ pub fn build_fallback_body_capped(
 ## Constraints & Preferences\n- {FALLBACK_NOTICE} ({reason}), so this summary was assembled locally from {n} compacted messages without a model. Secrets were redacted and details may be missing: verify the current state before acting."
         )
     };
+    let optional = optional_sections(&f, n, &reason, compact, previous_summary, max_chars);
+    fit_sections(required, optional, max_chars)
+}
+
+/// The optional sections as `(canonical position, text)`, in the priority
+/// order they are offered to the cap.
+fn optional_sections(
+    f: &Facts,
+    n: usize,
+    reason: &str,
+    compact: bool,
+    previous_summary: Option<&str>,
+    max_chars: usize,
+) -> Vec<(usize, String)> {
     let numbered = |items: &[String]| {
         items
             .iter()
@@ -335,7 +364,6 @@ pub fn build_fallback_body_capped(
             .collect::<Vec<_>>()
             .join("\n")
     };
-    // (canonical position, text) in priority order.
     let mut optional: Vec<(usize, String)> = Vec::new();
     if !compact {
         optional.push((
@@ -379,7 +407,12 @@ pub fn build_fallback_body_capped(
         "## Active State\nUnknown — check the working tree and running processes before acting."
             .to_string(),
     ));
-    let budget = max_chars;
+    optional
+}
+
+/// Appends the optional sections that fit `budget` to `required`, in their
+/// canonical order, and truncates the whole if `required` alone is over.
+fn fit_sections(mut required: String, optional: Vec<(usize, String)>, budget: usize) -> String {
     let mut used = required.chars().count();
     let mut chosen: Vec<(usize, String)> = Vec::new();
     for (pos, text) in optional {
@@ -549,7 +582,7 @@ mod tests {
             );
             prev = next;
         }
-        // Large caps keep the reference layout.
+        // Large caps keep the full layout.
         let full = build_fallback_body_capped(&first, None, "boom", 7_000);
         assert!(full.contains("## Governing User Outcome"));
         assert!(!prev.contains("## Governing User Outcome"));

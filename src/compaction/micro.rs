@@ -1,4 +1,4 @@
-//! Micro-compaction (reference §4): the alternative strategy that folds the
+//! Micro-compaction: the alternative strategy that folds the
 //! oldest un-absorbed exchange (one assistant turn and its tool results) into
 //! a rolling summary on every pass, instead of one large compaction when the
 //! window fills.
@@ -6,13 +6,15 @@
 //! Off by default: every pass rewrites the prompt prefix and so breaks the
 //! provider's prompt cache each turn. User rows are never absorbed (their
 //! words are the intent everything else derives from); only assistant/tool
-//! rows are. Like the reference, this leaves user rows adjacent where
+//! rows are. This leaves user rows adjacent where
 //! exchanges were absorbed, so it suits upstreams that accept consecutive
 //! user messages.
 
 use serde_json::{json, Value};
 
-use super::compressor::Compressor;
+use super::compressor::{
+    common_suffix, CompressResult, CompressTelemetry, Compressor, NoOpReason, Outcome,
+};
 use super::config::Strategy;
 use super::markers::{END_MARKER, HISTORICAL_TASK_HEADING, MICRO_TAG, SUMMARY_PREFIX};
 use super::serialize::{self, serialize_for_summary};
@@ -160,15 +162,54 @@ impl MicroTelemetry {
     }
 }
 
-/// Result of one micro pass.
+/// What a micro pass did, carried by its [`CompressResult`].
 #[derive(Clone, Debug, PartialEq)]
-pub struct MicroResult {
-    /// The conversation to send (the input unless something was absorbed).
-    pub messages: Vec<Value>,
+pub struct MicroPass {
     /// What happened.
     pub outcome: MicroOutcome,
     /// The pass's accounting (`None` for a no-op).
     pub telemetry: Option<MicroTelemetry>,
+}
+
+/// A micro pass in the shape of a compaction result: `Compacted` when the
+/// messages changed, `NoOp` when there was nothing to absorb, `Rejected`
+/// when a summary call failed and the messages go as they were.
+fn micro_result(
+    input: &[Value],
+    messages: Vec<Value>,
+    outcome: MicroOutcome,
+    telemetry: Option<MicroTelemetry>,
+    absorbed_rows: usize,
+) -> CompressResult {
+    let tokens_before = tokens::estimate_messages_tokens_rough(input);
+    let tokens_after = tokens::estimate_messages_tokens_rough(&messages);
+    let changed = messages != input;
+    let result_outcome = if changed {
+        Outcome::Compacted
+    } else if outcome == MicroOutcome::NoOp {
+        Outcome::NoOp(NoOpReason::NothingToAbsorb)
+    } else {
+        Outcome::Rejected
+    };
+    CompressResult {
+        kept_suffix: common_suffix(input, &messages),
+        summary_index: messages.iter().rposition(is_micro_marker),
+        telemetry: CompressTelemetry {
+            messages_before: input.len(),
+            messages_after: messages.len(),
+            ..Default::default()
+        },
+        messages,
+        outcome: result_outcome,
+        fallback_used: false,
+        feasibility_skip: false,
+        dropped_count: if changed { absorbed_rows } else { 0 },
+        tokens_before,
+        tokens_after,
+        summary_failure: None,
+        aux_model_failure: None,
+        micro: Some(MicroPass { outcome, telemetry }),
+    }
 }
 
 /// True for a marker written by micro-compaction.
@@ -248,12 +289,13 @@ impl Compressor {
     }
 
     /// Runs one micro-compaction pass over `messages`.
-    pub async fn micro_compact(&mut self, messages: &[Value], s: &dyn Summariser) -> MicroResult {
-        let unchanged = |outcome, telemetry| MicroResult {
-            messages: messages.to_vec(),
-            outcome,
-            telemetry,
-        };
+    pub async fn micro_compact(
+        &mut self,
+        messages: &[Value],
+        s: &dyn Summariser,
+    ) -> CompressResult {
+        let unchanged =
+            |outcome, telemetry| micro_result(messages, messages.to_vec(), outcome, telemetry, 0);
         let n = messages.len();
         if self.cfg.strategy != Strategy::Micro || n < MICRO_MIN_MESSAGES {
             return unchanged(MicroOutcome::NoOp, None);
@@ -265,75 +307,19 @@ impl Compressor {
         if head_end >= tail_start {
             return unchanged(MicroOutcome::NoOp, None);
         }
-
-        // Resume: rebuild the rolling summary from the newest marker.
-        let last_marker = (head_end..tail_start)
-            .rev()
-            .find(|&i| view::is_summary(&messages[i]));
-        if self.micro.rolling_summary.is_empty() {
-            if let Some(text) = last_marker.and_then(|i| rolling_from_marker(&messages[i])) {
-                self.micro.rolling_summary = text;
-            }
-        }
-        let mut cursor = match self.micro.cursor {
-            Some(c) if c > head_end && c < tail_start => c,
-            _ => last_marker.map_or(head_end, |i| i + 1),
-        };
-
+        let cursor = self.resume(messages, head_end, tail_start);
         let tokens_before = tokens::estimate_messages_tokens_rough(messages);
-        let mut defrag_outcome = None;
-        if self.needs_defrag() {
-            let prompt = micro_prompt(&self.micro.rolling_summary, "");
-            match self.micro_summarize_one(s, prompt).await {
-                Some(t) => {
-                    self.micro.rolling_summary = t;
-                    defrag_outcome = Some(MicroOutcome::Defrag);
-                }
-                None => defrag_outcome = Some(MicroOutcome::DefragFailed),
-            }
-        }
         let mut working = messages.to_vec();
-        if defrag_outcome == Some(MicroOutcome::Defrag) {
-            if let Some(i) = working.iter().rposition(is_micro_marker) {
-                working[i] =
-                    json!({"role": "user", "content": marker_content(&self.micro.rolling_summary)});
-            }
-        }
+        let defrag_outcome = self.defrag(s, &mut working).await;
 
-        // One exchange: skip to the first real assistant row (reference §4),
-        // then take the contiguous assistant/tool rows. Tool rows are skipped
-        // too: their call sits before the cursor (e.g. on a merged summary),
-        // and absorbing them alone would orphan that call.
-        while cursor < tail_start
-            && (!view::is_role(&working[cursor], "assistant") || view::is_summary(&working[cursor]))
-        {
-            cursor += 1;
-        }
-        let start = cursor;
-        let mut end = start;
-        while end < tail_start
-            && (view::is_role(&working[end], "assistant") || view::is_role(&working[end], "tool"))
-            && !view::is_summary(&working[end])
-        {
-            end += 1;
-        }
-        let closed = end < working.len()
-            && !view::is_role(&working[end], "assistant")
-            && !view::is_role(&working[end], "tool");
-        if start >= end
-            || !closed
-            || !working[start..end]
-                .iter()
-                .any(|m| view::is_role(m, "assistant"))
-        {
+        let Some((start, end)) = next_exchange(&working, cursor, tail_start) else {
             return self.micro_finish_without_absorb(
                 messages,
                 working,
                 defrag_outcome,
                 tokens_before,
             );
-        }
-
+        };
         let exchange = &working[start..end];
         let exchange_tokens: u64 = exchange
             .iter()
@@ -344,71 +330,115 @@ impl Compressor {
             &serialize_for_summary(exchange),
         );
         let Some(updated) = self.micro_summarize_one(s, prompt).await else {
-            self.micro.consecutive_failures += 1;
-            let outcome =
-                if self.micro.consecutive_failures >= MICRO_COMPACT_MAX_CONSECUTIVE_FAILURES {
-                    // Poison exchange: move past it; it stays for batch compaction.
-                    self.micro.consecutive_failures = 0;
-                    self.micro.cursor = Some(end);
-                    MicroOutcome::ExchangeSkipped
-                } else {
-                    self.micro.cursor = Some(start);
-                    MicroOutcome::SummarizeFailed
-                };
-            let tel = MicroTelemetry::new(
-                &self.trigger,
-                &self.micro,
+            let outcome = self.note_exchange_failure(start, end);
+            let tel = self.emit_telemetry(
                 outcome,
-                n,
-                n,
-                tokens_before,
-                tokens_before,
+                (n, n),
+                (tokens_before, tokens_before),
                 exchange_tokens,
             );
-            tel.emit();
             return unchanged(outcome, Some(tel));
         };
 
         let cumulative = !self.micro.rolling_summary.trim().is_empty();
         self.micro.rolling_summary = updated;
         self.micro.consecutive_failures = 0;
-        let marker =
-            json!({"role": "user", "content": marker_content(&self.micro.rolling_summary)});
-        let mut spliced: Vec<Value> = Vec::with_capacity(working.len());
-        for (i, m) in working.iter().enumerate() {
-            if i == start {
-                spliced.push(marker.clone());
-            }
-            if i >= start && i < end {
-                continue;
-            }
-            // Older micro markers are subsets of the cumulative summary; batch
-            // markers hold history the rolling summary lacks and stay.
-            if cumulative && is_micro_marker(m) {
-                continue;
-            }
-            spliced.push(m.clone());
-        }
-        let new_cursor = spliced.iter().rposition(is_micro_marker).map(|i| i + 1);
-        self.micro.cursor = new_cursor;
+        let spliced = splice_exchange(
+            &working,
+            start,
+            end,
+            &self.micro.rolling_summary,
+            cumulative,
+        );
+        self.micro.cursor = spliced.iter().rposition(is_micro_marker).map(|i| i + 1);
         let tokens_after = tokens::estimate_messages_tokens_rough(&spliced);
         self.micro.passes += 1;
         self.micro.tokens_saved_total += tokens_before as i64 - tokens_after as i64;
+        let tel = self.emit_telemetry(
+            MicroOutcome::Absorbed,
+            (n, spliced.len()),
+            (tokens_before, tokens_after),
+            exchange_tokens,
+        );
+        micro_result(
+            messages,
+            spliced,
+            MicroOutcome::Absorbed,
+            Some(tel),
+            end - start,
+        )
+    }
+
+    /// Builds and emits the telemetry record of a pass: `rows` and
+    /// `tokens` are (before, after).
+    fn emit_telemetry(
+        &self,
+        outcome: MicroOutcome,
+        rows: (usize, usize),
+        tokens: (u64, u64),
+        exchange_tokens: u64,
+    ) -> MicroTelemetry {
         let tel = MicroTelemetry::new(
             &self.trigger,
             &self.micro,
-            MicroOutcome::Absorbed,
-            n,
-            spliced.len(),
-            tokens_before,
-            tokens_after,
+            outcome,
+            rows.0,
+            rows.1,
+            tokens.0,
+            tokens.1,
             exchange_tokens,
         );
         tel.emit();
-        MicroResult {
-            messages: spliced,
-            outcome: MicroOutcome::Absorbed,
-            telemetry: Some(tel),
+        tel
+    }
+
+    /// Where this pass starts: the saved cursor when it is still inside the
+    /// window, else just after the newest marker (whose rolling summary is
+    /// rebuilt if the compressor lost it, e.g. after a restart).
+    fn resume(&mut self, messages: &[Value], head_end: usize, tail_start: usize) -> usize {
+        let last_marker = (head_end..tail_start)
+            .rev()
+            .find(|&i| view::is_summary(&messages[i]));
+        if self.micro.rolling_summary.is_empty() {
+            if let Some(text) = last_marker.and_then(|i| rolling_from_marker(&messages[i])) {
+                self.micro.rolling_summary = text;
+            }
+        }
+        match self.micro.cursor {
+            Some(c) if c > head_end && c < tail_start => c,
+            _ => last_marker.map_or(head_end, |i| i + 1),
+        }
+    }
+
+    /// Rewrites an over-long rolling summary compactly (and the newest
+    /// marker in `working` with it) before anything else is absorbed.
+    async fn defrag(&mut self, s: &dyn Summariser, working: &mut [Value]) -> Option<MicroOutcome> {
+        if !self.needs_defrag() {
+            return None;
+        }
+        let prompt = micro_prompt(&self.micro.rolling_summary, "");
+        let Some(t) = self.micro_summarize_one(s, prompt).await else {
+            return Some(MicroOutcome::DefragFailed);
+        };
+        self.micro.rolling_summary = t;
+        if let Some(i) = working.iter().rposition(is_micro_marker) {
+            working[i] =
+                json!({"role": "user", "content": marker_content(&self.micro.rolling_summary)});
+        }
+        Some(MicroOutcome::Defrag)
+    }
+
+    /// Counts a failed exchange; after too many in a row it is skipped.
+    fn note_exchange_failure(&mut self, start: usize, end: usize) -> MicroOutcome {
+        self.micro.consecutive_failures += 1;
+        if self.micro.consecutive_failures >= MICRO_COMPACT_MAX_CONSECUTIVE_FAILURES {
+            // Poison exchange: move past it; it stays for batch compaction.
+            self.micro.consecutive_failures = 0;
+            self.micro.cursor = Some(end);
+            MicroOutcome::ExchangeSkipped
+        } else {
+            self.micro.cursor = Some(start);
+            MicroOutcome::SummarizeFailed
         }
     }
 
@@ -418,32 +448,76 @@ impl Compressor {
         working: Vec<Value>,
         defrag: Option<MicroOutcome>,
         tokens_before: u64,
-    ) -> MicroResult {
-        match defrag {
-            Some(outcome) => {
-                let tokens_after = tokens::estimate_messages_tokens_rough(&working);
-                let tel = MicroTelemetry::new(
-                    &self.trigger,
-                    &self.micro,
-                    outcome,
-                    messages.len(),
-                    working.len(),
-                    tokens_before,
-                    tokens_after,
-                    0,
-                );
-                tel.emit();
-                MicroResult {
-                    messages: working,
-                    outcome,
-                    telemetry: Some(tel),
-                }
-            }
-            None => MicroResult {
-                messages: messages.to_vec(),
-                outcome: MicroOutcome::NoOp,
-                telemetry: None,
-            },
-        }
+    ) -> CompressResult {
+        let Some(outcome) = defrag else {
+            return micro_result(messages, messages.to_vec(), MicroOutcome::NoOp, None, 0);
+        };
+        let tokens_after = tokens::estimate_messages_tokens_rough(&working);
+        let tel = self.emit_telemetry(
+            outcome,
+            (messages.len(), working.len()),
+            (tokens_before, tokens_after),
+            0,
+        );
+        micro_result(messages, working, outcome, Some(tel), 0)
     }
+}
+
+/// The next exchange from `cursor`: skip to the first real assistant row,
+/// then take the contiguous assistant/tool rows, as `(start, end)`. Tool
+/// rows are skipped too: their call sits before the cursor (e.g. on a merged
+/// summary), and absorbing them alone would orphan that call. `None` unless
+/// the exchange is closed by a later non-assistant row.
+fn next_exchange(
+    working: &[Value],
+    mut cursor: usize,
+    tail_start: usize,
+) -> Option<(usize, usize)> {
+    while cursor < tail_start
+        && (!view::is_role(&working[cursor], "assistant") || view::is_summary(&working[cursor]))
+    {
+        cursor += 1;
+    }
+    let start = cursor;
+    let mut end = start;
+    while end < tail_start
+        && (view::is_role(&working[end], "assistant") || view::is_role(&working[end], "tool"))
+        && !view::is_summary(&working[end])
+    {
+        end += 1;
+    }
+    let closed = end < working.len()
+        && !view::is_role(&working[end], "assistant")
+        && !view::is_role(&working[end], "tool");
+    let has_assistant = working[start..end]
+        .iter()
+        .any(|m| view::is_role(m, "assistant"));
+    (start < end && closed && has_assistant).then_some((start, end))
+}
+
+/// `working` with `start..end` replaced by a marker of `rolling`.
+fn splice_exchange(
+    working: &[Value],
+    start: usize,
+    end: usize,
+    rolling: &str,
+    cumulative: bool,
+) -> Vec<Value> {
+    let marker = json!({"role": "user", "content": marker_content(rolling)});
+    let mut spliced: Vec<Value> = Vec::with_capacity(working.len());
+    for (i, m) in working.iter().enumerate() {
+        if i == start {
+            spliced.push(marker.clone());
+        }
+        if i >= start && i < end {
+            continue;
+        }
+        // Older micro markers are subsets of the cumulative summary; batch
+        // markers hold history the rolling summary lacks and stay.
+        if cumulative && is_micro_marker(m) {
+            continue;
+        }
+        spliced.push(m.clone());
+    }
+    spliced
 }

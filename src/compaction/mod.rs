@@ -1,7 +1,7 @@
 //! The compaction engine: decides when and how a conversation's `messages`
 //! array is compacted. Pure and synchronous except for the summariser trait.
 //!
-//! File ownership while the engine is being built (see each file's header):
+//! Modules by role:
 //! - trigger side: `config`, `budget`, `trigger`
 //! - pure leaf functions: `tokens`, `tool_summary`, `args`, `redact`, `markers`,
 //!   `serialize`, `fallback`
@@ -11,10 +11,12 @@
 //! Entry point: one [`Compressor`] per conversation (it owns that
 //! conversation's [`trigger::Trigger`]). Per request the proxy asks
 //! `compressor.trigger.should_compress(..)`; when it fires it calls
-//! [`Compressor::compress`] with its [`Summariser`], sends
-//! `CompressResult::messages`, and on `Outcome::Compacted` records
+//! [`Compressor::compress`] (or [`Compressor::micro_compact`] for the micro
+//! strategy) with its [`Summariser`] and sends `CompressResult::messages`.
+//! The call commits the compressor's own state once, at its end; on
+//! `Outcome::Compacted` the caller records
 //! `trigger.record_completed_compaction(fallback_used, feasibility_skip,
-//! rough_after)`. `CompressResult::kept_suffix` says how many trailing input
+//! tokens_after)`. `CompressResult::kept_suffix` says how many trailing input
 //! messages were sent unchanged, so the replacement prefix of a compaction
 //! record is `messages[..messages.len() - kept_suffix]` standing for
 //! `input[..input.len() - kept_suffix]`.
@@ -39,6 +41,7 @@ pub mod trigger;
 pub mod view;
 
 pub use compressor::{
-    AbortReason, CompressOptions, CompressResult, Compressor, NoOpReason, Outcome,
+    AbortReason, AuxModelFailure, CompressOptions, CompressResult, Compressor, NoOpReason, Outcome,
+    SummaryAttempt, SummaryFailure, SummaryFailureKind,
 };
 pub use summariser::{Summariser, SummaryError, SummaryErrorKind, SummaryReply, SummaryRequest};

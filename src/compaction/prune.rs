@@ -1,5 +1,5 @@
-//! Phase 1 of a compaction: tool-output pruning without any LLM call
-//! (reference §3.3). Cheap, deterministic work first: identical tool outputs
+//! Phase 1 of a compaction: tool-output pruning without any LLM call.
+//! Cheap, deterministic work first: identical tool outputs
 //! are deduplicated, old tool results become one-line summaries, oversized
 //! tool-call arguments are shrunk inside their JSON, old images are retired,
 //! and a protected tail that is still too large is demoted under pressure.
@@ -46,7 +46,7 @@ pub struct PruneParams {
     /// proactive path).
     pub min_prune_chars: usize,
     /// The pressure pass leaves the newest tool result alone when it costs
-    /// at most this many tokens (`None`: the reference's last resort demotes
+    /// at most this many tokens (`None`: the last resort demotes
     /// it too). Small windows set it: an agent whose just-returned result is
     /// replaced by a one-line stub repeats the call, turn after turn.
     pub keep_newest_tool_max: Option<u64>,
@@ -264,7 +264,7 @@ pub fn prune_old_tool_results(msgs: &[Value], p: &PruneParams) -> (Vec<Value>, u
         }
     }
 
-    // Pass 4: pressure demotion inside an oversized protected tail (#61932).
+    // Pass 4: pressure demotion inside an oversized protected tail.
     if let (Some(soft), Some(_)) = (p.soft_ceiling, p.protect_tail_tokens) {
         pressure_pass(
             &mut out,

@@ -1,5 +1,5 @@
 //! Strict secret redaction for everything the engine sends to a summariser or
-//! writes into a summary (reference §3.8, §3.12): the summariser may run on a
+//! writes into a summary: the summariser may run on a
 //! different provider than the conversation, and a summary is replayed on
 //! every later turn, so secrets are removed even when the user disabled
 //! redaction elsewhere.

@@ -1,4 +1,4 @@
-//! Tool-pair sanitising after the splice (reference §3.13 step 1).
+//! Tool-pair sanitising after the splice.
 //!
 //! Providers reject a tool result whose call is gone ("No tool call found for
 //! function call output") and an assistant tool call without a result

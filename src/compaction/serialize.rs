@@ -1,5 +1,4 @@
-//! Everything between the compacted turns and the summariser (reference
-//! §3.8): serialising turns to text, bounding and chunking that text, the
+//! Everything between the compacted turns and the summariser: serialising turns to text, bounding and chunking that text, the
 //! summary prompt, validating the reply and grounding its task snapshot.
 
 use super::markers::{
@@ -97,10 +96,14 @@ fn head_tail(s: &str, over: usize, head: usize, tail: usize, sep: &str) -> Strin
     format!("{}{sep}{}", &s[..h], &s[t.max(h)..])
 }
 
-/// Flattens message content to text: strings as is, text parts kept,
-/// http(s) images as `[image: URL]`, data-URL images as `[image]`, other
-/// parts as `[<type>]`.
-pub fn content_text(content: Option<&Value>) -> String {
+/// Renders message content for a reader (the summariser, a fallback
+/// summary): strings as is, text parts kept, http(s) images as
+/// `[image: URL]`, data-URL images as `[image]`, other parts as `[<type>]`,
+/// one part per line. Unlike [`view::content_text`] (text parts only, for
+/// matching), nothing the model saw disappears without a trace.
+///
+/// [`view::content_text`]: super::view::content_text
+pub fn render_content(content: Option<&Value>) -> String {
     match content {
         None | Some(Value::Null) => String::new(),
         Some(Value::String(s)) => s.clone(),
@@ -144,7 +147,7 @@ fn role_of(msg: &Value) -> &str {
 /// Serializes one message for the summariser (see [`serialize_for_summary`]).
 pub fn serialize_message(msg: &Value) -> String {
     let role = role_of(msg);
-    let mut text = content_text(msg.get("content"));
+    let mut text = render_content(msg.get("content"));
     if role == "assistant" {
         text = strip_think_blocks(&text);
     }
@@ -194,7 +197,7 @@ pub fn serialize_message(msg: &Value) -> String {
     }
 }
 
-/// Serializes turns for the summariser (reference §3.8): one block per
+/// Serializes turns for the summariser: one block per
 /// message separated by blank lines — `[ROLE]: text`, `[TOOL RESULT id]:
 /// text`, assistants with a `[Tool calls: name(args) …]` list. Content is
 /// flattened, strictly redacted, `MEDIA:` directives become `[media
@@ -494,7 +497,8 @@ fn collapse_ws(s: &str) -> String {
     s.split_whitespace().collect::<Vec<_>>().join(" ")
 }
 
-/// Quotes `s` the way the reference renders a Python string literal:
+/// Quotes `s` like a Python string literal (the form agent runtimes
+/// print tool arguments in, so a summary reads like their own logs):
 /// single quotes unless the text contains a single quote and no double one.
 pub fn py_quote(s: &str) -> String {
     if s.contains('\'') && !s.contains('"') {
@@ -613,37 +617,15 @@ pub fn ground_task_snapshot_with(body: &str, g: Grounding<'_>) -> String {
     out.trim_end().to_string()
 }
 
-/// True for a user row injected by a client runtime rather than typed by a
-/// person (todo snapshots, truncation notices, background reports), or a
-/// compaction handoff: such rows never anchor the task snapshot.
-pub fn is_synthetic_user(msg: &Value) -> bool {
-    if let Some(o) = msg.as_object() {
-        if o.iter().any(|(k, v)| {
-            k.starts_with('_') && k.ends_with("synthetic") && v.as_bool() == Some(true)
-        }) {
-            return true;
-        }
-    }
-    let text = content_text(msg.get("content"));
-    let t = text.trim_start();
-    const SCAFFOLD: &[&str] = &[
-        "[System:",
-        "[SYSTEM:",
-        "[Your active task list was preserved",
-        "[Background process",
-        "[background process",
-        "[Note from compactor",
-    ];
-    SCAFFOLD.iter().any(|p| t.starts_with(p)) || super::markers::is_handoff(msg)
-}
-
 /// Text of the newest real (non-synthetic, non-blank) user row in `turns`.
 pub fn latest_user_task_snapshot(turns: &[Value]) -> Option<String> {
     turns.iter().rev().find_map(|m| {
-        if m.get("role").and_then(Value::as_str) != Some("user") || is_synthetic_user(m) {
+        if m.get("role").and_then(Value::as_str) != Some("user")
+            || super::view::is_synthetic_user(m)
+        {
             return None;
         }
-        let t = content_text(m.get("content"));
+        let t = render_content(m.get("content"));
         let t = strip_inflight_header(&t);
         (!t.trim().is_empty()).then(|| t.to_string())
     })
@@ -751,8 +733,8 @@ mod tests {
     }
 
     #[test]
-    fn flattens_list_content() {
-        let s = content_text(Some(&json!([
+    fn renders_list_content() {
+        let s = render_content(Some(&json!([
             {"type": "text", "text": "look"},
             {"type": "image_url", "image_url": {"url": "https://x/y.png"}},
             {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAA"}},

@@ -10,7 +10,8 @@ use std::fmt;
 
 /// Default prompt budget of a summariser, in characters of prompt text.
 ///
-/// Matches the reference's 160,000-char summary input cap (about 40 K tokens).
+/// The 160,000-char summary input cap (about 40 K tokens): the most one
+/// summary call reads, whatever the summariser could take.
 pub const DEFAULT_PROMPT_BUDGET_CHARS: usize = 160_000;
 
 /// The model that writes summaries.

@@ -1,4 +1,4 @@
-//! The tail cut (reference §3.5): which suffix of the conversation is kept
+//! The tail cut: which suffix of the conversation is kept
 //! verbatim. Everything between the head and the cut is summarised.
 //!
 //! The cut is sized by tokens (not message count) so large tool outputs cannot
@@ -94,7 +94,7 @@ pub fn find_tail_cut_with_costs(
     let min_tail = min_tail_floor(p.protect_last_n, n - head_end);
     let soft = p.soft_ceiling.max(p.budget);
     // A generous soft ceiling needs no count floor; a floor would only drag
-    // oversized rows into the tail (#108647).
+    // oversized rows into the tail.
     let walk_floor = if soft >= (min_tail as u64).saturating_mul(10) {
         0
     } else {
@@ -103,7 +103,7 @@ pub fn find_tail_cut_with_costs(
     let mut cut = walk(costs, head_end, soft, walk_floor);
     if cut <= head_end {
         // Everything fits under the soft ceiling: walk again with the raw
-        // budget so a useful middle exists (#40803, N→N no-op loop).
+        // budget so a useful middle exists (otherwise an N→N no-op loop).
         cut = walk(costs, head_end, p.budget, walk_floor);
     }
     if cut <= head_end {
@@ -163,9 +163,9 @@ pub fn find_turn_pair_end(msgs: &[Value], user_idx: usize) -> usize {
     j.min(n)
 }
 
-/// Last-user anchor (#10896): the newest real user row stays in the tail. If
+/// Last-user anchor: the newest real user row stays in the tail. If
 /// that row is the first compressible one, clamping would summarise it without
-/// its reply (a finished ask recorded as pending, #22523), so the cut is
+/// its reply (a finished ask recorded as pending), so the cut is
 /// pushed past the whole turn pair instead.
 pub fn ensure_last_user_message_in_tail(msgs: &[Value], cut: usize, head_end: usize) -> usize {
     let Some(last_user) = view::last_real_user(msgs, head_end) else {
@@ -188,7 +188,7 @@ pub fn last_visible_assistant(msgs: &[Value]) -> Option<usize> {
         .or_else(|| view::last_assistant(msgs))
 }
 
-/// Last-assistant anchor (#29824): the user's last visible reply must not
+/// Last-assistant anchor: the user's last visible reply must not
 /// vanish into the summary.
 pub fn ensure_last_assistant_in_tail(msgs: &[Value], cut: usize, head_end: usize) -> usize {
     match last_visible_assistant(msgs) {
@@ -226,7 +226,7 @@ pub fn ensure_last_n_user_messages_in_tail(
     }
 }
 
-/// Oversized-active-turn exception (#80449): when the active turn alone is
+/// Oversized-active-turn exception: when the active turn alone is
 /// larger than the soft ceiling and already ran tools, the aligned mid-turn cut
 /// is kept and the (short) user ask goes into the summary, where the
 /// deterministic task snapshot records it.

@@ -1,9 +1,9 @@
-//! Rough token estimation (reference §2).
+//! Rough token estimation.
 //!
 //! One estimator serves the trigger (whole-request estimate) and the
 //! tail/prune walks (per-message estimate): both are built on the same text
 //! counter, so the two never disagree about which size class a conversation
-//! is in (the reference's #55572 lesson: mismatched estimators make compaction
+//! is in (mismatched estimators make compaction
 //! re-fire forever).
 //!
 //! The walks never re-serialise a message: they visit the `Value` tree and
@@ -28,12 +28,12 @@ pub const DEFAULT_CHARGE_STALE_THINKING: bool = true;
 pub const IMAGE_TOKEN_PRICE: u64 = 1_600;
 
 /// Replay fields that providers receive on every retained turn, so they are
-/// charged on every message (#55572, #81747). Encrypted payloads inside them
+/// charged on every message. Encrypted payloads inside them
 /// are blanked first: opaque ciphertext is priced only by real usage.
 pub const ALWAYS_REPLAYED_BUDGET_KEYS: &[&str] = &["codex_reasoning_items", "codex_message_items"];
 
-/// Thinking fields that reach the wire for at most the newest assistant turn
-/// (#73624); older copies are charged only when `charge_thinking` is set.
+/// Thinking fields that reach the wire for at most the newest assistant turn;
+/// older copies are charged only when `charge_thinking` is set.
 pub const NEWEST_TURN_ONLY_BUDGET_KEYS: &[&str] =
     &["reasoning", "reasoning_content", "reasoning_details"];
 
@@ -206,7 +206,7 @@ fn is_cjk(c: u32) -> bool {
     )
 }
 
-/// Rough token count of a text (reference §2.1): empty → 0; ASCII →
+/// Rough token count of a text: empty → 0; ASCII →
 /// `ceil(len / 4)`; otherwise one token per CJK-class codepoint plus
 /// `ceil(utf8 bytes of the rest / 4)`.
 pub fn estimate_text_tokens(text: &str) -> u64 {
@@ -263,7 +263,7 @@ fn is_present(v: Option<&Value>) -> bool {
 }
 
 /// Counts the thinking/text/summary strings of a `reasoning_details` array,
-/// never the signed envelope (#73298).
+/// never the signed envelope.
 fn add_reasoning_details_text(c: &mut Counter, v: &Value) {
     match v {
         Value::Array(a) => a.iter().for_each(|x| add_reasoning_details_text(c, x)),
@@ -290,8 +290,7 @@ fn add_text_or_json(c: &mut Counter, v: &Value) {
     }
 }
 
-/// Per-message budget estimate used by the tail and prune walks (reference
-/// §2.3): wire content (string sidecar on user/assistant rows) as text, list
+/// Per-message budget estimate used by the tail and prune walks: wire content (string sidecar on user/assistant rows) as text, list
 /// content by characters with images at `IMAGE_TOKEN_PRICE × 4` characters
 /// (other non-text parts by their JSON size),
 /// `+10` overhead, each tool call as its whole compact-JSON envelope, Codex
@@ -373,7 +372,7 @@ pub fn newest_assistant_index(messages: &[Value]) -> Option<usize> {
     messages.iter().rposition(|m| role(m) == "assistant")
 }
 
-/// Estimate of the wire shadow of one message (reference §2.2), as a
+/// Estimate of the wire shadow of one message, as a
 /// character/CJK counter plus the number of images found.
 fn wire_shadow_counter(msg: &Value, keep_thinking: bool) -> (Counter, u64) {
     let mut c = Counter::default();
@@ -436,8 +435,7 @@ fn wire_shadow_counter(msg: &Value, keep_thinking: bool) -> (Counter, u64) {
     (c, images)
 }
 
-/// Whole-conversation estimate used by the trigger and preflight (reference
-/// §2.2), charging thinking on every assistant row (the conservative default).
+/// Whole-conversation estimate used by the trigger and preflight, charging thinking on every assistant row (the conservative default).
 /// See [`estimate_messages_tokens_rough_with`].
 pub fn estimate_messages_tokens_rough(messages: &[Value]) -> u64 {
     estimate_messages_tokens_rough_with(messages, true)
@@ -451,7 +449,7 @@ pub fn estimate_messages_tokens_rough(messages: &[Value]) -> u64 {
 /// `charge_stale_thinking == false` thinking is kept only on the newest
 /// assistant row, so the trigger stays in the tail walk's size class.
 ///
-/// The reference prices `str(dict)`, Python's repr; the compact JSON of the
+/// Agent runtimes price `str(dict)`, Python's repr; the compact JSON of the
 /// same shadow plays that role here (keys, quotes and braces are the
 /// per-message overhead).
 pub fn estimate_messages_tokens_rough_with(messages: &[Value], charge_stale_thinking: bool) -> u64 {
@@ -475,7 +473,7 @@ pub fn estimate_messages_tokens_rough_with(messages: &[Value], charge_stale_thin
 /// Estimate of the whole request: messages (system prompt included, as on the
 /// OpenAI wire) plus tool schemas: per tool `name + description + compact
 /// JSON of parameters` characters, `ceil(/4)` over the sum (50+ tools add
-/// 20–30 K tokens, #14695).
+/// 20–30 K tokens).
 pub fn estimate_request_tokens_rough(messages: &[Value], tools: Option<&Value>) -> u64 {
     estimate_messages_tokens_rough(messages) + estimate_tools_tokens(tools)
 }

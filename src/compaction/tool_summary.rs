@@ -1,4 +1,4 @@
-//! One-line summaries of old tool results (reference §3.3.1): what the pruning
+//! One-line summaries of old tool results: what the pruning
 //! pass leaves in place of a large tool output, and what the deterministic
 //! fallback lists as completed actions. Never fails: unknown tools and bad
 //! arguments get a generic line.
@@ -77,8 +77,19 @@ fn json_field_str(content: &str, key: &str) -> Option<String> {
     }
 }
 
+/// One tool result and the figures every per-tool line may quote.
+#[derive(Clone, Copy)]
+struct ToolResult<'a> {
+    tool_name: &'a str,
+    args: &'a Args,
+    content: &'a str,
+    /// Result length in characters, with thousands separators.
+    n: &'a str,
+    lines: usize,
+}
+
 /// One-line summary of a tool result, following the per-tool formats of the
-/// reference (terminal, read_file, write_file, search_files, patch, browser_*,
+/// common agent tools (terminal, read_file, write_file, search_files, patch, browser_*,
 /// web_search, web_extract, delegate_task, execute_code, skills, memory,
 /// todo, clarify, cronjob, process…) with a generic `[name] k1=v k2=v (N chars
 /// result)` fallback. Bad JSON arguments count as no arguments.
@@ -89,43 +100,89 @@ pub fn summarize_tool_result(tool_name: &str, args_json: &str, content: &str) ->
     };
     let n = thousands(content.chars().count());
     let lines = line_count(content);
-    let a = |k: &str| arg_str(&args, k);
+    let call = ToolResult {
+        tool_name,
+        args: &args,
+        content,
+        n: &n,
+        lines,
+    };
+    workspace_tool_summary(&call)
+        .or_else(|| web_tool_summary(&call))
+        .or_else(|| agent_tool_summary(&call))
+        .or_else(|| common_tool_summary(tool_name, &args, content))
+        .unwrap_or_else(|| {
+            let mut parts = String::new();
+            for (k, v) in args.iter().take(2) {
+                parts.push_str(&format!("{k}={} ", clip(&v.to_plain(), 40)));
+            }
+            format!("[{tool_name}] {parts}({n} chars result)")
+        })
+}
+
+/// Shell, file and code tools.
+fn workspace_tool_summary(c: &ToolResult<'_>) -> Option<String> {
+    let ToolResult {
+        tool_name,
+        args,
+        content,
+        n,
+        lines,
+    } = *c;
+    let a = |k: &str| arg_str(args, k);
     match tool_name {
-        "terminal" => {
+        "terminal" => Some({
             let cmd = clip(&a("command").unwrap_or_default(), 80);
             let exit = json_field_str(content, "exit_code").unwrap_or_else(|| "?".into());
             format!("[{tool_name}] ran `{cmd}` -> exit {exit}, {lines} lines output")
-        }
-        "read_file" => format!(
+        }),
+        "read_file" => Some(format!(
             "[read_file] read {} from line {} ({n} chars)",
-            arg_or(&args, "path", "?"),
-            arg_or(&args, "offset", "1")
-        ),
-        "write_file" => {
+            arg_or(args, "path", "?"),
+            arg_or(args, "offset", "1")
+        )),
+        "write_file" => Some({
             let written = a("content")
                 .map(|c| line_count(&c).to_string())
                 .unwrap_or_else(|| "?".into());
             format!(
                 "[write_file] wrote to {} ({written} lines)",
-                arg_or(&args, "path", "?")
+                arg_or(args, "path", "?")
             )
-        }
-        "search_files" => {
+        }),
+        "search_files" => Some({
             let total = json_field_str(content, "total_count").unwrap_or_else(|| "?".into());
             format!(
                 "[search_files] {} search for '{}' in {} -> {total} matches",
-                arg_or(&args, "target", "content"),
-                arg_or(&args, "pattern", ""),
-                arg_or(&args, "path", ".")
+                arg_or(args, "target", "content"),
+                arg_or(args, "pattern", ""),
+                arg_or(args, "path", ".")
             )
-        }
-        "patch" => format!(
+        }),
+        "patch" => Some(format!(
             "[patch] {} in {} ({n} chars result)",
-            arg_or(&args, "mode", "replace"),
-            arg_or(&args, "path", "?")
-        ),
+            arg_or(args, "mode", "replace"),
+            arg_or(args, "path", "?")
+        )),
+        "execute_code" => Some({
+            let code = a("code").unwrap_or_default().replace('\n', " ");
+            let head: String = code.chars().take(60).collect();
+            let more = if code.chars().count() > 60 { "..." } else { "" };
+            format!("[execute_code] `{head}{more}` ({lines} lines output)")
+        }),
+        _ => None,
+    }
+}
+
+/// Browser and web tools.
+fn web_tool_summary(c: &ToolResult<'_>) -> Option<String> {
+    let ToolResult {
+        tool_name, args, n, ..
+    } = *c;
+    let a = |k: &str| arg_str(args, k);
+    match tool_name {
         "browser_navigate" | "browser_click" | "browser_snapshot" | "browser_type"
-        | "browser_scroll" | "browser_vision" => {
+        | "browser_scroll" | "browser_vision" => Some({
             let target = if let Some(u) = a("url") {
                 format!("{u} ")
             } else if let Some(r) = a("ref") {
@@ -134,12 +191,12 @@ pub fn summarize_tool_result(tool_name: &str, args_json: &str, content: &str) ->
                 String::new()
             };
             format!("[{tool_name}] {target}({n} chars)")
-        }
-        "web_search" => format!(
+        }),
+        "web_search" => Some(format!(
             "[web_search] query='{}' ({n} chars result)",
-            arg_or(&args, "query", "")
-        ),
-        "web_extract" => {
+            arg_or(args, "query", "")
+        )),
+        "web_extract" => Some({
             let urls: Vec<String> = match args.get("urls") {
                 Some(OrderedJson::Array(list)) => list.iter().filter_map(url_of).collect(),
                 Some(v) => url_of(v).into_iter().collect(),
@@ -152,57 +209,57 @@ pub fn summarize_tool_result(tool_name: &str, args_json: &str, content: &str) ->
                 String::new()
             };
             format!("[web_extract] {first}{more} ({n} chars)")
-        }
-        "delegate_task" => format!(
+        }),
+        _ => None,
+    }
+}
+
+/// Agent-side tools: delegation, skills, memory, scheduling.
+fn agent_tool_summary(c: &ToolResult<'_>) -> Option<String> {
+    let ToolResult {
+        tool_name,
+        args,
+        content,
+        n,
+        ..
+    } = *c;
+    let a = |k: &str| arg_str(args, k);
+    match tool_name {
+        "delegate_task" => Some(format!(
             "[delegate_task] '{}' ({n} chars result)",
             clip(&a("goal").unwrap_or_default(), 60)
-        ),
-        "execute_code" => {
-            let code = a("code").unwrap_or_default().replace('\n', " ");
-            let head: String = code.chars().take(60).collect();
-            let more = if code.chars().count() > 60 { "..." } else { "" };
-            format!("[execute_code] `{head}{more}` ({lines} lines output)")
-        }
-        "skill_view" => {
-            let name = arg_or(&args, "name", "?");
+        )),
+        "skill_view" => Some({
+            let name = arg_or(args, "name", "?");
             if content.chars().count() > SKILL_RELOAD_OVER_CHARS {
                 format!("[skill_view] name={name} ({n} chars; body pruned, call skill_view again to reload it)")
             } else {
                 format!("[skill_view] name={name} ({n} chars)")
             }
-        }
-        "skills_list" | "skill_manage" => format!(
+        }),
+        "skills_list" | "skill_manage" => Some(format!(
             "[{tool_name}] name={} ({n} chars)",
-            arg_or(&args, "name", "?")
-        ),
-        "vision_analyze" => format!(
+            arg_or(args, "name", "?")
+        )),
+        "vision_analyze" => Some(format!(
             "[vision_analyze] '{}' ({n} chars)",
             clip(&a("question").unwrap_or_default(), 50)
-        ),
-        "memory" => format!(
+        )),
+        "memory" => Some(format!(
             "[memory] {} on {}",
-            arg_or(&args, "action", "?"),
-            arg_or(&args, "target", "?")
-        ),
-        "todo" => "[todo] updated task list".to_string(),
-        "text_to_speech" => format!("[text_to_speech] generated audio ({n} chars)"),
-        "clarify" => clarify_summary(content),
-        "cronjob" => format!("[cronjob] {}", arg_or(&args, "action", "?")),
-        "process" => format!(
+            arg_or(args, "action", "?"),
+            arg_or(args, "target", "?")
+        )),
+        "todo" => Some("[todo] updated task list".to_string()),
+        "text_to_speech" => Some(format!("[text_to_speech] generated audio ({n} chars)")),
+        "clarify" => Some(clarify_summary(content)),
+        "cronjob" => Some(format!("[cronjob] {}", arg_or(args, "action", "?"))),
+        "process" => Some(format!(
             "[process] {} session={}",
-            arg_or(&args, "action", "?"),
-            arg_or(&args, "session_id", "?")
-        ),
-        other => {
-            if let Some(line) = common_tool_summary(other, &args, content) {
-                return line;
-            }
-            let mut parts = String::new();
-            for (k, v) in args.iter().take(2) {
-                parts.push_str(&format!("{k}={} ", clip(&v.to_plain(), 40)));
-            }
-            format!("[{tool_name}] {parts}({n} chars result)")
-        }
+            arg_or(args, "action", "?"),
+            arg_or(args, "session_id", "?")
+        )),
+        _ => None,
     }
 }
 
@@ -271,7 +328,7 @@ const PATH_KEYS: &[&str] = &[
 ];
 
 /// Summaries for tool names common in other agents (shell, read/write/edit,
-/// search, fetch), matched case-insensitively. The reference only knows its
+/// search, fetch), matched case-insensitively. A single agent only knows its
 /// own tool names; a proxy sees every client's, and a one-line summary that
 /// keeps the path or command is worth far more than the generic line.
 fn common_tool_summary(name: &str, args: &Args, content: &str) -> Option<String> {

@@ -1,7 +1,7 @@
-//! Per-conversation trigger and calibration state (reference notes §3.15,
-//! cooldown classes §1.4 / §3.9, persistence §5).
+//! Per-conversation trigger and calibration state: when to compact, the
+//! failure cooldowns, and the fields that survive a restart.
 //!
-//! Owner: trigger helper. One [`Trigger`] lives in each conversation's state.
+//! One [`Trigger`] lives in each conversation's state.
 //! It answers "should this conversation be compacted now?" from the real
 //! `prompt_tokens` the upstream reported, judges whether the last compaction
 //! worked once the next real usage arrives, and holds the breakers that stop
@@ -43,17 +43,9 @@ pub const DEFER_TOLERANCE_MIN_TOKENS: u64 = 4_096;
 /// Deferral tolerance as a fraction of the threshold.
 pub const DEFER_TOLERANCE_RATIO: f64 = 0.05;
 
-/// Token usage as reported by the upstream (`usage` of a chat completion).
-/// Missing fields count as 0.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
-pub struct Usage {
-    /// Real prompt tokens (system, tools and messages).
-    pub prompt_tokens: Option<u64>,
-    /// Completion tokens.
-    pub completion_tokens: Option<u64>,
-    /// Total tokens.
-    pub total_tokens: Option<u64>,
-}
+/// The trigger learns from the same [`Usage`] the proxy extracts from
+/// responses (missing fields count as 0; the cached part is not used).
+pub use crate::usage::Usage;
 
 /// Source of time for cooldowns and deadlines. [`Clock::system`] reads the
 /// real clocks; [`Clock::manual`] starts at the current time and moves only
@@ -139,11 +131,12 @@ impl Clock {
 
 /// Where the context window comes from. A lazy source is called at most
 /// once, on first need (never in [`Trigger::new`]): resolving may probe the
-/// upstream (#32221).
+/// upstream.
 pub enum WindowSource {
     /// The window is already known (config table, learned value).
     Known(u64),
-    /// Resolve on first need; a result of 0 means unknown (256,000 assumed).
+    /// Resolve on first need; a result of 0 means unknown
+    /// ([`DEFAULT_CONTEXT_LENGTH`] assumed).
     Lazy(Box<dyn FnOnce() -> u64 + Send>),
 }
 
@@ -156,7 +149,7 @@ impl fmt::Debug for WindowSource {
     }
 }
 
-/// Why a summary attempt failed, for choosing its cooldown (reference §1.4, §3.9).
+/// Why a summary attempt failed, for choosing its cooldown.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum FailureClass {
     /// No summary provider configured: 600 s.
@@ -204,7 +197,7 @@ pub fn cooldown_for(class: FailureClass, consecutive: u32) -> u64 {
     }
 }
 
-/// Reference preflight display seed guard (#36718): a preflight estimate may
+/// Preflight display seed guard: a preflight estimate may
 /// raise `last_prompt_tokens` but never overwrite the −1 "just compacted"
 /// sentinel (or any negative value).
 pub fn seed_preflight(last_prompt_tokens: i64, preflight: u64) -> i64 {
@@ -226,7 +219,7 @@ pub fn truncate_error_text(err: &str) -> String {
     s
 }
 
-/// The per-session fields that survive a restart (reference §5): cooldown,
+/// The per-session fields that survive a restart: cooldown,
 /// strikes, streak, recovery deadline, compaction count. Times are wall-clock
 /// milliseconds since the Unix epoch.
 #[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
@@ -286,8 +279,8 @@ pub struct TriggerStatus {
 
 /// Per-conversation trigger, calibration and breaker state.
 ///
-/// The `pub` fields mirror the reference's attributes so callers and tests can
-/// set them directly; derived budgets are computed lazily from the window.
+/// The counters are `pub` so callers and tests can read and set them
+/// directly; derived budgets are computed lazily from the window.
 pub struct Trigger {
     cfg: Arc<CompactionConfig>,
     model: String,
@@ -624,7 +617,7 @@ impl Trigger {
     /// Whether automatic compaction should run at `prompt_tokens` (default:
     /// `last_prompt_tokens`). False below the threshold; false when blocked,
     /// with a warning, because a silently blocked session grows into the
-    /// provider's hard limit (#62708).
+    /// provider's hard limit.
     pub fn should_compress(&mut self, prompt_tokens: Option<i64>) -> bool {
         let tokens = prompt_tokens.unwrap_or(self.last_prompt_tokens);
         if tokens <= 0 {
@@ -709,7 +702,7 @@ impl Trigger {
     /// tokens become the real reading; a reading below the threshold clears
     /// the strikes (not the fallback streak). If a compaction awaits its
     /// verdict, a reading still at or over the threshold is a strike
-    /// (incompressible system prompt + tool schemas, #14695). The verify and
+    /// (incompressible system prompt + tool schemas). The verify and
     /// awaiting flags are always cleared, even when usage is missing.
     pub fn update_from_response(&mut self, usage: &Usage) {
         let prompt = usage.prompt_tokens.unwrap_or(0);
@@ -749,8 +742,9 @@ impl Trigger {
     }
 
     /// Whether a preflight compaction triggered by the rough estimate `rough`
-    /// should wait one request for real usage (reference v-A rule, which the
-    /// spec tests pin). Defer when over the threshold and either a compaction
+    /// should wait one request for real usage: right after a compaction, or
+    /// while the rough figure grew only a little, the real count is the
+    /// better judge and costs nothing but one request. Defer when over the threshold and either a compaction
     /// awaits its real usage, or the last real reading fit and `rough` grew by
     /// at most `max(4,096, 5% of threshold)` over the rough baseline that fit
     /// (the baseline is then raised). Never defers when the provider omits
@@ -784,7 +778,7 @@ impl Trigger {
     /// The conversation's model, window, upstream or reservation changed.
     /// Budgets are re-derived from the raw config (so leaving an overridden
     /// model restores the configured percent), all real-usage calibration is
-    /// zeroed (0, not −1) and strikes reset (#23767). A runtime change (model
+    /// zeroed (0, not −1) and strikes reset. A runtime change (model
     /// or base URL) also resets the fallback streak and clears the failure
     /// cooldown: cooldowns belong to the failed route. `window`/`max_tokens`
     /// replace the current values only when given. A call that changes
@@ -975,7 +969,7 @@ impl Trigger {
     }
 
     /// `/new`-style reset: every per-session field, including counters,
-    /// cooldowns, backoffs, calibration and the skip count (#15547). The
+    /// cooldowns, backoffs, calibration and the skip count. The
     /// window, model and derived budgets are kept.
     pub fn reset_session(&mut self) {
         self.last_prompt_tokens = 0;
@@ -1036,7 +1030,7 @@ impl Trigger {
         }
     }
 
-    /// Load persisted state (reference `bind_session_state`). Counters,
+    /// Load persisted state. Counters,
     /// recovery deadline and compaction count are taken from the snapshot; a
     /// live persisted cooldown replaces the local one, while a snapshot
     /// without one keeps a live local cooldown (a failed write must not

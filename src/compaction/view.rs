@@ -5,24 +5,23 @@ use serde_json::Value;
 
 use super::markers::{self, Handoff};
 
-/// Content prefixes of user-role rows that a runtime injects (todo snapshots,
-/// truncation notices, background-process reports) rather than a human writes.
-/// They never anchor the tail or the task snapshot.
+/// Content prefixes of user-role rows that an agent runtime injects (todo
+/// snapshots, truncation notices, background-process reports, model-switch
+/// notes) rather than a human writes. They never anchor the tail, the task
+/// snapshot or a fallback summary's "latest ask".
 const SYNTHETIC_USER_PREFIXES: &[&str] = &[
     "[Your active task list was preserved",
     "[System:",
     "[SYSTEM:",
     "[System note:",
     "[Background process",
+    "[background process",
     "[Note: model was just switched",
     "[IMPORTANT: Background",
+    "[Note from compactor",
     // compactor's own stand-in for a missing user turn (assemble.rs).
     "Continue from the compressed conversation context above.",
 ];
-
-/// Private keys the reference uses to flag synthetic user rows; a client may
-/// still carry them, so they are honoured on input.
-const SYNTHETIC_FLAG_KEYS: &[&str] = &["_todo_snapshot_synthetic", "_synthetic", "_is_synthetic"];
 
 /// The message's role, or `""`.
 pub fn role(m: &Value) -> &str {
@@ -67,7 +66,10 @@ pub fn text(m: &Value) -> String {
     content_text(m.get("content").unwrap_or(&Value::Null))
 }
 
-/// Text of a content value (string or list of parts).
+/// The text of a content value, for matching and classification: the
+/// string itself, or the text parts of a list joined with a space (media
+/// and other parts contribute nothing). See `serialize::render_content` for
+/// the rendering a reader gets.
 pub fn content_text(c: &Value) -> String {
     match c {
         Value::String(s) => s.clone(),
@@ -128,21 +130,25 @@ pub fn is_summary(m: &Value) -> bool {
     !matches!(markers::classify_handoff(m), Handoff::None)
 }
 
-/// True for user rows injected by a runtime rather than typed by a human.
+/// True for user rows injected by a runtime rather than typed by a human:
+/// flagged by a private `_…synthetic: true` key (agent runtimes mark their
+/// own rows so; a client may still carry the flag), opened by a known
+/// runtime prefix, or a compaction handoff.
 pub fn is_synthetic_user(m: &Value) -> bool {
     if !is_role(m, "user") {
         return false;
     }
-    if SYNTHETIC_FLAG_KEYS
-        .iter()
-        .any(|k| m.get(*k).and_then(Value::as_bool) == Some(true))
-    {
+    let flagged = m.as_object().is_some_and(|o| {
+        o.iter().any(|(k, v)| {
+            k.starts_with('_') && k.ends_with("synthetic") && v.as_bool() == Some(true)
+        })
+    });
+    if flagged {
         return true;
     }
     let t = text(m);
     let t = t.trim_start();
-    SYNTHETIC_USER_PREFIXES.iter().any(|p| t.starts_with(p))
-        || super::serialize::is_synthetic_user(m)
+    SYNTHETIC_USER_PREFIXES.iter().any(|p| t.starts_with(p)) || markers::is_handoff(m)
 }
 
 /// A user row a human wrote: not blank, not synthetic, not a summary carrier.

@@ -57,7 +57,8 @@ pub struct Resolved {
 pub struct WindowConfig {
     /// `[models."name"] context_length` entries.
     pub models: HashMap<String, u64>,
-    /// Used when nothing else is known.
+    /// Used when nothing else is known (defaults to
+    /// [`DEFAULT_CONTEXT_LENGTH`](crate::compaction::budget::DEFAULT_CONTEXT_LENGTH)).
     pub default_window: u64,
     /// How long a failed discovery is not retried.
     pub negative_ttl: Duration,
@@ -69,7 +70,7 @@ impl Default for WindowConfig {
     fn default() -> Self {
         Self {
             models: HashMap::new(),
-            default_window: 8192,
+            default_window: crate::compaction::budget::DEFAULT_CONTEXT_LENGTH,
             negative_ttl: Duration::from_secs(300),
             discovery: true,
         }

@@ -1,6 +1,6 @@
 //! Shared helpers for the engine's integration tests: a scripted summariser
-//! standing in for the reference tests' patched LLM call, and compressor
-//! builders mirroring the reference fixtures.
+//! standing in for the ported tests' patched LLM call, and compressor
+//! builders mirroring their fixtures.
 #![allow(dead_code)]
 
 use std::collections::VecDeque;
@@ -82,7 +82,7 @@ impl Summariser for Stub {
     }
 }
 
-// StubProviderError / Python exception equivalents.
+// Provider errors as the summariser reports them.
 
 /// `RuntimeError("no provider")`: no summary provider configured.
 pub fn no_provider() -> SummaryError {
@@ -108,7 +108,7 @@ pub fn json_decode() -> SummaryError {
         "Expecting value: line 1 column 1 (char 0)",
     )
 }
-/// An httpcore premature-close error (`_is_connection_error` → True).
+/// A premature close of the response stream (a connection error).
 pub fn stream_closed(msg: &str) -> SummaryError {
     SummaryError::new(SummaryErrorKind::StreamClosed, None, msg)
 }
@@ -123,7 +123,7 @@ pub fn null_content() -> SummaryReply {
 }
 
 /// A compressor over a known window with a manual clock; `f` edits the
-/// reference defaults (`DEFAULT_CONFIG`).
+/// defaults.
 pub fn compressor_with(
     model: &str,
     window: u64,
@@ -145,7 +145,7 @@ pub fn compressor(first: usize, last: usize) -> Compressor {
     })
 }
 
-/// The reference `compressor` fixture: model "test/model", 100k window,
+/// The ported `compressor` fixture: model "test/model", 100k window,
 /// threshold 0.85, protect_first_n=2, protect_last_n=2.
 pub fn fixture() -> Compressor {
     compressor_with("test/model", 100_000, |c| {
