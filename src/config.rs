@@ -23,15 +23,9 @@ pub const DEFAULT_MAX_BODY_BYTES: u64 = 32 * 1024 * 1024;
 /// Default config file looked up in the working directory when `--config` is absent.
 pub const DEFAULT_CONFIG_FILE: &str = "proxy.toml";
 
-/// Session-id headers looked up in order (design §9).
-pub const DEFAULT_SESSION_HEADERS: &[&str] = &[
-    "x-session-id",
-    "x-claude-code-session-id",
-    "session-id",
-    "thread-id",
-    "x-session-affinity",
-    "x-opencode-session",
-];
+/// Session-id headers looked up in order: one list, kept next to the rule
+/// syntax (`a+b`) it uses.
+pub use crate::session::key::DEFAULT_SESSION_HEADERS;
 
 /// Why a configuration could not be loaded. `Display` is always one line.
 #[derive(Debug, thiserror::Error)]

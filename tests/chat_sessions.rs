@@ -322,3 +322,31 @@ async fn parallel_conversations_do_not_mix() {
         );
     }
 }
+
+/// The built-in `[session] headers` (no `[session]` table at all): two
+/// Claude Code subagents share the parent's session id and differ by agent
+/// id, so they must be two conversations; the parent is a third.
+#[tokio::test]
+async fn default_headers_keep_claude_code_subagents_apart() {
+    let mock = ChatMock::start(Settings::default()).await;
+    let proxy = start_compactor(&mock.url(), "").await;
+    let url = proxy.url();
+    let body = chat_body("m", &history(), false);
+    let parent = [("x-claude-code-session-id", "u1")];
+    let agent_a = [
+        ("x-claude-code-session-id", "u1"),
+        ("x-claude-code-agent-id", "a"),
+    ];
+    let agent_b = [
+        ("x-claude-code-session-id", "u1"),
+        ("x-claude-code-agent-id", "b"),
+    ];
+    let (_, hp, _) = post_chat(&url, body.clone(), &parent).await;
+    let (_, ha, _) = post_chat(&url, body.clone(), &agent_a).await;
+    let (_, hb, _) = post_chat(&url, body.clone(), &agent_b).await;
+    let (_, ha2, _) = post_chat(&url, body, &agent_a).await;
+    assert_ne!(session_of(&ha), session_of(&hb));
+    assert_ne!(session_of(&hp), session_of(&ha));
+    assert_ne!(session_of(&hp), session_of(&hb));
+    assert_eq!(session_of(&ha), session_of(&ha2));
+}
