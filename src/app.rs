@@ -58,9 +58,9 @@ pub enum AppError {
     /// The upstream client could not be built.
     #[error(transparent)]
     Upstream(#[from] UpstreamSetupError),
-    /// The chat path's configuration is invalid.
+    /// The configuration is invalid (found while building the state).
     #[error(transparent)]
-    Chat(#[from] crate::chat::ChatConfigError),
+    Config(#[from] crate::config::ConfigError),
     /// The listen address could not be bound.
     #[error("cannot listen on {addr}: {source}")]
     Bind {

@@ -357,11 +357,12 @@ async fn a_bad_summary_endpoint_is_a_config_error() {
         let text = format!(
             "listen = \"127.0.0.1:0\"\nupstream = \"http://127.0.0.1:9\"\n[compaction]\nsummary_endpoint = \"{bad}\"\n"
         );
-        let config =
+        // Rejected with the rest of the configuration, before anything starts.
+        let err =
             compactor::config::Config::from_toml_str(&text, &compactor::config::MapEnv::default())
-                .unwrap();
-        let err = compactor::app::start(config).await.unwrap_err();
+                .unwrap_err();
         assert!(err.to_string().contains("summary_endpoint"), "{bad}: {err}");
+        assert_eq!(err.keys(), ["compaction.summary_endpoint"], "{bad}: {err}");
     }
 }
 

@@ -305,7 +305,7 @@ async fn prepare(
         if let Ok(values) = values {
             let summariser = HttpSummariser::new(
                 state.client.clone(),
-                summary_base(state, &cfg),
+                summary_base(state),
                 model.clone(),
                 &parts.headers,
                 cfg.summary_api_key.as_deref(),
@@ -697,13 +697,11 @@ fn to_raw(v: &Value) -> Option<Box<RawValue>> {
 }
 
 /// Where summary calls go: the configured summary endpoint, else the upstream.
-fn summary_base(
-    state: &AppState,
-    cfg: &crate::compaction::config::CompactionConfig,
-) -> crate::config::UpstreamBase {
-    cfg.summary_endpoint
-        .as_deref()
-        .and_then(|s| crate::config::UpstreamBase::parse(s).ok())
+fn summary_base(state: &AppState) -> crate::config::UpstreamBase {
+    state
+        .config
+        .summary_endpoint
+        .clone()
         .unwrap_or_else(|| state.config.upstream.clone())
 }
 

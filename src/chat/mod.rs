@@ -23,7 +23,7 @@ use http::HeaderMap;
 use serde_json::Value;
 
 use crate::compaction::config::CompactionConfig;
-use crate::config::Config;
+use crate::config::{Config, ConfigError};
 use crate::proxy::upstream::UpstreamClient;
 use crate::session::key::SessionKeyer;
 use crate::session::store::{SessionStore, StoreLimits};
@@ -51,28 +51,12 @@ pub struct ChatState {
     pub metrics: metrics::ChatMetrics,
 }
 
-/// Invalid chat-path configuration.
-#[derive(Debug, thiserror::Error)]
-pub enum ChatConfigError {
-    /// `[session] headers` has a bad entry.
-    #[error("invalid config: key `session.headers`: {0}")]
-    SessionHeaders(String),
-    /// `[compaction] summary_endpoint` is not a usable base URL.
-    #[error("invalid config: key `compaction.summary_endpoint`: {0}")]
-    SummaryEndpoint(String),
-}
-
 impl ChatState {
     /// Builds the chat state from the validated proxy configuration.
-    pub fn from_config(cfg: &Config) -> Result<Self, ChatConfigError> {
+    pub fn from_config(cfg: &Config) -> Result<Self, ConfigError> {
         let compaction = cfg.compaction.clone();
-        // Checked here, not at use: a typo must not silently send summary
-        // calls (with the client's credentials) to the main upstream.
-        if let Some(ep) = &compaction.summary_endpoint {
-            crate::config::UpstreamBase::parse(ep).map_err(ChatConfigError::SummaryEndpoint)?;
-        }
         let keyer = SessionKeyer::new(&cfg.session.headers)
-            .map_err(|e| ChatConfigError::SessionHeaders(e.0))?;
+            .map_err(|e| ConfigError::invalid("session.headers", e.to_string()))?;
         let limits = StoreLimits {
             ttl: cfg.session.ttl,
             max_sessions: cfg.session.max_sessions,
