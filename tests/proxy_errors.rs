@@ -41,7 +41,7 @@ async fn upstream_down_is_502() {
         assert_eq!(v["error"]["type"], "upstream_error");
     }
     tokio::time::sleep(Duration::from_millis(50)).await;
-    let text = proxy.state.metrics.render();
+    let text = proxy.state.metrics.render(0, 0);
     assert!(
         text.contains("compactor_proxy_errors_total{code=\"upstream_unreachable\"} 2"),
         "{text}"

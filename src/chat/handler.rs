@@ -16,24 +16,23 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use http::request::Parts;
-use http::{header, HeaderValue, Request, Response, StatusCode};
+use http::{header, HeaderValue, Request, Response};
 use http_body_util::{BodyExt, Full};
 use hyper::body::Incoming;
 use serde_json::value::RawValue;
 use serde_json::Value;
 use tokio::time::Instant;
 
-use crate::app::AppState;
 use crate::compaction::config::Strategy;
 use crate::compaction::trigger::Trigger;
 use crate::compaction::{CompressOptions, Compressor, Outcome};
-use crate::error::{full_body, ProxyBody};
-use crate::proxy::body::{boxed, IdleTimeoutBody, ProxyReqBody};
-use crate::proxy::{self, headers};
+use crate::error::{ProxyBody, ProxyError};
 use crate::request::ChatRequest;
 use crate::session::calibration::SentRequest;
 use crate::session::key::SessionKey;
 use crate::session::store::Entry;
+use crate::upstream::body::{boxed, ProxyReqBody};
+use crate::upstream::{body_read_error, headers, RequestStats, Upstream};
 use crate::usage::hide::HideUsageBody;
 use crate::usage::inject::{plan_usage, UsagePlan};
 use crate::usage::peek::peek_start;
@@ -43,7 +42,7 @@ use crate::window::overflow::{parse_overflow, parse_overflow_event, Overflow, Ov
 
 use super::conversation::{rough_message_tokens, Conversation};
 use super::record::Record;
-use super::summarise::{budgets_for_window, HttpSummariser};
+use super::summarise::{budgets_for_window, HttpSummariser, SummaryTarget};
 use super::{ChatState, Discovery};
 
 /// Response header naming what compactor did.
@@ -108,36 +107,39 @@ struct Prepared {
 }
 
 /// Handles one chat completion request.
-pub async fn handle(state: Arc<AppState>, req: Request<ProxyReqBody>) -> Response<ProxyBody> {
+pub async fn handle(
+    chat: &ChatState,
+    upstream: &Upstream,
+    req: Request<ProxyReqBody>,
+) -> Response<ProxyBody> {
     let (parts, body) = req.into_parts();
     // A compressed body cannot be read without decoding it: forward untouched.
     if parts.headers.contains_key(header::CONTENT_ENCODING) {
-        return proxy::forward(&state, Request::from_parts(parts, body)).await;
+        return upstream.forward(Request::from_parts(parts, body)).await;
     }
     let bytes = match body.collect().await {
         Ok(c) => c.to_bytes(),
-        Err(e) => return proxy::error_reply(&state, &proxy::body_read_error(&e)),
+        Err(e) => return upstream.error_reply(&body_read_error(&e)),
     };
     let Ok(creq) = ChatRequest::parse(bytes.clone()) else {
         // Not a chat request we understand: the upstream answers it.
-        return send_plain(&state, parts, bytes).await;
+        return send_plain(upstream, parts, bytes).await;
     };
-    let chat = &state.chat;
     let (key, _source, cred) = chat.keyer.derive_with_credential(&parts.headers, &creq);
     let cred = cred.as_u128();
     let entry = chat.sessions.get_or_create(key, Conversation::default);
 
-    let mut prepared = prepare(&state, &entry, &parts, creq, (key, cred), None).await;
+    let mut prepared = prepare(chat, upstream, &entry, &parts, creq, (key, cred), None).await;
     let mut retried = false;
     loop {
-        let resp = match send(&state, &parts, prepared.body.clone()).await {
+        let resp = match send(upstream, &parts, prepared.body.clone()).await {
             Ok(r) => r,
-            Err(e) => return proxy::error_reply(&state, &e),
+            Err(e) => return upstream.error_reply(&e),
         };
         let outcome = inspect(resp, prepared.plan.stream).await;
         let (resp, overflow) = match outcome {
             Ok(x) => x,
-            Err(e) => return proxy::error_reply(&state, &e),
+            Err(e) => return upstream.error_reply(&e),
         };
         match overflow {
             Some(mut of) if !retried && of.kind == OverflowKind::Prompt => {
@@ -154,7 +156,7 @@ pub async fn handle(state: Arc<AppState>, req: Request<ProxyReqBody>) -> Respons
                             .max(1),
                     );
                 }
-                chat.metrics.overflow_retry();
+                chat.metrics.chat.overflow_retry();
                 tracing::info!(
                     session = %key,
                     limit = of.limit,
@@ -162,21 +164,22 @@ pub async fn handle(state: Arc<AppState>, req: Request<ProxyReqBody>) -> Respons
                     "upstream context overflow; compacting and retrying"
                 );
                 let Ok(creq) = ChatRequest::parse(bytes.clone()) else {
-                    return finish(&state, resp, &prepared, key);
+                    return finish(chat, upstream, resp, &prepared, key);
                 };
-                let retry = prepare(&state, &entry, &parts, creq, (key, cred), Some(of)).await;
+                let retry =
+                    prepare(chat, upstream, &entry, &parts, creq, (key, cred), Some(of)).await;
                 if !retry.fresh_compaction {
                     // Compaction could not help (a recorded substitution
                     // alone would resend the same overflowing request): the
                     // client gets the upstream's own error.
-                    return finish(&state, resp, &prepared, key);
+                    return finish(chat, upstream, resp, &prepared, key);
                 }
                 prepared = Prepared {
                     action: Action::Retried,
                     ..retry
                 };
             }
-            _ => return finish(&state, resp, &prepared, key),
+            _ => return finish(chat, upstream, resp, &prepared, key),
         }
     }
 }
@@ -185,14 +188,14 @@ pub async fn handle(state: Arc<AppState>, req: Request<ProxyReqBody>) -> Respons
 /// the retry after an upstream overflow error: learn the window and force a
 /// compaction.
 async fn prepare(
-    state: &AppState,
+    chat: &ChatState,
+    upstream: &Upstream,
     entry: &Arc<Entry<Conversation>>,
     parts: &Parts,
     mut creq: ChatRequest,
     (key, cred): (SessionKey, u128),
     overflow: Option<Overflow>,
 ) -> Prepared {
-    let chat = &state.chat;
     let model = creq.model().unwrap_or_default();
     let mut guard = entry.lock().await;
     let conv: &mut Conversation = &mut guard;
@@ -204,8 +207,7 @@ async fn prepare(
         chat.windows.learn(&chat.upstream_label, &model, of);
     }
     let discovery = Discovery {
-        client: &state.client,
-        base: &state.config.upstream,
+        upstream,
         client_headers: &parts.headers,
         timeout: DISCOVERY_TIMEOUT,
     };
@@ -304,12 +306,14 @@ async fn prepare(
             .collect();
         if let Ok(values) = values {
             let summariser = HttpSummariser::new(
-                state.client.clone(),
-                summary_base(state),
-                model.clone(),
+                upstream,
+                SummaryTarget {
+                    base: chat.summary_endpoint.as_ref().unwrap_or(upstream.base()),
+                    main_model: model.clone(),
+                    api_key: cfg.summary_api_key.as_deref(),
+                    timeout: Duration::from_secs(cfg.summary_timeout_secs.max(1)),
+                },
                 &parts.headers,
-                cfg.summary_api_key.as_deref(),
-                Duration::from_secs(cfg.summary_timeout_secs.max(1)),
                 budgets_for_window(Some(engine_window), comp.trigger.max_summary_tokens()),
             );
             let started = Instant::now();
@@ -438,6 +442,7 @@ fn book_pass(
             conv.stats.tokens_saved += saved;
             conv.stats.overflow_retries += u64::from(p.force);
             chat.metrics
+                .chat
                 .compaction(result.label, saved, summariser_took);
             let new_outgoing = commit_record(
                 chat,
@@ -472,7 +477,9 @@ fn book_pass(
             if aborted {
                 conv.stats.aborted += 1;
             }
-            chat.metrics.compaction(result.label, 0, summariser_took);
+            chat.metrics
+                .chat
+                .compaction(result.label, 0, summariser_took);
             tracing::info!(
                 outcome = result.label,
                 messages = p.outgoing.len(),
@@ -562,7 +569,7 @@ fn decide(trigger: &mut Trigger, s: Sizes, overflow: bool, micro_due: bool) -> D
 async fn run_engine(
     comp: &mut Compressor,
     values: &[Value],
-    summariser: &HttpSummariser,
+    summariser: &HttpSummariser<'_>,
     micro_pass: bool,
     force: bool,
     current_tokens: u64,
@@ -696,21 +703,12 @@ fn to_raw(v: &Value) -> Option<Box<RawValue>> {
     serde_json::value::to_raw_value(v).ok()
 }
 
-/// Where summary calls go: the configured summary endpoint, else the upstream.
-fn summary_base(state: &AppState) -> crate::config::UpstreamBase {
-    state
-        .config
-        .summary_endpoint
-        .clone()
-        .unwrap_or_else(|| state.config.upstream.clone())
-}
-
 /// Sends `body` upstream with the client's headers (Content-Length fixed).
 async fn send(
-    state: &AppState,
+    upstream: &Upstream,
     parts: &Parts,
     body: Bytes,
-) -> Result<Response<Incoming>, crate::error::ProxyError> {
+) -> Result<Response<Incoming>, ProxyError> {
     let mut parts = clone_parts(parts);
     parts.headers.remove(header::TRANSFER_ENCODING);
     // The usage tap and hider read the response: a compressed body would
@@ -723,14 +721,14 @@ async fn send(
     parts
         .headers
         .insert(header::CONTENT_LENGTH, HeaderValue::from(body.len()));
-    proxy::send_upstream(state, &parts, boxed(Full::new(body))).await
+    upstream.send(&parts, boxed(Full::new(body))).await
 }
 
 /// Forwards bytes we could not parse exactly as received.
-async fn send_plain(state: &AppState, parts: Parts, bytes: Bytes) -> Response<ProxyBody> {
-    match proxy::send_upstream(state, &parts, boxed(Full::new(bytes))).await {
-        Ok(resp) => proxy::stream_response(state, resp),
-        Err(e) => proxy::error_reply(state, &e),
+async fn send_plain(upstream: &Upstream, parts: Parts, bytes: Bytes) -> Response<ProxyBody> {
+    match upstream.send(&parts, boxed(Full::new(bytes))).await {
+        Ok(resp) => upstream.stream_response(resp),
+        Err(e) => upstream.error_reply(&e),
     }
 }
 
@@ -742,7 +740,7 @@ fn clone_parts(parts: &Parts) -> Parts {
     *req.headers_mut() = parts.headers.clone();
     let (mut p, ()) = req.into_parts();
     // Request stats travel in the extensions (upstream wait accounting).
-    if let Some(stats) = parts.extensions.get::<Arc<proxy::RequestStats>>() {
+    if let Some(stats) = parts.extensions.get::<Arc<RequestStats>>() {
         p.extensions.insert(Arc::clone(stats));
     }
     p
@@ -757,7 +755,7 @@ type HeldBody = crate::usage::peek::PrefixedBody<Incoming>;
 async fn inspect(
     resp: Response<Incoming>,
     stream: bool,
-) -> Result<(Response<HeldBody>, Option<Overflow>), crate::error::ProxyError> {
+) -> Result<(Response<HeldBody>, Option<Overflow>), ProxyError> {
     let (parts, body) = resp.into_parts();
     let status = parts.status;
     let ct = parts
@@ -765,7 +763,7 @@ async fn inspect(
         .get(header::CONTENT_TYPE)
         .and_then(|v| v.to_str().ok());
     let kind = BodyKind::from_content_type(ct);
-    let map_err = |e: hyper::Error| crate::error::ProxyError::UpstreamUnreachable(e.to_string());
+    let map_err = |e: hyper::Error| ProxyError::UpstreamUnreachable(e.to_string());
     if !status.is_success() {
         // The whole error body (bounded), whatever its content type.
         let peeked = peek_start(body, BodyKind::Json, MAX_ERROR_PEEK)
@@ -794,13 +792,13 @@ async fn inspect(
 /// Turns the upstream response into ours: usage tap (and hider), idle
 /// timeout, compactor headers.
 fn finish(
-    state: &Arc<AppState>,
+    chat: &ChatState,
+    upstream: &Upstream,
     resp: Response<HeldBody>,
     prepared: &Prepared,
     key: SessionKey,
 ) -> Response<ProxyBody> {
-    let chat = &state.chat;
-    chat.metrics.action(prepared.action.as_str());
+    chat.metrics.chat.action(prepared.action.as_str());
     let (mut parts, body) = resp.into_parts();
     headers::strip_hop_by_hop(&mut parts.headers);
     let kind = BodyKind::from_content_type(
@@ -814,29 +812,23 @@ fn finish(
     // Error bodies carry no usage worth calibrating on.
     if success {
         let (inbox, sent) = (Arc::clone(&prepared.inbox), Arc::clone(&prepared.sent));
-        let state = Arc::clone(state);
+        let metrics = Arc::clone(&chat.metrics);
         observer = observer.on_usage(Box::new(move |report| {
             if let Some((prompt, _)) = report.prompt_tokens() {
-                state.chat.metrics.prompt_tokens(prompt);
+                metrics.chat.prompt_tokens(prompt);
             }
             crate::sync::lock(&inbox).push((sent, report));
         }));
     }
     let tapped = TapBody::new(body, observer);
-    let idle = state.config.timeouts.idle;
-    let metrics = Arc::clone(&state.metrics);
-    let on_timeout = Box::new(move || {
-        metrics.record_idle_timeout();
-        tracing::warn!(idle_secs = idle.as_secs(), "upstream idle, ending stream");
-    });
     let body: ProxyBody = if prepared.plan.hide_usage() && success && kind == BodyKind::Sse {
         // The hidden chunk changes the length.
         parts.headers.remove(header::CONTENT_LENGTH);
-        IdleTimeoutBody::new(HideUsageBody::new(tapped), idle, on_timeout).boxed_unsync()
+        upstream.idle_timeout(HideUsageBody::new(tapped))
     } else {
-        IdleTimeoutBody::new(tapped, idle, on_timeout).boxed_unsync()
+        upstream.idle_timeout(tapped)
     };
-    if state.config.expose_headers {
+    if chat.expose_headers {
         parts.headers.insert(
             ACTION_HEADER,
             HeaderValue::from_static(prepared.action.as_str()),
@@ -851,17 +843,6 @@ fn finish(
         }
     }
     Response::from_parts(parts, body)
-}
-
-/// A response compactor writes itself (admin views).
-pub fn json_response(status: StatusCode, body: String) -> Response<ProxyBody> {
-    let mut resp = Response::new(full_body(Bytes::from(body)));
-    *resp.status_mut() = status;
-    resp.headers_mut().insert(
-        header::CONTENT_TYPE,
-        HeaderValue::from_static("application/json"),
-    );
-    resp
 }
 
 #[cfg(test)]

@@ -673,12 +673,12 @@ pub fn assert_tool_pairs(messages: &[Value]) {
 type ClientBody = UnsyncBoxBody<Bytes, Infallible>;
 
 /// Starts compactor in-process in front of `upstream` with extra TOML.
-pub async fn start_compactor(upstream: &str, extra_toml: &str) -> compactor::app::RunningServer {
+pub async fn start_compactor(upstream: &str, extra_toml: &str) -> compactor::server::RunningServer {
     let text = format!("listen = \"127.0.0.1:0\"\nupstream = \"{upstream}\"\n{extra_toml}");
     let config =
         compactor::config::Config::from_toml_str(&text, &compactor::config::MapEnv::default())
             .unwrap();
-    compactor::app::start(config).await.unwrap()
+    compactor::server::start(config).await.unwrap()
 }
 
 async fn send(

@@ -436,12 +436,12 @@ fn respond(status: u16, headers: &[(&'static str, String)], body: TestBody) -> R
 // ---------------------------------------------------------------- compactor
 
 /// Starts compactor in-process in front of `upstream` with extra TOML.
-pub async fn start_proxy(upstream: &str, extra_toml: &str) -> compactor::app::RunningServer {
+pub async fn start_proxy(upstream: &str, extra_toml: &str) -> compactor::server::RunningServer {
     let text = format!("listen = \"127.0.0.1:0\"\nupstream = \"{upstream}\"\n{extra_toml}");
     let config =
         compactor::config::Config::from_toml_str(&text, &compactor::config::MapEnv::default())
             .unwrap();
-    compactor::app::start(config).await.unwrap()
+    compactor::server::start(config).await.unwrap()
 }
 
 // ---------------------------------------------------------------- client
