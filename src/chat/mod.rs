@@ -1,7 +1,7 @@
 //! The chat-completions path: what happens to `POST /v1/chat/completions`
 //! between the client and the upstream.
 //!
-//! - [`handler`]: the walk of one request (substitute, estimate, compact,
+//! - [`walk`]: the walk of one request (substitute, estimate, compact,
 //!   send, retry on overflow, tap usage on the way back).
 //! - [`conversation`]: per-conversation state behind the session lock.
 //! - [`record`]: compaction records, the stable prefixes.
@@ -11,11 +11,11 @@
 //! whole server.
 
 pub mod conversation;
-pub mod handler;
+pub mod walk;
 pub mod record;
 pub mod summarise;
 
-pub use handler::handle;
+pub use walk::handle;
 
 use std::sync::Arc;
 use std::time::Duration;
