@@ -1,8 +1,12 @@
 //! The chat-completions path: what happens to `POST /v1/chat/completions`
 //! between the client and the upstream.
 //!
-//! - [`walk`]: the walk of one request (substitute, estimate, compact,
-//!   send, retry on overflow, tap usage on the way back).
+//! - [`walk`]: the walk of one request (read, prepare, send, retry on
+//!   overflow, tap usage on the way back).
+//! - `prepare`: what to send, in named steps: substitute the recorded
+//!   prefix → estimate → decide → compact → build the body.
+//! - `compact`: the decision (pure `decide`), the engine pass and its
+//!   booking (stats, metrics, one log line, the record).
 //! - [`conversation`]: per-conversation state behind the session lock.
 //! - [`record`]: compaction records, the stable prefixes.
 //! - [`summarise`]: the summariser as a JSON POST through the upstream.
@@ -10,10 +14,12 @@
 //! It takes what it needs, [`ChatState`] and the [`Upstream`], never the
 //! whole server.
 
+mod compact;
 pub mod conversation;
-pub mod walk;
+mod prepare;
 pub mod record;
 pub mod summarise;
+pub mod walk;
 
 pub use walk::handle;
 

@@ -1,49 +1,37 @@
-//! The walk of one `POST /v1/chat/completions` (design §1):
+//! The walk of one `POST /v1/chat/completions`:
 //!
 //! read the body (bounded) → parse (on failure forward the original bytes) →
-//! session → substitute the known compacted prefix → estimate (calibrated)
-//! → compact when over the threshold → re-serialise only if something
-//! changed → send → on an overflow error before any byte reached the client:
-//! learn the window, force a compaction, retry once → tap usage on the way
+//! session → [`prepare`](super::prepare) under the session lock (substitute
+//! the recorded prefix → estimate → decide → compact → build the body) →
+//! send → on an overflow error before any byte reached the client: learn the
+//! window, force a compaction, retry once → [`finish`]: tap usage on the way
 //! back (hiding the usage chunk the client did not ask for).
 //!
 //! The session lock is held while deciding and compacting, never while the
 //! response streams.
 
-use std::borrow::Cow;
 use std::sync::Arc;
-use std::time::Duration;
 
 use bytes::Bytes;
 use http::request::Parts;
 use http::{header, HeaderValue, Request, Response};
 use http_body_util::{BodyExt, Full};
 use hyper::body::Incoming;
-use serde_json::value::RawValue;
-use serde_json::Value;
-use tokio::time::Instant;
 
-use crate::compaction::config::Strategy;
-use crate::compaction::trigger::Trigger;
-use crate::compaction::{CompressOptions, Compressor, Outcome};
 use crate::error::{ProxyBody, ProxyError};
 use crate::request::ChatRequest;
-use crate::session::calibration::SentRequest;
 use crate::session::key::SessionKey;
-use crate::session::store::Entry;
 use crate::upstream::body::{boxed, ProxyReqBody};
 use crate::upstream::{body_read_error, headers, RequestStats, Upstream};
 use crate::usage::hide::HideUsageBody;
-use crate::usage::inject::{plan_usage, UsagePlan};
 use crate::usage::peek::peek_start;
 use crate::usage::tap::TapBody;
 use crate::usage::{BodyKind, StreamStart, TapOutcome, UsageObserver};
 use crate::window::overflow::{parse_overflow, parse_overflow_event, Overflow, OverflowKind};
 
-use super::conversation::{rough_message_tokens, Conversation};
-use super::record::Record;
-use super::summarise::{budgets_for_window, HttpSummariser, SummaryTarget};
-use super::{ChatState, Discovery};
+use super::conversation::Conversation;
+use super::prepare::{prepare, Prepared};
+use super::ChatState;
 
 /// Response header naming what compactor did.
 pub const ACTION_HEADER: &str = "x-compactor-action";
@@ -58,10 +46,6 @@ const MAX_ERROR_PEEK: usize = 256 << 10;
 /// A stream's start is held up to this size while looking for an in-band
 /// overflow error.
 const MAX_STREAM_PEEK: usize = 64 << 10;
-/// "Fits the window" needs the estimate plus 1/10 of it (see `prepare`).
-const ESTIMATE_MARGIN_DIVISOR: u64 = 10;
-/// Timeout of the window discovery probes.
-const DISCOVERY_TIMEOUT: Duration = Duration::from_secs(5);
 
 /// What compactor did to a request (`x-compactor-action`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -90,22 +74,6 @@ impl Action {
     }
 }
 
-/// A request ready to send.
-struct Prepared {
-    body: Bytes,
-    action: Action,
-    /// Client messages replaced by a compaction record (0 = none).
-    replaced: usize,
-    plan: UsagePlan,
-    sent: Arc<SentRequest>,
-    inbox: super::conversation::Inbox,
-    /// A compaction was committed while preparing this request (not only a
-    /// recorded one substituted).
-    fresh_compaction: bool,
-    /// Calibrated prompt estimate of `body`.
-    est_tokens: u64,
-}
-
 /// Handles one chat completion request.
 pub async fn handle(
     chat: &ChatState,
@@ -129,7 +97,16 @@ pub async fn handle(
     let cred = cred.as_u128();
     let entry = chat.sessions.get_or_create(key, Conversation::default);
 
-    let mut prepared = prepare(chat, upstream, &entry, &parts, creq, (key, cred), None).await;
+    let mut prepared = prepare(
+        chat,
+        upstream,
+        &entry,
+        &parts.headers,
+        creq,
+        (key, cred),
+        None,
+    )
+    .await;
     let mut retried = false;
     loop {
         let resp = match send(upstream, &parts, prepared.body.clone()).await {
@@ -166,8 +143,16 @@ pub async fn handle(
                 let Ok(creq) = ChatRequest::parse(bytes.clone()) else {
                     return finish(chat, upstream, resp, &prepared, key);
                 };
-                let retry =
-                    prepare(chat, upstream, &entry, &parts, creq, (key, cred), Some(of)).await;
+                let retry = prepare(
+                    chat,
+                    upstream,
+                    &entry,
+                    &parts.headers,
+                    creq,
+                    (key, cred),
+                    Some(of),
+                )
+                .await;
                 if !retry.fresh_compaction {
                     // Compaction could not help (a recorded substitution
                     // alone would resend the same overflowing request): the
@@ -182,525 +167,6 @@ pub async fn handle(
             _ => return finish(chat, upstream, resp, &prepared, key),
         }
     }
-}
-
-/// Decides what to send, under the conversation lock. `overflow` is set on
-/// the retry after an upstream overflow error: learn the window and force a
-/// compaction.
-async fn prepare(
-    chat: &ChatState,
-    upstream: &Upstream,
-    entry: &Arc<Entry<Conversation>>,
-    parts: &Parts,
-    mut creq: ChatRequest,
-    (key, cred): (SessionKey, u128),
-    overflow: Option<Overflow>,
-) -> Prepared {
-    let model = creq.model().unwrap_or_default();
-    let mut guard = entry.lock().await;
-    let conv: &mut Conversation = &mut guard;
-    conv.drain_inbox();
-    conv.note_model(&model);
-    conv.stats.requests += u64::from(overflow.is_none());
-
-    if let Some(of) = &overflow {
-        chat.windows.learn(&chat.upstream_label, &model, of);
-    }
-    let discovery = Discovery {
-        upstream,
-        client_headers: &parts.headers,
-        timeout: DISCOVERY_TIMEOUT,
-    };
-    let window = chat
-        .windows
-        .resolve(&chat.upstream_label, &model, &discovery)
-        .await
-        .tokens;
-
-    // 1. Substitute the longest recorded compaction of this history.
-    // Moved out, not copied: the history is the bulk of the body, and the
-    // original bytes still go upstream unless `with_messages` runs below.
-    let original: Vec<Box<RawValue>> = creq.take_messages();
-    let client_hashes = conv.client_chain.chain(&original).to_vec();
-    let record = chat
-        .records
-        .lookup(cred, &client_hashes, conv.record.as_ref());
-    conv.record = record.clone();
-    let mut outgoing: Cow<'_, [Box<RawValue>]> = match &record {
-        Some(r) => Cow::Owned(
-            r.replacement
-                .iter()
-                .chain(&original[r.k..])
-                .cloned()
-                .collect(),
-        ),
-        None => Cow::Borrowed(&original),
-    };
-    let mut changed = record.is_some();
-    let mut fresh_compaction = false;
-    // A recorded prefix is a substitution, not a compaction: the action
-    // stays `passthrough` and `x-compactor-replaced` says how many of the
-    // client's messages the recorded replacement stood for.
-    let mut action = Action::Passthrough;
-    if changed {
-        conv.stats.substituted += 1;
-    }
-
-    // 2. Estimate what would be sent (calibrated by real usage).
-    let max_out = creq.max_output_tokens();
-    let overhead = conv.tools_overhead(creq.get_raw("tools"));
-    let sent_hashes = match &outgoing {
-        // Sending the client's own history: its chain is already computed.
-        Cow::Borrowed(_) => {
-            conv.sent_chain = conv.client_chain.clone();
-            client_hashes.clone()
-        }
-        Cow::Owned(o) => conv.sent_chain.chain(o).to_vec(),
-    };
-    let mut est =
-        conv.calibration
-            .estimate(&outgoing, &sent_hashes, overhead, rough_message_tokens);
-
-    // 3. Over the threshold? Compact under the lock.
-    let cfg = Arc::clone(&chat.compaction);
-    let turn = conv.stats.requests;
-    // The engine budgets (threshold, tail, summary, summariser prompt) in
-    // rough chars/4 tokens. When the upstream's tokenizer is denser, every
-    // compaction would land short of the real window, be judged ineffective
-    // and leave each later turn to overflow. So the engine sees the window
-    // in rough units (scaled by the calibrated real/rough ratio) and gets
-    // rough-unit figures; the window check itself stays in real tokens.
-    let scale = conv.engine_scale();
-    conv.real_window = Some(window);
-    let engine_window = scale.to_rough(window);
-    let engine_max_out = max_out.map(|m| scale.to_rough(m));
-    let est_rough = scale.to_rough(est.tokens);
-    let comp = conv.compressor(
-        &cfg,
-        &model,
-        &chat.upstream_label,
-        engine_window,
-        engine_max_out,
-    );
-    let micro_due = cfg.strategy == Strategy::Micro && conv_turn_due(turn, cfg.micro_every_n_turns);
-    let Decision {
-        threshold,
-        wanted,
-        micro_pass,
-        force,
-    } = decide(
-        &mut comp.trigger,
-        Sizes {
-            est_real: est.tokens,
-            est_rough,
-            max_out,
-            window,
-        },
-        overflow.is_some(),
-        micro_due,
-    );
-    if wanted || micro_pass {
-        let values: Result<Vec<Value>, _> = outgoing
-            .iter()
-            .map(|m| serde_json::from_str::<Value>(m.get()))
-            .collect();
-        if let Ok(values) = values {
-            let summariser = HttpSummariser::new(
-                upstream,
-                SummaryTarget {
-                    base: chat.summary_endpoint.as_ref().unwrap_or(upstream.base()),
-                    main_model: model.clone(),
-                    api_key: cfg.summary_api_key.as_deref(),
-                    timeout: Duration::from_secs(cfg.summary_timeout_secs.max(1)),
-                },
-                &parts.headers,
-                budgets_for_window(Some(engine_window), comp.trigger.max_summary_tokens()),
-            );
-            let started = Instant::now();
-            let result = run_engine(comp, &values, &summariser, micro_pass, force, est_rough).await;
-            let took = started.elapsed();
-            // The batch trigger's deferral and strike rules judge batch
-            // compactions only; a micro pass is routine.
-            if result.outcome == Outcome::Compacted && !micro_pass {
-                comp.trigger.record_completed_compaction(
-                    result.fallback_used,
-                    result.feasibility_skip,
-                    result.tokens_after,
-                );
-            }
-            let booked = book_pass(
-                chat,
-                conv,
-                &Pass {
-                    key,
-                    cred,
-                    original: &original,
-                    client_hashes: &client_hashes,
-                    outgoing: &outgoing,
-                    micro_pass,
-                    force,
-                    est_tokens: est.tokens,
-                    threshold,
-                    window,
-                    summariser_calls: summariser.calls(),
-                    took,
-                },
-                &result,
-            );
-            match booked {
-                Booked::Compacted(new_outgoing) => {
-                    outgoing = Cow::Owned(new_outgoing);
-                    changed = true;
-                    fresh_compaction = true;
-                    action = Action::Compacted;
-                    let sent_hashes = conv.sent_chain.chain(&outgoing).to_vec();
-                    est = conv.calibration.estimate(
-                        &outgoing,
-                        &sent_hashes,
-                        overhead,
-                        rough_message_tokens,
-                    );
-                }
-                Booked::Aborted => action = Action::Aborted,
-                Booked::Nothing => {}
-            }
-        }
-    }
-    conv.last_action = action.as_str();
-    tracing::debug!(
-        session = %key,
-        action = action.as_str(),
-        messages = outgoing.len(),
-        estimated_prompt = est.tokens,
-        basis = ?est.basis,
-        max_out,
-        window,
-        "chat request prepared"
-    );
-
-    let replaced = conv.record.as_ref().filter(|_| changed).map_or(0, |r| r.k);
-    if changed {
-        creq.with_messages(outgoing.into_owned());
-    }
-    let plan = plan_usage(&mut creq);
-    Prepared {
-        body: creq.to_bytes(),
-        action,
-        replaced,
-        plan,
-        sent: est.sent,
-        inbox: Arc::clone(&conv.inbox),
-        fresh_compaction,
-        est_tokens: est.tokens,
-    }
-}
-
-/// An engine pass over a request, as [`book_pass`] needs it.
-struct Pass<'a> {
-    key: SessionKey,
-    cred: u128,
-    /// The client's messages and their chain.
-    original: &'a [Box<RawValue>],
-    client_hashes: &'a [u128],
-    /// What the engine was given.
-    outgoing: &'a [Box<RawValue>],
-    micro_pass: bool,
-    force: bool,
-    /// Calibrated prompt estimate before the pass, real tokens.
-    est_tokens: u64,
-    threshold: u64,
-    window: u64,
-    summariser_calls: u64,
-    took: Duration,
-}
-
-/// What a booked pass leaves the request with.
-enum Booked {
-    /// Send these messages instead (the compaction is recorded).
-    Compacted(Vec<Box<RawValue>>),
-    /// The compaction was abandoned; the messages go as they were.
-    Aborted,
-    /// Nothing to change.
-    Nothing,
-}
-
-/// Books a finished engine pass: conversation stats, metrics and the log
-/// line; a committed compaction also becomes a record. Synchronous: the
-/// pass itself (the summariser's I/O) is over.
-fn book_pass(
-    chat: &ChatState,
-    conv: &mut Conversation,
-    p: &Pass<'_>,
-    result: &CompactionDone,
-) -> Booked {
-    let summariser_took = (p.summariser_calls > 0).then_some(p.took);
-    match result.outcome {
-        Outcome::Compacted => {
-            let saved = result.tokens_before.saturating_sub(result.tokens_after);
-            conv.stats.compactions += 1;
-            conv.stats.fallback_compactions += u64::from(result.fallback_used);
-            conv.stats.tokens_saved += saved;
-            conv.stats.overflow_retries += u64::from(p.force);
-            chat.metrics
-                .chat
-                .compaction(result.label, saved, summariser_took);
-            let new_outgoing = commit_record(
-                chat,
-                conv,
-                p.cred,
-                p.original,
-                p.client_hashes,
-                p.outgoing,
-                result,
-            );
-            tracing::info!(
-                session = %p.key,
-                outcome = result.label,
-                fallback = result.fallback_used,
-                messages_before = p.outgoing.len(),
-                messages_after = new_outgoing.len(),
-                tokens_before = result.tokens_before,
-                tokens_after = result.tokens_after,
-                estimated_prompt = p.est_tokens,
-                threshold = p.threshold,
-                window = p.window,
-                summariser_calls = p.summariser_calls,
-                summariser_ms = p.took.as_millis() as u64,
-                "compaction"
-            );
-            Booked::Compacted(new_outgoing)
-        }
-        // A micro pass with nothing to absorb is no event.
-        Outcome::Rejected if p.micro_pass && p.summariser_calls == 0 => Booked::Nothing,
-        other => {
-            let aborted = matches!(other, Outcome::Aborted(_));
-            if aborted {
-                conv.stats.aborted += 1;
-            }
-            chat.metrics
-                .chat
-                .compaction(result.label, 0, summariser_took);
-            tracing::info!(
-                outcome = result.label,
-                messages = p.outgoing.len(),
-                estimated_prompt = p.est_tokens,
-                threshold = p.threshold,
-                window = p.window,
-                summariser_calls = p.summariser_calls,
-                summariser_ms = p.took.as_millis() as u64,
-                "compaction not committed"
-            );
-            if aborted {
-                Booked::Aborted
-            } else {
-                Booked::Nothing
-            }
-        }
-    }
-}
-
-/// Whether request number `requests` (1-based) is a micro-compaction turn.
-fn conv_turn_due(requests: u64, every_n: u32) -> bool {
-    requests % u64::from(every_n.max(1)) == 0
-}
-
-/// What a request's size looks like to the trigger.
-struct Sizes {
-    /// Calibrated prompt estimate, real tokens.
-    est_real: u64,
-    /// The same in the engine's rough units.
-    est_rough: u64,
-    /// The request's output cap, real tokens.
-    max_out: Option<u64>,
-    /// The context window, real tokens.
-    window: u64,
-}
-
-/// Whether and how a request is compacted.
-struct Decision {
-    /// The trigger's threshold (rough units), for the log line.
-    threshold: u64,
-    /// A batch compaction runs.
-    wanted: bool,
-    /// A micro pass runs instead (strategy `micro`, its turn, no batch).
-    micro_pass: bool,
-    /// The compaction must happen now (after an overflow, no cooldown).
-    force: bool,
-}
-
-/// The trigger decision, free of I/O (the trigger keeps its own counters).
-fn decide(trigger: &mut Trigger, s: Sizes, overflow: bool, micro_due: bool) -> Decision {
-    let threshold = trigger.threshold_tokens();
-    // The estimate is calibrated but still char-based: a tool output of
-    // file listings tokenizes denser than prose. Near the window's edge a
-    // few percent decide between an answer and an overflow round trip, so
-    // "fits" keeps a margin.
-    let fits_window =
-        s.est_real + s.est_real / ESTIMATE_MARGIN_DIVISOR + s.max_out.unwrap_or(0) < s.window;
-    // Right after a compaction the rough figure is not trusted until the
-    // upstream reports real usage (reference deferral), unless the request
-    // would not even fit the window.
-    let defer = trigger.awaiting_real_usage_after_compression && fits_window;
-    // After an overflow the compaction must happen. It clears a failure
-    // cooldown only when none is running: a summariser that just failed is
-    // not asked again, the engine uses its deterministic fallback.
-    let force = overflow && trigger.cooldown_remaining().is_none();
-    // A request that cannot fit the window is compacted even while the
-    // trigger is blocked (cooldown, breaker): forwarding it can only fail.
-    let must = overflow || !fits_window;
-    let wanted = must
-        || (!defer
-            && s.est_rough >= threshold
-            && trigger.should_compress(Some(s.est_rough as i64)));
-    // Micro-compaction is per turn (reference §4: every Nth turn, whatever
-    // the size); over the threshold the batch compaction still runs, since
-    // absorbing one exchange per request cannot keep up with a full window.
-    let micro_pass = !wanted && !overflow && micro_due;
-    Decision {
-        threshold,
-        wanted,
-        micro_pass,
-        force,
-    }
-}
-
-/// One engine pass over `values`: a micro pass (one exchange absorbed) or
-/// a batch compaction, reported in one shape.
-async fn run_engine(
-    comp: &mut Compressor,
-    values: &[Value],
-    summariser: &HttpSummariser<'_>,
-    micro_pass: bool,
-    force: bool,
-    current_tokens: u64,
-) -> CompactionDone {
-    if micro_pass {
-        let micro = comp.micro_compact(values, summariser).await;
-        let before = crate::compaction::tokens::estimate_messages_tokens_rough(values);
-        let after = crate::compaction::tokens::estimate_messages_tokens_rough(&micro.messages);
-        let committed = micro.messages != values;
-        return CompactionDone {
-            kept_suffix: crate::compaction::compressor::common_suffix(values, &micro.messages),
-            messages: micro.messages,
-            outcome: if committed {
-                Outcome::Compacted
-            } else {
-                Outcome::Rejected
-            },
-            fallback_used: false,
-            feasibility_skip: false,
-            tokens_before: before,
-            tokens_after: after,
-            label: micro.outcome.as_str(),
-        };
-    }
-    let r = comp
-        .compress(
-            values,
-            summariser,
-            CompressOptions {
-                force,
-                current_tokens: Some(current_tokens),
-                bypass_cooldown: force,
-                ..CompressOptions::default()
-            },
-        )
-        .await;
-    CompactionDone {
-        label: outcome_label(r.outcome),
-        messages: r.messages,
-        outcome: r.outcome,
-        fallback_used: r.fallback_used,
-        feasibility_skip: r.feasibility_skip,
-        tokens_before: r.tokens_before,
-        tokens_after: r.tokens_after,
-        kept_suffix: r.kept_suffix,
-    }
-}
-
-/// A compaction attempt, batch or micro, in one shape.
-struct CompactionDone {
-    messages: Vec<Value>,
-    outcome: Outcome,
-    fallback_used: bool,
-    feasibility_skip: bool,
-    tokens_before: u64,
-    tokens_after: u64,
-    kept_suffix: usize,
-    label: &'static str,
-}
-
-fn outcome_label(o: Outcome) -> &'static str {
-    match o {
-        Outcome::Compacted => "compacted",
-        Outcome::Aborted(_) => "aborted",
-        Outcome::NoOp(_) => "noop",
-        Outcome::Rejected => "rejected",
-    }
-}
-
-/// Stores the record of a committed compaction and returns what to send.
-///
-/// The engine compacted `outgoing` = `old replacement (r) + original[k_old..]`
-/// and kept its last `kept_suffix` rows. Mapped back onto the client's own
-/// history, the new record stands for `original[..k_new]`.
-fn commit_record(
-    chat: &ChatState,
-    conv: &mut Conversation,
-    cred: u128,
-    original: &[Box<RawValue>],
-    client_hashes: &[u128],
-    outgoing: &[Box<RawValue>],
-    result: &CompactionDone,
-) -> Vec<Box<RawValue>> {
-    let (r, k_old, old_rep): (usize, usize, &[Box<RawValue>]) = match &conv.record {
-        Some(rec) => (rec.replacement.len(), rec.k, &rec.replacement),
-        None => (0, 0, &[]),
-    };
-    let kept = result
-        .kept_suffix
-        .min(outgoing.len())
-        .min(result.messages.len());
-    let replaced_out = outgoing.len() - kept;
-    let new_head = &result.messages[..result.messages.len() - kept];
-    let mut replacement: Vec<Box<RawValue>> = new_head.iter().filter_map(to_raw).collect();
-    let k_new = if replaced_out >= r {
-        k_old + (replaced_out - r)
-    } else {
-        replacement.extend(old_rep[replaced_out..].iter().cloned());
-        k_old
-    };
-    let send: Vec<Box<RawValue>> = replacement
-        .iter()
-        .cloned()
-        .chain(original.get(k_new..).unwrap_or(&[]).iter().cloned())
-        .collect();
-    if k_new >= 1
-        && k_new <= client_hashes.len()
-        && replacement.len() == new_head.len() + r.saturating_sub(replaced_out)
-    {
-        let replacement_tokens: u64 = replacement.iter().map(|m| rough_message_tokens(m)).sum();
-        let original_tokens: u64 = original[..k_new]
-            .iter()
-            .map(|m| rough_message_tokens(m))
-            .sum();
-        let rec = chat.records.insert(
-            cred,
-            Record::new(
-                k_new,
-                client_hashes[k_new - 1],
-                replacement,
-                original_tokens,
-                replacement_tokens,
-            ),
-        );
-        conv.record = Some(rec);
-    }
-    send
-}
-
-fn to_raw(v: &Value) -> Option<Box<RawValue>> {
-    serde_json::value::to_raw_value(v).ok()
 }
 
 /// Sends `body` upstream with the client's headers (Content-Length fixed).
@@ -843,78 +309,4 @@ fn finish(
         }
     }
     Response::from_parts(parts, body)
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-    use crate::compaction::config::CompactionConfig;
-    use crate::compaction::trigger::{Clock, WindowSource};
-
-    const WINDOW: u64 = 10_000;
-
-    fn trigger() -> Trigger {
-        let cfg = Arc::new(CompactionConfig::default());
-        Trigger::new(cfg, "m", WindowSource::Known(WINDOW), None).with_clock(Clock::manual())
-    }
-
-    fn sizes(est: u64) -> Sizes {
-        Sizes {
-            est_real: est,
-            est_rough: est,
-            max_out: None,
-            window: WINDOW,
-        }
-    }
-
-    /// The trigger's threshold for [`WINDOW`].
-    fn threshold() -> u64 {
-        decide(&mut trigger(), sizes(0), false, false).threshold
-    }
-
-    #[test]
-    fn below_the_threshold_nothing_runs_and_above_it_a_batch_does() {
-        let th = threshold();
-        assert!(
-            th + th / ESTIMATE_MARGIN_DIVISOR < WINDOW,
-            "test needs a fitting threshold"
-        );
-        let d = decide(&mut trigger(), sizes(th - 1), false, false);
-        assert!(!d.wanted && !d.micro_pass && !d.force);
-        let d = decide(&mut trigger(), sizes(th), false, false);
-        assert!(d.wanted && !d.micro_pass && !d.force);
-    }
-
-    #[test]
-    fn deferral_holds_unless_the_request_cannot_fit() {
-        let th = threshold();
-        let mut t = trigger();
-        t.awaiting_real_usage_after_compression = true;
-        assert!(!decide(&mut t, sizes(th), false, false).wanted);
-        // Estimate plus its margin over the window: compacted anyway.
-        let d = decide(&mut t, sizes(WINDOW - WINDOW / 20), false, false);
-        assert!(d.wanted && !d.force);
-        // The output cap counts towards fitting too.
-        let s = Sizes {
-            max_out: Some(WINDOW / 2),
-            ..sizes(th)
-        };
-        assert!(decide(&mut t, s, false, false).wanted);
-    }
-
-    #[test]
-    fn an_overflow_forces_a_compaction_whatever_the_size() {
-        let d = decide(&mut trigger(), sizes(10), true, true);
-        assert!(d.wanted && d.force && !d.micro_pass);
-    }
-
-    #[test]
-    fn a_micro_pass_runs_on_its_turn_below_the_threshold_only() {
-        let th = threshold();
-        let d = decide(&mut trigger(), sizes(10), false, true);
-        assert!(d.micro_pass && !d.wanted);
-        let d = decide(&mut trigger(), sizes(th), false, true);
-        assert!(d.wanted && !d.micro_pass);
-        assert!(!decide(&mut trigger(), sizes(10), false, false).micro_pass);
-    }
 }
