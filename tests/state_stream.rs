@@ -9,8 +9,8 @@ use std::task::{Context, Poll};
 use std::time::Duration;
 
 use bytes::Bytes;
+use compactor::upstream::body::{Eos, TapBody};
 use compactor::usage::hide::HideUsageBody;
-use compactor::usage::tap::{Eos, TapBody};
 use compactor::usage::{BodyKind, PromptSource, TapOutcome, UsageObserver};
 use http_body::{Body, Frame};
 use http_body_util::{BodyExt, Full};

@@ -21,11 +21,11 @@ use hyper::body::Incoming;
 use crate::error::{ProxyBody, ProxyError};
 use crate::request::ChatRequest;
 use crate::session::key::SessionKey;
+use crate::upstream::body::TapBody;
 use crate::upstream::body::{boxed, ProxyReqBody};
 use crate::upstream::{body_read_error, headers, RequestStats, Upstream};
 use crate::usage::hide::HideUsageBody;
 use crate::usage::peek::peek_start;
-use crate::usage::tap::TapBody;
 use crate::usage::{BodyKind, StreamStart, TapOutcome, UsageObserver};
 use crate::window::overflow::{parse_overflow, parse_overflow_event, Overflow, OverflowKind};
 

@@ -16,7 +16,7 @@ use hyper::body::Incoming;
 use super::AppState;
 use crate::error::{error_response, full_body, ProxyBody, ProxyError};
 use crate::metrics::Metrics;
-use crate::upstream::body::{Eos, LimitedBody, ObservedBody, ProxyReqBody};
+use crate::upstream::body::{observed, Eos, LimitedBody, ProxyReqBody};
 use crate::upstream::coalesce::CoalesceBody;
 use crate::upstream::RequestStats;
 
@@ -134,7 +134,7 @@ pub async fn handle(
             "request"
         );
     });
-    let body = ObservedBody::new(CoalesceBody::new(body), on_eos).boxed_unsync();
+    let body = observed(CoalesceBody::new(body), on_eos).boxed_unsync();
     Ok(Response::from_parts(parts, body))
 }
 
