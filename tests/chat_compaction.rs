@@ -1,6 +1,10 @@
 //! Compaction through the proxy: the compacted request, the record's prefix
 //! stability, summariser failures, transparency of the rest of the body.
 
+// Test code: a failed unwrap is a failed test. clippy.toml allows that in
+// #[test] functions only, not in the helpers they share.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
 #[path = "support/chat_mock.rs"]
 mod chat_mock;
 
@@ -81,6 +85,8 @@ fn summary_message(messages: &[Value]) -> Option<String> {
     })
 }
 
+// One conversation walked turn by turn; its assertions read in order.
+#[allow(clippy::too_many_lines)]
 async fn compaction_keeps_prefix_stable(stream: bool) {
     let mock = ChatMock::start(Settings::default()).await;
     let proxy = start_compactor(&mock.url(), &config("")).await;

@@ -1,6 +1,10 @@
 //! Errors compactor itself produces: 502 unreachable, 504 slow upstream,
 //! 413 oversize body (declared and streamed), all in OpenAI's error shape.
 
+// Test code: a failed unwrap is a failed test. clippy.toml allows that in
+// #[test] functions only, not in the helpers they share.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
 mod support;
 
 use std::time::Duration;

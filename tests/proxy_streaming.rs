@@ -2,6 +2,10 @@
 //! generates, client disconnects cancel the upstream, 100 MB bodies stream
 //! through, an idle upstream ends the stream, graceful shutdown drains.
 
+// Test code: a failed unwrap is a failed test. clippy.toml allows that in
+// #[test] functions only, not in the helpers they share.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
 mod support;
 
 use std::time::Duration;

@@ -2,6 +2,10 @@
 //! 127.0.0.1:0 streams recorded-shape transcripts frame by frame, and the
 //! client side wraps the `Incoming` body the way the proxy will.
 
+// Test code: a failed unwrap is a failed test. clippy.toml allows that in
+// #[test] functions only, not in the helpers they share.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
 use std::convert::Infallible;
 use std::pin::Pin;
 use std::sync::{Arc, Mutex};
