@@ -264,7 +264,7 @@ fn decide(trigger: &mut Trigger, s: Sizes, overflow: bool, micro_due: bool) -> D
     let fits_window =
         s.est_real + s.est_real / ESTIMATE_MARGIN_DIVISOR + s.max_out.unwrap_or(0) < s.window;
     // Right after a compaction the rough figure is not trusted until the
-    // upstream reports real usage (reference deferral), unless the request
+    // upstream reports real usage (the engine's deferral), unless the request
     // would not even fit the window.
     let defer = trigger.awaiting_real_usage_after_compression && fits_window;
     // After an overflow the compaction must happen. It clears a failure
@@ -278,8 +278,7 @@ fn decide(trigger: &mut Trigger, s: Sizes, overflow: bool, micro_due: bool) -> D
         || (!defer
             && s.est_rough >= threshold
             && trigger.should_compress(Some(s.est_rough as i64)));
-    // Micro-compaction is per turn (reference §4: every Nth turn, whatever
-    // the size); over the threshold the batch compaction still runs, since
+    // Micro-compaction is per turn (every Nth turn, whatever the size); over the threshold the batch compaction still runs, since
     // absorbing one exchange per request cannot keep up with a full window.
     let micro_pass = !wanted && !overflow && micro_due;
     Decision {

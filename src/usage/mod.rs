@@ -3,10 +3,10 @@
 //! behalf.
 //!
 //! - [`sse`]: incremental SSE scanner.
-//! - [`UsageExtractor`] / [`UsageObserver`] (an [`Observer`] of the one
-//!   body tap, [`crate::upstream::body::TapBody`]): the last `usage` (and llama.cpp
-//!   `timings`) of an SSE stream or a JSON body, plus an error that arrived
-//!   before the first content delta.
+//! - [`UsageExtractor`] / [`UsageObserver`]: the last `usage` (and
+//!   llama.cpp `timings`) of an SSE stream or a JSON body, plus an error
+//!   that arrived before the first content delta. The observer rides on the
+//!   one body tap, [`crate::upstream::body::TapBody`].
 //! - [`hide`]: removes the forced `include_usage` output from a stream.
 //! - [`inject`]: the request side (forcing `include_usage`).
 //! - [`peek`]: holding a stream's start until content or an error shows.
