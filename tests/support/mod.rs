@@ -1,4 +1,5 @@
-//! Test support: an in-process scripted mock upstream on `127.0.0.1:0`,
+//! Test support, one module for every proxy and chat suite: an in-process
+//! scripted mock upstream on `127.0.0.1:0` ([`chat`] has the chat-shaped one),
 //! a compactor launcher and a small HTTP client.
 //!
 //! The mock answers each path with a scripted [`Reply`]: full bodies, chunked
@@ -10,6 +11,8 @@
 // #[test] functions only, not in the helpers they share.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 #![allow(dead_code)]
+
+pub mod chat;
 
 use std::collections::HashMap;
 use std::convert::Infallible;

@@ -678,14 +678,9 @@ pub fn assert_tool_pairs(messages: &[Value]) {
 
 type ClientBody = UnsyncBoxBody<Bytes, Infallible>;
 
-/// Starts compactor in-process in front of `upstream` with extra TOML.
-pub async fn start_compactor(upstream: &str, extra_toml: &str) -> compactor::server::RunningServer {
-    let text = format!("listen = \"127.0.0.1:0\"\nupstream = \"{upstream}\"\n{extra_toml}");
-    let config =
-        compactor::config::Config::from_toml_str(&text, &compactor::config::MapEnv::default())
-            .unwrap();
-    compactor::server::start(config).await.unwrap()
-}
+// One starter for every suite; re-exported for the chat tests' glob import.
+#[allow(unused_imports)]
+pub use super::start_proxy;
 
 async fn send(
     method: &str,
