@@ -1,7 +1,7 @@
 //! The walk of one `POST /v1/chat/completions`:
 //!
 //! read the body (bounded) → parse (on failure forward the original bytes) →
-//! session → [`prepare`](super::prepare) under the session lock (substitute
+//! session → `prepare` under the session lock (substitute
 //! the recorded prefix → estimate → decide → compact → build the body) →
 //! send → on an overflow error before any byte reached the client: learn the
 //! window, force a compaction, retry once → [`finish`]: tap usage on the way
