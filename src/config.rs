@@ -310,6 +310,17 @@ pub struct UpstreamBase {
     pub path_prefix: String,
 }
 
+/// `scheme://authority/prefix`: logs and the window cache key.
+impl std::fmt::Display for UpstreamBase {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "{}://{}{}",
+            self.scheme, self.authority, self.path_prefix
+        )
+    }
+}
+
 impl UpstreamBase {
     /// Whether the upstream speaks TLS.
     pub fn is_https(&self) -> bool {

@@ -95,10 +95,7 @@ impl ChatState {
             // without its session header still finds its compaction.
             records: RecordStore::new(cfg.session.ttl, cfg.session.max_sessions.max(1)),
             windows,
-            upstream_label: format!(
-                "{}://{}{}",
-                cfg.upstream.scheme, cfg.upstream.authority, cfg.upstream.path_prefix
-            ),
+            upstream_label: cfg.upstream.to_string(),
             summary_endpoint: cfg.summary_endpoint.clone(),
             expose_headers: cfg.expose_headers,
             metrics,

@@ -162,7 +162,7 @@ where
         addr: state.config.listen,
         source,
     })?;
-    tracing::info!(upstream = %state.upstream.label(), "listening on {addr}");
+    tracing::info!(upstream = %state.upstream.base(), "listening on {addr}");
     serve(listener, state, shutdown).await;
     Ok(())
 }

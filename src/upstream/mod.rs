@@ -136,14 +136,6 @@ impl Upstream {
         &self.base
     }
 
-    /// `scheme://authority/prefix`, for logs and cache keys.
-    pub fn label(&self) -> String {
-        format!(
-            "{}://{}{}",
-            self.base.scheme, self.base.authority, self.base.path_prefix
-        )
-    }
-
     /// The metrics registry.
     pub fn metrics(&self) -> &Arc<Metrics> {
         &self.metrics
