@@ -350,8 +350,8 @@ async fn micro_strategy_keeps_conversations_going() {
     assert!(mock.chats().iter().all(|c| !c.overflowed));
 }
 
-#[tokio::test]
-async fn a_bad_summary_endpoint_is_a_config_error() {
+#[test]
+fn a_bad_summary_endpoint_is_a_config_error() {
     for bad in ["localhost:8081", "ftp://example.com", "not a url"] {
         let text = format!(
             "listen = \"127.0.0.1:0\"\nupstream = \"http://127.0.0.1:9\"\n[compaction]\nsummary_endpoint = \"{bad}\"\n"
