@@ -23,15 +23,9 @@ pub const DEFAULT_MAX_BODY_BYTES: u64 = 32 * 1024 * 1024;
 /// Default config file looked up in the working directory when `--config` is absent.
 pub const DEFAULT_CONFIG_FILE: &str = "proxy.toml";
 
-/// Session-id headers looked up in order (design §9).
-pub const DEFAULT_SESSION_HEADERS: &[&str] = &[
-    "x-session-id",
-    "x-claude-code-session-id",
-    "session-id",
-    "thread-id",
-    "x-session-affinity",
-    "x-opencode-session",
-];
+/// Session-id headers looked up in order: one list, kept next to the rule
+/// syntax (`a+b`) it uses.
+pub use crate::session::key::DEFAULT_SESSION_HEADERS;
 
 /// Why a configuration could not be loaded. `Display` is always one line.
 #[derive(Debug, thiserror::Error)]
@@ -66,6 +60,14 @@ pub enum ConfigError {
 }
 
 impl ConfigError {
+    /// One invalid value found after validation (while building state).
+    pub fn invalid(key: &str, message: impl Into<String>) -> Self {
+        ConfigError::Invalid {
+            origin: String::new(),
+            problems: vec![(key.to_owned(), message.into())],
+        }
+    }
+
     /// Keys named by this error (for tests and tooling).
     pub fn keys(&self) -> Vec<&str> {
         match self {
@@ -308,6 +310,17 @@ pub struct UpstreamBase {
     pub path_prefix: String,
 }
 
+/// `scheme://authority/prefix`: logs and the window cache key.
+impl std::fmt::Display for UpstreamBase {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "{}://{}{}",
+            self.scheme, self.authority, self.path_prefix
+        )
+    }
+}
+
 impl UpstreamBase {
     /// Whether the upstream speaks TLS.
     pub fn is_https(&self) -> bool {
@@ -362,6 +375,9 @@ pub struct Config {
     pub session: SessionConfig,
     /// The engine's settings (`[compaction]`), validated.
     pub compaction: crate::compaction::config::CompactionConfig,
+    /// `compaction.summary_endpoint`, parsed once: where summary calls go
+    /// instead of the upstream.
+    pub summary_endpoint: Option<UpstreamBase>,
     /// Per-model settings.
     pub models: BTreeMap<String, ModelConfig>,
     /// Fallback context length.
@@ -401,6 +417,7 @@ impl Default for Config {
                     max_sessions: 10_000,
                 },
                 compaction: crate::compaction::config::CompactionConfig::default(),
+                summary_endpoint: None,
                 models: BTreeMap::new(),
                 default_context_length: None,
                 admin_token: None,
@@ -606,122 +623,169 @@ impl RawConfig {
 
     /// Checks every value, collecting all problems.
     pub fn validate(self, origin: &str) -> Result<Config, ConfigError> {
-        let mut problems: Vec<(String, String)> = Vec::new();
-        let mut bad = |k: &str, m: String| problems.push((k.to_owned(), m));
-
-        let listen = match self.listen.trim().parse::<SocketAddr>() {
-            Ok(a) => Some(a),
-            Err(_) => {
-                bad(
-                    "listen",
-                    format!(
-                        "expected host:port with an IP address, got {:?}",
-                        self.listen
-                    ),
-                );
-                None
-            }
-        };
+        let mut problems = Problems::default();
+        let listen = self.check_listen(&mut problems);
         let upstream = match UpstreamBase::parse(self.upstream.trim()) {
             Ok(u) => Some(u),
             Err(m) => {
-                bad("upstream", m);
+                problems.bad("upstream", m);
                 None
             }
         };
-        if let Some(p) = &self.upstream_ca_file {
-            if !p.is_file() {
-                bad("upstream_ca_file", format!("no such file: {}", p.display()));
-            }
-        }
-        if self.max_body_bytes == 0 {
-            bad("max_body_bytes", "must be greater than 0".to_owned());
-        }
-        let t = &self.timeouts;
-        for (k, v) in [
-            ("timeouts.connect_secs", t.connect_secs),
-            ("timeouts.first_byte_secs", t.first_byte_secs),
-            ("timeouts.idle_secs", t.idle_secs),
-        ] {
-            if v == 0 {
-                bad(k, "must be greater than 0".to_owned());
-            }
-        }
-        let mut headers = Vec::with_capacity(self.session.headers.len());
-        for h in &self.session.headers {
-            match http::HeaderName::from_bytes(h.trim().as_bytes()) {
-                Ok(n) => headers.push(n.as_str().to_owned()),
-                Err(_) => bad("session.headers", format!("not a valid header name: {h:?}")),
-            }
-        }
-        if self.session.ttl_secs == 0 {
-            bad("session.ttl_secs", "must be greater than 0".to_owned());
-        }
-        if self.session.max_sessions == 0 {
-            bad("session.max_sessions", "must be greater than 0".to_owned());
-        }
-        for (name, m) in &self.models {
-            if m.context_length == 0 {
-                bad(
-                    &format!("models.\"{name}\".context_length"),
-                    "must be greater than 0".to_owned(),
-                );
-            }
-        }
-        if self.default_context_length == Some(0) {
-            bad(
-                "default_context_length",
-                "must be greater than 0".to_owned(),
-            );
-        }
-        let compaction =
-            match crate::compaction::config::CompactionConfig::from_table(&self.compaction) {
-                Ok(c) => Some(c),
-                Err(e) => {
-                    let key = e
-                        .key
-                        .as_deref()
-                        .map_or("compaction".to_owned(), |k| format!("compaction.{k}"));
-                    bad(&key, e.message);
-                    None
-                }
-            };
+        self.check_limits(&mut problems);
+        let headers = self.check_session_headers(&mut problems);
+        let (compaction, summary_endpoint) = check_compaction(&self.compaction, &mut problems);
         if matches!(&self.admin.token, Some(t) if t.trim().is_empty()) {
-            bad(
-                "admin.token",
-                "must not be empty (omit it to disable)".to_owned(),
-            );
+            problems.bad("admin.token", "must not be empty (omit it to disable)");
         }
 
         match (listen, upstream) {
-            (Some(listen), Some(upstream)) if problems.is_empty() => Ok(Config {
-                compaction: compaction.unwrap_or_default(),
-                listen,
-                upstream,
-                upstream_ca_file: self.upstream_ca_file,
-                max_body_bytes: self.max_body_bytes,
-                timeouts: Timeouts {
-                    connect: Duration::from_secs(t.connect_secs),
-                    first_byte: Duration::from_secs(t.first_byte_secs),
-                    idle: Duration::from_secs(t.idle_secs),
-                    shutdown_grace: Duration::from_secs(t.shutdown_grace_secs),
-                },
-                session: SessionConfig {
-                    headers,
-                    ttl: Duration::from_secs(self.session.ttl_secs),
-                    max_sessions: self.session.max_sessions,
-                },
-                models: self.models,
-                default_context_length: self.default_context_length,
-                admin_token: self.admin.token,
-                expose_headers: self.headers.expose,
-                log_format: self.log.format,
-            }),
+            (Some(listen), Some(upstream)) if problems.0.is_empty() => {
+                let t = &self.timeouts;
+                Ok(Config {
+                    compaction: compaction.unwrap_or_default(),
+                    summary_endpoint,
+                    listen,
+                    upstream,
+                    upstream_ca_file: self.upstream_ca_file,
+                    max_body_bytes: self.max_body_bytes,
+                    timeouts: Timeouts {
+                        connect: Duration::from_secs(t.connect_secs),
+                        first_byte: Duration::from_secs(t.first_byte_secs),
+                        idle: Duration::from_secs(t.idle_secs),
+                        shutdown_grace: Duration::from_secs(t.shutdown_grace_secs),
+                    },
+                    session: SessionConfig {
+                        headers,
+                        ttl: Duration::from_secs(self.session.ttl_secs),
+                        max_sessions: self.session.max_sessions,
+                    },
+                    models: self.models,
+                    default_context_length: self.default_context_length,
+                    admin_token: self.admin.token,
+                    expose_headers: self.headers.expose,
+                    log_format: self.log.format,
+                })
+            }
             _ => Err(ConfigError::Invalid {
                 origin: origin.to_owned(),
-                problems,
+                problems: problems.0,
             }),
         }
+    }
+
+    fn check_listen(&self, problems: &mut Problems) -> Option<SocketAddr> {
+        let parsed = self.listen.trim().parse::<SocketAddr>().ok();
+        if parsed.is_none() {
+            problems.bad(
+                "listen",
+                format!(
+                    "expected host:port with an IP address, got {:?}",
+                    self.listen
+                ),
+            );
+        }
+        parsed
+    }
+
+    /// Sizes, timeouts, counts: the values that must be positive.
+    fn check_limits(&self, problems: &mut Problems) {
+        if let Some(p) = &self.upstream_ca_file {
+            if !p.is_file() {
+                problems.bad("upstream_ca_file", format!("no such file: {}", p.display()));
+            }
+        }
+        let t = &self.timeouts;
+        let s = &self.session;
+        for (k, zero) in [
+            ("max_body_bytes", self.max_body_bytes == 0),
+            ("timeouts.connect_secs", t.connect_secs == 0),
+            ("timeouts.first_byte_secs", t.first_byte_secs == 0),
+            ("timeouts.idle_secs", t.idle_secs == 0),
+            ("session.ttl_secs", s.ttl_secs == 0),
+            ("session.max_sessions", s.max_sessions == 0),
+            (
+                "default_context_length",
+                self.default_context_length == Some(0),
+            ),
+        ] {
+            if zero {
+                problems.bad(k, "must be greater than 0");
+            }
+        }
+        for (name, m) in &self.models {
+            if m.context_length == 0 {
+                problems.bad(
+                    &format!("models.\"{name}\".context_length"),
+                    "must be greater than 0",
+                );
+            }
+        }
+    }
+
+    /// Each entry is `name` or `name+other` (see [`DEFAULT_SESSION_HEADERS`]),
+    /// stored lowercased.
+    fn check_session_headers(&self, problems: &mut Problems) -> Vec<String> {
+        let mut headers = Vec::with_capacity(self.session.headers.len());
+        for h in &self.session.headers {
+            match crate::session::key::HeaderRule::parse(h.trim()) {
+                Ok(rule) => headers.push(match rule.combine_with {
+                    Some(other) => format!("{}+{other}", rule.name),
+                    None => rule.name.as_str().to_owned(),
+                }),
+                Err(_) => {
+                    problems.bad("session.headers", format!("not a valid header name: {h:?}"))
+                }
+            }
+        }
+        headers
+    }
+}
+
+/// The engine's own table, its problem reported under `compaction.<key>`.
+/// The engine stays free of the proxy's config types (it is a leaf), so its
+/// error is folded into [`ConfigError::Invalid`] here, at the one boundary.
+fn check_compaction(
+    table: &toml::Table,
+    problems: &mut Problems,
+) -> (
+    Option<crate::compaction::config::CompactionConfig>,
+    Option<UpstreamBase>,
+) {
+    let parsed = match crate::compaction::config::CompactionConfig::from_table(table) {
+        Ok(c) => c,
+        Err(e) => {
+            let key = e
+                .key
+                .as_deref()
+                .map_or("compaction".to_owned(), |k| format!("compaction.{k}"));
+            problems.bad(&key, e.message);
+            return (None, None);
+        }
+    };
+    // Checked here, not at use: a typo must not silently send summary calls
+    // (with the client's credentials) to the main upstream.
+    let endpoint =
+        parsed
+            .summary_endpoint
+            .as_deref()
+            .and_then(|ep| match UpstreamBase::parse(ep) {
+                Ok(base) => Some(base),
+                Err(m) => {
+                    problems.bad("compaction.summary_endpoint", m);
+                    None
+                }
+            });
+    (Some(parsed), endpoint)
+}
+
+/// (key, message) pairs collected while validating.
+#[derive(Default)]
+struct Problems(Vec<(String, String)>);
+
+impl Problems {
+    fn bad(&mut self, key: &str, message: impl Into<String>) {
+        self.0.push((key.to_owned(), message.into()));
     }
 }
 

@@ -1,23 +1,28 @@
 //! compactor: a transparent OpenAI-compatible reverse proxy that compacts
 //! long conversations in flight.
 //!
-//! - [`compaction`]: the pure, synchronous compaction engine (no I/O).
-//! - [`proxy`], [`config`], [`app`]: the transparent async proxy around it.
-//! - [`chat`]: the chat-completions path (substitution, compaction, retry).
-//! - [`session`], [`usage`], [`window`]: per-conversation state, the usage tap
-//!   and context-window resolution.
+//! Layers, each using only the ones below it:
+//!
+//! - [`server`]: shared state, accept loop, routing, health, metrics and the
+//!   admin session view.
+//! - [`chat`]: the walk of one chat completion (substitute, estimate,
+//!   decide, compact, send, retry, tap usage).
+//! - [`upstream`]: HTTP plumbing: the one [`upstream::Upstream`], body
+//!   wrappers, header policy, error replies.
+//! - Leaves: [`compaction`] (the engine, no I/O), [`request`], [`session`],
+//!   [`usage`], [`window`], [`config`], [`metrics`], [`error`], [`telemetry`].
 
-pub mod app;
 pub mod chat;
 pub mod cli;
 pub mod compaction;
 pub mod config;
 pub mod error;
 pub mod metrics;
-pub mod proxy;
 pub mod request;
+pub mod server;
 pub mod session;
 pub mod sync;
 pub mod telemetry;
+pub mod upstream;
 pub mod usage;
 pub mod window;

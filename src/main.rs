@@ -3,7 +3,7 @@
 use std::process::ExitCode;
 
 use clap::Parser;
-use compactor::{app, cli::Cli, config, telemetry};
+use compactor::{cli::Cli, config, server, telemetry};
 
 /// EX_USAGE: bad command line or configuration.
 const EXIT_USAGE: u8 = 64;
@@ -32,7 +32,7 @@ fn main() -> ExitCode {
     let _ = rustls::crypto::ring::default_provider().install_default();
     let result = tokio::runtime::Runtime::new()
         .map_err(anyhow::Error::from)
-        .and_then(|rt| Ok(rt.block_on(app::run(config, app::shutdown_signal()))?));
+        .and_then(|rt| Ok(rt.block_on(server::run(config, server::shutdown_signal()))?));
     match result {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {

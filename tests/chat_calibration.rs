@@ -1,10 +1,9 @@
 //! Upstreams whose tokenizer is denser than the rough chars/4 estimate:
 //! calibration must carry into the engine's budgets.
 
-#[path = "support/chat_mock.rs"]
-mod chat_mock;
+mod support;
 
-use chat_mock::*;
+use support::chat::*;
 
 const TOKEN: &str = "admin-secret";
 const AUTH: (&str, &str) = ("authorization", "Bearer k");
@@ -23,7 +22,7 @@ async fn dense_tokenizer_stays_inside_the_window() {
             ..Settings::default()
         })
         .await;
-        let proxy = start_compactor(&mock.url(), &config()).await;
+        let proxy = start_proxy(&mock.url(), &config()).await;
         let mut conv = Conversation::new(600);
         let mut key = String::new();
         for _ in 0..25 {
@@ -67,7 +66,7 @@ async fn a_retry_is_never_the_same_request() {
         ..Settings::default()
     })
     .await;
-    let proxy = start_compactor(&mock.url(), &config()).await;
+    let proxy = start_proxy(&mock.url(), &config()).await;
     let mut conv = Conversation::new(600);
     for _ in 0..25 {
         let before = mock.chats().len();
@@ -101,7 +100,7 @@ async fn model_switch_resets_calibration() {
         ..Settings::default()
     })
     .await;
-    let proxy = start_compactor(
+    let proxy = start_proxy(
         &mock.url(),
         &format!("{}[models.\"m2\"]\ncontext_length = 2048\n", config()),
     )

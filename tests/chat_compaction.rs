@@ -1,12 +1,15 @@
 //! Compaction through the proxy: the compacted request, the record's prefix
 //! stability, summariser failures, transparency of the rest of the body.
 
-#[path = "support/chat_mock.rs"]
-mod chat_mock;
+// Test code: a failed unwrap is a failed test. clippy.toml allows that in
+// #[test] functions only, not in the helpers they share.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
 
-use chat_mock::*;
+mod support;
+
 use serde_json::value::RawValue;
 use serde_json::{json, Value};
+use support::chat::*;
 
 const TOKEN: &str = "admin-secret";
 const AUTH: (&str, &str) = ("authorization", "Bearer user-key");
@@ -81,9 +84,11 @@ fn summary_message(messages: &[Value]) -> Option<String> {
     })
 }
 
+// One conversation walked turn by turn; its assertions read in order.
+#[allow(clippy::too_many_lines)]
 async fn compaction_keeps_prefix_stable(stream: bool) {
     let mock = ChatMock::start(Settings::default()).await;
-    let proxy = start_compactor(&mock.url(), &config("")).await;
+    let proxy = start_proxy(&mock.url(), &config("")).await;
     let url = proxy.url();
     let mut conv = Conversation::new(600);
 
@@ -210,7 +215,7 @@ async fn first_attempt(mode: SummaryMode, extra: &str) -> (ChatMock, Turn) {
         ..Settings::default()
     })
     .await;
-    let proxy = start_compactor(&mock.url(), &config(extra)).await;
+    let proxy = start_proxy(&mock.url(), &config(extra)).await;
     let mut conv = Conversation::new(600);
     let t = until_not_passthrough(&proxy.url(), &mut conv, false).await;
     (mock, t)
@@ -288,7 +293,7 @@ fn top_level(body: &[u8]) -> Vec<(String, String)> {
 async fn only_messages_change_in_a_compacted_request() {
     for stream in [false, true] {
         let mock = ChatMock::start(Settings::default()).await;
-        let proxy = start_compactor(&mock.url(), &config("")).await;
+        let proxy = start_proxy(&mock.url(), &config("")).await;
         let mut conv = Conversation::new(600);
         let mut done = false;
         for _ in 0..20 {
@@ -342,7 +347,7 @@ async fn slow_summariser_times_out_into_the_fallback() {
         ..Settings::default()
     })
     .await;
-    let proxy = start_compactor(
+    let proxy = start_proxy(
         &mock.url(),
         &config("[compaction]\nsummary_timeout_secs = 1\n"),
     )
@@ -361,7 +366,7 @@ async fn missing_summary_model_falls_back_to_the_main_model() {
         ..Settings::default()
     })
     .await;
-    let proxy = start_compactor(
+    let proxy = start_proxy(
         &mock.url(),
         &config("[compaction]\nsummary_model = \"small\"\n"),
     )
@@ -391,7 +396,7 @@ async fn forty_turn_agent_run() {
             ..Settings::default()
         })
         .await;
-        let proxy = start_compactor(&mock.url(), &config("")).await;
+        let proxy = start_proxy(&mock.url(), &config("")).await;
         let mut headers = vec![AUTH];
         if session {
             headers.push(SESSION);

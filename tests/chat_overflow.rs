@@ -1,10 +1,9 @@
 //! Overflow retry and window discovery through the proxy.
 
-#[path = "support/chat_mock.rs"]
-mod chat_mock;
+mod support;
 
-use chat_mock::*;
 use serde_json::json;
+use support::chat::*;
 
 const TOKEN: &str = "admin-secret";
 const AUTH: (&str, &str) = ("authorization", "Bearer user-key");
@@ -23,7 +22,7 @@ async fn retry_on_overflow(style: OverflowStyle, stream: bool) {
         ..Settings::default()
     })
     .await;
-    let proxy = start_compactor(&mock.url(), &unknown_window()).await;
+    let proxy = start_proxy(&mock.url(), &unknown_window()).await;
     let url = proxy.url();
     let mut conv = Conversation::new(600);
     let mut retried = false;
@@ -111,7 +110,7 @@ async fn overflow_compaction_cannot_fix_passes_the_upstream_error() {
             ..Settings::default()
         })
         .await;
-        let proxy = start_compactor(&mock.url(), &unknown_window()).await;
+        let proxy = start_proxy(&mock.url(), &unknown_window()).await;
         let huge = "word ".repeat(4000);
         let messages = vec![
             json!({"role":"system","content":SYSTEM_PROMPT}),
@@ -142,7 +141,7 @@ async fn discovered_window_makes_compaction_proactive() {
         ..Settings::default()
     })
     .await;
-    let proxy = start_compactor(&mock.url(), &unknown_window()).await;
+    let proxy = start_proxy(&mock.url(), &unknown_window()).await;
     let url = proxy.url();
     let mut compacted = 0;
     // Two conversations on the same model: the window is discovered once.
@@ -188,7 +187,7 @@ async fn retry_that_still_overflows_returns_the_second_error() {
         ..Settings::default()
     })
     .await;
-    let proxy = start_compactor(&mock.url(), &unknown_window()).await;
+    let proxy = start_proxy(&mock.url(), &unknown_window()).await;
     let mut conv = Conversation::new(600);
     for _ in 0..5 {
         let sent = conv.ask();
@@ -222,7 +221,7 @@ async fn overflow_with_an_aborting_summariser_passes_the_error() {
         ..Settings::default()
     })
     .await;
-    let proxy = start_compactor(&mock.url(), &unknown_window()).await;
+    let proxy = start_proxy(&mock.url(), &unknown_window()).await;
     let mut conv = Conversation::new(600);
     for _ in 0..20 {
         let sent = conv.ask();
@@ -256,7 +255,7 @@ async fn unreachable_upstream_is_a_502() {
     let closed = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
     let port = closed.local_addr().unwrap().port();
     drop(closed);
-    let proxy = start_compactor(&format!("http://127.0.0.1:{port}"), "").await;
+    let proxy = start_proxy(&format!("http://127.0.0.1:{port}"), "").await;
     let body = chat_body("m", &[json!({"role":"user","content":"hi"})], false);
     let (status, _, body) = post_chat(&proxy.url(), body, &[AUTH]).await;
     assert_eq!(status, 502);
@@ -271,7 +270,7 @@ async fn admin_view_counts_the_retry() {
         ..Settings::default()
     })
     .await;
-    let proxy = start_compactor(&mock.url(), &unknown_window()).await;
+    let proxy = start_proxy(&mock.url(), &unknown_window()).await;
     let mut conv = Conversation::new(600);
     for _ in 0..12 {
         let sent = conv.ask();
@@ -310,7 +309,7 @@ async fn resumed_long_history_with_a_known_window_is_compacted_up_front() {
         ..Settings::default()
     })
     .await;
-    let proxy = start_compactor(&mock.url(), "[models.\"m\"]\ncontext_length = 2048\n").await;
+    let proxy = start_proxy(&mock.url(), "[models.\"m\"]\ncontext_length = 2048\n").await;
     let sent = long_history(30);
     for stream in [false, true] {
         let before = mock.chats().len();
@@ -336,7 +335,7 @@ async fn resumed_long_history_with_an_unknown_window_is_retried() {
         ..Settings::default()
     })
     .await;
-    let proxy = start_compactor(&mock.url(), &unknown_window()).await;
+    let proxy = start_proxy(&mock.url(), &unknown_window()).await;
     let sent = long_history(30);
     let (status, headers, body) =
         post_chat(&proxy.url(), chat_body("m", &sent, true), &[AUTH]).await;
@@ -359,7 +358,7 @@ async fn no_identical_retry_when_forced_compaction_has_nothing_left() {
         ..Settings::default()
     })
     .await;
-    let proxy = start_compactor(&mock.url(), "[models.\"m\"]\ncontext_length = 2048\n").await;
+    let proxy = start_proxy(&mock.url(), "[models.\"m\"]\ncontext_length = 2048\n").await;
     let mut conv = Conversation::new(600);
     let mut compacted = false;
     for _ in 0..12 {

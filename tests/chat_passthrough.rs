@@ -1,10 +1,9 @@
 //! Passthrough, headers and usage hiding through compactor's chat path.
 
-#[path = "support/chat_mock.rs"]
-mod chat_mock;
+mod support;
 
-use chat_mock::*;
 use serde_json::json;
+use support::chat::*;
 
 const TOKEN: &str = "admin-secret";
 
@@ -18,7 +17,7 @@ fn short_history() -> Vec<serde_json::Value> {
 #[tokio::test]
 async fn short_conversation_is_forwarded_byte_identically() {
     let mock = ChatMock::start(Settings::default()).await;
-    let proxy = start_compactor(&mock.url(), "").await;
+    let proxy = start_proxy(&mock.url(), "").await;
     // Odd spacing and key order: a re-serialisation would show.
     let body = br#"{ "model" : "m", "temperature":0.70, "messages":[{"role":"system","content":"be brief"},{"role":"user","content":"hi \u00e9"}], "zeta":{"b":1,"a":2} }"#.to_vec();
     let (status, headers, resp) = post_chat(
@@ -45,7 +44,7 @@ async fn short_conversation_is_forwarded_byte_identically() {
 #[tokio::test]
 async fn headers_can_be_turned_off() {
     let mock = ChatMock::start(Settings::default()).await;
-    let proxy = start_compactor(&mock.url(), "[headers]\nexpose = false\n").await;
+    let proxy = start_proxy(&mock.url(), "[headers]\nexpose = false\n").await;
     let (status, headers, _) =
         post_chat(&proxy.url(), chat_body("m", &short_history(), false), &[]).await;
     assert_eq!(status, 200);
@@ -67,7 +66,7 @@ async fn stream_without_include_usage_hides_the_forced_usage() {
             ..Settings::default()
         })
         .await;
-        let proxy = start_compactor(&mock.url(), &format!("[admin]\ntoken = \"{TOKEN}\"\n")).await;
+        let proxy = start_proxy(&mock.url(), &format!("[admin]\ntoken = \"{TOKEN}\"\n")).await;
         let (status, headers, resp) = post_chat(
             &proxy.url(),
             chat_body("m", &short_history(), true),
@@ -106,7 +105,7 @@ async fn stream_with_include_usage_is_untouched() {
         ..Settings::default()
     })
     .await;
-    let proxy = start_compactor(&mock.url(), &format!("[admin]\ntoken = \"{TOKEN}\"\n")).await;
+    let proxy = start_proxy(&mock.url(), &format!("[admin]\ntoken = \"{TOKEN}\"\n")).await;
     let body = serde_json::to_vec(&json!({
         "model":"m","messages":short_history(),"stream":true,
         "stream_options":{"include_usage":true}
@@ -131,7 +130,7 @@ async fn stream_with_include_usage_is_untouched() {
 #[tokio::test]
 async fn non_streaming_request_gets_no_stream_options() {
     let mock = ChatMock::start(Settings::default()).await;
-    let proxy = start_compactor(&mock.url(), &format!("[admin]\ntoken = \"{TOKEN}\"\n")).await;
+    let proxy = start_proxy(&mock.url(), &format!("[admin]\ntoken = \"{TOKEN}\"\n")).await;
     let (_, headers, _) =
         post_chat(&proxy.url(), chat_body("m", &short_history(), false), &[]).await;
     assert!(mock.last_chat().json().get("stream_options").is_none());
@@ -145,7 +144,7 @@ async fn non_streaming_request_gets_no_stream_options() {
 #[tokio::test]
 async fn upstream_is_asked_for_an_uncompressed_body() {
     let mock = ChatMock::start(Settings::default()).await;
-    let proxy = start_compactor(&mock.url(), "").await;
+    let proxy = start_proxy(&mock.url(), "").await;
     for stream in [false, true] {
         let (status, _, _) = post_chat(
             &proxy.url(),

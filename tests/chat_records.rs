@@ -1,11 +1,10 @@
 //! Compaction records seen from outside: retries, forks, edits, other
 //! sessions and credentials; summary call headers; odd bodies.
 
-#[path = "support/chat_mock.rs"]
-mod chat_mock;
+mod support;
 
-use chat_mock::*;
 use serde_json::{json, Value};
+use support::chat::*;
 
 const TOKEN: &str = "admin-secret";
 const ALICE: (&str, &str) = ("authorization", "Bearer alice");
@@ -33,7 +32,7 @@ async fn to_first_compaction(url: &str, headers: &[(&str, &str)]) -> (Conversati
 #[tokio::test]
 async fn a_retried_turn_is_sent_identically_without_a_new_summary() {
     let mock = ChatMock::start(Settings::default()).await;
-    let proxy = start_compactor(&mock.url(), &config("")).await;
+    let proxy = start_proxy(&mock.url(), &config("")).await;
     let url = proxy.url();
     let (_conv, sent) = to_first_compaction(&url, &[ALICE, ("x-session-id", "a")]).await;
     let first = mock.last_chat();
@@ -54,7 +53,7 @@ async fn a_retried_turn_is_sent_identically_without_a_new_summary() {
 #[tokio::test]
 async fn records_are_found_by_content_not_session() {
     let mock = ChatMock::start(Settings::default()).await;
-    let proxy = start_compactor(&mock.url(), &config("")).await;
+    let proxy = start_proxy(&mock.url(), &config("")).await;
     let url = proxy.url();
     let (_conv, sent) = to_first_compaction(&url, &[ALICE, ("x-session-id", "a")]).await;
     let first = mock.last_chat();
@@ -85,7 +84,7 @@ async fn records_are_found_by_content_not_session() {
 #[tokio::test]
 async fn an_edited_history_drops_the_record() {
     let mock = ChatMock::start(Settings::default()).await;
-    let proxy = start_compactor(&mock.url(), &config("")).await;
+    let proxy = start_proxy(&mock.url(), &config("")).await;
     let url = proxy.url();
     let hdr = [ALICE, ("x-session-id", "a")];
     let (mut conv, _sent) = to_first_compaction(&url, &hdr).await;
@@ -116,7 +115,7 @@ async fn an_edited_history_drops_the_record() {
 #[tokio::test]
 async fn a_fork_shares_the_common_record() {
     let mock = ChatMock::start(Settings::default()).await;
-    let proxy = start_compactor(&mock.url(), &config("")).await;
+    let proxy = start_proxy(&mock.url(), &config("")).await;
     let url = proxy.url();
     let hdr = [ALICE, ("x-session-id", "a")];
     let (mut conv, _sent) = to_first_compaction(&url, &hdr).await;
@@ -155,7 +154,7 @@ async fn a_fork_shares_the_common_record() {
 #[tokio::test]
 async fn summary_calls_carry_credentials_not_session_headers() {
     let mock = ChatMock::start(Settings::default()).await;
-    let proxy = start_compactor(&mock.url(), &config("")).await;
+    let proxy = start_proxy(&mock.url(), &config("")).await;
     let hdr = [
         ALICE,
         ("x-session-id", "a"),
@@ -177,7 +176,7 @@ async fn summary_calls_carry_credentials_not_session_headers() {
 #[tokio::test]
 async fn summary_key_and_model_from_config() {
     let mock = ChatMock::start(Settings::default()).await;
-    let proxy = start_compactor(
+    let proxy = start_proxy(
         &mock.url(),
         &config("[compaction]\nsummary_api_key = \"sk-summary\"\nsummary_model = \"small\"\n"),
     )
@@ -198,7 +197,7 @@ async fn streaming_compaction_still_hides_usage() {
         ..Settings::default()
     })
     .await;
-    let proxy = start_compactor(&mock.url(), &config("")).await;
+    let proxy = start_proxy(&mock.url(), &config("")).await;
     let url = proxy.url();
     let mut conv = Conversation::new(600);
     let mut compacted = 0;
@@ -229,7 +228,7 @@ async fn streaming_compaction_still_hides_usage() {
 #[tokio::test]
 async fn explicit_include_usage_false_is_hidden_again() {
     let mock = ChatMock::start(Settings::default()).await;
-    let proxy = start_compactor(&mock.url(), "").await;
+    let proxy = start_proxy(&mock.url(), "").await;
     let body = br#"{"model":"m","stream":true,"stream_options":{"include_usage":false,"x":1},"messages":[{"role":"user","content":"hi"}]}"#;
     let (st, _, resp) = post_chat(&proxy.url(), body.to_vec(), &[]).await;
     assert_eq!(st, 200);
@@ -251,7 +250,7 @@ async fn explicit_include_usage_false_is_hidden_again() {
 #[tokio::test]
 async fn bodies_compactor_cannot_read_are_forwarded_as_is() {
     let mock = ChatMock::start(Settings::default()).await;
-    let proxy = start_compactor(&mock.url(), "").await;
+    let proxy = start_proxy(&mock.url(), "").await;
     for body in [
         &b"{not json"[..],
         br#"{"model":"m","messages":"not an array"}"#,
@@ -270,7 +269,7 @@ async fn timings_alone_calibrate() {
         ..Settings::default()
     })
     .await;
-    let proxy = start_compactor(&mock.url(), &config("")).await;
+    let proxy = start_proxy(&mock.url(), &config("")).await;
     for stream in [false, true] {
         let history = vec![json!({"role":"user","content":format!("hi {stream}")})];
         let (st, h, _) = post_chat(&proxy.url(), chat_body("m", &history, stream), &[ALICE]).await;
@@ -293,7 +292,7 @@ async fn provider_without_usage_still_stays_inside_the_window() {
             ..Settings::default()
         })
         .await;
-        let proxy = start_compactor(&mock.url(), &config("")).await;
+        let proxy = start_proxy(&mock.url(), &config("")).await;
         let mut conv = Conversation::new(600);
         let mut compacted = 0;
         for _ in 0..24 {
@@ -327,7 +326,7 @@ async fn micro_strategy_keeps_conversations_going() {
         ..Settings::default()
     })
     .await;
-    let proxy = start_compactor(&mock.url(), &config("[compaction]\nstrategy = \"micro\"\n")).await;
+    let proxy = start_proxy(&mock.url(), &config("[compaction]\nstrategy = \"micro\"\n")).await;
     let mut conv = Conversation::new(600);
     let mut compacted = 0;
     for _ in 0..20 {
@@ -351,17 +350,18 @@ async fn micro_strategy_keeps_conversations_going() {
     assert!(mock.chats().iter().all(|c| !c.overflowed));
 }
 
-#[tokio::test]
-async fn a_bad_summary_endpoint_is_a_config_error() {
+#[test]
+fn a_bad_summary_endpoint_is_a_config_error() {
     for bad in ["localhost:8081", "ftp://example.com", "not a url"] {
         let text = format!(
             "listen = \"127.0.0.1:0\"\nupstream = \"http://127.0.0.1:9\"\n[compaction]\nsummary_endpoint = \"{bad}\"\n"
         );
-        let config =
+        // Rejected with the rest of the configuration, before anything starts.
+        let err =
             compactor::config::Config::from_toml_str(&text, &compactor::config::MapEnv::default())
-                .unwrap();
-        let err = compactor::app::start(config).await.unwrap_err();
+                .unwrap_err();
         assert!(err.to_string().contains("summary_endpoint"), "{bad}: {err}");
+        assert_eq!(err.keys(), ["compaction.summary_endpoint"], "{bad}: {err}");
     }
 }
 
@@ -370,7 +370,7 @@ async fn a_bad_summary_endpoint_is_a_config_error() {
 #[tokio::test]
 async fn a_reformatted_history_still_matches_its_record() {
     let mock = ChatMock::start(Settings::default()).await;
-    let proxy = start_compactor(&mock.url(), &config("")).await;
+    let proxy = start_proxy(&mock.url(), &config("")).await;
     let url = proxy.url();
     let hdr = [ALICE, ("x-session-id", "a")];
     let (_conv, sent) = to_first_compaction(&url, &hdr).await;
@@ -405,7 +405,7 @@ async fn a_reformatted_history_still_matches_its_record() {
 #[tokio::test]
 async fn a_developer_message_is_kept_like_a_system_prompt() {
     let mock = ChatMock::start(Settings::default()).await;
-    let proxy = start_compactor(&mock.url(), &config("")).await;
+    let proxy = start_proxy(&mock.url(), &config("")).await;
     let mut conv = Conversation::new(600);
     conv.messages[0] = json!({"role":"developer","content":"Developer rules: be terse."});
     for _ in 0..12 {
@@ -424,7 +424,7 @@ async fn a_developer_message_is_kept_like_a_system_prompt() {
 #[tokio::test]
 async fn content_part_arrays_survive_compaction() {
     let mock = ChatMock::start(Settings::default()).await;
-    let proxy = start_compactor(&mock.url(), &config("")).await;
+    let proxy = start_proxy(&mock.url(), &config("")).await;
     let mut conv = Conversation::new(600);
     let image = format!("data:image/png;base64,{}", "iVBORw0KGgo".repeat(40));
     for _ in 0..14 {

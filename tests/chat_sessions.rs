@@ -1,12 +1,11 @@
 //! Sessions, the admin view and concurrent requests of one session.
 
-#[path = "support/chat_mock.rs"]
-mod chat_mock;
+mod support;
 
 use std::time::Duration;
 
-use chat_mock::*;
 use serde_json::json;
+use support::chat::*;
 
 const TOKEN: &str = "admin-secret";
 
@@ -24,7 +23,7 @@ fn history() -> Vec<serde_json::Value> {
 #[tokio::test]
 async fn credentials_never_share_a_session() {
     let mock = ChatMock::start(Settings::default()).await;
-    let proxy = start_compactor(&mock.url(), &config()).await;
+    let proxy = start_proxy(&mock.url(), &config()).await;
     let url = proxy.url();
     let body = chat_body("m", &history(), false);
     let (_, h1, _) = post_chat(
@@ -69,7 +68,7 @@ async fn credentials_never_share_a_session() {
 #[tokio::test]
 async fn fingerprint_fallback_is_stable_across_turns() {
     let mock = ChatMock::start(Settings::default()).await;
-    let proxy = start_compactor(&mock.url(), &config()).await;
+    let proxy = start_proxy(&mock.url(), &config()).await;
     let url = proxy.url();
     let auth = [("authorization", "Bearer k")];
     let mut conv = Conversation::new(600);
@@ -100,7 +99,7 @@ async fn fingerprint_fallback_is_stable_across_turns() {
 #[tokio::test]
 async fn admin_view_needs_the_token() {
     let mock = ChatMock::start(Settings::default()).await;
-    let proxy = start_compactor(&mock.url(), &config()).await;
+    let proxy = start_proxy(&mock.url(), &config()).await;
     let url = proxy.url();
     let (_, h, _) = post_chat(&url, chat_body("m", &history(), false), &[]).await;
     let key = session_of(&h);
@@ -123,7 +122,7 @@ async fn admin_view_needs_the_token() {
 #[tokio::test]
 async fn admin_view_is_off_without_a_token() {
     let mock = ChatMock::start(Settings::default()).await;
-    let proxy = start_compactor(&mock.url(), "").await;
+    let proxy = start_proxy(&mock.url(), "").await;
     let (_, h, _) = post_chat(&proxy.url(), chat_body("m", &history(), false), &[]).await;
     let (st, _) = admin_view(&proxy.url(), "anything", &session_of(&h)).await;
     assert_eq!(st, 403);
@@ -137,13 +136,13 @@ async fn concurrent_requests_compact_once() {
         ..Settings::default()
     })
     .await;
-    let proxy = start_compactor(&mock.url(), &config()).await;
+    let proxy = start_proxy(&mock.url(), &config()).await;
     let url = proxy.url();
     let headers = [("authorization", "Bearer k"), ("x-session-id", "busy")];
     let mut conv = Conversation::new(600);
     // Grow to just below the threshold: the next turn compacts (found by a
     // dry run on a separate proxy with the same history).
-    let probe = start_compactor(&mock.url(), &config()).await;
+    let probe = start_proxy(&mock.url(), &config()).await;
     let mut n_before = 0;
     {
         let mut c = Conversation::new(600);
@@ -213,7 +212,7 @@ async fn concurrent_requests_compact_once() {
 #[tokio::test]
 async fn a_client_leaving_during_compaction_leaves_state_usable() {
     let mock = ChatMock::start(Settings::default()).await;
-    let proxy = start_compactor(&mock.url(), &config()).await;
+    let proxy = start_proxy(&mock.url(), &config()).await;
     let url = proxy.url();
     let headers = [("authorization", "Bearer k"), ("x-session-id", "gone")];
     let mut conv = Conversation::new(600);
@@ -265,7 +264,7 @@ async fn a_client_leaving_during_compaction_leaves_state_usable() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn parallel_conversations_do_not_mix() {
     let mock = ChatMock::start(Settings::default()).await;
-    let proxy = start_compactor(&mock.url(), &config()).await;
+    let proxy = start_proxy(&mock.url(), &config()).await;
     let url = proxy.url();
     let mut tasks = Vec::new();
     for c in 0..8 {
@@ -321,4 +320,32 @@ async fn parallel_conversations_do_not_mix() {
             "a summary mixed conversations {owners:?}"
         );
     }
+}
+
+/// The built-in `[session] headers` (no `[session]` table at all): two
+/// Claude Code subagents share the parent's session id and differ by agent
+/// id, so they must be two conversations; the parent is a third.
+#[tokio::test]
+async fn default_headers_keep_claude_code_subagents_apart() {
+    let mock = ChatMock::start(Settings::default()).await;
+    let proxy = start_proxy(&mock.url(), "").await;
+    let url = proxy.url();
+    let body = chat_body("m", &history(), false);
+    let parent = [("x-claude-code-session-id", "u1")];
+    let agent_a = [
+        ("x-claude-code-session-id", "u1"),
+        ("x-claude-code-agent-id", "a"),
+    ];
+    let agent_b = [
+        ("x-claude-code-session-id", "u1"),
+        ("x-claude-code-agent-id", "b"),
+    ];
+    let (_, hp, _) = post_chat(&url, body.clone(), &parent).await;
+    let (_, ha, _) = post_chat(&url, body.clone(), &agent_a).await;
+    let (_, hb, _) = post_chat(&url, body.clone(), &agent_b).await;
+    let (_, ha2, _) = post_chat(&url, body, &agent_a).await;
+    assert_ne!(session_of(&ha), session_of(&hb));
+    assert_ne!(session_of(&hp), session_of(&ha));
+    assert_ne!(session_of(&hp), session_of(&hb));
+    assert_eq!(session_of(&ha), session_of(&ha2));
 }

@@ -2,6 +2,10 @@
 //! starts on an ephemeral port, logs `listening on <addr>`, honours env
 //! overrides, and shuts down cleanly on SIGTERM.
 
+// Test code: a failed unwrap is a failed test. clippy.toml allows that in
+// #[test] functions only, not in the helpers they share.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
 mod support;
 
 use std::io::{BufRead, BufReader};

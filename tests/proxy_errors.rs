@@ -1,6 +1,10 @@
 //! Errors compactor itself produces: 502 unreachable, 504 slow upstream,
 //! 413 oversize body (declared and streamed), all in OpenAI's error shape.
 
+// Test code: a failed unwrap is a failed test. clippy.toml allows that in
+// #[test] functions only, not in the helpers they share.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
 mod support;
 
 use std::time::Duration;
@@ -41,7 +45,7 @@ async fn upstream_down_is_502() {
         assert_eq!(v["error"]["type"], "upstream_error");
     }
     tokio::time::sleep(Duration::from_millis(50)).await;
-    let text = proxy.state.metrics.render();
+    let text = proxy.state.metrics.render(0, 0);
     assert!(
         text.contains("compactor_proxy_errors_total{code=\"upstream_unreachable\"} 2"),
         "{text}"

@@ -1,6 +1,10 @@
 //! Transparent forwarding: bodies, statuses and headers identical to going
 //! direct; hop-by-hop headers removed; URI joining; Host policy.
 
+// Test code: a failed unwrap is a failed test. clippy.toml allows that in
+// #[test] functions only, not in the helpers they share.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
 mod support;
 
 use std::time::Duration;
@@ -18,6 +22,8 @@ fn binary() -> Bytes {
     Bytes::from((0..=255u8).cycle().take(70_000).collect::<Vec<u8>>())
 }
 
+// The route table of the scripted upstream: one entry per case the tests use.
+#[allow(clippy::too_many_lines)]
 async fn upstream() -> MockUpstream {
     MockUpstream::builder()
         .route(

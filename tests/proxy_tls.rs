@@ -1,5 +1,9 @@
 //! HTTPS upstream through rustls, trusting a test CA via `upstream_ca_file`.
 
+// Test code: a failed unwrap is a failed test. clippy.toml allows that in
+// #[test] functions only, not in the helpers they share.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
 mod support;
 
 use std::sync::Arc;

@@ -2,90 +2,23 @@
 //! 127.0.0.1:0 streams recorded-shape transcripts frame by frame, and the
 //! client side wraps the `Incoming` body the way the proxy will.
 
-use std::convert::Infallible;
-use std::pin::Pin;
+// Test code: a failed unwrap is a failed test. clippy.toml allows that in
+// #[test] functions only, not in the helpers they share.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+mod support;
+
 use std::sync::{Arc, Mutex};
-use std::task::{Context, Poll};
 use std::time::Duration;
 
 use bytes::Bytes;
+use compactor::upstream::body::{Eos, TapBody};
 use compactor::usage::hide::HideUsageBody;
-use compactor::usage::tap::{Eos, TapBody};
 use compactor::usage::{BodyKind, PromptSource, TapOutcome, UsageObserver};
-use http_body::{Body, Frame};
 use http_body_util::{BodyExt, Full};
-use hyper::service::service_fn;
-use hyper::{Request, Response};
 use hyper_util::client::legacy::Client;
-use hyper_util::rt::{TokioExecutor, TokioIo};
-use tokio::net::TcpListener;
-use tokio::sync::mpsc;
-
-/// Server body fed from a channel, so the test controls frame timing.
-struct ChannelBody(mpsc::Receiver<Bytes>);
-
-impl Body for ChannelBody {
-    type Data = Bytes;
-    type Error = Infallible;
-    fn poll_frame(
-        mut self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-    ) -> Poll<Option<Result<Frame<Bytes>, Infallible>>> {
-        self.0.poll_recv(cx).map(|o| o.map(|b| Ok(Frame::data(b))))
-    }
-}
-
-enum Reply {
-    /// SSE, split into frames of this size with a pause between them.
-    Sse(&'static [u8], usize),
-    /// JSON with Content-Length.
-    Json(&'static [u8]),
-}
-
-async fn mock_upstream(reply: fn(&str) -> Reply) -> std::net::SocketAddr {
-    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let addr = listener.local_addr().unwrap();
-    tokio::spawn(async move {
-        loop {
-            let Ok((sock, _)) = listener.accept().await else {
-                return;
-            };
-            tokio::spawn(async move {
-                let svc = service_fn(move |req: Request<hyper::body::Incoming>| async move {
-                    let path = req.uri().path().to_owned();
-                    let resp: Response<
-                        http_body_util::combinators::UnsyncBoxBody<Bytes, Infallible>,
-                    > = match reply(&path) {
-                        Reply::Json(b) => Response::builder()
-                            .header("content-type", "application/json")
-                            .body(Full::new(Bytes::from_static(b)).boxed_unsync())
-                            .unwrap(),
-                        Reply::Sse(b, n) => {
-                            let (tx, rx) = mpsc::channel(4);
-                            tokio::spawn(async move {
-                                for c in b.chunks(n) {
-                                    if tx.send(Bytes::from_static(c)).await.is_err() {
-                                        return;
-                                    }
-                                    tokio::time::sleep(Duration::from_millis(1)).await;
-                                }
-                            });
-                            Response::builder()
-                                .header("content-type", "text/event-stream")
-                                .body(ChannelBody(rx).boxed_unsync())
-                                .unwrap()
-                        }
-                    };
-                    Ok::<_, Infallible>(resp)
-                });
-                let _ = hyper::server::conn::http1::Builder::new()
-                    .serve_connection(TokioIo::new(sock), svc)
-                    .await;
-            });
-        }
-    });
-    addr
-}
+use hyper_util::rt::TokioExecutor;
+use support::{MockUpstream, Reply};
 
 const OPENAI_WITH: &[u8] = include_bytes!("fixtures/sse/openai_with_usage.sse");
 const OPENAI_WITHOUT: &[u8] = include_bytes!("fixtures/sse/openai_without_usage.sse");
@@ -93,13 +26,39 @@ const LLAMA_WITH: &[u8] = include_bytes!("fixtures/sse/llamacpp_with_usage.sse")
 const LLAMA_WITHOUT: &[u8] = include_bytes!("fixtures/sse/llamacpp_without_usage.sse");
 const JSON: &[u8] = include_bytes!("fixtures/json/openai_response.json");
 
-fn replies(path: &str) -> Reply {
-    match path {
-        "/openai" => Reply::Sse(OPENAI_WITH, 37),
-        "/llama" => Reply::Sse(LLAMA_WITH, 101),
-        "/llama-plain" => Reply::Sse(LLAMA_WITHOUT, 64),
-        _ => Reply::Json(JSON),
+/// SSE split into frames of `size` bytes with a pause between them.
+fn sse(body: &'static [u8], size: usize) -> Reply {
+    let chunks = body
+        .chunks(size)
+        .enumerate()
+        .map(|(i, c)| {
+            let pause = if i == 0 { 0 } else { 1 };
+            (Duration::from_millis(pause), Bytes::from_static(c))
+        })
+        .collect();
+    Reply::Chunks {
+        status: 200,
+        headers: vec![("content-type", "text/event-stream".to_owned())],
+        chunks,
     }
+}
+
+/// The recorded transcripts, one path each; JSON with Content-Length.
+async fn mock_upstream() -> MockUpstream {
+    MockUpstream::builder()
+        .route("/openai", sse(OPENAI_WITH, 37))
+        .route("/llama", sse(LLAMA_WITH, 101))
+        .route("/llama-plain", sse(LLAMA_WITHOUT, 64))
+        .route(
+            "/json",
+            Reply::Full {
+                status: 200,
+                headers: vec![("content-type", "application/json".to_owned())],
+                body: Bytes::from_static(JSON),
+            },
+        )
+        .run()
+        .await
 }
 
 type Sink = Arc<Mutex<Vec<TapOutcome>>>;
@@ -133,7 +92,8 @@ async fn fetch(addr: std::net::SocketAddr, path: &str, hide: bool) -> (Bytes, Si
 
 #[tokio::test]
 async fn forced_usage_is_read_and_hidden() {
-    let addr = mock_upstream(replies).await;
+    let mock = mock_upstream().await;
+    let addr = mock.addr;
     for (path, without, prompt) in [
         ("/openai", OPENAI_WITHOUT, 9),
         ("/llama", LLAMA_WITHOUT, 75),
@@ -152,7 +112,8 @@ async fn forced_usage_is_read_and_hidden() {
 
 #[tokio::test]
 async fn client_asked_usage_passes_untouched() {
-    let addr = mock_upstream(replies).await;
+    let mock = mock_upstream().await;
+    let addr = mock.addr;
     let (bytes, sink) = fetch(addr, "/openai", false).await;
     assert_eq!(&bytes[..], OPENAI_WITH);
     assert_eq!(
@@ -163,7 +124,8 @@ async fn client_asked_usage_passes_untouched() {
 
 #[tokio::test]
 async fn timings_fallback_over_the_wire() {
-    let addr = mock_upstream(replies).await;
+    let mock = mock_upstream().await;
+    let addr = mock.addr;
     let (bytes, sink) = fetch(addr, "/llama-plain", false).await;
     assert_eq!(&bytes[..], LLAMA_WITHOUT);
     assert_eq!(
@@ -174,7 +136,8 @@ async fn timings_fallback_over_the_wire() {
 
 #[tokio::test]
 async fn content_length_json_completes() {
-    let addr = mock_upstream(replies).await;
+    let mock = mock_upstream().await;
+    let addr = mock.addr;
     let (bytes, sink) = fetch(addr, "/json", false).await;
     assert_eq!(&bytes[..], JSON);
     let got = sink.lock().unwrap();
@@ -187,7 +150,8 @@ async fn content_length_json_completes() {
 
 #[tokio::test]
 async fn client_going_away_is_cancelled() {
-    let addr = mock_upstream(replies).await;
+    let mock = mock_upstream().await;
+    let addr = mock.addr;
     let client = Client::builder(TokioExecutor::new()).build_http::<Full<Bytes>>();
     let resp = client
         .get(format!("http://{addr}/openai").parse().unwrap())

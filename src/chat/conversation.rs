@@ -101,8 +101,8 @@ impl Conversation {
             .with_base_url(base_url);
             Compressor::new(Arc::clone(cfg), trigger)
         });
-        // A model switch resets the trigger's state as the reference's
-        // update_model does. Window and output reservation go in separately:
+        // A model switch resets the trigger's state (another model, another
+        // window and tokenizer). Window and output reservation go in separately:
         // they move with the calibration scale and the client's max_tokens,
         // which must not wipe the deferral and strike state.
         comp.trigger.update_model(model, None, base_url, None);
@@ -209,7 +209,8 @@ impl EngineScale {
 }
 
 /// The rough per-message estimator used for calibration: the engine's own
-/// tail-walk estimator, so trigger and tail agree (reference §2 lesson).
+/// tail-walk estimator, so trigger and tail agree (two estimators would
+/// let the trigger fire on a history the tail then judges small).
 pub fn rough_message_tokens(m: &RawValue) -> u64 {
     match serde_json::from_str::<serde_json::Value>(m.get()) {
         Ok(v) => tokens::estimate_msg_budget_tokens(&v, true),

@@ -1,20 +1,27 @@
-//! The chat-completions brain: what happens to `POST /v1/chat/completions`
-//! between the client and the upstream (design §1, §2, §8).
+//! The chat-completions path: what happens to `POST /v1/chat/completions`
+//! between the client and the upstream.
 //!
-//! - [`handler`]: the walk of one request (substitute, estimate, compact,
-//!   send, retry on overflow, tap usage on the way back).
+//! - [`walk`]: the walk of one request (read, prepare, send, retry on
+//!   overflow, tap usage on the way back).
+//! - `prepare`: what to send, in named steps: substitute the recorded
+//!   prefix → estimate → decide → compact → build the body.
+//! - `compact`: the decision (pure `decide`), the engine pass and its
+//!   booking (stats, metrics, one log line, the record).
 //! - [`conversation`]: per-conversation state behind the session lock.
 //! - [`record`]: compaction records, the stable prefixes.
-//! - [`summarise`]: the summariser as an HTTP call to the upstream.
-//! - [`admin`]: the content-free session view.
-//! - [`metrics`]: chat-path metrics.
+//! - [`summarise`]: the summariser as a JSON POST through the upstream.
+//!
+//! It takes what it needs, [`ChatState`] and the [`Upstream`], never the
+//! whole server.
 
-pub mod admin;
+mod compact;
 pub mod conversation;
-pub mod handler;
-pub mod metrics;
+mod prepare;
 pub mod record;
 pub mod summarise;
+pub mod walk;
+
+pub use walk::handle;
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -23,10 +30,11 @@ use http::HeaderMap;
 use serde_json::Value;
 
 use crate::compaction::config::CompactionConfig;
-use crate::config::Config;
-use crate::proxy::upstream::UpstreamClient;
+use crate::config::{Config, ConfigError, UpstreamBase};
+use crate::metrics::Metrics;
 use crate::session::key::SessionKeyer;
 use crate::session::store::{SessionStore, StoreLimits};
+use crate::upstream::{FetchError, Upstream};
 use crate::window::cache::{WindowCache, WindowConfig};
 use crate::window::discover::{GetError, UpstreamGet};
 
@@ -47,32 +55,20 @@ pub struct ChatState {
     pub windows: WindowCache,
     /// The upstream base as a string (window cache key, trigger base URL).
     pub upstream_label: String,
-    /// Chat-path metrics.
-    pub metrics: metrics::ChatMetrics,
-}
-
-/// Invalid chat-path configuration.
-#[derive(Debug, thiserror::Error)]
-pub enum ChatConfigError {
-    /// `[session] headers` has a bad entry.
-    #[error("invalid config: key `session.headers`: {0}")]
-    SessionHeaders(String),
-    /// `[compaction] summary_endpoint` is not a usable base URL.
-    #[error("invalid config: key `compaction.summary_endpoint`: {0}")]
-    SummaryEndpoint(String),
+    /// Where summary calls go when not to the upstream.
+    pub summary_endpoint: Option<UpstreamBase>,
+    /// Add `x-compactor-*` response headers.
+    pub expose_headers: bool,
+    /// The metrics registry (chat series under `metrics.chat`).
+    pub metrics: Arc<Metrics>,
 }
 
 impl ChatState {
     /// Builds the chat state from the validated proxy configuration.
-    pub fn from_config(cfg: &Config) -> Result<Self, ChatConfigError> {
+    pub fn from_config(cfg: &Config, metrics: Arc<Metrics>) -> Result<Self, ConfigError> {
         let compaction = cfg.compaction.clone();
-        // Checked here, not at use: a typo must not silently send summary
-        // calls (with the client's credentials) to the main upstream.
-        if let Some(ep) = &compaction.summary_endpoint {
-            crate::config::UpstreamBase::parse(ep).map_err(ChatConfigError::SummaryEndpoint)?;
-        }
         let keyer = SessionKeyer::new(&cfg.session.headers)
-            .map_err(|e| ChatConfigError::SessionHeaders(e.0))?;
+            .map_err(|e| ConfigError::invalid("session.headers", e.to_string()))?;
         let limits = StoreLimits {
             ttl: cfg.session.ttl,
             max_sessions: cfg.session.max_sessions,
@@ -99,11 +95,10 @@ impl ChatState {
             // without its session header still finds its compaction.
             records: RecordStore::new(cfg.session.ttl, cfg.session.max_sessions.max(1)),
             windows,
-            upstream_label: format!(
-                "{}://{}{}",
-                cfg.upstream.scheme, cfg.upstream.authority, cfg.upstream.path_prefix
-            ),
-            metrics: metrics::ChatMetrics::default(),
+            upstream_label: cfg.upstream.to_string(),
+            summary_endpoint: cfg.summary_endpoint.clone(),
+            expose_headers: cfg.expose_headers,
+            metrics,
         })
     }
 
@@ -114,12 +109,13 @@ impl ChatState {
     }
 }
 
-/// Window discovery over the pooled client, with the client's credentials.
+/// Largest discovery answer read.
+const MAX_PROBE_BYTES: usize = 4 << 20;
+
+/// Window discovery through the upstream, with the client's credentials.
 pub struct Discovery<'a> {
-    /// The pooled client.
-    pub client: &'a UpstreamClient,
-    /// Upstream base.
-    pub base: &'a crate::config::UpstreamBase,
+    /// The upstream.
+    pub upstream: &'a Upstream,
     /// The client's request headers: only their credential headers are
     /// presented (some upstreams guard `/v1/models`), picked out when a
     /// probe runs, not on every request.
@@ -131,39 +127,13 @@ pub struct Discovery<'a> {
 #[async_trait::async_trait]
 impl UpstreamGet for Discovery<'_> {
     async fn get_json(&self, path: &str) -> Result<Option<Value>, GetError> {
-        use http_body_util::{BodyExt, Empty};
-        let uri: http::Uri = path
-            .parse()
-            .map_err(|e: http::uri::InvalidUri| GetError::Transport(e.to_string()))?;
-        let uri = crate::proxy::upstream::join_uri(self.base, &uri)
-            .map_err(|e| GetError::Transport(e.to_string()))?;
-        let mut req = http::Request::new(crate::proxy::body::boxed(Empty::<bytes::Bytes>::new()));
-        *req.uri_mut() = uri;
-        *req.headers_mut() = crate::session::key::credential_headers(self.client_headers);
-        if let Ok(host) = http::HeaderValue::from_str(self.base.authority.as_str()) {
-            req.headers_mut().insert(http::header::HOST, host);
-        }
-        let fut = async {
-            let resp = self
-                .client
-                .request(req)
-                .await
-                .map_err(|e| GetError::Transport(e.to_string()))?;
-            if !resp.status().is_success() {
-                return Ok(None);
-            }
-            let body = http_body_util::Limited::new(resp.into_body(), 4 << 20)
-                .collect()
-                .await
-                .map_err(|e| GetError::Transport(e.to_string()))?
-                .to_bytes();
-            serde_json::from_slice(&body)
-                .map(Some)
-                .map_err(|_| GetError::InvalidJson)
-        };
-        match tokio::time::timeout(self.timeout, fut).await {
-            Ok(r) => r,
-            Err(_) => Err(GetError::Transport("timed out".into())),
-        }
+        let headers = crate::session::key::credential_headers(self.client_headers);
+        self.upstream
+            .get_json(path, headers, MAX_PROBE_BYTES, self.timeout)
+            .await
+            .map_err(|e| match e {
+                FetchError::InvalidJson => GetError::InvalidJson,
+                other => GetError::Transport(other.to_string()),
+            })
     }
 }

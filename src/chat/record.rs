@@ -1,5 +1,5 @@
 //! Compaction records: the stable prefixes that make compaction a substitution
-//! rather than a one-time rewrite (design §2).
+//! rather than a one-time rewrite.
 //!
 //! Chat APIs are stateless: the client re-sends its full, uncompacted history
 //! on every turn. A record says "the first `k` original messages, whose chained

@@ -1,25 +1,23 @@
-//! The summariser the proxy uses: one non-streaming chat completion to the
-//! upstream (or a configured summary endpoint), with the client's own
-//! credentials unless a summary key is configured (design §6).
+//! The summariser the proxy uses: one non-streaming chat completion POSTed
+//! through the [`Upstream`] (to the upstream or a configured summary
+//! endpoint), with the client's own credentials unless a summary key is
+//! configured.
 //!
-//! Failures are mapped onto [`SummaryError`] so the engine can classify them
-//! the way the reference does: HTTP status and the provider's message for
-//! error answers, `Network` when nothing came back, `Timeout`, `Decode` for a
-//! body that is not a chat completion, `StreamClosed` for a cut-off body.
+//! Failures are mapped onto [`SummaryError`] so the engine can classify them:
+//! HTTP status and the provider's message for error answers, `Network` when
+//! nothing came back, `Timeout`, `Decode` for a body that is not a chat
+//! completion, `StreamClosed` for a cut-off body.
 
-use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 use bytes::Bytes;
-use http::{header, HeaderMap, HeaderValue, Method, Request, Uri};
-use http_body_util::{BodyExt, Full};
+use http::{header, HeaderMap, HeaderValue};
 use serde_json::{json, Value};
 
 use crate::compaction::{Summariser, SummaryError, SummaryErrorKind, SummaryReply, SummaryRequest};
 use crate::config::UpstreamBase;
-use crate::proxy::body::boxed;
-use crate::proxy::headers;
-use crate::proxy::upstream::{join_uri, UpstreamClient};
+use crate::upstream::{FetchError, Upstream};
 
 /// Headers copied from the client's request onto the summary call: the
 /// credentials and the few routing headers gateways need. Nothing else (in
@@ -37,32 +35,40 @@ const FORWARDED: &[&str] = &[
 /// Largest summary response body read.
 const MAX_REPLY_BYTES: usize = 4 << 20;
 
+/// Where the summary call goes and as whom.
+pub struct SummaryTarget<'a> {
+    /// The summary endpoint, or the upstream's own base.
+    pub base: &'a UpstreamBase,
+    /// The model named when the engine asks for none.
+    pub main_model: String,
+    /// The configured summary key, replacing the client's credentials.
+    pub api_key: Option<&'a str>,
+    /// Deadline of one whole call.
+    pub timeout: Duration,
+}
+
 /// Summary calls for one request.
-pub struct HttpSummariser {
-    client: UpstreamClient,
-    base: UpstreamBase,
+pub struct HttpSummariser<'a> {
+    upstream: &'a Upstream,
+    base: &'a UpstreamBase,
     main_model: String,
     headers: HeaderMap,
     timeout: Duration,
     prompt_budget_chars: usize,
     /// Upper bound on the reply, so prompt + reply fit the summariser's
-    /// window. `None` leaves the length to the model (the reference never
-    /// caps batch summaries on the wire).
+    /// window. `None` leaves the length to the model (batch summaries are
+    /// not capped on the wire for large windows).
     max_reply_tokens: Option<u32>,
-    calls: Arc<std::sync::atomic::AtomicU64>,
+    calls: AtomicU64,
 }
 
-impl HttpSummariser {
-    /// A summariser that sends to `base` with the credentials found in
-    /// `client_headers` (or `api_key` when one is configured).
-    #[allow(clippy::too_many_arguments)]
+impl<'a> HttpSummariser<'a> {
+    /// A summariser that sends to `target` with the credentials found in
+    /// `client_headers` (or the target's key when one is configured).
     pub fn new(
-        client: UpstreamClient,
-        base: UpstreamBase,
-        main_model: String,
+        upstream: &'a Upstream,
+        target: SummaryTarget<'a>,
         client_headers: &HeaderMap,
-        api_key: Option<&str>,
-        timeout: Duration,
         (prompt_budget_chars, max_reply_tokens): (usize, Option<u32>),
     ) -> Self {
         let mut headers = HeaderMap::new();
@@ -71,7 +77,7 @@ impl HttpSummariser {
                 headers.append(*name, v.clone());
             }
         }
-        if let Some(key) = api_key {
+        if let Some(key) = target.api_key {
             headers.remove(header::AUTHORIZATION);
             headers.remove("api-key");
             headers.remove("x-api-key");
@@ -79,26 +85,21 @@ impl HttpSummariser {
                 headers.insert(header::AUTHORIZATION, v);
             }
         }
-        headers.insert(
-            header::CONTENT_TYPE,
-            HeaderValue::from_static("application/json"),
-        );
-        headers.insert(header::ACCEPT, HeaderValue::from_static("application/json"));
         Self {
-            client,
-            base,
-            main_model,
+            upstream,
+            base: target.base,
+            main_model: target.main_model,
             headers,
-            timeout,
+            timeout: target.timeout,
             prompt_budget_chars,
             max_reply_tokens,
-            calls: Arc::default(),
+            calls: AtomicU64::new(0),
         }
     }
 
     /// Summary calls made so far.
     pub fn calls(&self) -> u64 {
-        self.calls.load(std::sync::atomic::Ordering::Relaxed)
+        self.calls.load(Ordering::Relaxed)
     }
 
     fn body(&self, req: &SummaryRequest) -> Value {
@@ -121,39 +122,30 @@ impl HttpSummariser {
     }
 
     async fn call(&self, req: SummaryRequest) -> Result<SummaryReply, SummaryError> {
-        let uri: Uri = join_uri(&self.base, &Uri::from_static("/v1/chat/completions"))
-            .map_err(|e| SummaryError::new(SummaryErrorKind::NoProvider, None, e.to_string()))?;
         let bytes = Bytes::from(self.body(&req).to_string());
-        let mut request = Request::new(boxed(Full::new(bytes)));
-        *request.method_mut() = Method::POST;
-        *request.uri_mut() = uri;
-        *request.headers_mut() = self.headers.clone();
-        if let Ok(host) = HeaderValue::from_str(self.base.authority.as_str()) {
-            request.headers_mut().insert(header::HOST, host);
-        }
-        headers::prepare_request_headers(request.headers_mut());
-        self.calls
-            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-
-        let resp = self.client.request(request).await.map_err(|e| {
-            SummaryError::new(
-                SummaryErrorKind::Network,
-                None,
-                crate::proxy::error_chain(&e),
+        self.calls.fetch_add(1, Ordering::Relaxed);
+        let (status, body) = self
+            .upstream
+            .post_json(
+                self.base,
+                "/v1/chat/completions",
+                self.headers.clone(),
+                bytes,
+                MAX_REPLY_BYTES,
             )
-        })?;
-        let status = resp.status();
-        let body = http_body_util::Limited::new(resp.into_body(), MAX_REPLY_BYTES)
-            .collect()
             .await
-            .map_err(|e| {
-                SummaryError::new(
+            .map_err(|e| match e {
+                FetchError::Body { status, message } => SummaryError::new(
                     SummaryErrorKind::StreamClosed,
                     Some(status.as_u16()),
-                    e.to_string(),
-                )
-            })?
-            .to_bytes();
+                    message,
+                ),
+                FetchError::Uri(m) => SummaryError::new(SummaryErrorKind::NoProvider, None, m),
+                FetchError::Timeout => {
+                    SummaryError::new(SummaryErrorKind::Timeout, None, "summary call timed out")
+                }
+                other => SummaryError::new(SummaryErrorKind::Network, None, other.to_string()),
+            })?;
         if !status.is_success() {
             return Err(SummaryError::http(
                 status.as_u16(),
@@ -165,7 +157,7 @@ impl HttpSummariser {
 }
 
 #[async_trait::async_trait]
-impl Summariser for HttpSummariser {
+impl Summariser for HttpSummariser<'_> {
     async fn summarise(&self, req: SummaryRequest) -> Result<SummaryReply, SummaryError> {
         match tokio::time::timeout(self.timeout, self.call(req)).await {
             Ok(r) => r,
@@ -186,7 +178,7 @@ impl Summariser for HttpSummariser {
 /// window is `window` tokens and whose summaries should be about
 /// `summary_tokens` long.
 ///
-/// Large windows keep the reference's 160,000-char input cap and no wire cap
+/// Large windows keep the default 160,000-char input cap and no wire cap
 /// on the reply (a hard cap once produced empty summaries from reasoning
 /// models). Small windows (self-hosted llama.cpp, 2k–32k) must fit prompt and
 /// reply into the window, and a small local model that never stops would
@@ -194,16 +186,16 @@ impl Summariser for HttpSummariser {
 /// summary budget and the prompt gets the rest, counted at a conservative 3
 /// characters per token.
 pub fn budgets_for_window(window: Option<u64>, summary_tokens: u64) -> (usize, Option<u32>) {
-    const REFERENCE_CHARS: usize = crate::compaction::summariser::DEFAULT_PROMPT_BUDGET_CHARS;
+    const DEFAULT_CHARS: usize = crate::compaction::summariser::DEFAULT_PROMPT_BUDGET_CHARS;
     const MARGIN: u64 = 64;
     match window {
         Some(w) if w < 64_000 => {
             let reply = summary_tokens.clamp(96, (w / 4).max(96));
             let prompt_tokens = w.saturating_sub(reply + MARGIN).max(w / 4);
-            let chars = usize::try_from(prompt_tokens * 3).unwrap_or(REFERENCE_CHARS);
-            (chars.min(REFERENCE_CHARS), u32::try_from(reply).ok())
+            let chars = usize::try_from(prompt_tokens * 3).unwrap_or(DEFAULT_CHARS);
+            (chars.min(DEFAULT_CHARS), u32::try_from(reply).ok())
         }
-        _ => (REFERENCE_CHARS, None),
+        _ => (DEFAULT_CHARS, None),
     }
 }
 

@@ -1,7 +1,7 @@
 //! Per-conversation state: who is talking ([`key`]), where their state lives
 //! ([`store`]) and how big their prompt really is ([`calibration`]).
 //!
-//! Per chat request the handler is expected to:
+//! Per chat request the chat path does:
 //! 1. parse the body ([`crate::request::ChatRequest`]) and derive the key
 //!    with [`SessionKeyer::derive`];
 //! 2. `store.get_or_create(key, ..)` and lock the entry (never across the

@@ -3,11 +3,10 @@
 //! behalf.
 //!
 //! - [`sse`]: incremental SSE scanner.
-//! - [`tap`]: [`tap::TapBody`], a frame-forwarding body wrapper with a side
-//!   [`tap::Observer`].
-//! - [`UsageExtractor`] / [`UsageObserver`]: the last `usage` (and llama.cpp
-//!   `timings`) of an SSE stream or a JSON body, plus an error that arrived
-//!   before the first content delta.
+//! - [`UsageExtractor`] / [`UsageObserver`]: the last `usage` (and
+//!   llama.cpp `timings`) of an SSE stream or a JSON body, plus an error
+//!   that arrived before the first content delta. The observer rides on the
+//!   one body tap, [`crate::upstream::body::TapBody`].
 //! - [`hide`]: removes the forced `include_usage` output from a stream.
 //! - [`inject`]: the request side (forcing `include_usage`).
 //! - [`peek`]: holding a stream's start until content or an error shows.
@@ -16,7 +15,6 @@ pub mod hide;
 pub mod inject;
 pub mod peek;
 pub mod sse;
-pub mod tap;
 
 use std::sync::LazyLock;
 
@@ -26,7 +24,7 @@ use serde_json::value::RawValue;
 use serde_json::Value;
 
 use self::sse::{SseEvent, SseScanner};
-use self::tap::{Eos, Observer};
+pub use crate::upstream::body::{Eos, Observer};
 
 /// Token usage as the upstream reported it (`usage` object).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]

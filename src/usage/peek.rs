@@ -150,8 +150,8 @@ where
 
 #[cfg(test)]
 mod tests {
-    use super::super::tap::tests::MockBody;
     use super::*;
+    use crate::upstream::body::tap_tests::MockBody;
     use crate::window::parse_overflow_event;
 
     fn frames(parts: &[&'static [u8]]) -> MockBody {

@@ -1,9 +1,9 @@
 //! Tests of usage extraction and hiding over vendor-shaped transcripts.
 
 use super::hide::{HideUsageBody, UsageHider};
-use super::tap::tests::MockBody;
-use super::tap::TapBody;
 use super::*;
+use crate::upstream::body::tap_tests::MockBody;
+use crate::upstream::body::TapBody;
 use bytes::{Bytes, BytesMut};
 use http_body::Frame;
 use http_body_util::BodyExt;
@@ -211,7 +211,7 @@ async fn observer_through_tap_delivers_outcome_once() {
     assert_eq!(&out[..], &s[..]);
     let got = got.lock().unwrap();
     assert_eq!(got.len(), 1);
-    assert_eq!(got[0].eos, tap::Eos::Complete);
+    assert_eq!(got[0].eos, Eos::Complete);
     assert_eq!(
         got[0].report.prompt_tokens(),
         Some((75, PromptSource::Usage))
@@ -236,7 +236,7 @@ fn early_usage(kind: BodyKind, body: &[u8], step: usize) -> Option<(usize, Usage
             at = Some(fed);
         }
     }
-    obs.on_eos(tap::Eos::Complete);
+    obs.on_eos(Eos::Complete);
     let report = (*fired.lock().unwrap())?;
     Some((at.unwrap_or(body.len() + 1), report))
 }

@@ -1,7 +1,8 @@
 //! Asking the upstream how big its context window is.
 //!
 //! Probes, in order (paths are relative to the upstream base URL; the
-//! [`UpstreamGet`] implementation joins them):
+//! [`UpstreamGet`] implementation, `chat::Discovery` over
+//! `Upstream::get_json`, joins them):
 //! 1. llama.cpp `GET /props`: `default_generation_settings.n_ctx` is the
 //!    per-slot window (what `exceed_context_size_error` enforces); with
 //!    `total_slots > 1`, `GET /slots` is asked too and the smallest slot

@@ -62,8 +62,8 @@ fn re(pattern: &str) -> Option<Regex> {
     Regex::new(pattern).ok()
 }
 
-/// Phrases that on their own identify an overflow, as the common
-/// providers and local servers word it.
+/// Phrases that on their own identify an overflow: the wordings the known
+/// providers and servers use for a prompt over the window.
 static OVERFLOW_TEXT: LazyLock<Option<Regex>> = LazyLock::new(|| {
     re(
         r"(?i)context[_ ]length[_ ]exceeded|exceed_context_size_error|maximum context length is \d+|exceeds the available context size|exceeds the context window|context length is only \d+|prompt is too long|input is too long for requested model|input token count.*exceeds the maximum|maximum prompt length is \d+|reduce the length of the messages|exceeds the limit of \d+|greater than the context length|context window exceeds limit|exceeded model token limit|too large for model with \d+ maximum context length|input length.*exceeds.*context length|prompt too long; exceeded (?:max )?context length|the prompt is longer than the context length|must be <= \d+\. given: \d+ .?inputs.? tokens|token limit exceeded|too many tokens|max_tokens_exceeded|token_limit_exceeded|larger than the max context size|the request exceeds the available context size",

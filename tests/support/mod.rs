@@ -1,4 +1,5 @@
-//! Test support: an in-process scripted mock upstream on `127.0.0.1:0`,
+//! Test support, one module for every proxy and chat suite: an in-process
+//! scripted mock upstream on `127.0.0.1:0` ([`chat`] has the chat-shaped one),
 //! a compactor launcher and a small HTTP client.
 //!
 //! The mock answers each path with a scripted [`Reply`]: full bodies, chunked
@@ -6,7 +7,12 @@
 //! generated bodies, or no answer at all. It records every request (headers,
 //! body length and hash) and counts cancelled streams and closed connections.
 
+// Test code: a failed unwrap is a failed test. clippy.toml allows that in
+// #[test] functions only, not in the helpers they share.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
 #![allow(dead_code)]
+
+pub mod chat;
 
 use std::collections::HashMap;
 use std::convert::Infallible;
@@ -238,6 +244,9 @@ impl MockBuilder {
     }
 }
 
+// One match over every scripted reply kind; split up it would scatter the
+// script the tests read against.
+#[allow(clippy::too_many_lines)]
 async fn serve(
     shared: Arc<Shared>,
     req: Request<Incoming>,
@@ -436,12 +445,12 @@ fn respond(status: u16, headers: &[(&'static str, String)], body: TestBody) -> R
 // ---------------------------------------------------------------- compactor
 
 /// Starts compactor in-process in front of `upstream` with extra TOML.
-pub async fn start_proxy(upstream: &str, extra_toml: &str) -> compactor::app::RunningServer {
+pub async fn start_proxy(upstream: &str, extra_toml: &str) -> compactor::server::RunningServer {
     let text = format!("listen = \"127.0.0.1:0\"\nupstream = \"{upstream}\"\n{extra_toml}");
     let config =
         compactor::config::Config::from_toml_str(&text, &compactor::config::MapEnv::default())
             .unwrap();
-    compactor::app::start(config).await.unwrap()
+    compactor::server::start(config).await.unwrap()
 }
 
 // ---------------------------------------------------------------- client

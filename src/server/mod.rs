@@ -1,4 +1,12 @@
-//! Process wiring: shared state, bind, accept loop, graceful shutdown.
+//! The server layer: the state every request shares, bind, the accept loop
+//! and graceful shutdown; [`router`] dispatches each request, [`admin`]
+//! serves the session view.
+//!
+//! Below it, [`crate::chat`] walks a chat completion and [`crate::upstream`]
+//! talks to the upstream; neither reaches back up here.
+
+pub mod admin;
+pub mod router;
 
 use std::future::Future;
 use std::net::SocketAddr;
@@ -13,21 +21,22 @@ use tokio::net::TcpListener;
 use tokio::sync::oneshot;
 use tokio::task::JoinHandle;
 
-use crate::config::Config;
+use crate::chat::ChatState;
+use crate::config::{Config, ConfigError};
 use crate::metrics::Metrics;
-use crate::proxy::upstream::{build_client, UpstreamClient, UpstreamSetupError};
+use crate::upstream::client::UpstreamSetupError;
+use crate::upstream::Upstream;
 
-/// State shared by every request. Later issues add fields (sessions,
-/// compaction engine, window cache) here.
+/// State shared by every request.
 pub struct AppState {
     /// The validated configuration.
     pub config: Arc<Config>,
-    /// Pooled upstream client.
-    pub client: UpstreamClient,
-    /// Metrics registry.
+    /// The upstream (pooled client, base, timeouts).
+    pub upstream: Upstream,
+    /// Metrics registry (also held by `upstream` and `chat`).
     pub metrics: Arc<Metrics>,
     /// Sessions, compaction records, windows: the chat path's state.
-    pub chat: crate::chat::ChatState,
+    pub chat: ChatState,
 }
 
 impl std::fmt::Debug for AppState {
@@ -41,12 +50,13 @@ impl std::fmt::Debug for AppState {
 impl AppState {
     /// Builds the state (upstream client, metrics) from a config.
     pub fn new(config: Config) -> Result<Self, AppError> {
-        let client = build_client(&config)?;
-        let chat = crate::chat::ChatState::from_config(&config)?;
+        let metrics = Arc::new(Metrics::default());
+        let upstream = Upstream::new(&config, Arc::clone(&metrics))?;
+        let chat = ChatState::from_config(&config, Arc::clone(&metrics))?;
         Ok(AppState {
             config: Arc::new(config),
-            client,
-            metrics: Arc::new(Metrics::default()),
+            upstream,
+            metrics,
             chat,
         })
     }
@@ -58,9 +68,9 @@ pub enum AppError {
     /// The upstream client could not be built.
     #[error(transparent)]
     Upstream(#[from] UpstreamSetupError),
-    /// The chat path's configuration is invalid.
+    /// The configuration is invalid (found while building the state).
     #[error(transparent)]
-    Chat(#[from] crate::chat::ChatConfigError),
+    Config(#[from] ConfigError),
     /// The listen address could not be bound.
     #[error("cannot listen on {addr}: {source}")]
     Bind {
@@ -118,7 +128,7 @@ where
                     tracing::debug!(error = %e, "set_nodelay failed");
                 }
                 let state = Arc::clone(&state);
-                let service = service_fn(move |req| crate::proxy::handle(Arc::clone(&state), req));
+                let service = service_fn(move |req| router::handle(Arc::clone(&state), req));
                 let conn = builder.serve_connection(TokioIo::new(stream), service);
                 let conn = graceful.watch(conn.into_owned());
                 tokio::spawn(async move {
@@ -152,10 +162,7 @@ where
         addr: state.config.listen,
         source,
     })?;
-    tracing::info!(
-        upstream = %format!("{}://{}{}", state.config.upstream.scheme, state.config.upstream.authority, state.config.upstream.path_prefix),
-        "listening on {addr}"
-    );
+    tracing::info!(upstream = %state.upstream.base(), "listening on {addr}");
     serve(listener, state, shutdown).await;
     Ok(())
 }

@@ -1,4 +1,5 @@
-//! A small Prometheus text registry with fixed metric names.
+//! The one Prometheus text registry, with fixed metric names: the transport
+//! series here, the chat path's in [`chat`].
 //!
 //! Counters are atomics; labelled counters keep their (few, bounded) label
 //! sets in a short-lived mutex-protected map. Everything is recorded once per
@@ -9,6 +10,10 @@ use std::fmt::Write as _;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Mutex;
 use std::time::Duration;
+
+pub mod chat;
+
+pub use chat::ChatMetrics;
 
 /// Metric names (one place, so dashboards and tests agree).
 pub mod names {
@@ -108,6 +113,8 @@ pub struct Metrics {
     pub upstream_wait: Histogram,
     /// Time compactor added before the response head.
     pub proxy_overhead: Histogram,
+    /// The chat path's series.
+    pub chat: ChatMetrics,
 }
 
 impl Default for Metrics {
@@ -121,6 +128,7 @@ impl Default for Metrics {
             in_flight: AtomicU64::new(0),
             upstream_wait: Histogram::new(UPSTREAM_BUCKETS),
             proxy_overhead: Histogram::new(OVERHEAD_BUCKETS),
+            chat: ChatMetrics::default(),
         }
     }
 }
@@ -172,8 +180,16 @@ impl Metrics {
             .unwrap_or(0)
     }
 
-    /// Renders the Prometheus text exposition format.
-    pub fn render(&self) -> String {
+    /// Renders every series in the Prometheus text exposition format;
+    /// `sessions` and `records` are the live gauges of the chat state.
+    pub fn render(&self, sessions: usize, records: usize) -> String {
+        let mut text = self.render_proxy();
+        text.push_str(&self.chat.render(sessions, records));
+        text
+    }
+
+    /// The transport series (requests, errors, bytes, latencies).
+    fn render_proxy(&self) -> String {
         let mut out = String::with_capacity(2048);
         let _ = writeln!(
             out,
@@ -258,7 +274,7 @@ mod tests {
         m.record_error("upstream_unreachable");
         m.proxy_overhead.observe(Duration::from_micros(200));
         m.proxy_overhead.observe(Duration::from_secs(1));
-        let text = m.render();
+        let text = m.render_proxy();
         assert!(text.contains("compactor_requests_total{route=\"passthrough\",status=\"200\"} 2"));
         assert!(text.contains("compactor_requests_total{route=\"chat\",status=\"502\"} 1"));
         assert!(text.contains("compactor_request_bytes_total 11"));
@@ -275,6 +291,6 @@ mod tests {
         let m = Metrics::default();
         m.request_finished();
         m.request_started();
-        assert!(m.render().contains("compactor_requests_in_flight 1"));
+        assert!(m.render_proxy().contains("compactor_requests_in_flight 1"));
     }
 }

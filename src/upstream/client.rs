@@ -13,8 +13,8 @@ use rustls::pki_types::pem::PemObject;
 use rustls::pki_types::CertificateDer;
 use rustls::RootCertStore;
 
+use super::body::ProxyReqBody;
 use crate::config::{Config, UpstreamBase};
-use crate::proxy::body::ProxyReqBody;
 
 /// The pooled client every upstream request goes through.
 pub type UpstreamClient = Client<HttpsConnector<HttpConnector>, ProxyReqBody>;
@@ -42,6 +42,9 @@ pub enum UpstreamSetupError {
         /// What was wrong.
         message: String,
     },
+    /// The upstream authority is not a valid Host header value.
+    #[error("upstream host header: {0}")]
+    Host(String),
     /// rustls rejected the configuration.
     #[error("TLS setup failed: {0}")]
     Tls(#[from] rustls::Error),

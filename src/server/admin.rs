@@ -1,23 +1,24 @@
-//! `GET /_compactor/sessions/{key}`: a content-free view of one conversation
-//! (design §10), behind the admin token.
+//! `GET /_compactor/sessions/{key}`: a content-free view of one
+//! conversation, behind the admin token.
 
-use std::sync::Arc;
-
-use http::{header, Request, StatusCode};
+use bytes::Bytes;
+use http::{header, HeaderValue, Request, Response, StatusCode};
 use serde_json::json;
 
-use crate::app::AppState;
-use crate::error::{error_response, ProxyBody};
+use crate::chat::ChatState;
+use crate::error::{error_response, full_body, ProxyBody};
 use crate::session::key::SessionKey;
-
-use super::handler::json_response;
 
 /// Path prefix of the session view.
 pub const SESSIONS_PREFIX: &str = "/_compactor/sessions/";
 
 /// Serves the session view; `path` starts with [`SESSIONS_PREFIX`].
-pub async fn session_view<B>(state: Arc<AppState>, req: &Request<B>) -> http::Response<ProxyBody> {
-    let Some(token) = state.config.admin_token.as_deref() else {
+pub async fn session_view<B>(
+    admin_token: Option<&str>,
+    chat: &ChatState,
+    req: &Request<B>,
+) -> Response<ProxyBody> {
+    let Some(token) = admin_token else {
         return error_response(
             StatusCode::FORBIDDEN,
             "the session view needs an admin token ([admin] token)",
@@ -42,7 +43,7 @@ pub async fn session_view<B>(state: Arc<AppState>, req: &Request<B>) -> http::Re
     let Some(key) = SessionKey::parse_hex(raw) else {
         return not_found();
     };
-    let Some(entry) = state.chat.sessions.peek(&key) else {
+    let Some(entry) = chat.sessions.peek(&key) else {
         return not_found();
     };
     let mut conv = entry.lock().await;
@@ -81,7 +82,18 @@ pub async fn session_view<B>(state: Arc<AppState>, req: &Request<B>) -> http::Re
     json_response(StatusCode::OK, body.to_string())
 }
 
-fn not_found() -> http::Response<ProxyBody> {
+/// A JSON response compactor writes itself.
+fn json_response(status: StatusCode, body: String) -> Response<ProxyBody> {
+    let mut resp = Response::new(full_body(Bytes::from(body)));
+    *resp.status_mut() = status;
+    resp.headers_mut().insert(
+        header::CONTENT_TYPE,
+        HeaderValue::from_static("application/json"),
+    );
+    resp
+}
+
+fn not_found() -> Response<ProxyBody> {
     error_response(
         StatusCode::NOT_FOUND,
         "no such session",

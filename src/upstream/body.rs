@@ -1,5 +1,6 @@
-//! Body wrappers: request size limit, idle timeout between frames, and an
-//! end-of-stream observer for the per-request log line.
+//! Body wrappers: request size limit, idle timeout between frames, and the
+//! one tap ([`TapBody`] + [`Observer`]) that sees the data go by and the end
+//! of the stream: the usage observer and the per-request log line use it.
 //!
 //! Every wrapper forwards frames untouched and delegates `is_end_stream` and
 //! `size_hint`, so hyper keeps streaming (and Content-Length) behaviour.
@@ -176,7 +177,7 @@ where
     }
 }
 
-/// How a response body ended.
+/// How a body ended.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Eos {
     /// All bytes (and trailers, if any) were delivered.
@@ -198,50 +199,52 @@ impl Eos {
     }
 }
 
-/// Called exactly once when a response body ends: (how, bytes delivered).
-pub type OnEos = Box<dyn FnOnce(Eos, u64) + Send>;
+/// Side observer of a body. Implementations must be cheap and infallible:
+/// they run inside `poll_frame` and can never fail the stream.
+pub trait Observer {
+    /// Called with every data frame, in order.
+    fn on_data(&mut self, data: &[u8]);
+    /// Called exactly once, when the body ends in whatever way.
+    fn on_eos(self, eos: Eos);
+}
 
 pin_project! {
-    /// Counts delivered bytes and reports the end of the stream exactly once.
-    pub struct ObservedBody<B> {
+    /// Forwards the frames of `B` untouched and reports them to `O`: the
+    /// data as it passes, and the end of the stream exactly once.
+    pub struct TapBody<B, O: Observer> {
         #[pin]
         inner: B,
-        bytes: u64,
-        on_eos: Option<OnEos>,
+        observer: Option<O>,
     }
 
-    impl<B> PinnedDrop for ObservedBody<B> {
+    impl<B, O: Observer> PinnedDrop for TapBody<B, O> {
         fn drop(this: Pin<&mut Self>) {
-            let this = this.project();
-            if let Some(f) = this.on_eos.take() {
-                f(Eos::Cancelled, *this.bytes);
+            if let Some(o) = this.project().observer.take() {
+                o.on_eos(Eos::Cancelled);
             }
         }
     }
 }
 
-impl<B: Body> ObservedBody<B> {
-    /// Wraps `inner`. An already-empty body is reported complete immediately,
+impl<B: Body, O: Observer> TapBody<B, O> {
+    /// Wraps `inner`. An already-empty body is reported complete at once,
     /// because hyper may never poll it.
-    pub fn new(inner: B, on_eos: OnEos) -> Self {
-        let mut on_eos = Some(on_eos);
+    pub fn new(inner: B, observer: O) -> Self {
+        let mut observer = Some(observer);
         if inner.is_end_stream() {
-            if let Some(f) = on_eos.take() {
-                f(Eos::Complete, 0);
+            if let Some(o) = observer.take() {
+                o.on_eos(Eos::Complete);
             }
         }
-        ObservedBody {
-            inner,
-            bytes: 0,
-            on_eos,
-        }
+        Self { inner, observer }
     }
 }
 
-impl<B> Body for ObservedBody<B>
+impl<B, O> Body for TapBody<B, O>
 where
     B: Body,
-    B::Data: Buf,
+    B::Data: AsRef<[u8]>,
+    O: Observer,
 {
     type Data = B::Data;
     type Error = B::Error;
@@ -249,33 +252,31 @@ where
     fn poll_frame(
         self: Pin<&mut Self>,
         cx: &mut Context<'_>,
-    ) -> Poll<Option<Result<Frame<B::Data>, B::Error>>> {
+    ) -> Poll<Option<Result<Frame<Self::Data>, Self::Error>>> {
         let mut this = self.project();
-        let result = this.inner.as_mut().poll_frame(cx);
-        let eos = match &result {
-            Poll::Pending => return result,
-            Poll::Ready(None) => Some(Eos::Complete),
-            Poll::Ready(Some(Err(_))) => Some(Eos::Error),
-            Poll::Ready(Some(Ok(frame))) => {
-                if let Some(d) = frame.data_ref() {
-                    // remaining(), not chunk().len(): Buf may be non-contiguous.
-                    *this.bytes += d.remaining() as u64;
+        let polled = match this.inner.as_mut().poll_frame(cx) {
+            Poll::Ready(p) => p,
+            Poll::Pending => return Poll::Pending,
+        };
+        let eos = match &polled {
+            Some(Ok(frame)) => {
+                if let (Some(data), Some(o)) = (frame.data_ref(), this.observer.as_mut()) {
+                    o.on_data(data.as_ref());
                 }
-                // hyper stops polling a Content-Length body once it reports
-                // end of stream, so the end must be detected here.
-                if frame.is_trailers() || this.inner.is_end_stream() {
-                    Some(Eos::Complete)
-                } else {
-                    None
-                }
+                // hyper stops polling a body that says it has ended (e.g. a
+                // Content-Length body after its last frame), so the end must
+                // be reported here rather than on a `None` that never comes.
+                (frame.is_trailers() || this.inner.is_end_stream()).then_some(Eos::Complete)
             }
+            Some(Err(_)) => Some(Eos::Error),
+            None => Some(Eos::Complete),
         };
         if let Some(e) = eos {
-            if let Some(f) = this.on_eos.take() {
-                f(e, *this.bytes);
+            if let Some(o) = this.observer.take() {
+                o.on_eos(e);
             }
         }
-        result
+        Poll::Ready(polled)
     }
 
     #[inline]
@@ -287,6 +288,34 @@ where
     fn size_hint(&self) -> SizeHint {
         self.inner.size_hint()
     }
+}
+
+/// Called exactly once when a response body ends: (how, bytes delivered).
+pub type OnEos = Box<dyn FnOnce(Eos, u64) + Send>;
+
+/// An [`Observer`] counting delivered bytes for the per-request log line.
+pub struct CountBytes {
+    bytes: u64,
+    on_eos: OnEos,
+}
+
+impl Observer for CountBytes {
+    #[inline]
+    fn on_data(&mut self, data: &[u8]) {
+        self.bytes += data.len() as u64;
+    }
+
+    fn on_eos(self, eos: Eos) {
+        (self.on_eos)(eos, self.bytes);
+    }
+}
+
+/// A body whose end is reported with the bytes delivered.
+pub type ObservedBody<B> = TapBody<B, CountBytes>;
+
+/// Wraps `inner` so `on_eos` learns how it ended and how many bytes went.
+pub fn observed<B: Body>(inner: B, on_eos: OnEos) -> ObservedBody<B> {
+    TapBody::new(inner, CountBytes { bytes: 0, on_eos })
 }
 
 /// Boxes any body with `Bytes`-convertible data into a [`ProxyReqBody`].
@@ -393,7 +422,7 @@ mod tests {
     async fn observed_body_reports_each_end_once() {
         // Content-Length style: ends via is_end_stream after the data frame.
         let (log, on) = recorder();
-        let mut b = ObservedBody::new(Full::new(Bytes::from_static(b"abc")), on);
+        let mut b = observed(Full::new(Bytes::from_static(b"abc")), on);
         assert!(matches!(poll_once(&mut b), Poll::Ready(Some(Ok(_)))));
         drop(b);
         assert_eq!(*log.lock().unwrap(), vec![(Eos::Complete, 3)]);
@@ -401,7 +430,7 @@ mod tests {
         // Dropped mid-stream: cancelled.
         let (log, on) = recorder();
         let (tx, inner) = chan();
-        let mut b = ObservedBody::new(inner, on);
+        let mut b = observed(inner, on);
         tx.send(Ok(Frame::data(Bytes::from_static(b"ab")))).unwrap();
         assert!(matches!(poll_once(&mut b), Poll::Ready(Some(Ok(_)))));
         assert!(poll_once(&mut b).is_pending());
@@ -411,7 +440,7 @@ mod tests {
         // Error from upstream.
         let (log, on) = recorder();
         let (tx, inner) = chan();
-        let mut b = ObservedBody::new(inner, on);
+        let mut b = observed(inner, on);
         tx.send(Err("reset".into())).unwrap();
         assert!(matches!(poll_once(&mut b), Poll::Ready(Some(Err(_)))));
         drop(b);
@@ -419,9 +448,136 @@ mod tests {
 
         // Empty body: complete at construction (hyper may never poll it).
         let (log, on) = recorder();
-        let b = ObservedBody::new(http_body_util::Empty::<Bytes>::new(), on);
+        let b = observed(http_body_util::Empty::<Bytes>::new(), on);
         assert_eq!(*log.lock().unwrap(), vec![(Eos::Complete, 0)]);
         drop(b);
         assert_eq!(log.lock().unwrap().len(), 1);
+    }
+}
+
+#[cfg(test)]
+pub(crate) mod tap_tests {
+    use super::*;
+    use bytes::Bytes;
+    use http_body_util::{BodyExt, Full};
+    use std::sync::{Arc, Mutex};
+
+    #[derive(Clone, Default)]
+    pub(crate) struct Record(pub Arc<Mutex<(Vec<u8>, Vec<Eos>)>>);
+
+    impl Observer for Record {
+        fn on_data(&mut self, data: &[u8]) {
+            self.0.lock().unwrap().0.extend_from_slice(data);
+        }
+        fn on_eos(self, eos: Eos) {
+            self.0.lock().unwrap().1.push(eos);
+        }
+    }
+
+    type Item = Result<Frame<Bytes>, std::io::Error>;
+
+    /// Scripted body: yields its items in order, then ends. `None` items
+    /// return `Pending` once (after waking the task), like a slow upstream.
+    pub(crate) struct MockBody {
+        items: std::collections::VecDeque<Option<Item>>,
+    }
+
+    impl MockBody {
+        pub(crate) fn new(items: Vec<Option<Item>>) -> Self {
+            Self {
+                items: items.into(),
+            }
+        }
+    }
+
+    impl Body for MockBody {
+        type Data = Bytes;
+        type Error = std::io::Error;
+        fn poll_frame(
+            mut self: Pin<&mut Self>,
+            cx: &mut Context<'_>,
+        ) -> Poll<Option<Result<Frame<Bytes>, std::io::Error>>> {
+            match self.items.pop_front() {
+                Some(Some(item)) => Poll::Ready(Some(item)),
+                Some(None) => {
+                    cx.waker().wake_by_ref();
+                    Poll::Pending
+                }
+                None => Poll::Ready(None),
+            }
+        }
+    }
+
+    fn stream_body(items: Vec<Item>) -> MockBody {
+        MockBody::new(items.into_iter().map(Some).collect())
+    }
+
+    #[tokio::test]
+    async fn forwards_frames_and_reports_complete_once() {
+        let rec = Record::default();
+        let body = stream_body(vec![
+            Ok(Frame::data(Bytes::from_static(b"ab"))),
+            Ok(Frame::data(Bytes::from_static(b"cd"))),
+        ]);
+        let out = TapBody::new(body, rec.clone()).collect().await.unwrap();
+        assert_eq!(out.to_bytes(), Bytes::from_static(b"abcd"));
+        let g = rec.0.lock().unwrap();
+        assert_eq!(g.0, b"abcd");
+        assert_eq!(g.1, vec![Eos::Complete]);
+    }
+
+    #[tokio::test]
+    async fn complete_via_is_end_stream() {
+        let rec = Record::default();
+        let mut tap = TapBody::new(Full::new(Bytes::from_static(b"{}")), rec.clone());
+        let f = tap.frame().await.unwrap().unwrap();
+        assert_eq!(f.into_data().unwrap(), Bytes::from_static(b"{}"));
+        // Reported before anyone polls for the end, then dropping adds nothing.
+        assert_eq!(rec.0.lock().unwrap().1, vec![Eos::Complete]);
+        drop(tap);
+        assert_eq!(rec.0.lock().unwrap().1, vec![Eos::Complete]);
+    }
+
+    #[tokio::test]
+    async fn error_is_reported_once() {
+        let rec = Record::default();
+        let body = stream_body(vec![
+            Ok(Frame::data(Bytes::from_static(b"x"))),
+            Err(std::io::Error::other("boom")),
+        ]);
+        let mut tap = TapBody::new(body, rec.clone());
+        assert!(tap.frame().await.unwrap().is_ok());
+        assert!(tap.frame().await.unwrap().is_err());
+        drop(tap);
+        assert_eq!(rec.0.lock().unwrap().1, vec![Eos::Error]);
+    }
+
+    #[tokio::test]
+    async fn drop_before_end_is_cancelled() {
+        let rec = Record::default();
+        let body = stream_body(vec![
+            Ok(Frame::data(Bytes::from_static(b"x"))),
+            Ok(Frame::data(Bytes::from_static(b"y"))),
+        ]);
+        let mut tap = TapBody::new(body, rec.clone());
+        assert!(tap.frame().await.unwrap().is_ok());
+        drop(tap);
+        let g = rec.0.lock().unwrap();
+        assert_eq!(g.0, b"x");
+        assert_eq!(g.1, vec![Eos::Cancelled]);
+    }
+
+    #[tokio::test]
+    async fn trailers_pass_through() {
+        let rec = Record::default();
+        let mut trailers = http::HeaderMap::new();
+        trailers.insert("x-t", http::HeaderValue::from_static("1"));
+        let body = stream_body(vec![
+            Ok(Frame::data(Bytes::from_static(b"x"))),
+            Ok(Frame::trailers(trailers)),
+        ]);
+        let collected = TapBody::new(body, rec.clone()).collect().await.unwrap();
+        assert_eq!(collected.trailers().unwrap()["x-t"], "1");
+        assert_eq!(rec.0.lock().unwrap().1, vec![Eos::Complete]);
     }
 }

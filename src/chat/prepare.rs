@@ -1,0 +1,227 @@
+//! What to send for one request, decided under the conversation lock, in
+//! named steps: substitute the recorded prefix → estimate → decide →
+//! compact → build the body.
+
+use std::borrow::Cow;
+use std::sync::Arc;
+
+use bytes::Bytes;
+use http::HeaderMap;
+use serde_json::value::RawValue;
+
+use crate::request::ChatRequest;
+use crate::session::calibration::{Estimate, SentRequest};
+use crate::session::key::SessionKey;
+use crate::session::store::Entry;
+use crate::upstream::Upstream;
+use crate::usage::inject::{plan_usage, UsagePlan};
+use crate::window::overflow::Overflow;
+
+use super::compact::{compact_if_due, Booked, Turn};
+use super::conversation::{rough_message_tokens, Conversation, Inbox};
+use super::walk::Action;
+use super::{ChatState, Discovery};
+
+/// Timeout of the window discovery probes.
+const DISCOVERY_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(5);
+
+/// A request ready to send.
+pub(super) struct Prepared {
+    pub body: Bytes,
+    pub action: Action,
+    /// Client messages replaced by a compaction record (0 = none).
+    pub replaced: usize,
+    pub plan: UsagePlan,
+    pub sent: Arc<SentRequest>,
+    pub inbox: Inbox,
+    /// A compaction was committed while preparing this request (not only a
+    /// recorded one substituted).
+    pub fresh_compaction: bool,
+    /// Calibrated prompt estimate of `body`.
+    pub est_tokens: u64,
+}
+
+/// The messages about to go upstream and where they came from.
+struct Outgoing<'a> {
+    /// The client's own chain of message hashes.
+    client_hashes: Vec<u128>,
+    /// What would be sent: the client's messages, or a recorded replacement
+    /// followed by the rest of them.
+    messages: Cow<'a, [Box<RawValue>]>,
+    /// `messages` differ from the client's (the body must be rebuilt).
+    changed: bool,
+}
+
+/// Decides what to send, under the conversation lock. `overflow` is set on
+/// the retry after an upstream overflow error: learn the window and force a
+/// compaction.
+pub(super) async fn prepare(
+    chat: &ChatState,
+    upstream: &Upstream,
+    entry: &Arc<Entry<Conversation>>,
+    client_headers: &HeaderMap,
+    mut creq: ChatRequest,
+    (key, cred): (SessionKey, u128),
+    overflow: Option<Overflow>,
+) -> Prepared {
+    let model = creq.model().unwrap_or_default();
+    let mut guard = entry.lock().await;
+    let conv: &mut Conversation = &mut guard;
+    conv.drain_inbox();
+    conv.note_model(&model);
+    conv.stats.requests += u64::from(overflow.is_none());
+    let window = resolve_window(chat, upstream, client_headers, &model, overflow.as_ref()).await;
+
+    // Moved out, not copied: the history is the bulk of the body, and the
+    // original bytes still go upstream unless `with_messages` runs below.
+    let original: Vec<Box<RawValue>> = creq.take_messages();
+    let mut out = substitute(chat, conv, cred, &original);
+    let max_out = creq.max_output_tokens();
+    let overhead = conv.tools_overhead(creq.get_raw("tools"));
+    let mut est = estimate(conv, &out, overhead);
+
+    // A recorded prefix is a substitution, not a compaction: the action
+    // stays `passthrough` and `x-compactor-replaced` says how many of the
+    // client's messages the recorded replacement stood for.
+    let mut action = Action::Passthrough;
+    let turn = Turn {
+        key,
+        cred,
+        model: &model,
+        client_headers,
+        original: &original,
+        client_hashes: &out.client_hashes,
+        outgoing: &out.messages,
+        est_tokens: est.tokens,
+        max_out,
+        window,
+        overflow: overflow.is_some(),
+    };
+    match compact_if_due(chat, upstream, conv, &turn).await {
+        Booked::Compacted(messages) => {
+            out.messages = Cow::Owned(messages);
+            out.changed = true;
+            action = Action::Compacted;
+            let sent_hashes = conv.sent_chain.chain(&out.messages).to_vec();
+            est = conv.calibration.estimate(
+                &out.messages,
+                &sent_hashes,
+                overhead,
+                rough_message_tokens,
+            );
+        }
+        Booked::Aborted => action = Action::Aborted,
+        Booked::Nothing => {}
+    }
+    conv.last_action = action.as_str();
+    tracing::debug!(
+        session = %key,
+        action = action.as_str(),
+        messages = out.messages.len(),
+        estimated_prompt = est.tokens,
+        basis = ?est.basis,
+        max_out,
+        window,
+        "chat request prepared"
+    );
+    build(creq, conv, out, est, action)
+}
+
+/// The context window for `model`: learned from the overflow first when
+/// there is one, then looked up (or discovered once) in the window cache.
+async fn resolve_window(
+    chat: &ChatState,
+    upstream: &Upstream,
+    client_headers: &HeaderMap,
+    model: &str,
+    overflow: Option<&Overflow>,
+) -> u64 {
+    if let Some(of) = overflow {
+        chat.windows.learn(&chat.upstream_label, model, of);
+    }
+    let discovery = Discovery {
+        upstream,
+        client_headers,
+        timeout: DISCOVERY_TIMEOUT,
+    };
+    chat.windows
+        .resolve(&chat.upstream_label, model, &discovery)
+        .await
+        .tokens
+}
+
+/// Step 1: substitutes the longest recorded compaction of this history.
+fn substitute<'a>(
+    chat: &ChatState,
+    conv: &mut Conversation,
+    cred: u128,
+    original: &'a [Box<RawValue>],
+) -> Outgoing<'a> {
+    let client_hashes = conv.client_chain.chain(original).to_vec();
+    let record = chat
+        .records
+        .lookup(cred, &client_hashes, conv.record.as_ref());
+    conv.record = record.clone();
+    if record.is_some() {
+        conv.stats.substituted += 1;
+    }
+    let messages = match &record {
+        Some(r) => Cow::Owned(
+            r.replacement
+                .iter()
+                .chain(&original[r.k..])
+                .cloned()
+                .collect(),
+        ),
+        None => Cow::Borrowed(original),
+    };
+    Outgoing {
+        client_hashes,
+        messages,
+        changed: record.is_some(),
+    }
+}
+
+/// Step 2: estimates what would be sent (calibrated by real usage).
+fn estimate(conv: &mut Conversation, out: &Outgoing<'_>, overhead: u64) -> Estimate {
+    let sent_hashes = match &out.messages {
+        // Sending the client's own history: its chain is already computed.
+        Cow::Borrowed(_) => {
+            conv.sent_chain = conv.client_chain.clone();
+            out.client_hashes.clone()
+        }
+        Cow::Owned(o) => conv.sent_chain.chain(o).to_vec(),
+    };
+    conv.calibration
+        .estimate(&out.messages, &sent_hashes, overhead, rough_message_tokens)
+}
+
+/// Step 5: the body to send; re-serialised only when the messages changed
+/// (the usage plan may still add `stream_options`).
+fn build(
+    mut creq: ChatRequest,
+    conv: &Conversation,
+    out: Outgoing<'_>,
+    est: Estimate,
+    action: Action,
+) -> Prepared {
+    let replaced = conv
+        .record
+        .as_ref()
+        .filter(|_| out.changed)
+        .map_or(0, |r| r.k);
+    if out.changed {
+        creq.with_messages(out.messages.into_owned());
+    }
+    let plan = plan_usage(&mut creq);
+    Prepared {
+        body: creq.to_bytes(),
+        action,
+        replaced,
+        plan,
+        sent: est.sent,
+        inbox: Arc::clone(&conv.inbox),
+        fresh_compaction: action == Action::Compacted,
+        est_tokens: est.tokens,
+    }
+}

@@ -1,0 +1,312 @@
+//! The walk of one `POST /v1/chat/completions`:
+//!
+//! read the body (bounded) → parse (on failure forward the original bytes) →
+//! session → `prepare` under the session lock (substitute
+//! the recorded prefix → estimate → decide → compact → build the body) →
+//! send → on an overflow error before any byte reached the client: learn the
+//! window, force a compaction, retry once → [`finish`]: tap usage on the way
+//! back (hiding the usage chunk the client did not ask for).
+//!
+//! The session lock is held while deciding and compacting, never while the
+//! response streams.
+
+use std::sync::Arc;
+
+use bytes::Bytes;
+use http::request::Parts;
+use http::{header, HeaderValue, Request, Response};
+use http_body_util::{BodyExt, Full};
+use hyper::body::Incoming;
+
+use crate::error::{ProxyBody, ProxyError};
+use crate::request::ChatRequest;
+use crate::session::key::SessionKey;
+use crate::upstream::body::TapBody;
+use crate::upstream::body::{boxed, ProxyReqBody};
+use crate::upstream::{body_read_error, headers, RequestStats, Upstream};
+use crate::usage::hide::HideUsageBody;
+use crate::usage::peek::peek_start;
+use crate::usage::{BodyKind, StreamStart, TapOutcome, UsageObserver};
+use crate::window::overflow::{parse_overflow, parse_overflow_event, Overflow, OverflowKind};
+
+use super::conversation::Conversation;
+use super::prepare::{prepare, Prepared};
+use super::ChatState;
+
+/// Response header naming what compactor did.
+pub const ACTION_HEADER: &str = "x-compactor-action";
+/// Response header carrying the opaque session key.
+pub const SESSION_HEADER: &str = "x-compactor-session";
+/// Response header: how many leading client messages were sent as their
+/// recorded compacted replacement (absent when none).
+pub const REPLACED_HEADER: &str = "x-compactor-replaced";
+
+/// Error bodies up to this size are read to look for an overflow.
+const MAX_ERROR_PEEK: usize = 256 << 10;
+/// A stream's start is held up to this size while looking for an in-band
+/// overflow error.
+const MAX_STREAM_PEEK: usize = 64 << 10;
+
+/// What compactor did to a request (`x-compactor-action`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Action {
+    /// No compaction ran: the messages went as the client sent them, or with
+    /// an earlier compaction's recorded prefix substituted (see
+    /// [`REPLACED_HEADER`]); `include_usage` may have been added.
+    Passthrough,
+    /// A compaction ran for this request and its result was sent.
+    Compacted,
+    /// Compacted and retried after an upstream overflow error.
+    Retried,
+    /// A compaction was attempted and abandoned; the original messages went.
+    Aborted,
+}
+
+impl Action {
+    /// Header value and metric label.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Action::Passthrough => "passthrough",
+            Action::Compacted => "compacted",
+            Action::Retried => "retried",
+            Action::Aborted => "aborted",
+        }
+    }
+}
+
+/// Handles one chat completion request.
+pub async fn handle(
+    chat: &ChatState,
+    upstream: &Upstream,
+    req: Request<ProxyReqBody>,
+) -> Response<ProxyBody> {
+    let (parts, body) = req.into_parts();
+    // A compressed body cannot be read without decoding it: forward untouched.
+    if parts.headers.contains_key(header::CONTENT_ENCODING) {
+        return upstream.forward(Request::from_parts(parts, body)).await;
+    }
+    let bytes = match body.collect().await {
+        Ok(c) => c.to_bytes(),
+        Err(e) => return upstream.error_reply(&body_read_error(&e)),
+    };
+    let Ok(creq) = ChatRequest::parse(bytes.clone()) else {
+        // Not a chat request we understand: the upstream answers it.
+        return send_plain(upstream, parts, bytes).await;
+    };
+    let (key, _source, cred) = chat.keyer.derive_with_credential(&parts.headers, &creq);
+    let cred = cred.as_u128();
+    let entry = chat.sessions.get_or_create(key, Conversation::default);
+
+    let mut prepared = prepare(
+        chat,
+        upstream,
+        &entry,
+        &parts.headers,
+        creq,
+        (key, cred),
+        None,
+    )
+    .await;
+    let mut retried = false;
+    loop {
+        let resp = match send(upstream, &parts, prepared.body.clone()).await {
+            Ok(r) => r,
+            Err(e) => return upstream.error_reply(&e),
+        };
+        let outcome = inspect(resp, prepared.plan.stream).await;
+        let (resp, overflow) = match outcome {
+            Ok(x) => x,
+            Err(e) => return upstream.error_reply(&e),
+        };
+        match overflow {
+            Some(mut of) if !retried && of.kind == OverflowKind::Prompt => {
+                retried = true;
+                if of.limit.is_none() {
+                    // An error without numbers still bounds the window: what
+                    // was just sent did not fit. Learning that bound makes
+                    // later compactions proactive instead of one overflow
+                    // (and retry) every few turns.
+                    of.limit = Some(
+                        of.requested
+                            .or(of.prompt_tokens)
+                            .unwrap_or(prepared.est_tokens)
+                            .max(1),
+                    );
+                }
+                chat.metrics.chat.overflow_retry();
+                tracing::info!(
+                    session = %key,
+                    limit = of.limit,
+                    requested = of.requested,
+                    "upstream context overflow; compacting and retrying"
+                );
+                let Ok(creq) = ChatRequest::parse(bytes.clone()) else {
+                    return finish(chat, upstream, resp, &prepared, key);
+                };
+                let retry = prepare(
+                    chat,
+                    upstream,
+                    &entry,
+                    &parts.headers,
+                    creq,
+                    (key, cred),
+                    Some(of),
+                )
+                .await;
+                if !retry.fresh_compaction {
+                    // Compaction could not help (a recorded substitution
+                    // alone would resend the same overflowing request): the
+                    // client gets the upstream's own error.
+                    return finish(chat, upstream, resp, &prepared, key);
+                }
+                prepared = Prepared {
+                    action: Action::Retried,
+                    ..retry
+                };
+            }
+            _ => return finish(chat, upstream, resp, &prepared, key),
+        }
+    }
+}
+
+/// Sends `body` upstream with the client's headers (Content-Length fixed).
+async fn send(
+    upstream: &Upstream,
+    parts: &Parts,
+    body: Bytes,
+) -> Result<Response<Incoming>, ProxyError> {
+    let mut parts = clone_parts(parts);
+    parts.headers.remove(header::TRANSFER_ENCODING);
+    // The usage tap and hider read the response: a compressed body would
+    // hide the usage from calibration and leave the forced usage chunk in
+    // front of a client that never asked for it (SDKs send gzip by default).
+    parts.headers.insert(
+        header::ACCEPT_ENCODING,
+        HeaderValue::from_static("identity"),
+    );
+    parts
+        .headers
+        .insert(header::CONTENT_LENGTH, HeaderValue::from(body.len()));
+    upstream.send(&parts, boxed(Full::new(body))).await
+}
+
+/// Forwards bytes we could not parse exactly as received.
+async fn send_plain(upstream: &Upstream, parts: Parts, bytes: Bytes) -> Response<ProxyBody> {
+    match upstream.send(&parts, boxed(Full::new(bytes))).await {
+        Ok(resp) => upstream.stream_response(resp),
+        Err(e) => upstream.error_reply(&e),
+    }
+}
+
+fn clone_parts(parts: &Parts) -> Parts {
+    let mut req = Request::new(());
+    *req.method_mut() = parts.method.clone();
+    *req.uri_mut() = parts.uri.clone();
+    *req.version_mut() = parts.version;
+    *req.headers_mut() = parts.headers.clone();
+    let (mut p, ()) = req.into_parts();
+    // Request stats travel in the extensions (upstream wait accounting).
+    if let Some(stats) = parts.extensions.get::<Arc<RequestStats>>() {
+        p.extensions.insert(Arc::clone(stats));
+    }
+    p
+}
+
+/// A response whose start has been read: the held frames go back in front.
+type HeldBody = crate::usage::peek::PrefixedBody<Incoming>;
+
+/// Reads the start of the response: the whole error body (bounded) for an
+/// error status, the first events of a stream; reports an overflow that
+/// arrived before any content.
+async fn inspect(
+    resp: Response<Incoming>,
+    stream: bool,
+) -> Result<(Response<HeldBody>, Option<Overflow>), ProxyError> {
+    let (parts, body) = resp.into_parts();
+    let status = parts.status;
+    let ct = parts
+        .headers
+        .get(header::CONTENT_TYPE)
+        .and_then(|v| v.to_str().ok());
+    let kind = BodyKind::from_content_type(ct);
+    let map_err = |e: hyper::Error| ProxyError::UpstreamUnreachable(e.to_string());
+    if !status.is_success() {
+        // The whole error body (bounded), whatever its content type.
+        let peeked = peek_start(body, BodyKind::Json, MAX_ERROR_PEEK)
+            .await
+            .map_err(map_err)?;
+        let overflow = match peeked.start {
+            StreamStart::Undecided => None,
+            _ => parse_overflow(status.as_u16(), &peeked.body.held_bytes()),
+        };
+        return Ok((Response::from_parts(parts, peeked.body), overflow));
+    }
+    if stream && kind == BodyKind::Sse {
+        let peeked = peek_start(body, kind, MAX_STREAM_PEEK)
+            .await
+            .map_err(map_err)?;
+        let overflow = match &peeked.start {
+            StreamStart::Error(payload) => parse_overflow_event(payload),
+            _ => None,
+        };
+        return Ok((Response::from_parts(parts, peeked.body), overflow));
+    }
+    let body = crate::usage::peek::PrefixedBody::new(Default::default(), body, false);
+    Ok((Response::from_parts(parts, body), None))
+}
+
+/// Turns the upstream response into ours: usage tap (and hider), idle
+/// timeout, compactor headers.
+fn finish(
+    chat: &ChatState,
+    upstream: &Upstream,
+    resp: Response<HeldBody>,
+    prepared: &Prepared,
+    key: SessionKey,
+) -> Response<ProxyBody> {
+    chat.metrics.chat.action(prepared.action.as_str());
+    let (mut parts, body) = resp.into_parts();
+    headers::strip_hop_by_hop(&mut parts.headers);
+    let kind = BodyKind::from_content_type(
+        parts
+            .headers
+            .get(header::CONTENT_TYPE)
+            .and_then(|v| v.to_str().ok()),
+    );
+    let success = parts.status.is_success();
+    let mut observer = UsageObserver::new(kind, |_: TapOutcome| {});
+    // Error bodies carry no usage worth calibrating on.
+    if success {
+        let (inbox, sent) = (Arc::clone(&prepared.inbox), Arc::clone(&prepared.sent));
+        let metrics = Arc::clone(&chat.metrics);
+        observer = observer.on_usage(Box::new(move |report| {
+            if let Some((prompt, _)) = report.prompt_tokens() {
+                metrics.chat.prompt_tokens(prompt);
+            }
+            crate::sync::lock(&inbox).push((sent, report));
+        }));
+    }
+    let tapped = TapBody::new(body, observer);
+    let body: ProxyBody = if prepared.plan.hide_usage() && success && kind == BodyKind::Sse {
+        // The hidden chunk changes the length.
+        parts.headers.remove(header::CONTENT_LENGTH);
+        upstream.idle_timeout(HideUsageBody::new(tapped))
+    } else {
+        upstream.idle_timeout(tapped)
+    };
+    if chat.expose_headers {
+        parts.headers.insert(
+            ACTION_HEADER,
+            HeaderValue::from_static(prepared.action.as_str()),
+        );
+        if let Ok(v) = HeaderValue::from_str(&key.to_string()) {
+            parts.headers.insert(SESSION_HEADER, v);
+        }
+        if prepared.replaced > 0 {
+            parts
+                .headers
+                .insert(REPLACED_HEADER, HeaderValue::from(prepared.replaced));
+        }
+    }
+    Response::from_parts(parts, body)
+}

@@ -1,0 +1,236 @@
+//! Routing: compactor's own `/_compactor/*` endpoints are answered here;
+//! `POST /v1/chat/completions` goes through [`crate::chat::handle`]; every
+//! other request goes to the upstream unchanged (hop-by-hop headers aside).
+//! Every response is observed on its way out (metrics, one log line).
+
+use std::convert::Infallible;
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::Duration;
+
+use bytes::Bytes;
+use http::{header, HeaderValue, Method, Request, Response, StatusCode};
+use http_body_util::BodyExt;
+use hyper::body::Incoming;
+
+use super::AppState;
+use crate::error::{error_response, full_body, ProxyBody, ProxyError};
+use crate::metrics::Metrics;
+use crate::upstream::body::{observed, Eos, LimitedBody, ProxyReqBody};
+use crate::upstream::coalesce::CoalesceBody;
+use crate::upstream::RequestStats;
+
+/// Exact path intercepted for compaction.
+pub const CHAT_COMPLETIONS_PATH: &str = "/v1/chat/completions";
+/// Prefix of compactor's own endpoints (never forwarded).
+pub const ADMIN_PREFIX: &str = "/_compactor/";
+
+/// Which handler serves a request; also the `route` metric label.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Route {
+    /// `GET /_compactor/health`.
+    Health,
+    /// `GET /_compactor/metrics`.
+    Metrics,
+    /// `GET /_compactor/sessions/{key}`.
+    Session,
+    /// Any other `/_compactor/*` path.
+    Admin,
+    /// `POST /v1/chat/completions`.
+    Chat,
+    /// Everything else: forwarded untouched.
+    Passthrough,
+}
+
+impl Route {
+    /// Classifies a request by method and path only.
+    pub fn of(method: &Method, path: &str) -> Route {
+        if let Some(rest) = path.strip_prefix(ADMIN_PREFIX) {
+            return match (method, rest) {
+                (&Method::GET, "health") => Route::Health,
+                (&Method::GET, "metrics") => Route::Metrics,
+                (&Method::GET, r) if r.starts_with("sessions/") => Route::Session,
+                _ => Route::Admin,
+            };
+        }
+        if method == Method::POST && path == CHAT_COMPLETIONS_PATH {
+            Route::Chat
+        } else {
+            Route::Passthrough
+        }
+    }
+
+    /// Fixed metric label.
+    pub fn label(self) -> &'static str {
+        match self {
+            Route::Health => "health",
+            Route::Metrics => "metrics",
+            Route::Session => "session",
+            Route::Admin => "admin",
+            Route::Chat => "chat",
+            Route::Passthrough => "passthrough",
+        }
+    }
+}
+
+/// The hyper service entry point: route, dispatch, observe.
+pub async fn handle(
+    state: Arc<AppState>,
+    req: Request<Incoming>,
+) -> Result<Response<ProxyBody>, Infallible> {
+    let stats = Arc::new(RequestStats::default());
+    let in_flight = InFlight::new(Arc::clone(&state.metrics));
+    let method = req.method().clone();
+    let path = req.uri().path().to_owned();
+    let route = Route::of(&method, &path);
+    let upstream = &state.upstream;
+
+    let resp = match route {
+        Route::Health => health(),
+        Route::Metrics => metrics(&state),
+        Route::Session => {
+            super::admin::session_view(state.config.admin_token.as_deref(), &state.chat, &req).await
+        }
+        Route::Admin => error_response(
+            StatusCode::NOT_FOUND,
+            "unknown compactor endpoint",
+            "invalid_request_error",
+            "not_found",
+        ),
+        Route::Chat | Route::Passthrough => match limit_request(&state, req, &stats) {
+            Err(e) => upstream.error_reply(&e),
+            Ok(req) if route == Route::Chat => {
+                crate::chat::handle(&state.chat, upstream, req).await
+            }
+            Ok(req) => upstream.forward(req).await,
+        },
+    };
+
+    let upstream_wait = stats.upstream_wait();
+    if let Some(wait) = upstream_wait {
+        state.metrics.upstream_wait.observe(wait);
+        let overhead = stats.start.elapsed().saturating_sub(wait);
+        state.metrics.proxy_overhead.observe(overhead);
+    }
+
+    let status = resp.status();
+    let (parts, body) = resp.into_parts();
+    let metrics = Arc::clone(&state.metrics);
+    let on_eos = Box::new(move |eos: Eos, bytes_out: u64| {
+        drop(in_flight);
+        let bytes_in = stats.bytes_in.load(Ordering::Relaxed);
+        metrics.record_request(route.label(), status.as_u16(), bytes_in, bytes_out);
+        let upstream_ms = upstream_wait.map(millis);
+        tracing::info!(
+            %method,
+            path = %path,
+            route = route.label(),
+            status = status.as_u16(),
+            bytes_in,
+            bytes_out,
+            upstream_ms,
+            total_ms = millis(stats.start.elapsed()),
+            eos = eos.as_str(),
+            "request"
+        );
+    });
+    let body = observed(CoalesceBody::new(body), on_eos).boxed_unsync();
+    Ok(Response::from_parts(parts, body))
+}
+
+/// Counts a request in flight until dropped: also when the client goes away
+/// before the response head and hyper drops the handler future.
+struct InFlight(Arc<Metrics>);
+
+impl InFlight {
+    fn new(metrics: Arc<Metrics>) -> Self {
+        metrics.request_started();
+        InFlight(metrics)
+    }
+}
+
+impl Drop for InFlight {
+    fn drop(&mut self) {
+        self.0.request_finished();
+    }
+}
+
+/// Milliseconds with microsecond resolution, for log lines.
+fn millis(d: Duration) -> f64 {
+    (d.as_secs_f64() * 1e6).round() / 1e3
+}
+
+/// Rejects a declared oversize body up front and wraps the body so the
+/// limit is also enforced while streaming (chunked uploads).
+fn limit_request(
+    state: &AppState,
+    req: Request<Incoming>,
+    stats: &Arc<RequestStats>,
+) -> Result<Request<ProxyReqBody>, ProxyError> {
+    let limit = state.config.max_body_bytes;
+    let declared = req
+        .headers()
+        .get(header::CONTENT_LENGTH)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.trim().parse::<u64>().ok());
+    if declared.is_some_and(|n| n > limit) {
+        return Err(ProxyError::BodyTooLarge { limit });
+    }
+    let (mut parts, body) = req.into_parts();
+    parts.extensions.insert(Arc::clone(stats));
+    let body = LimitedBody::new(body, limit, Arc::clone(&stats.bytes_in)).boxed_unsync();
+    Ok(Request::from_parts(parts, body))
+}
+
+fn health() -> Response<ProxyBody> {
+    let mut resp = Response::new(full_body(Bytes::from_static(b"{\"status\":\"ok\"}")));
+    resp.headers_mut().insert(
+        header::CONTENT_TYPE,
+        HeaderValue::from_static("application/json"),
+    );
+    resp
+}
+
+fn metrics(state: &AppState) -> Response<ProxyBody> {
+    let text = state
+        .metrics
+        .render(state.chat.sessions.len(), state.chat.records.len());
+    let mut resp = Response::new(full_body(Bytes::from(text)));
+    resp.headers_mut().insert(
+        header::CONTENT_TYPE,
+        HeaderValue::from_static("text/plain; version=0.0.4; charset=utf-8"),
+    );
+    resp
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn routes() {
+        assert_eq!(Route::of(&Method::GET, "/_compactor/health"), Route::Health);
+        assert_eq!(
+            Route::of(&Method::GET, "/_compactor/metrics"),
+            Route::Metrics
+        );
+        assert_eq!(Route::of(&Method::POST, "/_compactor/health"), Route::Admin);
+        assert_eq!(
+            Route::of(&Method::GET, "/_compactor/sessions/x"),
+            Route::Session
+        );
+        assert_eq!(
+            Route::of(&Method::POST, "/v1/chat/completions"),
+            Route::Chat
+        );
+        assert_eq!(
+            Route::of(&Method::GET, "/v1/chat/completions"),
+            Route::Passthrough
+        );
+        assert_eq!(
+            Route::of(&Method::POST, "/v1/completions"),
+            Route::Passthrough
+        );
+        assert_eq!(Route::of(&Method::GET, "/health"), Route::Passthrough);
+    }
+}

@@ -1,0 +1,401 @@
+//! HTTP plumbing towards the upstream: the one [`Upstream`] (pooled client,
+//! base URL, timeouts, metrics) every upstream request goes through, the body
+//! wrappers, the hop-by-hop header policy and the error replies.
+//!
+//! Three callers: the forwarder ([`Upstream::forward`], [`Upstream::send`]),
+//! the summariser ([`Upstream::post_json`]) and window discovery
+//! ([`Upstream::get_json`]). Nothing here knows about chat or compaction.
+
+pub mod body;
+pub mod client;
+pub mod coalesce;
+pub mod headers;
+
+use std::error::Error as _;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use bytes::Bytes;
+use http::request::Parts;
+use http::{header, HeaderMap, HeaderValue, Method, Request, Response, StatusCode, Uri, Version};
+use http_body_util::{BodyExt, Empty, Full};
+use hyper::body::Incoming;
+use serde_json::Value;
+use tokio::time::Instant;
+
+use crate::config::{Config, Timeouts, UpstreamBase};
+use crate::error::{BoxError, ErrorSource, ProxyBody, ProxyError};
+use crate::metrics::Metrics;
+use body::{boxed, BodyLimitExceeded, IdleTimeoutBody, ProxyReqBody};
+use client::{build_client, join_uri, UpstreamClient, UpstreamSetupError};
+
+/// Per-request accounting shared between the router, [`Upstream::send`] and
+/// the end-of-stream log line; travels in the request extensions.
+#[derive(Debug)]
+pub struct RequestStats {
+    /// When the request head was received.
+    pub start: Instant,
+    /// Request body bytes read from the client so far.
+    pub bytes_in: Arc<AtomicU64>,
+    /// Nanoseconds spent waiting for upstream response heads (summed over
+    /// attempts, so a retry is accounted for).
+    upstream_wait_ns: AtomicU64,
+    /// Whether the upstream was contacted at all.
+    upstream_called: AtomicBool,
+}
+
+impl Default for RequestStats {
+    fn default() -> Self {
+        RequestStats {
+            start: Instant::now(),
+            bytes_in: Arc::new(AtomicU64::new(0)),
+            upstream_wait_ns: AtomicU64::new(0),
+            upstream_called: AtomicBool::new(false),
+        }
+    }
+}
+
+impl RequestStats {
+    /// Adds time spent waiting for the upstream.
+    pub fn add_upstream_wait(&self, d: Duration) {
+        let ns = u64::try_from(d.as_nanos()).unwrap_or(u64::MAX);
+        self.upstream_wait_ns.fetch_add(ns, Ordering::Relaxed);
+        self.upstream_called.store(true, Ordering::Relaxed);
+    }
+
+    /// Time spent waiting for the upstream so far, if it was contacted.
+    pub fn upstream_wait(&self) -> Option<Duration> {
+        self.upstream_called
+            .load(Ordering::Relaxed)
+            .then(|| Duration::from_nanos(self.upstream_wait_ns.load(Ordering::Relaxed)))
+    }
+}
+
+/// A side request (summary call, window probe) that got no usable answer.
+#[derive(Debug, thiserror::Error)]
+pub enum FetchError {
+    /// The target URI could not be built.
+    #[error("cannot build the request URI: {0}")]
+    Uri(String),
+    /// Nothing came back (refused, DNS, TLS, reset).
+    #[error("request failed: {0}")]
+    Transport(String),
+    /// The head came back but the body broke off.
+    #[error("response body failed after HTTP {status}: {message}")]
+    Body {
+        /// The status of the head that did arrive.
+        status: StatusCode,
+        /// Cause.
+        message: String,
+    },
+    /// No complete answer within the timeout.
+    #[error("timed out")]
+    Timeout,
+    /// The body was not JSON.
+    #[error("answer is not JSON")]
+    InvalidJson,
+}
+
+/// The upstream: pooled client, base URL, timeouts and the metrics that
+/// count what it does.
+pub struct Upstream {
+    client: UpstreamClient,
+    base: UpstreamBase,
+    /// The Host header sent upstream, built once.
+    host: HeaderValue,
+    timeouts: Timeouts,
+    metrics: Arc<Metrics>,
+}
+
+impl std::fmt::Debug for Upstream {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Upstream")
+            .field("base", &self.base)
+            .finish_non_exhaustive()
+    }
+}
+
+impl Upstream {
+    /// Builds the pooled client for `config`'s upstream.
+    pub fn new(config: &Config, metrics: Arc<Metrics>) -> Result<Self, UpstreamSetupError> {
+        let client = build_client(config)?;
+        let host =
+            host_header(&config.upstream).map_err(|e| UpstreamSetupError::Host(e.to_string()))?;
+        Ok(Upstream {
+            client,
+            base: config.upstream.clone(),
+            host,
+            timeouts: config.timeouts,
+            metrics,
+        })
+    }
+
+    /// The upstream base URL.
+    pub fn base(&self) -> &UpstreamBase {
+        &self.base
+    }
+
+    /// The metrics registry.
+    pub fn metrics(&self) -> &Arc<Metrics> {
+        &self.metrics
+    }
+
+    /// Forwards a request and streams the response back; errors become
+    /// OpenAI-shaped responses.
+    pub async fn forward(&self, req: Request<ProxyReqBody>) -> Response<ProxyBody> {
+        let (parts, body) = req.into_parts();
+        match self.send(&parts, body).await {
+            Ok(resp) => self.stream_response(resp),
+            Err(e) => self.error_reply(&e),
+        }
+    }
+
+    /// Sends one client request upstream: URI joined onto the base, hop-by-hop
+    /// headers removed, Host set to the upstream's, the first-byte timeout
+    /// applied. The chat path sends through here too (and retries).
+    pub async fn send(
+        &self,
+        parts: &Parts,
+        body: ProxyReqBody,
+    ) -> Result<Response<Incoming>, ProxyError> {
+        let uri = join_uri(&self.base, &parts.uri)
+            .map_err(|e| ProxyError::BadRequest(format!("cannot build upstream URI: {e}")))?;
+        let mut headers = parts.headers.clone();
+        headers::prepare_request_headers(&mut headers);
+        // hyper already answered any `Expect: 100-continue` on our side.
+        headers.remove(header::EXPECT);
+        headers.insert(header::HOST, self.host.clone());
+
+        let mut req = Request::new(body);
+        *req.method_mut() = parts.method.clone();
+        *req.uri_mut() = uri;
+        *req.version_mut() = Version::HTTP_11;
+        *req.headers_mut() = headers;
+
+        let timeout = self.timeouts.first_byte;
+        let sent = Instant::now();
+        let result = tokio::time::timeout(timeout, self.client.request(req)).await;
+        if let Some(stats) = parts.extensions.get::<Arc<RequestStats>>() {
+            stats.add_upstream_wait(sent.elapsed());
+        }
+        match result {
+            Err(_) => Err(ProxyError::FirstByteTimeout(timeout.as_secs())),
+            Ok(Ok(resp)) => Ok(resp),
+            Ok(Err(e)) => Err(self.classify_client_error(&e)),
+        }
+    }
+
+    /// Turns the upstream response into ours: status and headers as sent
+    /// (minus hop-by-hop), body streamed frame by frame with the idle timeout.
+    pub fn stream_response(&self, resp: Response<Incoming>) -> Response<ProxyBody> {
+        let (mut parts, body) = resp.into_parts();
+        headers::strip_hop_by_hop(&mut parts.headers);
+        Response::from_parts(parts, self.idle_timeout(body))
+    }
+
+    /// Wraps a response body in the idle timeout (counted and logged when
+    /// it fires) and boxes it.
+    pub fn idle_timeout<B>(&self, body: B) -> ProxyBody
+    where
+        B: http_body::Body<Data = Bytes> + Send + 'static,
+        B::Error: Into<BoxError>,
+    {
+        let metrics = Arc::clone(&self.metrics);
+        let idle = self.timeouts.idle;
+        let on_timeout = Box::new(move || {
+            metrics.record_idle_timeout();
+            tracing::warn!(idle_secs = idle.as_secs(), "upstream idle, ending stream");
+        });
+        IdleTimeoutBody::new(body, idle, on_timeout).boxed_unsync()
+    }
+
+    /// Builds the error response for `e`, counting and logging it.
+    pub fn error_reply(&self, e: &ProxyError) -> Response<ProxyBody> {
+        self.metrics.record_error(e.code());
+        match e.source_kind() {
+            ErrorSource::Upstream => {
+                tracing::warn!(code = e.code(), error = %e, "upstream failure")
+            }
+            ErrorSource::Client => {
+                tracing::info!(code = e.code(), error = %e, "request rejected")
+            }
+            ErrorSource::Internal => {
+                tracing::error!(code = e.code(), error = %e, "internal error")
+            }
+        }
+        e.to_response()
+    }
+
+    /// GETs `path` (relative to the upstream base, may carry a query) with
+    /// `headers`, reading at most `limit` bytes of JSON. `Ok(None)` for a
+    /// non-success status.
+    pub async fn get_json(
+        &self,
+        path: &str,
+        headers: HeaderMap,
+        limit: usize,
+        timeout: Duration,
+    ) -> Result<Option<Value>, FetchError> {
+        let uri: Uri = path
+            .parse()
+            .map_err(|e: http::uri::InvalidUri| FetchError::Uri(e.to_string()))?;
+        let fetch = async {
+            let (status, body) = self
+                .exchange(
+                    &self.base,
+                    Method::GET,
+                    &uri,
+                    headers,
+                    boxed(Empty::new()),
+                    limit,
+                )
+                .await?;
+            if !status.is_success() {
+                return Ok(None);
+            }
+            serde_json::from_slice(&body)
+                .map(Some)
+                .map_err(|_| FetchError::InvalidJson)
+        };
+        tokio::time::timeout(timeout, fetch)
+            .await
+            .map_err(|_| FetchError::Timeout)?
+    }
+
+    /// POSTs a JSON `body` to `path` under `base` (the upstream's, or another
+    /// endpoint sharing the pool) and reads at most `limit` bytes of the
+    /// answer, whatever its status. No timeout of its own: the caller's
+    /// deadline covers the whole call.
+    pub async fn post_json(
+        &self,
+        base: &UpstreamBase,
+        path: &'static str,
+        mut headers: HeaderMap,
+        body: Bytes,
+        limit: usize,
+    ) -> Result<(StatusCode, Bytes), FetchError> {
+        headers.insert(
+            header::CONTENT_TYPE,
+            HeaderValue::from_static("application/json"),
+        );
+        headers.insert(header::ACCEPT, HeaderValue::from_static("application/json"));
+        let uri = Uri::from_static(path);
+        self.exchange(
+            base,
+            Method::POST,
+            &uri,
+            headers,
+            boxed(Full::new(body)),
+            limit,
+        )
+        .await
+    }
+
+    /// One side request to `base`: hop-by-hop headers dropped, Host set, the
+    /// whole (bounded) body read.
+    async fn exchange(
+        &self,
+        base: &UpstreamBase,
+        method: Method,
+        uri: &Uri,
+        mut headers: HeaderMap,
+        body: ProxyReqBody,
+        limit: usize,
+    ) -> Result<(StatusCode, Bytes), FetchError> {
+        let uri = join_uri(base, uri).map_err(|e| FetchError::Uri(e.to_string()))?;
+        headers::prepare_request_headers(&mut headers);
+        if let Ok(host) = host_header(base) {
+            headers.insert(header::HOST, host);
+        }
+        let mut req = Request::new(body);
+        *req.method_mut() = method;
+        *req.uri_mut() = uri;
+        *req.headers_mut() = headers;
+        let resp = self
+            .client
+            .request(req)
+            .await
+            .map_err(|e| FetchError::Transport(error_chain(&e)))?;
+        let status = resp.status();
+        let body = http_body_util::Limited::new(resp.into_body(), limit)
+            .collect()
+            .await
+            .map_err(|e| FetchError::Body {
+                status,
+                message: e.to_string(),
+            })?
+            .to_bytes();
+        Ok((status, body))
+    }
+
+    /// Maps a client error to what the caller should see: our body limit →
+    /// 413, connect timeout → 504, client body failure → 400, else → 502.
+    fn classify_client_error(&self, e: &hyper_util::client::legacy::Error) -> ProxyError {
+        let mut source: Option<&(dyn std::error::Error + 'static)> = e.source();
+        let mut timed_out = false;
+        let mut body_error = false;
+        while let Some(s) = source {
+            if let Some(limit) = s.downcast_ref::<BodyLimitExceeded>() {
+                return ProxyError::BodyTooLarge { limit: limit.limit };
+            }
+            if let Some(io) = s.downcast_ref::<std::io::Error>() {
+                timed_out |= io.kind() == std::io::ErrorKind::TimedOut;
+            }
+            if let Some(h) = s.downcast_ref::<hyper::Error>() {
+                // A user error with a cause is the request body stream failing.
+                body_error |= h.is_user() && h.source().is_some() && !e.is_connect();
+            }
+            source = s.source();
+        }
+        if e.is_connect() && timed_out {
+            return ProxyError::ConnectTimeout(self.timeouts.connect.as_secs());
+        }
+        if body_error {
+            // A failing client upload (reset mid-body) is the client's fault.
+            return ProxyError::ClientBody(error_chain(e));
+        }
+        ProxyError::UpstreamUnreachable(error_chain(e))
+    }
+}
+
+fn host_header(base: &UpstreamBase) -> Result<HeaderValue, http::header::InvalidHeaderValue> {
+    HeaderValue::from_str(base.authority.as_str())
+}
+
+/// `outer: inner: innermost`, one line, no content.
+pub fn error_chain(e: &dyn std::error::Error) -> String {
+    let mut s = e.to_string();
+    let mut source = e.source();
+    while let Some(inner) = source {
+        s.push_str(": ");
+        s.push_str(&inner.to_string());
+        source = inner.source();
+    }
+    s
+}
+
+/// Turns a request-body read error (e.g. from collecting a
+/// [`ProxyReqBody`]) into the matching [`ProxyError`].
+pub fn body_read_error(e: &BoxError) -> ProxyError {
+    match e.downcast_ref::<BodyLimitExceeded>() {
+        Some(l) => ProxyError::BodyTooLarge { limit: l.limit },
+        None => ProxyError::ClientBody(error_chain(e.as_ref())),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn body_read_error_maps_limit() {
+        let e: BoxError = Box::new(BodyLimitExceeded { limit: 5 });
+        assert!(matches!(
+            body_read_error(&e),
+            ProxyError::BodyTooLarge { limit: 5 }
+        ));
+        let e: BoxError = "reset".into();
+        assert!(matches!(body_read_error(&e), ProxyError::ClientBody(_)));
+    }
+}
