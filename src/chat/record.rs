@@ -125,6 +125,11 @@ impl RecordStore {
         hashes: &[u128],
         hint: Option<&Arc<Record>>,
     ) -> Option<Arc<Record>> {
+        // An empty history has no prefix to match (and `1..=0` is an
+        // inverted range, which `BTreeMap::range` panics on).
+        if hashes.is_empty() {
+            return None;
+        }
         if let Some(rec) = hint {
             if rec.k > 0 && rec.k <= hashes.len() && hashes[rec.k - 1] == rec.prefix_hash {
                 if let Some(found) = self.touch(cred, rec.prefix_hash, rec.k) {
@@ -233,6 +238,20 @@ mod tests {
         assert_eq!(store.lookup(1, &fork, None).unwrap().k, 2);
         // Other credentials never see it.
         assert!(store.lookup(2, &hashes, None).is_none());
+    }
+
+    #[test]
+    fn empty_history_finds_nothing_and_does_not_panic() {
+        let store = RecordStore::new(Duration::from_secs(60), 10);
+        assert!(store.lookup(1, &[], None).is_none());
+        let rec = store.insert(1, Record::new(2, 22, vec![raw("1")], 1, 1));
+        assert!(store.lookup(1, &[], None).is_none());
+        assert!(store.lookup(1, &[], Some(&rec)).is_none());
+        assert!(store.lookup(2, &[], Some(&rec)).is_none());
+        // A record of length 0 never matches (there is no prefix hash).
+        store.insert(1, Record::new(0, 0, vec![], 0, 0));
+        assert!(store.lookup(1, &[], None).is_none());
+        assert!(store.lookup(1, &[0], None).is_none());
     }
 
     #[test]
