@@ -123,7 +123,9 @@ pub async fn handle(state: Arc<AppState>, req: Request<ProxyReqBody>) -> Respons
         return send_plain(&state, parts, bytes).await;
     };
     let chat = &state.chat;
-    let (key, _source, cred) = chat.keyer.derive_with_credential(&parts.headers, &creq);
+    let (key, _source, cred) = chat
+        .keyer
+        .derive_with_credential(&parts.headers, &parts.uri, &creq);
     let cred = cred.as_u128();
     let entry = chat.sessions.get_or_create(key, Conversation::default);
 
