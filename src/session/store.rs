@@ -41,7 +41,21 @@ pub struct LruSlot {
     gone: AtomicBool,
 }
 
+/// Ids of [`LruSlot`]s, unique in the process.
+static NEXT_SLOT_ID: AtomicU64 = AtomicU64::new(0);
+
 impl LruSlot {
+    /// A slot for a new item last used at `tick` (not filed yet: see
+    /// [`LruIndex::file`]).
+    pub fn new(tick: u64) -> Self {
+        Self {
+            id: NEXT_SLOT_ID.fetch_add(1, Ordering::Relaxed),
+            last_used: AtomicU64::new(tick),
+            indexed: AtomicU64::new(tick),
+            gone: AtomicBool::new(false),
+        }
+    }
+
     /// The last use.
     pub fn last_used(&self) -> u64 {
         self.last_used.load(Ordering::Relaxed)
@@ -71,30 +85,17 @@ impl LruSlot {
 #[derive(Debug)]
 pub struct LruIndex<K> {
     order: Mutex<BTreeMap<(u64, u64), K>>,
-    next_id: AtomicU64,
 }
 
 impl<K> Default for LruIndex<K> {
     fn default() -> Self {
         Self {
             order: Mutex::new(BTreeMap::new()),
-            next_id: AtomicU64::new(0),
         }
     }
 }
 
 impl<K: Copy> LruIndex<K> {
-    /// A slot for a new item last used at `tick` (not filed yet: see
-    /// [`Self::file`]).
-    pub fn slot(&self, tick: u64) -> LruSlot {
-        LruSlot {
-            id: self.next_id.fetch_add(1, Ordering::Relaxed),
-            last_used: AtomicU64::new(tick),
-            indexed: AtomicU64::new(tick),
-            gone: AtomicBool::new(false),
-        }
-    }
-
     /// Files an item (once it is in its map) under its last use.
     pub fn file(&self, key: K, slot: &LruSlot) {
         let mut order = lock(&self.order);
@@ -266,7 +267,7 @@ impl<T> SessionStore<T> {
             MapEntry::Occupied(mut o) => {
                 if self.is_expired(o.get(), now) {
                     self.expired.fetch_add(1, Ordering::Relaxed);
-                    let fresh = Arc::new(Entry::new(init(), self.lru.slot(now)));
+                    let fresh = Arc::new(Entry::new(init(), LruSlot::new(now)));
                     let old = o.insert(fresh.clone());
                     (fresh, Some(old))
                 } else {
@@ -275,7 +276,7 @@ impl<T> SessionStore<T> {
                 }
             }
             MapEntry::Vacant(v) => {
-                let fresh = Arc::new(Entry::new(init(), self.lru.slot(now)));
+                let fresh = Arc::new(Entry::new(init(), LruSlot::new(now)));
                 v.insert(fresh.clone());
                 (fresh, None)
             }
