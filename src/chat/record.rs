@@ -13,7 +13,7 @@
 
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::{Arc, PoisonError, RwLock, RwLockReadGuard, RwLockWriteGuard};
 use std::time::Duration;
 
 use dashmap::DashMap;
@@ -99,7 +99,8 @@ pub struct RecordStore {
     /// probes only these lengths: probing every prefix would cost one map
     /// lookup per message of the history on every request, most of all
     /// before the first compaction, when there is nothing to find.
-    lengths: Mutex<BTreeMap<usize, usize>>,
+    /// A read lock on the hot path: lookups never wait for each other.
+    lengths: RwLock<BTreeMap<usize, usize>>,
     lru: LruIndex<RecordKey>,
     /// Sum of the footprints of the records in the map.
     bytes: AtomicUsize,
@@ -114,7 +115,7 @@ impl RecordStore {
     pub fn new(ttl: Duration, max: usize) -> Self {
         Self {
             map: DashMap::new(),
-            lengths: Mutex::new(BTreeMap::new()),
+            lengths: RwLock::new(BTreeMap::new()),
             lru: LruIndex::default(),
             bytes: AtomicUsize::new(0),
             epoch: Instant::now(),
@@ -163,7 +164,7 @@ impl RecordStore {
         }
         let key = (cred, record.prefix_hash);
         self.bytes.fetch_add(record.footprint, Ordering::Relaxed);
-        *self.lengths().entry(record.k).or_insert(0) += 1;
+        *self.lengths_mut().entry(record.k).or_insert(0) += 1;
         if let Some(old) = self.map.insert(key, Arc::clone(&record)) {
             self.dropped(&old);
         }
@@ -206,8 +207,13 @@ impl RecordStore {
             .find_map(|k| self.touch(cred, hashes[k - 1], k))
     }
 
-    fn lengths(&self) -> MutexGuard<'_, BTreeMap<usize, usize>> {
-        crate::sync::lock(&self.lengths)
+    fn lengths(&self) -> RwLockReadGuard<'_, BTreeMap<usize, usize>> {
+        // Every update leaves the map consistent: a poisoned lock's data is good.
+        self.lengths.read().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    fn lengths_mut(&self) -> RwLockWriteGuard<'_, BTreeMap<usize, usize>> {
+        self.lengths.write().unwrap_or_else(PoisonError::into_inner)
     }
 
     /// Books a record that was removed from the map: its length, its bytes
@@ -220,7 +226,7 @@ impl RecordStore {
 
     /// Forgets one record of length `k` (it was removed from the map).
     fn uncount(&self, k: usize) {
-        let mut lengths = self.lengths();
+        let mut lengths = self.lengths_mut();
         if let Some(n) = lengths.get_mut(&k) {
             *n -= 1;
             if *n == 0 {
