@@ -33,7 +33,8 @@ fn scalar() -> impl Strategy<Value = String> {
         Just("\"caf\\u00e9 \\\"q\\\" ]}\"".to_owned()),
         Just("{\"messages\":[1,2],\"b\":[{}]}".to_owned()),
         Just("[ ]".to_owned()),
-        "[a-z\\[\\]{}:,]{0,8}".prop_map(|s| serde_json::to_string(&s).unwrap()),
+        "[a-z\\[\\]{}:,]{0,8}"
+            .prop_map(|s| serde_json::to_string(&s).expect("a string serialises")),
     ]
 }
 
@@ -155,7 +156,7 @@ fn expected_data(data: &[u8]) -> Option<Vec<u8>> {
     if choices_empty && usage.as_ref().is_some_and(|u| !u.is_null()) {
         return None;
     }
-    Some(serde_json::to_vec(&Value::Object(m)).unwrap())
+    Some(serde_json::to_vec(&Value::Object(m)).expect("a value serialises"))
 }
 
 /// Data events as comparable values (JSON objects compared as values).
@@ -164,7 +165,7 @@ fn normalised(events: &[checks::Event]) -> Vec<(Option<Vec<u8>>, Vec<u8>, bool)>
         .iter()
         .map(|(name, data, err)| {
             let data = match serde_json::from_slice::<Value>(data) {
-                Ok(v @ Value::Object(_)) => serde_json::to_vec(&v).unwrap(),
+                Ok(v @ Value::Object(_)) => serde_json::to_vec(&v).expect("a value serialises"),
                 _ => data.clone(),
             };
             (name.clone(), data, *err)
