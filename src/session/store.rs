@@ -583,6 +583,38 @@ mod tests {
         }
     }
 
+    /// Many threads creating, touching and removing sessions at the limit:
+    /// the bound holds and the index keeps exactly the sessions held.
+    #[test]
+    fn concurrent_churn_at_the_limit_keeps_bound_and_index() {
+        let s = Arc::new(store(3600, 64));
+        let threads: Vec<_> = (0..4u128)
+            .map(|t| {
+                let s = Arc::clone(&s);
+                std::thread::spawn(move || {
+                    for i in 0..3000u128 {
+                        let k = key(t * 1_000_000 + i);
+                        let held = s.get_or_create(k, || 0);
+                        // Revisit an earlier key of this thread now and then.
+                        if i % 3 == 0 {
+                            s.get(&key(t * 1_000_000 + i / 2));
+                        }
+                        if i % 7 == 0 {
+                            s.remove(&k);
+                        }
+                        drop(held);
+                    }
+                })
+            })
+            .collect();
+        for t in threads {
+            t.join().unwrap();
+        }
+        assert!(s.len() <= 64, "{} sessions", s.len());
+        assert_index_matches(&s);
+        assert!(s.evicted_lru() > 0);
+    }
+
     /// Fastest time to create `n` new sessions in a full store of `size`.
     fn time_new_sessions_when_full(size: usize, n: u128) -> std::time::Duration {
         let s = store(3600, size);
