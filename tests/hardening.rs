@@ -4,13 +4,35 @@
 #[path = "support/chat_mock.rs"]
 mod chat_mock;
 
+use bytes::Bytes;
 use chat_mock::*;
+use http_body_util::{BodyExt, Full};
 use serde_json::{json, Value};
 
 const ALICE: (&str, &str) = ("authorization", "Bearer alice");
 
 fn config() -> String {
     "[models.\"m\"]\ncontext_length = 2048\n".to_owned()
+}
+
+/// POSTs a chat body to `url` exactly (path and query) with `headers`.
+async fn post_to(url: &str, body: Vec<u8>, headers: &[(&str, &str)]) -> (u16, http::HeaderMap) {
+    let client = hyper_util::client::legacy::Client::builder(hyper_util::rt::TokioExecutor::new())
+        .build_http::<Full<Bytes>>();
+    let mut req = http::Request::post(url)
+        .header("content-type", "application/json")
+        .body(Full::new(Bytes::from(body)))
+        .expect("request");
+    for (k, v) in headers {
+        req.headers_mut().append(
+            http::HeaderName::from_bytes(k.as_bytes()).expect("header name"),
+            v.parse().expect("header value"),
+        );
+    }
+    let resp = client.request(req).await.expect("response");
+    let (parts, body) = resp.into_parts();
+    body.collect().await.expect("body");
+    (parts.status.as_u16(), parts.headers)
 }
 
 /// Runs a conversation until its first compaction (so a record exists).
@@ -66,6 +88,41 @@ async fn empty_messages_after_a_compaction_get_the_upstream_answer() {
     let mut conv = Conversation::new(10);
     let (st, _, _) = post_chat(&url, chat_body("m", &conv.ask(), false), &[ALICE]).await;
     assert_eq!(st, 200);
+}
+
+/// Credentials sent as `?key=` scope records: another key's request with
+/// the same history and session id compacts on its own instead of being
+/// handed the first key's summary.
+#[tokio::test]
+async fn query_keys_do_not_share_records() {
+    let mock = ChatMock::start(Settings::default()).await;
+    let proxy = start_compactor(&mock.url(), &config()).await;
+    let alice = format!("{}/v1/chat/completions?key=alice", proxy.url());
+    let bob = format!("{}/v1/chat/completions?key=bob", proxy.url());
+    let session = [("x-session-id", "shared")];
+    let mut conv = Conversation::new(600);
+    let mut sent = Vec::new();
+    for _ in 0..20 {
+        sent = conv.ask();
+        let (st, h) = post_to(&alice, chat_body("m", &sent, false), &session).await;
+        assert_eq!(st, 200);
+        if action(&h) == "compacted" {
+            break;
+        }
+        conv.answer();
+    }
+    let summaries = mock.summaries().len();
+    assert!(summaries > 0, "alice never compacted");
+    // Alice again: her record is substituted, no new summary.
+    let (_, h) = post_to(&alice, chat_body("m", &sent, false), &session).await;
+    assert!(substituted(&h), "{}", action(&h));
+    assert_eq!(mock.summaries().len(), summaries);
+    // Bob, same history and session id: never alice's record.
+    let (st, h) = post_to(&bob, chat_body("m", &sent, false), &session).await;
+    assert_eq!(st, 200);
+    assert!(!substituted(&h), "bob was handed alice's compaction");
+    assert_eq!(action(&h), "compacted");
+    assert!(mock.summaries().len() > summaries);
 }
 
 #[test]
