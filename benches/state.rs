@@ -9,8 +9,11 @@
 use std::hint::black_box;
 
 use bytes::BytesMut;
+use compactor::chat::record::{Record, RecordStore};
 use compactor::request::{message_hashes, ChainCache, ChatRequest};
 use compactor::session::calibration::Calibration;
+use compactor::session::store::{SessionStore, StoreLimits};
+use compactor::session::SessionKey;
 use compactor::usage::hide::UsageHider;
 use compactor::usage::{BodyKind, UsageExtractor};
 use criterion::{criterion_group, criterion_main, Criterion, Throughput};
@@ -124,5 +127,56 @@ fn bench_hashes(c: &mut Criterion) {
     });
 }
 
-criterion_group!(benches, bench_sse, bench_hashes);
+/// A full store of 10,000 sessions: a request for a known session against
+/// one for a new session (which evicts the least recently used one).
+fn bench_stores(c: &mut Criterion) {
+    const N: u128 = 10_000;
+    let mut g = c.benchmark_group("session_store_10k");
+    let store: SessionStore<u64> = SessionStore::new(StoreLimits {
+        ttl: std::time::Duration::from_secs(3600),
+        max_sessions: N as usize,
+    });
+    for i in 0..N {
+        store.get_or_create(SessionKey::from_u128(i), || 0);
+    }
+    let mut next = N;
+    g.bench_function("insert_when_full", |b| {
+        b.iter(|| {
+            next += 1;
+            black_box(store.get_or_create(SessionKey::from_u128(next), || 0))
+        })
+    });
+    let mut i = 0u128;
+    g.bench_function("lookup_known", |b| {
+        b.iter(|| {
+            // Known keys: the newest 10,000 inserted above.
+            i = (i + 1) % N;
+            black_box(store.get_or_create(SessionKey::from_u128(next - i), || 0))
+        })
+    });
+    g.finish();
+
+    let mut g = c.benchmark_group("record_store_10k");
+    let records = RecordStore::new(std::time::Duration::from_secs(3600), N as usize);
+    for h in 0..N {
+        records.insert(1, Record::new(1, h, Vec::new(), 0, 0));
+    }
+    let mut next = N;
+    g.bench_function("insert_when_full", |b| {
+        b.iter(|| {
+            next += 1;
+            black_box(records.insert(1, Record::new(1, next, Vec::new(), 0, 0)))
+        })
+    });
+    let mut i = 0u128;
+    g.bench_function("lookup_known", |b| {
+        b.iter(|| {
+            i = (i + 1) % N;
+            black_box(records.lookup(1, &[next - i], None))
+        })
+    });
+    g.finish();
+}
+
+criterion_group!(benches, bench_sse, bench_hashes, bench_stores);
 criterion_main!(benches);

@@ -222,6 +222,8 @@ pub struct RawSession {
     pub ttl_secs: u64,
     /// Maximum number of sessions held.
     pub max_sessions: usize,
+    /// Bound on the bytes all compaction records hold together.
+    pub max_record_bytes: usize,
 }
 
 impl Default for RawSession {
@@ -233,6 +235,7 @@ impl Default for RawSession {
                 .collect(),
             ttl_secs: 3600,
             max_sessions: 10_000,
+            max_record_bytes: crate::chat::record::DEFAULT_MAX_RECORD_BYTES,
         }
     }
 }
@@ -297,6 +300,9 @@ pub struct SessionConfig {
     pub ttl: Duration,
     /// Maximum sessions.
     pub max_sessions: usize,
+    /// Bound on the bytes of all compaction records (least recently used
+    /// evicted first).
+    pub max_record_bytes: usize,
 }
 
 /// The upstream base URL, split for joining.
@@ -415,6 +421,7 @@ impl Default for Config {
                     headers: Vec::new(),
                     ttl: Duration::from_secs(3600),
                     max_sessions: 10_000,
+                    max_record_bytes: crate::chat::record::DEFAULT_MAX_RECORD_BYTES,
                 },
                 compaction: crate::compaction::config::CompactionConfig::default(),
                 summary_endpoint: None,
@@ -659,6 +666,7 @@ impl RawConfig {
                         headers,
                         ttl: Duration::from_secs(self.session.ttl_secs),
                         max_sessions: self.session.max_sessions,
+                        max_record_bytes: self.session.max_record_bytes,
                     },
                     models: self.models,
                     default_context_length: self.default_context_length,
@@ -704,6 +712,7 @@ impl RawConfig {
             ("timeouts.idle_secs", t.idle_secs == 0),
             ("session.ttl_secs", s.ttl_secs == 0),
             ("session.max_sessions", s.max_sessions == 0),
+            ("session.max_record_bytes", s.max_record_bytes == 0),
             (
                 "default_context_length",
                 self.default_context_length == Some(0),
@@ -1009,6 +1018,19 @@ format = "json"
             de.abort_on_degraded_summary
         );
         assert_eq!(engine.summary_timeout_secs, de.summary_timeout_secs);
+    }
+
+    #[test]
+    fn max_record_bytes_default_value_and_validation() {
+        let c = parse("").unwrap();
+        assert_eq!(c.session.max_record_bytes, 256 << 20);
+        let c = parse("[session]\nmax_record_bytes = 1048576\n").unwrap();
+        assert_eq!(c.session.max_record_bytes, 1 << 20);
+        let e = parse("[session]\nmax_record_bytes = 0\n").unwrap_err();
+        assert_eq!(e.keys(), vec!["session.max_record_bytes"]);
+        // proxy.toml documents the default.
+        let doc = format!("# max_record_bytes = {}", 256 << 20);
+        assert!(include_str!("../proxy.toml").contains(&doc));
     }
 
     #[test]

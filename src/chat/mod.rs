@@ -93,7 +93,8 @@ impl ChatState {
             sessions: SessionStore::new(limits),
             // Records outlive sessions a little: a conversation resumed
             // without its session header still finds its compaction.
-            records: RecordStore::new(cfg.session.ttl, cfg.session.max_sessions.max(1)),
+            records: RecordStore::new(cfg.session.ttl, cfg.session.max_sessions.max(1))
+                .with_max_bytes(cfg.session.max_record_bytes),
             windows,
             upstream_label: cfg.upstream.to_string(),
             summary_endpoint: cfg.summary_endpoint.clone(),

@@ -12,13 +12,24 @@
 //! finds the compaction made for the history it shares.
 
 use std::collections::BTreeMap;
-use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, PoisonError, RwLock, RwLockReadGuard, RwLockWriteGuard};
 use std::time::Duration;
 
 use dashmap::DashMap;
 use serde_json::value::RawValue;
 use tokio::time::Instant;
+
+use crate::session::store::{LruIndex, LruSlot};
+
+/// Default bound on the bytes all records hold together (256 MiB).
+pub const DEFAULT_MAX_RECORD_BYTES: usize = 256 << 20;
+
+/// What one record costs besides its replacement's JSON text: the record
+/// itself, its map slot and index entry.
+const RECORD_OVERHEAD: usize = 256;
+/// What each replacement message costs besides its text (the box).
+const MESSAGE_OVERHEAD: usize = std::mem::size_of::<Box<RawValue>>();
 
 /// One compaction's substitution.
 #[derive(Debug)]
@@ -33,7 +44,10 @@ pub struct Record {
     pub replacement_tokens: u64,
     /// Rough token estimate of the `k` originals it replaced.
     pub original_tokens: u64,
-    last_used: AtomicU64,
+    /// What the record costs in memory, counted against the byte bound.
+    footprint: usize,
+    /// Last use and place in the store's recency index.
+    slot: LruSlot,
 }
 
 impl Record {
@@ -44,51 +58,86 @@ impl Record {
         original_tokens: u64,
         replacement_tokens: u64,
     ) -> Self {
+        let footprint = RECORD_OVERHEAD
+            + replacement
+                .iter()
+                .map(|m| m.get().len() + MESSAGE_OVERHEAD)
+                .sum::<usize>();
         Self {
             k,
             prefix_hash,
             replacement,
             replacement_tokens,
             original_tokens,
-            last_used: AtomicU64::new(0),
+            footprint,
+            slot: LruSlot::new(0),
         }
     }
 
-    /// Total bytes held by the replacement (what a record costs in memory).
+    /// Total bytes held by the replacement's JSON text.
     pub fn bytes(&self) -> usize {
         self.replacement.iter().map(|m| m.get().len()).sum()
+    }
+
+    /// What the record costs in memory (the replacement and bookkeeping);
+    /// the store's byte bound counts this.
+    pub fn footprint(&self) -> usize {
+        self.footprint
     }
 }
 
 /// Key of a record: (credential fingerprint, prefix hash).
 pub type RecordKey = (u128, u128);
 
-/// Bounded, content-addressed store of compaction records.
+/// Bounded, content-addressed store of compaction records: at most `max`
+/// records and `max_bytes` of [`Record::footprint`], the least recently
+/// used going first when either bound is crossed (amortised O(log n), see
+/// [`LruIndex`]); records idle for the TTL are dropped.
 pub struct RecordStore {
     map: DashMap<RecordKey, Arc<Record>>,
     /// How many records there are of each prefix length `k`. A lookup
     /// probes only these lengths: probing every prefix would cost one map
     /// lookup per message of the history on every request, most of all
     /// before the first compaction, when there is nothing to find.
-    lengths: Mutex<BTreeMap<usize, usize>>,
+    /// A read lock on the hot path: lookups never wait for each other.
+    lengths: RwLock<BTreeMap<usize, usize>>,
+    lru: LruIndex<RecordKey>,
+    /// Sum of the footprints of the records in the map.
+    bytes: AtomicUsize,
     epoch: Instant,
     ttl: Duration,
     max: usize,
+    max_bytes: usize,
 }
 
 impl RecordStore {
+    /// A store of at most `max` records and [`DEFAULT_MAX_RECORD_BYTES`].
     pub fn new(ttl: Duration, max: usize) -> Self {
         Self {
             map: DashMap::new(),
-            lengths: Mutex::new(BTreeMap::new()),
+            lengths: RwLock::new(BTreeMap::new()),
+            lru: LruIndex::default(),
+            bytes: AtomicUsize::new(0),
             epoch: Instant::now(),
             ttl,
             max: max.max(1),
+            max_bytes: DEFAULT_MAX_RECORD_BYTES,
         }
     }
 
+    /// Sets the byte bound (`[session] max_record_bytes`).
+    #[must_use]
+    pub fn with_max_bytes(mut self, max_bytes: usize) -> Self {
+        self.max_bytes = max_bytes.max(1);
+        self
+    }
+
     fn tick(&self) -> u64 {
-        self.epoch.elapsed().as_millis() as u64
+        u64::try_from(self.epoch.elapsed().as_millis()).unwrap_or(u64::MAX)
+    }
+
+    fn ttl_ms(&self) -> u64 {
+        u64::try_from(self.ttl.as_millis()).unwrap_or(u64::MAX)
     }
 
     pub fn len(&self) -> usize {
@@ -99,20 +148,28 @@ impl RecordStore {
         self.map.is_empty()
     }
 
-    /// Store a record; evicts the least recently used one when full.
+    /// Bytes the records hold now (sum of [`Record::footprint`]).
+    pub fn bytes(&self) -> usize {
+        self.bytes.load(Ordering::Relaxed)
+    }
+
+    /// Store a record; evicts the least recently used ones while either
+    /// bound is exceeded. A record larger than the whole byte bound is not
+    /// kept (the returned `Arc` is then not in the store).
     pub fn insert(&self, cred: u128, record: Record) -> Arc<Record> {
-        record.last_used.store(self.tick(), Ordering::Relaxed);
+        record.slot.touch(self.tick());
         let record = Arc::new(record);
-        let replaced = self
-            .map
-            .insert((cred, record.prefix_hash), Arc::clone(&record));
-        if let Some(old) = replaced {
-            self.uncount(old.k);
+        if record.footprint > self.max_bytes {
+            return record;
         }
-        *self.lengths().entry(record.k).or_insert(0) += 1;
-        if self.map.len() > self.max {
-            self.evict_lru();
+        let key = (cred, record.prefix_hash);
+        self.bytes.fetch_add(record.footprint, Ordering::Relaxed);
+        *self.lengths_mut().entry(record.k).or_insert(0) += 1;
+        if let Some(old) = self.map.insert(key, Arc::clone(&record)) {
+            self.dropped(&old);
         }
+        self.lru.file(key, &record.slot);
+        self.evict_lru();
         record
     }
 
@@ -125,6 +182,11 @@ impl RecordStore {
         hashes: &[u128],
         hint: Option<&Arc<Record>>,
     ) -> Option<Arc<Record>> {
+        // An empty history has no prefix to match (and `1..=0` is an
+        // inverted range, which `BTreeMap::range` panics on).
+        if hashes.is_empty() {
+            return None;
+        }
         if let Some(rec) = hint {
             if rec.k > 0 && rec.k <= hashes.len() && hashes[rec.k - 1] == rec.prefix_hash {
                 if let Some(found) = self.touch(cred, rec.prefix_hash, rec.k) {
@@ -145,13 +207,26 @@ impl RecordStore {
             .find_map(|k| self.touch(cred, hashes[k - 1], k))
     }
 
-    fn lengths(&self) -> MutexGuard<'_, BTreeMap<usize, usize>> {
-        crate::sync::lock(&self.lengths)
+    fn lengths(&self) -> RwLockReadGuard<'_, BTreeMap<usize, usize>> {
+        // Every update leaves the map consistent: a poisoned lock's data is good.
+        self.lengths.read().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    fn lengths_mut(&self) -> RwLockWriteGuard<'_, BTreeMap<usize, usize>> {
+        self.lengths.write().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// Books a record that was removed from the map: its length, its bytes
+    /// and its place in the recency index.
+    fn dropped(&self, old: &Record) {
+        self.uncount(old.k);
+        self.bytes.fetch_sub(old.footprint, Ordering::Relaxed);
+        self.lru.forget(&old.slot);
     }
 
     /// Forgets one record of length `k` (it was removed from the map).
     fn uncount(&self, k: usize) {
-        let mut lengths = self.lengths();
+        let mut lengths = self.lengths_mut();
         if let Some(n) = lengths.get_mut(&k) {
             *n -= 1;
             if *n == 0 {
@@ -160,10 +235,19 @@ impl RecordStore {
         }
     }
 
-    fn remove(&self, key: &RecordKey) {
-        if let Some((_, old)) = self.map.remove(key) {
-            self.uncount(old.k);
+    /// Removes `rec` if it is still the record under `key`.
+    fn remove(&self, key: &RecordKey, rec: &Arc<Record>) -> bool {
+        match self.map.remove_if(key, |_, v| Arc::ptr_eq(v, rec)) {
+            Some((_, old)) => {
+                self.dropped(&old);
+                true
+            }
+            None => false,
         }
+    }
+
+    fn is_expired(&self, rec: &Record, now: u64) -> bool {
+        now.saturating_sub(rec.slot.last_used()) > self.ttl_ms()
     }
 
     fn touch(&self, cred: u128, hash: u128, k: usize) -> Option<Arc<Record>> {
@@ -172,42 +256,46 @@ impl RecordStore {
             return None;
         }
         let now = self.tick();
-        if now.saturating_sub(rec.last_used.load(Ordering::Relaxed)) > self.ttl.as_millis() as u64 {
-            self.remove(&(cred, hash));
+        if self.is_expired(&rec, now) {
+            self.remove(&(cred, hash), &rec);
             return None;
         }
-        rec.last_used.store(now, Ordering::Relaxed);
+        rec.slot.touch(now);
         Some(rec)
     }
 
     /// Drop records idle longer than the TTL.
     pub fn sweep(&self) {
         let now = self.tick();
-        let ttl = self.ttl.as_millis() as u64;
         let mut dropped = Vec::new();
         self.map.retain(|_, r| {
-            let keep = now.saturating_sub(r.last_used.load(Ordering::Relaxed)) <= ttl;
+            let keep = !self.is_expired(r, now);
             if !keep {
-                dropped.push(r.k);
+                dropped.push(Arc::clone(r));
             }
             keep
         });
-        for k in dropped {
-            self.uncount(k);
+        for r in &dropped {
+            self.uncount(r.k);
+            self.bytes.fetch_sub(r.footprint, Ordering::Relaxed);
         }
+        self.lru.forget_all(dropped.iter().map(|r| &r.slot));
+    }
+
+    fn over_bounds(&self) -> bool {
+        self.map.len() > self.max || self.bytes() > self.max_bytes
     }
 
     fn evict_lru(&self) {
-        while self.map.len() > self.max {
-            let oldest = self
-                .map
-                .iter()
-                .min_by_key(|e| e.value().last_used.load(Ordering::Relaxed))
-                .map(|e| *e.key());
-            match oldest {
-                Some(k) => self.remove(&k),
-                None => break,
-            }
+        while self.over_bounds() {
+            let oldest = self.lru.pop_oldest(
+                |k| self.map.get(k).map(|r| Arc::clone(r.value())),
+                |r: &Arc<Record>| &r.slot,
+            );
+            let Some((key, rec)) = oldest else { break };
+            // Replaced meanwhile (then not removed): the new record is
+            // filed and counted on its own.
+            self.remove(&key, &rec);
         }
     }
 }
@@ -233,6 +321,20 @@ mod tests {
         assert_eq!(store.lookup(1, &fork, None).unwrap().k, 2);
         // Other credentials never see it.
         assert!(store.lookup(2, &hashes, None).is_none());
+    }
+
+    #[test]
+    fn empty_history_finds_nothing_and_does_not_panic() {
+        let store = RecordStore::new(Duration::from_secs(60), 10);
+        assert!(store.lookup(1, &[], None).is_none());
+        let rec = store.insert(1, Record::new(2, 22, vec![raw("1")], 1, 1));
+        assert!(store.lookup(1, &[], None).is_none());
+        assert!(store.lookup(1, &[], Some(&rec)).is_none());
+        assert!(store.lookup(2, &[], Some(&rec)).is_none());
+        // A record of length 0 never matches (there is no prefix hash).
+        store.insert(1, Record::new(0, 0, vec![], 0, 0));
+        assert!(store.lookup(1, &[], None).is_none());
+        assert!(store.lookup(1, &[0], None).is_none());
     }
 
     #[test]
@@ -282,6 +384,107 @@ mod tests {
         store.sweep();
         assert!(store.is_empty());
         assert!(store.lengths().is_empty());
+    }
+
+    /// A record of about `kib` KiB.
+    fn sized(hash: u128, kib: usize) -> Record {
+        let text = format!("\"{}\"", "x".repeat(kib * 1024));
+        Record::new(1, hash, vec![raw(&text)], 0, 0)
+    }
+
+    #[test]
+    fn records_are_bounded_by_bytes_least_recently_used_first() {
+        // Room for about three 100 KiB records, whatever the count bound.
+        let store = RecordStore::new(Duration::from_secs(60), 1000).with_max_bytes(350 * 1024);
+        for h in 1..=3 {
+            store.insert(1, sized(h, 100));
+        }
+        assert_eq!(store.len(), 3);
+        // Use 1, so 2 is the least recently used.
+        std::thread::sleep(Duration::from_millis(3));
+        assert!(store.lookup(1, &[1], None).is_some());
+        store.insert(1, sized(4, 100));
+        assert_eq!(store.len(), 3);
+        assert!(store.lookup(1, &[2], None).is_none(), "2 was evicted");
+        for h in [1, 3, 4] {
+            assert!(store.lookup(1, &[h], None).is_some(), "{h} kept");
+        }
+        assert!(store.bytes() <= 350 * 1024);
+        // A big record pushes out as many as it needs.
+        store.insert(2, sized(9, 300));
+        assert_eq!(store.len(), 1);
+        assert!(store.bytes() <= 350 * 1024);
+        // One larger than the whole bound is not kept at all.
+        let huge = store.insert(3, sized(10, 400));
+        assert_eq!(huge.k, 1);
+        assert!(store.lookup(3, &[10], None).is_none());
+        assert_eq!(store.len(), 1);
+        assert_lengths_match(&store);
+        assert_bytes_match(&store);
+    }
+
+    /// The byte count always matches what the map holds.
+    fn assert_bytes_match(store: &RecordStore) {
+        let actual: usize = store.map.iter().map(|e| e.value().footprint()).sum();
+        assert_eq!(store.bytes(), actual);
+        assert_eq!(store.lru.len(), store.map.len());
+    }
+
+    #[test]
+    fn bytes_follow_insert_replace_expiry_and_sweep() {
+        let store = RecordStore::new(Duration::from_millis(30), 10);
+        store.insert(1, sized(1, 1));
+        store.insert(1, sized(2, 2));
+        assert_bytes_match(&store);
+        // Replaced under the same key: counted once, the new size.
+        store.insert(1, sized(2, 5));
+        assert_eq!(store.len(), 2);
+        assert_bytes_match(&store);
+        assert!(store.bytes() > 6 * 1024);
+        std::thread::sleep(Duration::from_millis(60));
+        assert!(store.lookup(1, &[1], None).is_none());
+        assert_bytes_match(&store);
+        store.sweep();
+        assert_eq!(store.bytes(), 0);
+        assert_bytes_match(&store);
+    }
+
+    #[test]
+    fn default_byte_bound_applies() {
+        let store = RecordStore::new(Duration::from_secs(60), 10);
+        assert_eq!(store.max_bytes, DEFAULT_MAX_RECORD_BYTES);
+        assert_eq!(store.with_max_bytes(0).max_bytes, 1);
+    }
+
+    /// Fastest time to insert `n` records into a full store of `size`.
+    fn time_inserts_when_full(size: usize, n: u128) -> Duration {
+        let store = RecordStore::new(Duration::from_secs(3600), size);
+        for h in 0..size as u128 {
+            store.insert(1, Record::new(1, h, vec![], 0, 0));
+        }
+        let mut next = size as u128;
+        (0..5)
+            .map(|_| {
+                let t = std::time::Instant::now();
+                for _ in 0..n {
+                    next += 1;
+                    store.insert(1, Record::new(1, next, vec![], 0, 0));
+                }
+                t.elapsed()
+            })
+            .min()
+            .unwrap_or_default()
+    }
+
+    /// Inserting into a full store does not scan every record.
+    #[test]
+    fn eviction_cost_does_not_grow_with_the_store() {
+        let small = time_inserts_when_full(512, 100);
+        let large = time_inserts_when_full(32 * 512, 100);
+        assert!(
+            large < small * 8,
+            "100 inserts: {small:?} at 512 records, {large:?} at 16384"
+        );
     }
 
     #[test]

@@ -102,22 +102,70 @@ fn not_found() -> Response<ProxyBody> {
     )
 }
 
-/// Compares without an early exit, so response time leaks nothing about the token.
-fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
-    if a.len() != b.len() {
-        return false;
+/// Compares a presented token with the configured one without an early
+/// exit: neither a differing byte nor a differing length ends the loop
+/// sooner. The loop runs over the presented bytes only (the secret's bytes
+/// are read cyclically), so its duration depends on what the caller sent,
+/// never on the secret's length or content.
+fn constant_time_eq(presented: &[u8], secret: &[u8]) -> bool {
+    // Lengths differ ⇒ some bit of the xor is set; folded in, not branched on.
+    let len_diff = (presented.len() ^ secret.len()) as u64;
+    let mut diff = len_diff | u64::from(secret.is_empty());
+    let n = secret.len().max(1);
+    for (i, &p) in presented.iter().enumerate() {
+        let s = secret.get(i % n).copied().unwrap_or(0);
+        diff |= u64::from(std::hint::black_box(p ^ s));
     }
-    a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
+    std::hint::black_box(diff) == 0
 }
 
 #[cfg(test)]
 mod tests {
     use super::constant_time_eq;
+    use std::time::{Duration, Instant};
 
     #[test]
     fn token_comparison() {
         assert!(constant_time_eq(b"abc", b"abc"));
         assert!(!constant_time_eq(b"abc", b"abd"));
         assert!(!constant_time_eq(b"abc", b"abcd"));
+        assert!(!constant_time_eq(b"abcd", b"abc"));
+        assert!(!constant_time_eq(b"", b"abc"));
+        assert!(
+            !constant_time_eq(b"abcabc", b"abc"),
+            "cyclic read is not a match"
+        );
+        // An empty secret never matches (config rejects it anyway).
+        assert!(!constant_time_eq(b"", b""));
+        assert!(!constant_time_eq(b"x", b""));
+    }
+
+    /// Fastest of a few runs of `f` (the minimum filters scheduler noise).
+    fn fastest(mut f: impl FnMut() -> bool) -> Duration {
+        (0..15)
+            .map(|_| {
+                let t = Instant::now();
+                std::hint::black_box(f());
+                t.elapsed()
+            })
+            .min()
+            .unwrap_or_default()
+    }
+
+    /// A presented token of the wrong length costs as much to reject as one
+    /// of the right length: the length is not checked first.
+    #[test]
+    fn wrong_length_is_not_rejected_early() {
+        let secret = vec![b'a'; 256 * 1024];
+        let same_len = vec![b'b'; secret.len()];
+        let longer = vec![b'b'; secret.len() + 1];
+        let right = fastest(|| constant_time_eq(&same_len, &secret));
+        let wrong = fastest(|| constant_time_eq(&longer, &secret));
+        // An early return makes `wrong` thousands of times faster; a
+        // branch-free loop makes both about equal.
+        assert!(
+            wrong * 8 >= right,
+            "length mismatch rejected in {wrong:?}, equal length in {right:?}"
+        );
     }
 }

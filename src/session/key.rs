@@ -33,12 +33,64 @@ pub const DEFAULT_SESSION_HEADERS: &[&str] = &[
     "x-opencode-session",
 ];
 
-/// Headers whose values identify the client's credential.
-const CREDENTIAL_HEADERS: [HeaderName; 3] = [
+/// Headers whose values identify the client's credential: bearer tokens,
+/// Azure's `api-key`, Anthropic-style `x-api-key` and Google's
+/// `x-goog-api-key`.
+const CREDENTIAL_HEADERS: [HeaderName; 4] = [
     http::header::AUTHORIZATION,
     HeaderName::from_static("api-key"),
     HeaderName::from_static("x-api-key"),
+    HeaderName::from_static("x-goog-api-key"),
 ];
+
+/// Query parameters whose values identify the client's credential
+/// (Google's `?key=`, and the spellings some gateways accept). Matched
+/// after percent-decoding the name, so `?k%65y=` counts too.
+const CREDENTIAL_PARAMS: [&[u8]; 4] = [b"key", b"api-key", b"api_key", b"access_token"];
+
+/// Percent-decodes a query parameter name (`+` is a space in form
+/// encoding). A malformed escape is kept as written.
+fn decode_param_name(raw: &[u8]) -> Cow<'_, [u8]> {
+    if !raw.iter().any(|b| matches!(b, b'%' | b'+')) {
+        return Cow::Borrowed(raw);
+    }
+    let hex = |b: u8| (b as char).to_digit(16).map(|d| d as u8);
+    let mut out = Vec::with_capacity(raw.len());
+    let mut i = 0;
+    while i < raw.len() {
+        match raw[i] {
+            b'%' => match (
+                raw.get(i + 1).copied().and_then(hex),
+                raw.get(i + 2).copied().and_then(hex),
+            ) {
+                (Some(h), Some(l)) => {
+                    out.push(h << 4 | l);
+                    i += 3;
+                    continue;
+                }
+                _ => out.push(b'%'),
+            },
+            b'+' => out.push(b' '),
+            b => out.push(b),
+        }
+        i += 1;
+    }
+    Cow::Owned(out)
+}
+
+/// The credential-bearing parameters of a query string, in order, as
+/// (decoded name, raw value). Values are compared as written: two
+/// spellings of one key only get two scopes, never one scope for two keys.
+fn credential_params(query: &str) -> impl Iterator<Item = (Cow<'_, [u8]>, &[u8])> {
+    query.as_bytes().split(|&b| b == b'&').filter_map(|pair| {
+        let (name, value) = match pair.iter().position(|&b| b == b'=') {
+            Some(eq) => (&pair[..eq], &pair[eq + 1..]),
+            None => (pair, &b""[..]),
+        };
+        let name = decode_param_name(name);
+        CREDENTIAL_PARAMS.contains(&&*name).then_some((name, value))
+    })
+}
 
 /// Only the credential headers of `h` (what window discovery presents).
 pub fn credential_headers(h: &HeaderMap) -> HeaderMap {
@@ -213,43 +265,75 @@ impl SessionKeyer {
     }
 
     /// Fingerprint of the credential headers present (`Authorization`,
-    /// `api-key`, `x-api-key`). Requests without any share one fingerprint.
+    /// `api-key`, `x-api-key`, `x-goog-api-key`). Requests without any share
+    /// one fingerprint. See [`Self::credential_of`] for the query too.
     pub fn credential(&self, headers: &HeaderMap) -> CredentialFingerprint {
+        self.credential_of(headers, None)
+    }
+
+    /// Fingerprint of every credential a request carries: the credential
+    /// headers and the credential query parameters of `query` (`?key=` and
+    /// the like, see [`CREDENTIAL_PARAMS`]). Each part is tagged with its
+    /// source and name and length-prefixed, so no two different sets of
+    /// credentials hash the same input.
+    pub fn credential_of(&self, headers: &HeaderMap, query: Option<&str>) -> CredentialFingerprint {
         let mut h = Xxh3::with_seed(self.secret);
         h.update(b"compactor-credential");
+        let mut part = |tag: u8, name: &[u8], value: &[u8]| {
+            h.update(&[tag]);
+            h.update(&(name.len() as u64).to_le_bytes());
+            h.update(name);
+            h.update(&(value.len() as u64).to_le_bytes());
+            h.update(value);
+        };
         for name in &CREDENTIAL_HEADERS {
             for v in headers.get_all(name) {
-                h.update(name.as_str().as_bytes());
-                h.update(&(v.len() as u64).to_le_bytes());
-                h.update(v.as_bytes());
+                part(b'h', name.as_str().as_bytes(), v.as_bytes());
             }
+        }
+        for (name, value) in query.into_iter().flat_map(credential_params) {
+            part(b'q', &name, value);
         }
         CredentialFingerprint(h.digest128())
     }
 
-    /// The session key of a parsed request.
+    /// The session key of a parsed request, from its headers alone (see
+    /// [`Self::derive_with_credential`] for the whole request).
     pub fn derive(&self, headers: &HeaderMap, req: &ChatRequest) -> (SessionKey, SessionSource) {
-        let (key, source, _) = self.derive_with_credential(headers, req);
-        (key, source)
+        let cred = self.credential(headers);
+        self.derive_in(cred, headers, req)
     }
 
-    /// [`Self::derive`], also giving the credential fingerprint it hashed in
-    /// (the caller needs both; the headers are then hashed once).
+    /// The session key of a request (headers, and the query of `uri` for
+    /// credentials sent as parameters), also giving the credential
+    /// fingerprint it hashed in (the caller needs both; the credentials are
+    /// then hashed once).
     pub fn derive_with_credential(
         &self,
         headers: &HeaderMap,
+        uri: &http::Uri,
         req: &ChatRequest,
     ) -> (SessionKey, SessionSource, CredentialFingerprint) {
-        let cred = self.credential(headers);
-        let (key, source) = self.derive_for(
+        let cred = self.credential_of(headers, uri.query());
+        let (key, source) = self.derive_in(cred, headers, req);
+        (key, source, cred)
+    }
+
+    /// The session key of `req` within credential scope `cred`.
+    fn derive_in(
+        &self,
+        cred: CredentialFingerprint,
+        headers: &HeaderMap,
+        req: &ChatRequest,
+    ) -> (SessionKey, SessionSource) {
+        self.derive_for(
             cred,
             headers,
             req.session_id().as_deref(),
             req.prompt_cache_key().as_deref(),
             req.model().as_deref(),
             req.messages(),
-        );
-        (key, source, cred)
+        )
     }
 
     /// The session key from its ingredients.
@@ -619,6 +703,103 @@ mod tests {
             )
             .0
         );
+    }
+
+    #[test]
+    fn every_credential_header_scopes_sessions() {
+        let k = keyer();
+        let r = req(CONV);
+        let with = |name: &str, value: &str| {
+            let h = headers(&[(name, value), ("x-session-id", "s")]);
+            (k.derive(&h, &r).0, k.credential(&h))
+        };
+        let none = k.derive(&headers(&[("x-session-id", "s")]), &r).0;
+        for name in ["authorization", "api-key", "x-api-key", "x-goog-api-key"] {
+            let (a, ca) = with(name, "A");
+            let (b, cb) = with(name, "B");
+            assert_ne!(a, b, "{name}: two credentials, one session");
+            assert_ne!(ca, cb, "{name}: two credentials, one record scope");
+            assert_ne!(a, none, "{name}: scoped like a request without one");
+        }
+        // The same value under two header names is two credentials.
+        assert_ne!(with("x-goog-api-key", "A").1, with("api-key", "A").1);
+        // Discovery presents the Google key too.
+        let h = headers(&[("x-goog-api-key", "g"), ("x-session-id", "s")]);
+        let out = credential_headers(&h);
+        assert_eq!(out.len(), 1);
+        assert_eq!(out["x-goog-api-key"], "g");
+    }
+
+    #[test]
+    fn credentials_in_the_query_scope_sessions_and_records() {
+        let k = keyer();
+        let r = req(CONV);
+        let h = headers(&[("x-session-id", "s")]);
+        let at = |uri: &str| {
+            let uri: http::Uri = uri.parse().unwrap();
+            let (key, _, cred) = k.derive_with_credential(&h, &uri, &r);
+            (key, cred)
+        };
+        let bare = at("/v1/chat/completions");
+        assert_eq!(bare, (k.derive(&h, &r).0, k.credential(&h)));
+        let a = at("/v1/chat/completions?key=A");
+        let b = at("/v1/chat/completions?key=B");
+        assert_ne!(a, b);
+        assert_ne!(a.0, bare.0);
+        assert_ne!(a.1, bare.1);
+        // Other parameters are not credentials; the key's position does not matter.
+        assert_eq!(at("/v1/chat/completions?api-version=2024-10-01&key=A"), a);
+        assert_eq!(at("/v1/chat/completions?key=A&alt=sse"), a);
+        assert_eq!(at("/v1/chat/completions?api-version=1"), bare);
+        // An escaped name is still the key parameter.
+        assert_eq!(at("/v1/chat/completions?k%65y=A"), a);
+        assert_eq!(
+            at("/v1/chat/completions?k%65Y=A"),
+            at("/v1/chat/completions?keY=A")
+        );
+        for name in ["api-key", "api_key", "access_token"] {
+            let q = at(&format!("/v1/chat/completions?{name}=A"));
+            assert_ne!(q, bare, "{name}");
+            assert_ne!(q, a, "{name} and key are different parameters");
+        }
+        // A query key and a header key with the same value stay apart, and
+        // both together differ from either alone.
+        let uri: http::Uri = "/v1/chat/completions?key=A".parse().unwrap();
+        let hk = headers(&[("x-goog-api-key", "A"), ("x-session-id", "s")]);
+        let header_only = k.credential(&hk);
+        let both = k.derive_with_credential(&hk, &uri, &r).2;
+        assert_ne!(header_only, a.1);
+        assert_ne!(both, a.1);
+        assert_ne!(both, header_only);
+        // Two `key` parameters: both count, in order.
+        assert_ne!(at("/v1/chat/completions?key=A&key=B"), a);
+        assert_ne!(
+            at("/v1/chat/completions?key=A&key=B"),
+            at("/v1/chat/completions?key=B&key=A")
+        );
+    }
+
+    #[test]
+    fn param_names_decode_like_a_query_parser_does() {
+        assert_eq!(&*decode_param_name(b"key"), b"key");
+        assert_eq!(&*decode_param_name(b"k%65y"), b"key");
+        assert_eq!(&*decode_param_name(b"api%5fkey"), b"api_key");
+        assert_eq!(&*decode_param_name(b"a+b"), b"a b");
+        // Malformed escapes stay as written (and never panic at the end).
+        assert_eq!(&*decode_param_name(b"k%6"), b"k%6");
+        assert_eq!(&*decode_param_name(b"%"), b"%");
+        assert_eq!(&*decode_param_name(b"%zz"), b"%zz");
+        assert_eq!(&*decode_param_name("%é".as_bytes()), "%é".as_bytes());
+    }
+
+    #[test]
+    fn fingerprints_do_not_print_credentials() {
+        let k = keyer();
+        let uri: http::Uri = "/v1/chat/completions?key=sk-secret".parse().unwrap();
+        let h = headers(&[("x-goog-api-key", "sk-goog")]);
+        let (key, _, cred) = k.derive_with_credential(&h, &uri, &req(CONV));
+        let printed = format!("{key} {key:?} {cred:?}");
+        assert!(!printed.contains("secret") && !printed.contains("goog"));
     }
 
     #[test]

@@ -10,8 +10,9 @@
 //! `Arc` out and drops the guard before returning, so nothing here can hold
 //! a shard lock across an `.await`.
 
-use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::Arc;
+use std::collections::BTreeMap;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use dashmap::mapref::entry::Entry as MapEntry;
@@ -19,20 +20,162 @@ use dashmap::DashMap;
 use tokio::time::Instant;
 
 use super::key::SessionKey;
+use crate::sync::lock;
+
+// ------------------------------------------------------------------ LRU index
+
+/// What an item kept in an [`LruIndex`] carries: its last use, lock-free,
+/// and where the index files it.
+#[derive(Debug)]
+pub struct LruSlot {
+    /// Unique per item (ties between equal ticks go by age).
+    id: u64,
+    /// Last use, in the owner's ticks. Touching an item is one relaxed
+    /// store: known items never take the index lock.
+    last_used: AtomicU64,
+    /// The tick the item is filed under in the index; written under the
+    /// index lock. Never more than `last_used`.
+    indexed: AtomicU64,
+    /// The item left its map: never (re-)filed again. Written under the
+    /// index lock.
+    gone: AtomicBool,
+}
+
+/// Ids of [`LruSlot`]s, unique in the process.
+static NEXT_SLOT_ID: AtomicU64 = AtomicU64::new(0);
+
+impl LruSlot {
+    /// A slot for a new item last used at `tick` (not filed yet: see
+    /// [`LruIndex::file`]).
+    pub fn new(tick: u64) -> Self {
+        Self {
+            id: NEXT_SLOT_ID.fetch_add(1, Ordering::Relaxed),
+            last_used: AtomicU64::new(tick),
+            indexed: AtomicU64::new(tick),
+            gone: AtomicBool::new(false),
+        }
+    }
+
+    /// The last use.
+    pub fn last_used(&self) -> u64 {
+        self.last_used.load(Ordering::Relaxed)
+    }
+
+    /// Marks a use at `tick`.
+    pub fn touch(&self, tick: u64) {
+        self.last_used.store(tick, Ordering::Relaxed);
+    }
+}
+
+/// Recency order of the items of a map, for O(log n) eviction of the least
+/// recently used one, with lock-free touches.
+///
+/// The index files each item under the tick of its last use *as of when it
+/// was filed*; a touch only updates the item's own atomic. To find the
+/// least recently used item, [`Self::pop_oldest`] takes the first filed
+/// item and, when it has been used since it was filed, files it again under
+/// its real last use and looks at the next one. Since a filed tick never
+/// exceeds the item's real last use, the first item whose filed tick is
+/// still its last use is the least recently used of all. Each touch costs
+/// at most one re-filing, so eviction is amortised O(log n), and the hot
+/// path of a known item (one atomic store) takes no lock at all.
+///
+/// Lock order: the index lock is never held while calling back into the
+/// owner's map, so map shard locks may be held while calling in here.
+#[derive(Debug)]
+pub struct LruIndex<K> {
+    order: Mutex<BTreeMap<(u64, u64), K>>,
+}
+
+impl<K> Default for LruIndex<K> {
+    fn default() -> Self {
+        Self {
+            order: Mutex::new(BTreeMap::new()),
+        }
+    }
+}
+
+impl<K: Copy> LruIndex<K> {
+    /// Files an item (once it is in its map) under its last use.
+    pub fn file(&self, key: K, slot: &LruSlot) {
+        let mut order = lock(&self.order);
+        if slot.gone.load(Ordering::Relaxed) {
+            return;
+        }
+        let tick = slot.last_used();
+        slot.indexed.store(tick, Ordering::Relaxed);
+        order.insert((tick, slot.id), key);
+    }
+
+    /// Forgets an item that left its map.
+    pub fn forget(&self, slot: &LruSlot) {
+        let mut order = lock(&self.order);
+        slot.gone.store(true, Ordering::Relaxed);
+        order.remove(&(slot.indexed.load(Ordering::Relaxed), slot.id));
+    }
+
+    /// Forgets several items under one lock (sweeps).
+    pub fn forget_all<'a>(&self, slots: impl IntoIterator<Item = &'a LruSlot>) {
+        let mut order = lock(&self.order);
+        for slot in slots {
+            slot.gone.store(true, Ordering::Relaxed);
+            order.remove(&(slot.indexed.load(Ordering::Relaxed), slot.id));
+        }
+    }
+
+    /// Items filed (live ones, give or take a concurrent insert or removal).
+    pub fn len(&self) -> usize {
+        lock(&self.order).len()
+    }
+
+    /// Whether nothing is filed.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Takes the least recently used item out of the index. `resolve`
+    /// finds the item currently in the map under a key, `slot_of` its slot.
+    /// The item is still in the map: the caller removes it (then calls
+    /// [`Self::forget`]) or files it again.
+    pub fn pop_oldest<T>(
+        &self,
+        resolve: impl Fn(&K) -> Option<T>,
+        slot_of: impl Fn(&T) -> &LruSlot,
+    ) -> Option<(K, T)> {
+        loop {
+            let ((tick, id), key) = lock(&self.order).pop_first()?;
+            let Some(item) = resolve(&key) else {
+                continue; // Left the map meanwhile.
+            };
+            let slot = slot_of(&item);
+            if slot.id != id {
+                continue; // Another item under the same key now.
+            }
+            if slot.last_used() > tick {
+                // Used since it was filed: file it under its real last use.
+                self.file(key, slot);
+                continue;
+            }
+            return Some((key, item));
+        }
+    }
+}
+
+// ------------------------------------------------------------------ sessions
 
 /// One session: its state behind an async lock, and when it was last used.
 #[derive(Debug)]
 pub struct Entry<T> {
     state: tokio::sync::Mutex<T>,
-    /// Milliseconds since the store's epoch.
-    last_used: AtomicU64,
+    /// Milliseconds since the store's epoch, and the recency index's slot.
+    slot: LruSlot,
 }
 
 impl<T> Entry<T> {
-    fn new(state: T, tick: u64) -> Self {
+    fn new(state: T, slot: LruSlot) -> Self {
         Self {
             state: tokio::sync::Mutex::new(state),
-            last_used: AtomicU64::new(tick),
+            slot,
         }
     }
 
@@ -47,7 +190,7 @@ impl<T> Entry<T> {
     }
 
     fn tick(&self) -> u64 {
-        self.last_used.load(Ordering::Relaxed)
+        self.slot.last_used()
     }
 }
 
@@ -73,6 +216,8 @@ impl Default for StoreLimits {
 #[derive(Debug)]
 pub struct SessionStore<T> {
     map: DashMap<SessionKey, Arc<Entry<T>>>,
+    /// Recency order, for eviction at the count limit.
+    lru: LruIndex<SessionKey>,
     limits: StoreLimits,
     epoch: Instant,
     evicted_lru: AtomicU64,
@@ -85,6 +230,7 @@ impl<T> SessionStore<T> {
     pub fn new(limits: StoreLimits) -> Self {
         Self {
             map: DashMap::new(),
+            lru: LruIndex::default(),
             limits: StoreLimits {
                 max_sessions: limits.max_sessions.max(1),
                 ..limits
@@ -109,31 +255,39 @@ impl<T> SessionStore<T> {
 
     /// The session for `key`, creating it with `init` when absent or
     /// expired. Marks it used.
+    ///
+    /// A known session costs a map lookup and an atomic store; a new one
+    /// also files it in the recency index and, at the count limit, evicts
+    /// the least recently used idle session in amortised O(log n).
     pub fn get_or_create(&self, key: SessionKey, init: impl FnOnce() -> T) -> Arc<Entry<T>> {
         let now = self.tick_at(Instant::now());
         // `init` runs under the shard lock: it must be cheap (it is a
         // constructor of empty state).
-        let (entry, created) = match self.map.entry(key) {
+        let (entry, replaced) = match self.map.entry(key) {
             MapEntry::Occupied(mut o) => {
                 if self.is_expired(o.get(), now) {
                     self.expired.fetch_add(1, Ordering::Relaxed);
-                    let fresh = Arc::new(Entry::new(init(), now));
-                    o.insert(fresh.clone());
-                    (fresh, true)
+                    let fresh = Arc::new(Entry::new(init(), LruSlot::new(now)));
+                    let old = o.insert(fresh.clone());
+                    (fresh, Some(old))
                 } else {
-                    o.get().last_used.store(now, Ordering::Relaxed);
-                    (o.get().clone(), false)
+                    o.get().slot.touch(now);
+                    return o.get().clone();
                 }
             }
             MapEntry::Vacant(v) => {
-                let fresh = Arc::new(Entry::new(init(), now));
+                let fresh = Arc::new(Entry::new(init(), LruSlot::new(now)));
                 v.insert(fresh.clone());
-                (fresh, true)
+                (fresh, None)
             }
         };
-        if created && self.map.len() > self.limits.max_sessions {
-            self.evict_lru(Some(key));
+        if let Some(old) = replaced {
+            self.lru.forget(&old.slot);
         }
+        if self.map.len() > self.limits.max_sessions {
+            self.evict_lru(key);
+        }
+        self.lru.file(key, &entry.slot);
         entry
     }
 
@@ -148,11 +302,12 @@ impl<T> SessionStore<T> {
                 .remove_if(key, |_, v| Arc::ptr_eq(v, &found))
                 .is_some()
             {
+                self.lru.forget(&found.slot);
                 self.expired.fetch_add(1, Ordering::Relaxed);
             }
             return None;
         }
-        found.last_used.store(now, Ordering::Relaxed);
+        found.slot.touch(now);
         Some(found)
     }
 
@@ -165,16 +320,29 @@ impl<T> SessionStore<T> {
 
     /// Removes a session.
     pub fn remove(&self, key: &SessionKey) -> bool {
-        self.map.remove(key).is_some()
+        match self.map.remove(key) {
+            Some((_, old)) => {
+                self.lru.forget(&old.slot);
+                true
+            }
+            None => false,
+        }
     }
 
     /// Drops every session idle for at least the TTL at `now`. Returns how
     /// many were removed.
     pub fn sweep(&self, now: Instant) -> usize {
         let now_tick = self.tick_at(now);
-        let before = self.map.len();
-        self.map.retain(|_, e| !self.is_expired(e, now_tick));
-        let removed = before.saturating_sub(self.map.len());
+        let mut dropped = Vec::new();
+        self.map.retain(|_, e| {
+            let keep = !self.is_expired(e, now_tick);
+            if !keep {
+                dropped.push(Arc::clone(e));
+            }
+            keep
+        });
+        self.lru.forget_all(dropped.iter().map(|e| &e.slot));
+        let removed = dropped.len();
         self.expired.fetch_add(removed as u64, Ordering::Relaxed);
         removed
     }
@@ -204,27 +372,49 @@ impl<T> SessionStore<T> {
         self.limits
     }
 
-    /// Evicts least-recently-used sessions until the count limit holds.
-    /// Sessions somebody is holding right now (an `Arc` outside the map) are
-    /// passed over while idle ones exist. One O(n) scan; it runs only when a
-    /// new session pushes the store over its limit.
-    fn evict_lru(&self, keep: Option<SessionKey>) {
-        let excess = self.map.len().saturating_sub(self.limits.max_sessions);
-        if excess == 0 {
-            return;
-        }
-        let mut candidates: Vec<(bool, u64, SessionKey)> = self
-            .map
-            .iter()
-            .filter(|e| Some(*e.key()) != keep)
-            .map(|e| (Arc::strong_count(e.value()) > 1, e.value().tick(), *e.key()))
-            .collect();
-        // Idle before busy, then oldest first.
-        candidates.sort_unstable_by_key(|&(busy, tick, _)| (busy, tick));
-        for (_, _, key) in candidates.into_iter().take(excess) {
-            if self.map.remove(&key).is_some() {
-                self.evicted_lru.fetch_add(1, Ordering::Relaxed);
+    /// Evicts least-recently-used sessions until the count limit holds,
+    /// never `keep` (the session just created). Sessions somebody is
+    /// holding right now (an `Arc` outside the map) are passed over while
+    /// idle ones exist, and filed again afterwards; the oldest of them goes
+    /// only when every other session is busy. Each step is an O(log n)
+    /// index pop, so the cost is bounded by the sessions in flight, not by
+    /// the sessions held.
+    fn evict_lru(&self, keep: SessionKey) {
+        let mut busy: Vec<(SessionKey, Arc<Entry<T>>)> = Vec::new();
+        while self.map.len() > self.limits.max_sessions {
+            let Some((key, entry)) = self
+                .lru
+                .pop_oldest(|k| self.map.get(k).map(|e| e.value().clone()), |e| &e.slot)
+            else {
+                break;
+            };
+            // One reference in the map, one here: any other is a user.
+            if key == keep || Arc::strong_count(&entry) > 2 {
+                busy.push((key, entry));
+                continue;
             }
+            self.evict(&key, &entry);
+        }
+        let mut busy = busy.into_iter().filter(|(k, _)| *k != keep).peekable();
+        if self.map.len() > self.limits.max_sessions {
+            // Only busy sessions are left: the oldest of them goes.
+            if let Some((key, entry)) = busy.next() {
+                self.evict(&key, &entry);
+            }
+        }
+        for (key, entry) in busy {
+            self.lru.file(key, &entry.slot);
+        }
+    }
+
+    fn evict(&self, key: &SessionKey, entry: &Arc<Entry<T>>) {
+        if self
+            .map
+            .remove_if(key, |_, v| Arc::ptr_eq(v, entry))
+            .is_some()
+        {
+            self.lru.forget(&entry.slot);
+            self.evicted_lru.fetch_add(1, Ordering::Relaxed);
         }
     }
 
@@ -326,6 +516,136 @@ mod tests {
         assert!(s.peek(&key(1)).is_some());
         assert!(s.peek(&key(2)).is_none());
         drop(held);
+    }
+
+    /// The index files exactly the sessions the map holds.
+    fn assert_index_matches(s: &SessionStore<u32>) {
+        assert_eq!(s.lru.len(), s.map.len());
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn eviction_order_is_exact_lru() {
+        // A model of LRU next to the store: the same victims, every time.
+        let s = store(3600, 8);
+        let mut model: Vec<u128> = Vec::new(); // least recent first
+        let mut next = 0u128;
+        for step in 0..400u32 {
+            tokio::time::advance(Duration::from_millis(3)).await;
+            // Mostly touch a known session (in a scrambled order), else create one.
+            if step % 3 != 0 && !model.is_empty() {
+                let k = model[(step as usize * 7919) % model.len()];
+                assert!(s.get(&key(k)).is_some());
+                model.retain(|&m| m != k);
+                model.push(k);
+            } else {
+                next += 1;
+                s.get_or_create(key(next), || 0);
+                model.push(next);
+                if model.len() > 8 {
+                    let victim = model.remove(0);
+                    assert!(s.peek(&key(victim)).is_none(), "step {step}: {victim} kept");
+                }
+            }
+            assert_eq!(s.len(), model.len());
+            for &k in &model {
+                assert!(s.peek(&key(k)).is_some(), "step {step}: {k} evicted");
+            }
+        }
+        assert_index_matches(&s);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn index_follows_removal_expiry_and_sweep() {
+        let s = store(60, 100);
+        for i in 0..50 {
+            s.get_or_create(key(i), || 0);
+        }
+        assert_index_matches(&s);
+        assert!(s.remove(&key(1)));
+        assert!(!s.remove(&key(1)));
+        assert_index_matches(&s);
+        tokio::time::advance(Duration::from_secs(61)).await;
+        // Expired on access, re-created after expiry, swept.
+        assert!(s.get(&key(2)).is_none());
+        s.get_or_create(key(3), || 1);
+        assert_index_matches(&s);
+        assert_eq!(s.sweep(Instant::now()), 47);
+        assert_eq!(s.len(), 1);
+        assert_index_matches(&s);
+        // Churn below the limit never grows the index past the map.
+        for round in 0..20u128 {
+            for i in 0..50 {
+                s.get_or_create(key(1000 + round * 50 + i), || 0);
+            }
+            tokio::time::advance(Duration::from_secs(61)).await;
+            s.sweep(Instant::now());
+            assert_index_matches(&s);
+        }
+    }
+
+    /// Many threads creating, touching and removing sessions at the limit:
+    /// the bound holds and the index keeps exactly the sessions held.
+    #[test]
+    fn concurrent_churn_at_the_limit_keeps_bound_and_index() {
+        let s = Arc::new(store(3600, 64));
+        let threads: Vec<_> = (0..4u128)
+            .map(|t| {
+                let s = Arc::clone(&s);
+                std::thread::spawn(move || {
+                    for i in 0..3000u128 {
+                        let k = key(t * 1_000_000 + i);
+                        let held = s.get_or_create(k, || 0);
+                        // Revisit an earlier key of this thread now and then.
+                        if i % 3 == 0 {
+                            s.get(&key(t * 1_000_000 + i / 2));
+                        }
+                        if i % 7 == 0 {
+                            s.remove(&k);
+                        }
+                        drop(held);
+                    }
+                })
+            })
+            .collect();
+        for t in threads {
+            t.join().unwrap();
+        }
+        assert!(s.len() <= 64, "{} sessions", s.len());
+        assert_index_matches(&s);
+        assert!(s.evicted_lru() > 0);
+    }
+
+    /// Fastest time to create `n` new sessions in a full store of `size`.
+    fn time_new_sessions_when_full(size: usize, n: u128) -> std::time::Duration {
+        let s = store(3600, size);
+        for i in 0..size as u128 {
+            s.get_or_create(key(i), || 0);
+        }
+        let mut next = size as u128;
+        (0..5)
+            .map(|_| {
+                let t = std::time::Instant::now();
+                for _ in 0..n {
+                    next += 1;
+                    s.get_or_create(key(next), || 0);
+                }
+                t.elapsed()
+            })
+            .min()
+            .unwrap_or_default()
+    }
+
+    /// A new session in a full store costs about the same whatever the
+    /// store's size: eviction does not look at every session.
+    #[test]
+    fn eviction_cost_does_not_grow_with_the_store() {
+        let small = time_new_sessions_when_full(512, 100);
+        let large = time_new_sessions_when_full(32 * 512, 100);
+        // O(n) eviction makes `large` ~32× `small`; O(log n) well under 8×.
+        assert!(
+            large < small * 8,
+            "100 new sessions: {small:?} at 512 sessions, {large:?} at 16384"
+        );
     }
 
     #[tokio::test]
