@@ -110,6 +110,8 @@ fn body(id: u64) -> Bytes {
 
 type HttpClient = Client<hyper_util::client::legacy::connect::HttpConnector, Full<Bytes>>;
 
+// One request's whole life (send, read, verify, classify) reads best top to bottom.
+#[allow(clippy::too_many_lines)]
 async fn one(client: HttpClient, url: String, id: u64) -> (Outcome, Duration) {
     let started = Instant::now();
     let req = Request::post(&url)

@@ -516,6 +516,8 @@ fn skip_count_resets_on_bind_session_state() {
 // ================================================================ not ported: our own
 
 /// Windows of 64k and more: exactly the classic fixed numbers.
+// A table of cases: its length is the cases, not logic.
+#[allow(clippy::too_many_lines)]
 #[test]
 fn reference_numbers_hold_at_64k_and_above() {
     struct Case {
