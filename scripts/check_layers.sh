@@ -20,6 +20,12 @@ edges() {
     done
 }
 
+# A grouped `crate::{a, b}` would hide its modules from the edge scan below.
+if grep -rnE 'crate::\{' . ; then
+    echo "write one \`use crate::module::...\` per module (the layer check reads them)" >&2
+    exit 1
+fi
+
 if [ "${1:-}" = "-v" ]; then
     edges | awk '$1 != $2'
 fi

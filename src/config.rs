@@ -212,6 +212,9 @@ impl Default for RawTimeouts {
     }
 }
 
+/// Default bound on the bytes all compaction records hold together (256 MiB).
+pub const DEFAULT_MAX_RECORD_BYTES: usize = 256 << 20;
+
 /// `[session]`.
 #[derive(Debug, Clone, Deserialize)]
 #[serde(deny_unknown_fields, default)]
@@ -235,7 +238,7 @@ impl Default for RawSession {
                 .collect(),
             ttl_secs: 3600,
             max_sessions: 10_000,
-            max_record_bytes: crate::chat::record::DEFAULT_MAX_RECORD_BYTES,
+            max_record_bytes: DEFAULT_MAX_RECORD_BYTES,
         }
     }
 }
@@ -421,7 +424,7 @@ impl Default for Config {
                     headers: Vec::new(),
                     ttl: Duration::from_secs(3600),
                     max_sessions: 10_000,
-                    max_record_bytes: crate::chat::record::DEFAULT_MAX_RECORD_BYTES,
+                    max_record_bytes: DEFAULT_MAX_RECORD_BYTES,
                 },
                 compaction: crate::compaction::config::CompactionConfig::default(),
                 summary_endpoint: None,

@@ -22,8 +22,7 @@ use tokio::time::Instant;
 
 use crate::session::store::{LruIndex, LruSlot};
 
-/// Default bound on the bytes all records hold together (256 MiB).
-pub const DEFAULT_MAX_RECORD_BYTES: usize = 256 << 20;
+pub use crate::config::DEFAULT_MAX_RECORD_BYTES;
 
 /// What one record costs besides its replacement's JSON text: the record
 /// itself, its map slot and index entry.

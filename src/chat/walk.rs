@@ -93,7 +93,9 @@ pub async fn handle(
         // Not a chat request we understand: the upstream answers it.
         return send_plain(upstream, parts, bytes).await;
     };
-    let (key, _source, cred) = chat.keyer.derive_with_credential(&parts.headers, &parts.uri, &creq);
+    let (key, _source, cred) = chat
+        .keyer
+        .derive_with_credential(&parts.headers, &parts.uri, &creq);
     let cred = cred.as_u128();
     let entry = chat.sessions.get_or_create(key, Conversation::default);
 

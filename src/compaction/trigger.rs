@@ -43,9 +43,21 @@ pub const DEFER_TOLERANCE_MIN_TOKENS: u64 = 4_096;
 /// Deferral tolerance as a fraction of the threshold.
 pub const DEFER_TOLERANCE_RATIO: f64 = 0.05;
 
-/// The trigger learns from the same [`Usage`] the proxy extracts from
-/// responses (missing fields count as 0; the cached part is not used).
-pub use crate::usage::Usage;
+/// Token usage as the upstream reported it (`usage` object): what the
+/// trigger learns from (missing fields count as 0; the cached part is not
+/// used). Defined here, where it is consumed, so the engine depends on
+/// nothing above it; the usage parser (`crate::usage`) fills it in.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Usage {
+    /// `prompt_tokens` (the whole prompt, cached part included).
+    pub prompt_tokens: Option<u64>,
+    /// `completion_tokens`.
+    pub completion_tokens: Option<u64>,
+    /// `total_tokens`.
+    pub total_tokens: Option<u64>,
+    /// `prompt_tokens_details.cached_tokens`.
+    pub cached_tokens: Option<u64>,
+}
 
 /// Source of time for cooldowns and deadlines. [`Clock::system`] reads the
 /// real clocks; [`Clock::manual`] starts at the current time and moves only

@@ -24,20 +24,8 @@ use serde_json::value::RawValue;
 use serde_json::Value;
 
 use self::sse::{SseEvent, SseScanner};
+pub use crate::compaction::trigger::Usage;
 pub use crate::upstream::body::{Eos, Observer};
-
-/// Token usage as the upstream reported it (`usage` object).
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-pub struct Usage {
-    /// `prompt_tokens` (the whole prompt, cached part included).
-    pub prompt_tokens: Option<u64>,
-    /// `completion_tokens`.
-    pub completion_tokens: Option<u64>,
-    /// `total_tokens`.
-    pub total_tokens: Option<u64>,
-    /// `prompt_tokens_details.cached_tokens`.
-    pub cached_tokens: Option<u64>,
-}
 
 /// llama.cpp `timings` (only the counts).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
