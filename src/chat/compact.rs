@@ -208,8 +208,15 @@ fn book_pass(
             chat.metrics
                 .chat
                 .compaction(result.label, 0, summariser_took);
+            let reason = match other {
+                Outcome::Aborted(r) => Some(format!("{r:?}")),
+                Outcome::NoOp(r) => Some(format!("{r:?}")),
+                _ => None,
+            };
             tracing::info!(
+                session = %t.key,
                 outcome = result.label,
+                reason,
                 messages = t.outgoing.len(),
                 estimated_prompt = t.est_tokens,
                 threshold = p.threshold,

@@ -123,18 +123,7 @@ pub async fn handle(
         match overflow {
             Some(mut of) if !retried && of.kind == OverflowKind::Prompt => {
                 retried = true;
-                if of.limit.is_none() {
-                    // An error without numbers still bounds the window: what
-                    // was just sent did not fit. Learning that bound makes
-                    // later compactions proactive instead of one overflow
-                    // (and retry) every few turns.
-                    of.limit = Some(
-                        of.requested
-                            .or(of.prompt_tokens)
-                            .unwrap_or(prepared.est_tokens)
-                            .max(1),
-                    );
-                }
+                bound_window(&mut of, prepared.est_tokens);
                 chat.metrics.chat.overflow_retry();
                 tracing::info!(
                     session = %key,
@@ -190,6 +179,20 @@ async fn send(
         .headers
         .insert(header::CONTENT_LENGTH, HeaderValue::from(body.len()));
     upstream.send(&parts, boxed(Full::new(body))).await
+}
+
+/// An overflow error without numbers still bounds the window: what was just
+/// sent (`sent_estimate` tokens) did not fit. Learning that bound makes later
+/// compactions proactive instead of one overflow (and retry) every few turns.
+fn bound_window(of: &mut Overflow, sent_estimate: u64) {
+    if of.limit.is_none() {
+        of.limit = Some(
+            of.requested
+                .or(of.prompt_tokens)
+                .unwrap_or(sent_estimate)
+                .max(1),
+        );
+    }
 }
 
 /// Forwards bytes we could not parse exactly as received.

@@ -1225,22 +1225,10 @@ impl Compressor {
             self.trigger.prellm_skip_count = self.trigger.prellm_skip_count.saturating_add(1);
         }
         match &ending {
-            Ending::Compacted {
-                messages: out,
-                tokens_after,
-                ..
-            } => {
+            Ending::Compacted { .. } => {
                 self.commit_state(pass.keep_state.take());
                 self.trigger.compression_count = self.trigger.compression_count.saturating_add(1);
                 self.micro = MicroState::default();
-                tracing::info!(
-                    messages_before = messages.len(),
-                    messages_after = out.len(),
-                    tokens_before = pass.tokens_before,
-                    tokens_after,
-                    fallback = pass.fallback_used,
-                    "compaction committed"
-                );
             }
             Ending::Unchanged(Outcome::NoOp(_)) => {
                 // Nothing to compact is a backoff, not a strike: the
@@ -1249,10 +1237,8 @@ impl Compressor {
                 self.commit_state(pass.keep_state.take());
             }
             Ending::Unchanged(Outcome::Rejected) => self.trigger.record_rejected_compaction(),
-            Ending::Unchanged(Outcome::Aborted(reason)) => {
-                tracing::warn!(?reason, "compaction aborted; messages forwarded unchanged");
-            }
-            Ending::Unchanged(Outcome::Compacted) => {}
+            // The chat path logs the one line per compaction, outcome included.
+            Ending::Unchanged(Outcome::Aborted(_) | Outcome::Compacted) => {}
         }
         pass.into_result(messages, ending)
     }

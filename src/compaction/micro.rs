@@ -154,10 +154,11 @@ impl MicroTelemetry {
         }
     }
 
-    /// Emits the record as one content-free JSON log line.
+    /// Emits the record as one content-free JSON log line, at debug level:
+    /// the chat path's info line is the one line per compaction.
     pub fn emit(&self) {
         if let Ok(line) = serde_json::to_string(self) {
-            tracing::info!("micro compaction telemetry: {line}");
+            tracing::debug!("micro compaction telemetry: {line}");
         }
     }
 }
