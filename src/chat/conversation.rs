@@ -9,7 +9,7 @@ use crate::compaction::tokens;
 use crate::compaction::trigger::{Trigger, WindowSource};
 use crate::compaction::Compressor;
 use crate::request::ChainCache;
-use crate::session::calibration::{Calibration, SentRequest};
+use crate::session::calibration::{Calibration, EngineScale, SentRequest};
 use crate::usage::UsageReport;
 
 use super::record::Record;
@@ -126,31 +126,21 @@ impl Conversation {
 
     /// Real → rough conversion for the engine, from the calibration.
     pub fn engine_scale(&self) -> EngineScale {
-        EngineScale::from_ratio(self.calibration.ratio())
+        self.calibration.engine_scale()
     }
 
-    /// Applies usage posted by finished responses.
+    /// Applies usage posted by finished responses: the calibration learns
+    /// from the real figures and hands the trigger the same usage in the
+    /// engine's rough units.
     pub fn drain_inbox(&mut self) {
         let posted = std::mem::take(&mut *crate::sync::lock(&self.inbox));
         for (sent, report) in posted {
             let Some(usage) = report.effective() else {
                 continue;
             };
-            if let Some(prompt) = usage.prompt_tokens {
-                self.calibration.observe(sent, prompt);
-            }
-            // The trigger judges in the engine's rough units (see EngineScale).
-            let scale = self.engine_scale();
+            let engine_usage = self.calibration.learn(sent, usage);
             if let Some(comp) = self.compressor.as_mut() {
-                let prompt = usage.prompt_tokens.map(|p| scale.to_rough(p));
-                comp.trigger.update_from_response(&crate::usage::Usage {
-                    prompt_tokens: prompt,
-                    completion_tokens: usage.completion_tokens,
-                    total_tokens: prompt
-                        .map(|p| p + usage.completion_tokens.unwrap_or(0))
-                        .or(usage.total_tokens),
-                    cached_tokens: usage.cached_tokens,
-                });
+                comp.trigger.update_from_response(&engine_usage);
             }
         }
     }
@@ -174,40 +164,6 @@ impl Conversation {
     }
 }
 
-/// How many real tokens one rough (chars/4) token is worth, for handing
-/// real figures to the engine, which budgets in rough units.
-#[derive(Debug, Clone, Copy, PartialEq)]
-pub struct EngineScale(f64);
-
-impl EngineScale {
-    /// Ratios this close to 1 are noise (and a rough estimate that
-    /// overshoots only makes compaction earlier): no scaling.
-    const NOISE: f64 = 1.1;
-    /// Largest scale applied.
-    const MAX: f64 = 4.0;
-
-    /// From the calibrated real/rough ratio, quantised to 1/8 so small
-    /// drifts do not recompute the engine's budgets every turn.
-    pub fn from_ratio(ratio: Option<f64>) -> Self {
-        match ratio {
-            Some(r) if r.is_finite() && r > Self::NOISE => {
-                Self(((r.min(Self::MAX) * 8.0).round() / 8.0).max(1.0))
-            }
-            _ => Self(1.0),
-        }
-    }
-
-    /// The factor.
-    pub fn factor(self) -> f64 {
-        self.0
-    }
-
-    /// Real tokens → rough tokens.
-    pub fn to_rough(self, real: u64) -> u64 {
-        (real as f64 / self.0).floor() as u64
-    }
-}
-
 /// The rough per-message estimator used for calibration: the engine's own
 /// tail-walk estimator, so trigger and tail agree (two estimators would
 /// let the trigger fire on a history the tail then judges small).
@@ -215,22 +171,5 @@ pub fn rough_message_tokens(m: &RawValue) -> u64 {
     match serde_json::from_str::<serde_json::Value>(m.get()) {
         Ok(v) => tokens::estimate_msg_budget_tokens(&v, true),
         Err(_) => tokens::estimate_text_tokens(m.get()),
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::EngineScale;
-
-    #[test]
-    fn engine_scale_ignores_noise_and_quantises() {
-        assert_eq!(EngineScale::from_ratio(None).factor(), 1.0);
-        assert_eq!(EngineScale::from_ratio(Some(1.05)).factor(), 1.0);
-        assert_eq!(EngineScale::from_ratio(Some(0.5)).factor(), 1.0);
-        assert_eq!(EngineScale::from_ratio(Some(2.03)).factor(), 2.0);
-        assert_eq!(EngineScale::from_ratio(Some(1.6)).factor(), 1.625);
-        assert_eq!(EngineScale::from_ratio(Some(9.0)).factor(), 4.0);
-        assert_eq!(EngineScale::from_ratio(Some(f64::NAN)).factor(), 1.0);
-        assert_eq!(EngineScale::from_ratio(Some(2.0)).to_rough(2048), 1024);
     }
 }

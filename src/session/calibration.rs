@@ -18,6 +18,7 @@ use std::sync::Arc;
 
 use serde_json::value::RawValue;
 
+use crate::compaction::trigger::Usage;
 use crate::request::common_prefix_len;
 
 /// Smallest accepted real/rough ratio.
@@ -279,6 +280,65 @@ impl Calibration {
         self.observations += 1;
         self.last = Some(Observation { sent, real_prompt });
     }
+
+    /// The one place real usage is learned from: the calibration takes the
+    /// real prompt size of `sent`, and returns the same usage in the
+    /// engine's rough units (by the scale just learned) for the trigger,
+    /// which judges thresholds in those units.
+    pub fn learn(&mut self, sent: Arc<SentRequest>, usage: Usage) -> Usage {
+        if let Some(prompt) = usage.prompt_tokens {
+            self.observe(sent, prompt);
+        }
+        let scale = self.engine_scale();
+        let prompt = usage.prompt_tokens.map(|p| scale.to_rough(p));
+        Usage {
+            prompt_tokens: prompt,
+            completion_tokens: usage.completion_tokens,
+            total_tokens: prompt
+                .map(|p| p + usage.completion_tokens.unwrap_or(0))
+                .or(usage.total_tokens),
+            cached_tokens: usage.cached_tokens,
+        }
+    }
+
+    /// Real → rough conversion for the engine, from the current ratio.
+    pub fn engine_scale(&self) -> EngineScale {
+        EngineScale::from_ratio(self.ratio)
+    }
+}
+
+/// How many real tokens one rough (chars/4) token is worth, for handing
+/// real figures to the engine, which budgets in rough units.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct EngineScale(f64);
+
+impl EngineScale {
+    /// Ratios this close to 1 are noise (and a rough estimate that
+    /// overshoots only makes compaction earlier): no scaling.
+    const NOISE: f64 = 1.1;
+    /// Largest scale applied.
+    const MAX: f64 = 4.0;
+
+    /// From the calibrated real/rough ratio, quantised to 1/8 so small
+    /// drifts do not recompute the engine's budgets every turn.
+    pub fn from_ratio(ratio: Option<f64>) -> Self {
+        match ratio {
+            Some(r) if r.is_finite() && r > Self::NOISE => {
+                Self(((r.min(Self::MAX) * 8.0).round() / 8.0).max(1.0))
+            }
+            _ => Self(1.0),
+        }
+    }
+
+    /// The factor.
+    pub fn factor(self) -> f64 {
+        self.0
+    }
+
+    /// Real tokens → rough tokens.
+    pub fn to_rough(self, real: u64) -> u64 {
+        (real as f64 / self.0).floor() as u64
+    }
 }
 
 #[cfg(test)]
@@ -440,5 +500,56 @@ mod tests {
         let d = msgs(&["aaaaaaaaaa", &"b".repeat(200), &"c".repeat(100)]);
         let e3 = c.estimate(&d, &message_hashes(&d), 1000, len_est);
         assert_eq!(e3.tokens, 460 + 200);
+    }
+}
+
+#[cfg(test)]
+mod engine_scale_tests {
+    use super::*;
+    use crate::request::message_hashes;
+
+    #[test]
+    fn engine_scale_ignores_noise_and_quantises() {
+        assert_eq!(EngineScale::from_ratio(None).factor(), 1.0);
+        assert_eq!(EngineScale::from_ratio(Some(1.05)).factor(), 1.0);
+        assert_eq!(EngineScale::from_ratio(Some(0.5)).factor(), 1.0);
+        assert_eq!(EngineScale::from_ratio(Some(2.03)).factor(), 2.0);
+        assert_eq!(EngineScale::from_ratio(Some(1.6)).factor(), 1.625);
+        assert_eq!(EngineScale::from_ratio(Some(9.0)).factor(), 4.0);
+        assert_eq!(EngineScale::from_ratio(Some(f64::NAN)).factor(), 1.0);
+        assert_eq!(EngineScale::from_ratio(Some(2.0)).to_rough(2048), 1024);
+    }
+
+    #[test]
+    fn learn_hands_the_trigger_real_usage_in_rough_units() {
+        let mut cal = Calibration::new();
+        let msgs: Vec<Box<RawValue>> = vec![RawValue::from_string("\"xxxxxxxx\"".into()).unwrap()];
+        let hashes = message_hashes(&msgs);
+        let est = cal.estimate(&msgs, &hashes, 0, |_| 1000);
+        let usage = Usage {
+            prompt_tokens: Some(2000),
+            completion_tokens: Some(10),
+            total_tokens: Some(2010),
+            cached_tokens: Some(5),
+        };
+        let engine = cal.learn(est.sent, usage);
+        // Real is twice the rough estimate: the trigger sees rough units.
+        assert_eq!(cal.engine_scale().factor(), 2.0);
+        assert_eq!(engine.prompt_tokens, Some(1000));
+        assert_eq!(engine.total_tokens, Some(1010));
+        assert_eq!(engine.completion_tokens, Some(10));
+        assert_eq!(engine.cached_tokens, Some(5));
+        // No prompt figure: nothing learned, the rest passes through.
+        let mut fresh = Calibration::new();
+        let e = fresh.learn(
+            cal.estimate(&msgs, &hashes, 0, |_| 1000).sent,
+            Usage {
+                total_tokens: Some(7),
+                ..Usage::default()
+            },
+        );
+        assert_eq!(fresh.ratio(), None);
+        assert_eq!(e.prompt_tokens, None);
+        assert_eq!(e.total_tokens, Some(7));
     }
 }
