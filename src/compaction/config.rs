@@ -24,17 +24,19 @@ pub const MAX_SUMMARY_TARGET_RATIO: f64 = 0.80;
 /// Default hard ceiling of a summary call.
 pub const DEFAULT_SUMMARY_TIMEOUT_SECS: u64 = 600;
 
-/// A `[compaction]` table that does not describe a valid [`CompactionConfig`].
+/// The first bad setting of a `[compaction]` table. The engine is a leaf and
+/// cannot name `crate::config::InvalidSetting`, the one configuration error a
+/// user sees; the config layer turns this into one of its problems.
 #[derive(Debug, thiserror::Error)]
 #[error("invalid setting compaction{}: {message}", key.as_deref().map(|k| format!(".{k}")).unwrap_or_default())]
-pub struct ConfigError {
+pub struct InvalidSetting {
     /// The offending key inside `[compaction]`, when known.
     pub key: Option<String>,
     /// What is wrong with it.
     pub message: String,
 }
 
-impl ConfigError {
+impl InvalidSetting {
     fn new(key: &str, message: impl Into<String>) -> Self {
         Self {
             key: Some(key.to_owned()),
@@ -154,7 +156,7 @@ impl CompactionConfig {
     /// Build from the raw `[compaction]` table of `proxy.toml` (missing keys
     /// take their defaults; unknown keys and wrong types are errors naming
     /// the key), then check the values that have no safe reading.
-    pub fn from_table(table: &toml::Table) -> Result<Self, ConfigError> {
+    pub fn from_table(table: &toml::Table) -> Result<Self, InvalidSetting> {
         let parse = |t: toml::Table| -> Result<CompactionConfig, toml::de::Error> {
             toml::Value::Table(t).try_into()
         };
@@ -169,8 +171,8 @@ impl CompactionConfig {
                     parse(one).err().map(|e| (k.clone(), e))
                 });
                 return Err(match culprit {
-                    Some((k, e)) => ConfigError::new(&k, e.message().trim()),
-                    None => ConfigError {
+                    Some((k, e)) => InvalidSetting::new(&k, e.message().trim()),
+                    None => InvalidSetting {
                         key: None,
                         message: e.message().trim().to_owned(),
                     },
@@ -183,10 +185,10 @@ impl CompactionConfig {
 
     /// Reject values the engine cannot interpret. Out-of-range ratios are
     /// clamped by the accessors instead.
-    pub fn validate(&self) -> Result<(), ConfigError> {
+    pub fn validate(&self) -> Result<(), InvalidSetting> {
         let pct_ok = |p: f64| p.is_finite() && p > 0.0 && p <= 100.0;
         if !pct_ok(self.threshold_percent) {
-            return Err(ConfigError::new(
+            return Err(InvalidSetting::new(
                 "threshold_percent",
                 format!(
                     "must be in (0, 1], or (1, 100] as a percentage; got {}",
@@ -195,16 +197,16 @@ impl CompactionConfig {
             ));
         }
         if let Some((k, v)) = self.model_thresholds.iter().find(|(_, &v)| !pct_ok(v)) {
-            return Err(ConfigError::new(
+            return Err(InvalidSetting::new(
                 &format!("model_thresholds.\"{k}\""),
                 format!("must be in (0, 1], or (1, 100] as a percentage; got {v}"),
             ));
         }
         if self.summary_timeout_secs == 0 {
-            return Err(ConfigError::new("summary_timeout_secs", "must be positive"));
+            return Err(InvalidSetting::new("summary_timeout_secs", "must be positive"));
         }
         if self.micro_every_n_turns == 0 {
-            return Err(ConfigError::new(
+            return Err(InvalidSetting::new(
                 "micro_every_n_turns",
                 "must be at least 1",
             ));
