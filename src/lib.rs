@@ -9,8 +9,14 @@
 //!   decide, compact, send, retry, tap usage).
 //! - [`upstream`]: HTTP plumbing: the one [`upstream::Upstream`], body
 //!   wrappers, header policy, error replies.
-//! - Leaves: [`compaction`] (the engine, no I/O), [`request`], [`session`],
-//!   [`usage`], [`window`], [`config`], [`metrics`], [`error`], [`telemetry`].
+//! - Support: [`usage`] (reading and hiding usage in response bodies),
+//!   [`session`] (keys, the session store, calibration), [`config`],
+//!   [`metrics`], [`telemetry`].
+//! - Pure leaves: [`compaction`] (the engine, synchronous, no I/O),
+//!   [`window`], [`request`], [`error`], [`sync`].
+//!
+//! `ARCHITECTURE.md` has the walk of a request and the module map;
+//! `scripts/check_layers.sh` keeps the imports free of cycles.
 
 pub mod chat;
 pub mod cli;
