@@ -43,7 +43,7 @@ use crate::window::overflow::{parse_overflow, parse_overflow_event, Overflow, Ov
 
 use super::conversation::{rough_message_tokens, Conversation};
 use super::record::Record;
-use super::summarise::{budgets_for_window, HttpSummariser};
+use super::summarise::HttpSummariser;
 use super::{ChatState, Discovery};
 
 /// Response header naming what compactor did.
@@ -310,7 +310,7 @@ async fn prepare(
                 &parts.headers,
                 cfg.summary_api_key.as_deref(),
                 Duration::from_secs(cfg.summary_timeout_secs.max(1)),
-                budgets_for_window(Some(engine_window), comp.trigger.max_summary_tokens()),
+                comp.trigger.summariser_budgets().into(),
             );
             let started = Instant::now();
             let result = run_engine(comp, &values, &summariser, micro_pass, force, est_rough).await;

@@ -29,6 +29,7 @@ use super::summariser::{Summariser, SummaryError, SummaryErrorKind, SummaryReply
 use super::tail::{self, TailParams};
 use super::tokens;
 use super::trigger::{truncate_error_text, FailureClass, Trigger};
+use super::truncated;
 use super::view;
 
 /// Rows after the head a conversation needs before it is worth compacting.
@@ -523,6 +524,10 @@ struct Cut {
     /// The ask of an oversized active turn, carried verbatim after the
     /// summary while the rounds before `end` are summarised.
     split_ask: Option<usize>,
+    /// The input before pruning, row for row with `working`: a pruned tool
+    /// output reaches the summariser as its one-line stub plus the salient
+    /// lines of the original (the facts the stub would lose).
+    unpruned: Option<Vec<Value>>,
 }
 
 impl Cut {
@@ -531,9 +536,38 @@ impl Cut {
     fn middle(&self) -> Vec<Value> {
         (self.start..self.end)
             .filter(|&i| Some(i) != self.split_ask)
-            .filter_map(|i| markers::strip_handoff(&self.working[i]))
+            .filter_map(|i| {
+                let row = markers::strip_handoff(&self.working[i])?;
+                Some(match self.unpruned.as_ref().map(|u| &u[i]) {
+                    Some(raw) if raw != &self.working[i] && view::is_role(raw, "tool") => {
+                        with_salient_lines(row, raw)
+                    }
+                    _ => row,
+                })
+            })
             .collect()
     }
+}
+
+/// Most salient lines of a pruned tool output shown to the summariser.
+pub const PRUNED_SALIENT_LINES: usize = 6;
+
+/// `pruned` (a tool row whose output became a stub) with the salient lines
+/// of its original output appended, when it has any.
+fn with_salient_lines(mut pruned: Value, raw: &Value) -> Value {
+    let lines = super::salient::salient_lines(&view::text(raw), PRUNED_SALIENT_LINES);
+    if lines.is_empty() {
+        return pruned;
+    }
+    let stub = view::text(&pruned);
+    if let Some(o) = pruned.as_object_mut() {
+        let text = format!(
+            "{stub}\nKey lines of the original output:\n{}",
+            lines.join("\n")
+        );
+        o.insert("content".into(), Value::String(text));
+    }
+    pruned
 }
 
 /// What one compress call has decided so far. Nothing of it touches the
@@ -853,6 +887,9 @@ impl Compressor {
             let call = SummaryCall {
                 prompt,
                 no_user_session: no_user_turns,
+                target_tokens: target,
+                budget_chars: s.prompt_budget_chars(),
+                keep_cut: !self.cfg.abort_on_degraded_summary,
             };
             match call.run(s, &mut model, &mut fallen_back, &mut out).await {
                 Ok(body) => running = Some(body),
@@ -978,6 +1015,11 @@ impl Compressor {
         );
         tel.pruned_rows = pruned_rows;
         let working = remove_blank_echoes(pruned);
+        // Pruning never touches user rows, so the same echo removal on the
+        // raw input keeps the rows aligned (checked by length).
+        let unpruned = (pruned_rows > 0)
+            .then(|| remove_blank_echoes(messages.to_vec()))
+            .filter(|u| u.len() == working.len());
         // The head is measured on the working list (a removed blank echo
         // shifts rows) and never ends inside a tool group.
         let mut start = self.head_size(&working, relax_head);
@@ -996,6 +1038,7 @@ impl Compressor {
             start,
             end,
             split_ask,
+            unpruned,
         })
     }
 
@@ -1271,12 +1314,26 @@ struct SummaryCall {
     /// The session has no user turns: a reply attributing anything to a
     /// user is invented and counts as a refusal.
     no_user_session: bool,
+    /// The summary's token target (for the firmer retry instruction).
+    target_tokens: u64,
+    /// The summariser's prompt budget: the retry's longer prompt must fit.
+    budget_chars: usize,
+    /// A reply cut at the reply limit is kept (cut at its last complete
+    /// line) rather than failed; off under `abort_on_degraded_summary`.
+    keep_cut: bool,
+}
+
+/// A checked reply: its body, and whether it was cut at the reply limit.
+struct Checked {
+    body: String,
+    cut: bool,
 }
 
 impl SummaryCall {
-    /// Sends the prompt on `model` (`None` = the main model). A distinct
-    /// summary model that fails is recorded in `out` and the prompt is
-    /// retried once on the main model, which later prompts then use too.
+    /// Sends the prompt; a summary cut at the reply limit is retried once
+    /// with a firmer length instruction when the prompt budget has room,
+    /// and otherwise (or when the retry is cut too) kept cut at its last
+    /// complete line.
     async fn run(
         &self,
         s: &dyn Summariser,
@@ -1284,17 +1341,44 @@ impl SummaryCall {
         fallen_back: &mut bool,
         out: &mut SummaryAttempt,
     ) -> Result<String, SummaryFailure> {
+        let first = self.send(&self.prompt, s, model, fallen_back, out).await?;
+        if !first.cut {
+            return Ok(first.body);
+        }
+        let Some(firm) =
+            truncated::firm_prompt(&self.prompt, self.target_tokens, self.budget_chars)
+        else {
+            return Ok(first.body);
+        };
+        tracing::info!("summary cut at the reply limit; retrying once with a firmer length");
+        match self.send(&firm, s, model, fallen_back, out).await {
+            Ok(second) if !second.cut || second.body.len() >= first.body.len() => Ok(second.body),
+            _ => Ok(first.body),
+        }
+    }
+
+    /// Sends `prompt` on `model` (`None` = the main model). A distinct
+    /// summary model that fails is recorded in `out` and the prompt is
+    /// retried once on the main model, which later prompts then use too.
+    async fn send(
+        &self,
+        prompt: &str,
+        s: &dyn Summariser,
+        model: &mut Option<String>,
+        fallen_back: &mut bool,
+        out: &mut SummaryAttempt,
+    ) -> Result<Checked, SummaryFailure> {
         loop {
             let req = SummaryRequest {
                 model: model.clone(),
-                prompt: self.prompt.clone(),
+                prompt: prompt.to_owned(),
                 max_tokens: None,
                 temperature: None,
             };
             out.calls += 1;
             let failure = match s.summarise(req).await {
                 Ok(reply) => match self.check(&reply) {
-                    Ok(body) => return Ok(body),
+                    Ok(checked) => return Ok(checked),
                     Err(f) => f,
                 },
                 Err(e) => SummaryFailure::from_error(&e),
@@ -1314,16 +1398,30 @@ impl SummaryCall {
         }
     }
 
-    /// The cleaned, validated body of a reply.
-    fn check(&self, reply: &SummaryReply) -> Result<String, SummaryFailure> {
+    /// The cleaned, validated body of a reply. A reply cut at the reply
+    /// limit is kept up to its last complete line when `keep_cut` allows
+    /// (a truncation failure when nothing complete is left).
+    fn check(&self, reply: &SummaryReply) -> Result<Checked, SummaryFailure> {
         let text = reply_text(reply);
+        let cut = reply.finish_reason.as_deref() == Some("length") && self.keep_cut;
+        let finish = if cut {
+            None
+        } else {
+            reply.finish_reason.as_deref()
+        };
         let body = serialize::validate_summary_reply(
             text.as_deref(),
-            reply.finish_reason.as_deref(),
+            finish,
             reply.refusal.as_deref(),
             reply.reasoning.as_deref(),
         )
         .map_err(|inv| SummaryFailure::invalid(&inv))?;
+        let body = if cut {
+            truncated::cut_at_last_line(&body)
+                .ok_or_else(|| SummaryFailure::invalid(&serialize::SummaryInvalid::Truncated))?
+        } else {
+            body
+        };
         if self.no_user_session && serialize::attributes_to_user(&body) {
             return Err(SummaryFailure::new(
                 SummaryFailureKind::Other,
@@ -1331,7 +1429,7 @@ impl SummaryCall {
                 "summary attributed text to a user in a session without user turns",
             ));
         }
-        Ok(body)
+        Ok(Checked { body, cut })
     }
 }
 

@@ -31,6 +31,7 @@ pub mod markers;
 pub mod micro;
 pub mod prune;
 pub mod redact;
+pub mod salient;
 pub mod sanitize;
 pub mod serialize;
 pub mod summariser;
@@ -38,6 +39,7 @@ pub mod tail;
 pub mod tokens;
 pub mod tool_summary;
 pub mod trigger;
+pub mod truncated;
 pub mod view;
 
 pub use compressor::{

@@ -599,6 +599,17 @@ impl Trigger {
         m
     }
 
+    /// Prompt budget and reply cap of a summary call (see
+    /// [`budget::summariser_budgets`]).
+    pub fn summariser_budgets(&mut self) -> budget::SummariserBudgets {
+        let threshold = self.threshold_tokens();
+        budget::summariser_budgets(
+            self.context_length(),
+            threshold,
+            self.cfg.effective_summary_target_ratio(),
+        )
+    }
+
     /// Pin the summary cap (runtime correction or test).
     pub fn set_max_summary_tokens(&mut self, m: u64) {
         self.max_summary = Some(m.max(1));

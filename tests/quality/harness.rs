@@ -245,14 +245,20 @@ async fn serve(
         s.chats.push(messages);
         s.tokens += prompt;
     }
-    Ok(reply(200, completion("Done; moving on.", "stop", prompt, 4)))
+    Ok(reply(
+        200,
+        completion("Done; moving on.", "stop", prompt, 4),
+    ))
 }
 
 /// The planted fact of turn `i`, if any: `(id, where it goes)`.
 fn fact_of(sc: &Scenario, i: usize) -> Option<(String, usize)> {
     (i % sc.fact_every == 0).then(|| {
         let k = i / sc.fact_every;
-        (format!("FACT-{k:02}-{:04}", (k * 7919 + 17) % 10_000), k % 3)
+        (
+            format!("FACT-{k:02}-{:04}", (k * 7919 + 17) % 10_000),
+            k % 3,
+        )
     })
 }
 
@@ -269,7 +275,9 @@ impl Client {
     fn user(&mut self, sc: &Scenario, i: usize) {
         let mut text = format!("Step {i}: look at src/module_{i}.rs and tell me what to change.");
         if let Some((f, 1)) = fact_of(sc, i) {
-            text.push_str(&format!(" Constraint: the release tag must stay {f}; never change it."));
+            text.push_str(&format!(
+                " Constraint: the release tag must stay {f}; never change it."
+            ));
         }
         self.messages.push(json!({"role": "user", "content": text}));
     }
@@ -280,11 +288,15 @@ impl Client {
         if let Some((f, 0)) = fact_of(sc, i) {
             out.push_str(&format!("config.toml:\nbuild_id: {f}\n"));
         }
-        let line = format!("src/module_{i}.rs:{}: fn step_{i}() {{ let v = {i}; }}\n", i + 1);
+        let line = format!(
+            "src/module_{i}.rs:{}: fn step_{i}() {{ let v = {i}; }}\n",
+            i + 1
+        );
         while out.len() < sc.tool_chars() {
             out.push_str(&line);
         }
-        self.messages.push(json!({"role": "assistant", "content": null, "tool_calls": [
+        self.messages
+            .push(json!({"role": "assistant", "content": null, "tool_calls": [
             {"id": id, "type": "function", "function": {"name": "read_file",
              "arguments": format!("{{\"path\":\"src/module_{i}.rs\"}}")}}]}));
         self.messages
@@ -296,7 +308,8 @@ impl Client {
         if let Some((f, 2)) = fact_of(sc, i) {
             text.push_str(&format!(" Decision: we deploy with migration id {f}."));
         }
-        self.messages.push(json!({"role": "assistant", "content": text}));
+        self.messages
+            .push(json!({"role": "assistant", "content": text}));
     }
 }
 
@@ -342,7 +355,10 @@ async fn post(url: &str, body: Vec<u8>) -> (StatusCode, Value) {
         .await
         .map(|c| c.to_bytes())
         .unwrap_or_default();
-    (status, serde_json::from_slice(&bytes).unwrap_or(Value::Null))
+    (
+        status,
+        serde_json::from_slice(&bytes).unwrap_or(Value::Null),
+    )
 }
 
 /// Whether `prev` is a prefix of `next`.
@@ -366,7 +382,8 @@ pub async fn run(sc: Scenario) -> Report {
         }
         client.user(&sc, i);
         client.tool_round(&sc, i);
-        let body = json!({"model": "m", "messages": client.messages, "max_tokens": sc.max_tokens()});
+        let body =
+            json!({"model": "m", "messages": client.messages, "max_tokens": sc.max_tokens()});
         let (status, v) = post(&url, body.to_string().into_bytes()).await;
         if status != StatusCode::OK {
             failed += 1;
@@ -389,7 +406,11 @@ pub async fn run(sc: Scenario) -> Report {
         .filter(|f| !last.contains(f.as_str()))
         .cloned()
         .collect();
-    let stable = seen.chats.windows(2).filter(|w| extends(&w[0], &w[1])).count();
+    let stable = seen
+        .chats
+        .windows(2)
+        .filter(|w| extends(&w[0], &w[1]))
+        .count();
     let pairs = seen.chats.len().saturating_sub(1).max(1);
     drop(proxy);
     Report {
