@@ -7,8 +7,14 @@ mod harness;
 #[tokio::main(flavor = "multi_thread", worker_threads = 2)]
 async fn main() {
     let mut rows = Vec::new();
+    let only: Option<u64> = std::env::var("QUALITY_WINDOW")
+        .ok()
+        .and_then(|w| w.parse().ok());
     for micro in [false, true] {
-        for w in harness::WINDOWS {
+        for w in harness::WINDOWS
+            .into_iter()
+            .filter(|w| only.is_none_or(|o| o == *w))
+        {
             let sc = harness::Scenario::standard(w, micro);
             let r = harness::run(sc).await;
             rows.push((sc, r));

@@ -540,7 +540,7 @@ impl Cut {
                 let row = markers::strip_handoff(&self.working[i])?;
                 Some(match self.unpruned.as_ref().map(|u| &u[i]) {
                     Some(raw) if raw != &self.working[i] && view::is_role(raw, "tool") => {
-                        with_salient_lines(row, raw)
+                        with_salient_lines(row, raw, SalientUse::Summariser)
                     }
                     _ => row,
                 })
@@ -549,13 +549,24 @@ impl Cut {
     }
 }
 
-/// Most salient lines of a pruned tool output shown to the summariser.
-pub const PRUNED_SALIENT_LINES: usize = 6;
+/// Where a pruned tool output's salient lines go.
+#[derive(Clone, Copy)]
+enum SalientUse {
+    /// The summariser's input: up to six lines with any fact in them.
+    Summariser,
+    /// A pruned row that stays in the request: up to three `key: value`,
+    /// error or decision lines, so its facts outlive the stub.
+    Kept,
+}
 
 /// `pruned` (a tool row whose output became a stub) with the salient lines
 /// of its original output appended, when it has any.
-fn with_salient_lines(mut pruned: Value, raw: &Value) -> Value {
-    let lines = super::salient::salient_lines(&view::text(raw), PRUNED_SALIENT_LINES);
+fn with_salient_lines(mut pruned: Value, raw: &Value, to: SalientUse) -> Value {
+    let (max, min_score) = match to {
+        SalientUse::Summariser => (6, 2),
+        SalientUse::Kept => (3, 3),
+    };
+    let lines = super::salient::salient_lines_min(&view::text(raw), max, min_score);
     if lines.is_empty() {
         return pruned;
     }
@@ -1033,6 +1044,10 @@ impl Compressor {
         if start >= end {
             return Err(NoOpReason::NoCompressibleWindow);
         }
+        let mut working = working;
+        if let Some(raw) = &unpruned {
+            keep_salient_lines(&mut working, raw, start..end, split_ask);
+        }
         Ok(Cut {
             working,
             start,
@@ -1469,6 +1484,25 @@ fn plan_chunks(
     // every prompt fits the summariser.
     let prev_cap = (budget.saturating_sub(overhead) / 3).max(500);
     (parts, prev_cap)
+}
+
+/// Pruned tool rows outside `middle` (they stay in the request) get the
+/// salient lines of their original output.
+fn keep_salient_lines(
+    working: &mut [Value],
+    raw: &[Value],
+    middle: std::ops::Range<usize>,
+    split_ask: Option<usize>,
+) {
+    for (i, row) in working.iter_mut().enumerate() {
+        if (middle.contains(&i) && Some(i) != split_ask)
+            || !view::is_role(row, "tool")
+            || *row == raw[i]
+        {
+            continue;
+        }
+        *row = with_salient_lines(row.clone(), &raw[i], SalientUse::Kept);
+    }
 }
 
 /// The tail cut and the oversized-active-turn split over `working` from

@@ -69,6 +69,11 @@ fn shorten(line: &str) -> String {
 /// whitespace-collapsed, each at most [`SALIENT_LINE_MAX_CHARS`]), in their
 /// original order. Ties go to the earlier line.
 pub fn salient_lines(text: &str, max_lines: usize) -> Vec<String> {
+    salient_lines_min(text, max_lines, 1)
+}
+
+/// [`salient_lines`] of at least `min_score` (see [`score`]).
+pub fn salient_lines_min(text: &str, max_lines: usize, min_score: u32) -> Vec<String> {
     let mut seen = std::collections::HashSet::new();
     let mut scored: Vec<(u32, usize, String)> = Vec::new();
     for (i, raw) in text.lines().enumerate() {
@@ -77,7 +82,7 @@ pub fn salient_lines(text: &str, max_lines: usize) -> Vec<String> {
             continue;
         }
         let s = score(&line);
-        if s > 0 {
+        if s >= min_score.max(1) {
             scored.push((s, i, line));
         }
     }

@@ -234,6 +234,9 @@ async fn serve(
         .unwrap_or_default();
     if messages.len() == 1 && SUMMARY_STARTS.iter().any(|s| first.starts_with(s)) {
         let (text, cut) = scripted_summary(first, max_tokens);
+        if std::env::var_os("QUALITY_DUMP").is_some() {
+            eprintln!("=== SUMMARY PROMPT (max_tokens {max_tokens:?}, cut {cut})\n{first}\n=== REPLY\n{text}");
+        }
         if let Ok(mut s) = seen.lock() {
             s.summaries += 1;
         }
@@ -401,6 +404,12 @@ pub async fn run(sc: Scenario) -> Report {
         .last()
         .map(|m| serde_json::to_string(m).unwrap_or_default())
         .unwrap_or_default();
+    if std::env::var_os("QUALITY_DUMP_FINAL").is_some() {
+        for m in seen.chats.last().into_iter().flatten() {
+            let c = m["content"].as_str().unwrap_or("").replace('\n', " | ");
+            eprintln!("{}: {}", m["role"], c.chars().take(300).collect::<String>());
+        }
+    }
     let lost: Vec<String> = planted
         .iter()
         .filter(|f| !last.contains(f.as_str()))
