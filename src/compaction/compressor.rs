@@ -1465,7 +1465,11 @@ fn plan_chunks(
         return (vec![serialized], SUMMARY_INPUT_MAX_CHARS);
     }
     let room = budget.saturating_sub(overhead).max(1_000);
-    let per_chunk = (room - room / 3).max(500);
+    // The running summary is quoted whole (what summary N recorded must
+    // reach summary N+1) unless it alone would take most of the room; the
+    // chunks get the rest.
+    let prev_cap = prev_len.clamp(room / 3, room * 2 / 3).max(500);
+    let per_chunk = room.saturating_sub(prev_cap).max(500);
     let mut parts: Vec<String> = chunk_for_budget(turns, per_chunk)
         .iter()
         .map(|c| bound_summary_input(&serialize_for_summary(c), per_chunk))
@@ -1480,9 +1484,6 @@ fn plan_chunks(
         parts.truncate(head);
         parts.extend(keep_tail);
     }
-    // The running summary gets a third of the room, the chunk the rest, so
-    // every prompt fits the summariser.
-    let prev_cap = (budget.saturating_sub(overhead) / 3).max(500);
     (parts, prev_cap)
 }
 
