@@ -885,7 +885,9 @@ impl Compressor {
         let mut running = state.previous.clone();
         let n = chunks.len();
         for (i, text) in chunks.iter().enumerate() {
-            let prev = running.as_deref().map(|p| bound_summary_input(p, prev_cap));
+            let prev = running
+                .as_deref()
+                .map(|p| bound_running_summary(p, prev_cap));
             let prompt = build_summary_prompt(&PromptParts {
                 turns: text,
                 previous_summary: prev.as_deref(),
@@ -899,6 +901,7 @@ impl Compressor {
                 prompt,
                 no_user_session: no_user_turns,
                 target_tokens: target,
+                max_body_chars: max_summary_body_chars(target, self.trigger.context_length()),
                 budget_chars: s.prompt_budget_chars(),
                 keep_cut: !self.cfg.abort_on_degraded_summary,
             };
@@ -1331,6 +1334,8 @@ struct SummaryCall {
     no_user_session: bool,
     /// The summary's token target (for the firmer retry instruction).
     target_tokens: u64,
+    /// Longest body kept unclipped: a longer one is retried like a cut one.
+    max_body_chars: usize,
     /// The summariser's prompt budget: the retry's longer prompt must fit.
     budget_chars: usize,
     /// A reply cut at the reply limit is kept (cut at its last complete
@@ -1357,7 +1362,8 @@ impl SummaryCall {
         out: &mut SummaryAttempt,
     ) -> Result<String, SummaryFailure> {
         let first = self.send(&self.prompt, s, model, fallen_back, out).await?;
-        if !first.cut {
+        let too_long = |c: &Checked| c.body.chars().count() > self.max_body_chars;
+        if !first.cut && !too_long(&first) {
             return Ok(first.body);
         }
         let Some(firm) =
@@ -1365,9 +1371,15 @@ impl SummaryCall {
         else {
             return Ok(first.body);
         };
-        tracing::info!("summary cut at the reply limit; retrying once with a firmer length");
+        tracing::info!(
+            cut = first.cut,
+            "summary over its length; retrying once with a firmer length instruction"
+        );
         match self.send(&firm, s, model, fallen_back, out).await {
-            Ok(second) if !second.cut || second.body.len() >= first.body.len() => Ok(second.body),
+            // A complete retry wins; of two cut ones, the one that kept more.
+            Ok(second) if !second.cut || (first.cut && second.body.len() >= first.body.len()) => {
+                Ok(second.body)
+            }
             _ => Ok(first.body),
         }
     }
@@ -1630,10 +1642,38 @@ fn clip_chars(body: String, max_chars: usize) -> String {
     if body.chars().count() <= max_chars {
         return body;
     }
+    if let Some(fit) = super::salient::fit_lines(&body, max_chars, NOTE.trim_start()) {
+        return fit;
+    }
     let keep = max_chars.saturating_sub(NOTE.chars().count());
     let mut clipped: String = body.chars().take(keep).collect();
+    if let Some(nl) = clipped.rfind('\n').filter(|&nl| nl >= clipped.len() / 2) {
+        clipped.truncate(nl);
+    }
     clipped.push_str(NOTE);
     clipped
+}
+
+/// The running summary quoted in a summary prompt, within `cap` chars:
+/// shortened by lines (facts kept over narrative), else cut in the middle.
+fn bound_running_summary(previous: &str, cap: usize) -> String {
+    super::salient::fit_lines(previous, cap, "[earlier summary shortened to fit]")
+        .unwrap_or_else(|| bound_summary_input(previous, cap))
+}
+
+/// Longest summary body [`clip_summary_for_window`] leaves whole.
+pub fn max_summary_body_chars(target_tokens: u64, window: u64) -> usize {
+    let factor = if window >= STRICT_SUMMARY_WINDOW {
+        SUMMARY_OVERSHOOT_FACTOR
+    } else {
+        1
+    };
+    usize::try_from(
+        target_tokens
+            .saturating_mul(factor)
+            .saturating_mul(tokens::CHARS_PER_TOKEN),
+    )
+    .unwrap_or(usize::MAX)
 }
 
 /// Character cap of a deterministic fallback body: the summary budget

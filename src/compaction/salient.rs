@@ -14,7 +14,7 @@ use super::redact::redact_secrets;
 pub const SALIENT_LINE_MAX_CHARS: usize = 160;
 
 static KEY_VALUE: LazyLock<Option<Regex>> =
-    LazyLock::new(|| Regex::new(r"^\s*[-*]?\s*[A-Za-z_][A-Za-z0-9_.\- ]{0,40}\s*[:=]\s*\S").ok());
+    LazyLock::new(|| Regex::new(r"^\s*[-*]?\s*[A-Za-z_][A-Za-z0-9_.\-]{0,40}\s*[:=]\s*\S").ok());
 static ERROR: LazyLock<Option<Regex>> = LazyLock::new(|| {
     Regex::new(r"(?i)\b(error|failed|failure|exception|traceback|panic|fatal|denied)\b").ok()
 });
@@ -47,7 +47,7 @@ pub fn score(line: &str) -> u32 {
         s += 3;
     }
     if hit(&IDENTIFIER, line) {
-        s += 2;
+        s += 3;
     }
     if hit(&PATH, line) {
         s += 1;
@@ -92,6 +92,66 @@ pub fn salient_lines_min(text: &str, max_lines: usize, min_score: u32) -> Vec<St
     scored.into_iter().map(|(_, _, l)| l).collect()
 }
 
+/// `text` within `max_chars`, cut by lines rather than by position: the
+/// first section (the task snapshot) and the headings stay, then the most
+/// salient lines (newer first among equals) as long as they fit, in their
+/// original order. `None` when even the first section does not fit.
+pub fn fit_lines(text: &str, max_chars: usize, marker: &str) -> Option<String> {
+    if text.chars().count() <= max_chars {
+        return Some(text.to_owned());
+    }
+    let lines: Vec<&str> = text.lines().collect();
+    let is_heading = |l: &str| l.trim_start().starts_with('#');
+    // The first section: up to (not including) the second heading.
+    let first_end = lines
+        .iter()
+        .enumerate()
+        .skip(1)
+        .find(|(_, l)| is_heading(l))
+        .map_or(lines.len(), |(i, _)| i);
+    let cost = |l: &str| l.chars().count() + 1;
+    let mut used = marker.chars().count() + 1;
+    let mut keep = vec![false; lines.len()];
+    for (i, l) in lines.iter().enumerate() {
+        if i < first_end || is_heading(l) {
+            keep[i] = true;
+            used += cost(l);
+        }
+    }
+    if used > max_chars {
+        return None;
+    }
+    let mut order: Vec<(u32, usize)> = (0..lines.len())
+        .filter(|&i| !keep[i] && !lines[i].trim().is_empty())
+        .map(|i| (score(lines[i]), i))
+        .collect();
+    order.sort_by(|a, b| b.cmp(a));
+    for (_, i) in order {
+        if used + cost(lines[i]) <= max_chars {
+            keep[i] = true;
+            used += cost(lines[i]);
+        }
+    }
+    let mut out: Vec<&str> = Vec::new();
+    for (i, l) in lines.iter().enumerate() {
+        // A heading whose section lost every line goes too.
+        let empty_section = is_heading(l)
+            && i >= first_end
+            && !lines[i + 1..]
+                .iter()
+                .zip(&keep[i + 1..])
+                .take_while(|(n, _)| !is_heading(n))
+                .any(|(n, k)| *k && !n.trim().is_empty());
+        if keep[i] && !empty_section {
+            out.push(l);
+        }
+    }
+    let mut s = out.join("\n");
+    s.push('\n');
+    s.push_str(marker);
+    Some(s)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -104,6 +164,25 @@ mod tests {
         let all = salient_lines(text, 10);
         assert_eq!(all.len(), 3, "{all:?}");
         assert!(!all.iter().any(|l| l.contains("plain")));
+    }
+
+    #[test]
+    fn fit_lines_keeps_facts_over_narrative() {
+        let text = "## Snapshot\nUser asked: go\n\n## Progress\n- looked at things\n- ID-7 is FACT-01-0001\n- looked at more things\n- build_id: B-2\n\n## Empty\n- filler filler filler";
+        let out = fit_lines(text, 100, "[cut]").unwrap();
+        assert!(out.chars().count() <= 100, "{out}");
+        assert!(out.starts_with("## Snapshot\nUser asked: go"), "{out}");
+        assert!(
+            out.contains("FACT-01-0001") && out.contains("build_id: B-2"),
+            "{out}"
+        );
+        assert!(
+            !out.contains("looked at") && !out.contains("## Empty"),
+            "{out}"
+        );
+        assert!(out.ends_with("[cut]"));
+        assert_eq!(fit_lines("short", 80, "[cut]").as_deref(), Some("short"));
+        assert_eq!(fit_lines(&"x".repeat(100), 80, "[cut]"), None);
     }
 
     #[test]

@@ -181,14 +181,50 @@ pub fn facts_in(text: &str) -> Vec<String> {
     out
 }
 
+/// The step number of a line that mentions `Step N:` / `step N`.
+fn step_of(line: &str) -> Option<u32> {
+    let lower = line.to_ascii_lowercase();
+    let i = lower.find("step ")?;
+    let digits: String = lower[i + 5..]
+        .chars()
+        .take_while(char::is_ascii_digit)
+        .collect();
+    digits.parse().ok()
+}
+
 /// What the scripted summariser writes for `prompt`, cut at `max_tokens`.
+///
+/// Like a model that keeps what it is shown: a short opening, then, in the
+/// order they appear in the prompt (running summary first, then the new
+/// turns), one line per step the conversation went through and one per
+/// `FACT-…` value. Told that an earlier answer was cut off (the engine's
+/// firmer retry), it writes the facts only. The reply is cut at
+/// `max_tokens` × 4 characters with `finish_reason: "length"`.
 pub fn scripted_summary(prompt: &str, max_tokens: Option<u64>) -> (String, bool) {
+    let terse = prompt.contains("cut off at the reply limit");
     let mut text = String::from(
         "## Historical Task Snapshot\nThe user is running a long multi-step agent task over a code base; \
-         the assistant reads files with tools and reports what it finds.\n\n## Key Facts\n",
+         the assistant reads files with tools and reports what it finds.\n\n## Progress and Facts\n",
     );
-    for f in facts_in(prompt) {
-        text.push_str(&format!("- recorded value {f} (keep exactly)\n"));
+    let mut seen_steps = std::collections::HashSet::new();
+    let mut seen_facts = std::collections::HashSet::new();
+    for line in prompt.lines() {
+        let facts = facts_in(line);
+        for f in &facts {
+            if seen_facts.insert(f.clone()) {
+                text.push_str(&format!("- recorded value {f} (keep exactly)\n"));
+            }
+        }
+        if terse || !facts.is_empty() {
+            continue;
+        }
+        if let Some(n) = step_of(line) {
+            if seen_steps.insert(n) {
+                text.push_str(&format!(
+                    "- step {n} done: looked at src/module_{n}.rs, nothing to change\n"
+                ));
+            }
+        }
     }
     text.push_str("\n## Current Subtask\nContinue with the next step the user asks for.\n");
     match max_tokens.and_then(|m| usize::try_from(m.saturating_mul(4)).ok()) {
