@@ -313,7 +313,20 @@ async fn prepare(
                 comp.trigger.summariser_budgets().into(),
             );
             let started = Instant::now();
-            let result = run_engine(comp, &values, &summariser, micro_pass, force, est_rough).await;
+            // What the messages may take for the request to fit at all
+            // (the engine's last resort shortens messages down to it).
+            let fit_rough = scale
+                .to_rough(window.saturating_sub(max_out.unwrap_or(0)) * 31 / 32)
+                .saturating_sub(overhead);
+            let result = run_engine(
+                comp,
+                &values,
+                &summariser,
+                (micro_pass, force),
+                est_rough,
+                fit_rough,
+            )
+            .await;
             let took = started.elapsed();
             // The batch trigger's deferral and strike rules judge batch
             // compactions only; a micro pass is routine.
@@ -565,9 +578,9 @@ async fn run_engine(
     comp: &mut Compressor,
     values: &[Value],
     summariser: &HttpSummariser,
-    micro_pass: bool,
-    force: bool,
+    (micro_pass, force): (bool, bool),
     current_tokens: u64,
+    fit_tokens: u64,
 ) -> CompactionDone {
     let r = if micro_pass {
         comp.micro_compact(values, summariser).await
@@ -579,6 +592,7 @@ async fn run_engine(
                 force,
                 current_tokens: Some(current_tokens),
                 bypass_cooldown: force,
+                fit_tokens: Some(fit_tokens),
                 ..CompressOptions::default()
             },
         )

@@ -67,6 +67,11 @@ pub struct CompressOptions {
     /// Today's date (`YYYY-MM-DD`) for temporal anchoring in the summary
     /// prompt; the engine has no clock of its own.
     pub today: Option<String>,
+    /// Rough tokens the messages must fit into to be sent at all (window
+    /// minus reply reservation and tools). When the call leaves them larger
+    /// (nothing to compact, or not enough), the largest messages are
+    /// shortened as a last resort ([`super::last_resort`]).
+    pub fit_tokens: Option<u64>,
 }
 
 /// Why a compaction was abandoned with the input unchanged.
@@ -143,6 +148,8 @@ pub struct CompressTelemetry {
     pub summary_calls: u32,
     /// Chunks the middle was summarised in (1 = a single prompt).
     pub chunk_count: usize,
+    /// Rows the last resort shortened to make the request fit (0 = none).
+    pub last_resort_rows: usize,
     /// Failure class name, when the attempt did not go cleanly.
     pub failure_class: Option<&'static str>,
     /// The caller's token figure, if given.
@@ -595,6 +602,8 @@ struct Pass {
     /// window turned out to hold only earlier summaries (what the handoff
     /// scan adopted from the wire stands then).
     keep_state: Option<SummaryState>,
+    /// [`CompressOptions::fit_tokens`].
+    fit_tokens: Option<u64>,
 }
 
 /// How a compress call ends.
@@ -962,6 +971,7 @@ impl Compressor {
             feasibility_skip: false,
             fallback_used: false,
             keep_state: None,
+            fit_tokens: opts.fit_tokens,
         };
         let cut = match self.cut(messages, &mut pass.tel) {
             Ok(cut) => cut,
@@ -1275,6 +1285,7 @@ impl Compressor {
 
     /// Commits what the call decided, once, and builds its result.
     fn finish(&mut self, messages: &[Value], mut pass: Pass, ending: Ending) -> CompressResult {
+        let ending = last_resort(messages, ending, &mut pass);
         if pass.force {
             self.trigger.clear_failure_cooldown();
             self.trigger.clear_structural_backoff();
@@ -1323,6 +1334,41 @@ impl Compressor {
             self.previous_summary = st.previous;
             self.summary_has_user_turn = st.has_user_turn;
         }
+    }
+}
+
+/// The last resort of a call whose messages still do not fit
+/// `pass.fit_tokens`: nothing was compacted (or not enough), so the
+/// largest messages are shortened ([`super::last_resort::shrink_to_fit`]).
+/// An abort stays an abort; a request that cannot fit stays as it was.
+fn last_resort(messages: &[Value], ending: Ending, pass: &mut Pass) -> Ending {
+    let Some(fit) = pass.fit_tokens else {
+        return ending;
+    };
+    let (base, summary_index, dropped_count) = match &ending {
+        Ending::Unchanged(Outcome::NoOp(_) | Outcome::Rejected) => (messages, None, 0),
+        Ending::Compacted {
+            messages: out,
+            summary_index,
+            tokens_after,
+            dropped_count,
+        } if *tokens_after > fit => (out.as_slice(), *summary_index, *dropped_count),
+        _ => return ending,
+    };
+    let Some(shrunk) = super::last_resort::shrink_to_fit(base, fit) else {
+        return ending;
+    };
+    tracing::warn!(
+        rows = shrunk.rows,
+        fit_tokens = fit,
+        "nothing left to compact; largest messages shortened to fit the window"
+    );
+    pass.tel.last_resort_rows = shrunk.rows;
+    Ending::Compacted {
+        tokens_after: tokens::estimate_messages_tokens_rough(&shrunk.messages),
+        messages: shrunk.messages,
+        summary_index,
+        dropped_count,
     }
 }
 
