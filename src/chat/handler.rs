@@ -25,6 +25,7 @@ use tokio::time::Instant;
 
 use crate::app::AppState;
 use crate::compaction::config::Strategy;
+use crate::compaction::last_resort;
 use crate::compaction::trigger::Trigger;
 use crate::compaction::{CompressOptions, Compressor, Outcome};
 use crate::error::{full_body, ProxyBody};
@@ -315,9 +316,19 @@ async fn prepare(
             let started = Instant::now();
             // What the messages may take for the request to fit at all
             // (the engine's last resort shortens messages down to it).
-            let fit_rough = scale
-                .to_rough(window.saturating_sub(max_out.unwrap_or(0)) * 31 / 32)
-                .saturating_sub(overhead);
+            let fit_rough = last_resort::fit_budget(
+                &values,
+                last_resort::FitInputs {
+                    estimate: est.tokens,
+                    counted: overflow
+                        .as_ref()
+                        .and_then(|o| o.prompt_tokens.or(o.requested)),
+                    tools: overhead,
+                    window,
+                    max_out: max_out.unwrap_or(0),
+                    margin_divisor: ESTIMATE_MARGIN_DIVISOR,
+                },
+            );
             let result = run_engine(
                 comp,
                 &values,

@@ -128,6 +128,42 @@ pub fn shrink_to_fit(messages: &[Value], budget: u64) -> Option<Shrunk> {
     None
 }
 
+/// What [`fit_budget`] works from.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct FitInputs {
+    /// The caller's (calibrated) estimate of the whole prompt, tools
+    /// included, in the upstream's tokens.
+    pub estimate: u64,
+    /// The upstream's own count of the prompt, when it just rejected it.
+    pub counted: Option<u64>,
+    /// Tokens of the tools (and other non-message parts) in the prompt.
+    pub tools: u64,
+    /// The context window.
+    pub window: u64,
+    /// The reply reservation (`max_tokens`).
+    pub max_out: u64,
+    /// The estimate is trusted to within 1/`margin_divisor`.
+    pub margin_divisor: u64,
+}
+
+/// The rough-token budget `messages` must be shortened to for the request
+/// to fit: their own rough size scaled by how much of the window the
+/// messages may take over how much they take now (by the caller's estimate
+/// or, higher, the upstream's count), with the caller's margin.
+/// `u64::MAX` when they fit already.
+pub fn fit_budget(messages: &[Value], f: FitInputs) -> u64 {
+    let usable = f.window.saturating_sub(f.max_out);
+    let usable = usable - usable / f.margin_divisor.max(2);
+    let taken = f.estimate.max(f.counted.unwrap_or(0));
+    if taken <= usable {
+        return u64::MAX;
+    }
+    let allowed = usable.saturating_sub(f.tools);
+    let now = taken.saturating_sub(f.tools).max(1);
+    let rough = tokens::estimate_messages_tokens_rough(messages);
+    u64::try_from(u128::from(rough) * u128::from(allowed) / u128::from(now)).unwrap_or(u64::MAX)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -158,6 +194,33 @@ mod tests {
         assert!(tool.contains("chars cut from the middle to fit the context window"));
         assert_eq!(s.messages.len(), m.len(), "no row removed: pairing kept");
         assert_eq!(s.messages[3]["tool_call_id"], "c1");
+    }
+
+    #[test]
+    fn the_budget_scales_the_messages_by_the_room_they_have() {
+        let m = msgs();
+        let rough = tokens::estimate_messages_tokens_rough(&m);
+        let f = FitInputs {
+            estimate: 3_000,
+            counted: None,
+            tools: 500,
+            window: 3_300,
+            max_out: 100,
+            margin_divisor: 10,
+        };
+        // usable 3,200 - 320 = 2,880; messages may take 2,380 of their 2,500.
+        assert_eq!(fit_budget(&m, f), rough * 2_380 / 2_500);
+        // The upstream counted more than estimated: its count decides.
+        let counted = FitInputs {
+            counted: Some(3_500),
+            ..f
+        };
+        assert_eq!(fit_budget(&m, counted), rough * 2_380 / 3_000);
+        let fits = FitInputs {
+            estimate: 1_000,
+            ..f
+        };
+        assert_eq!(fit_budget(&m, fits), u64::MAX);
     }
 
     #[test]

@@ -91,13 +91,22 @@ pub struct Report {
     /// Client requests that did not get a 200.
     pub failed_requests: usize,
     pub chat_requests: usize,
+    /// `(prompt, reply)` of every summary call.
+    pub summary_log: Vec<(String, String)>,
 }
 
 #[derive(Default)]
-struct Seen {
-    chats: Vec<Vec<Value>>,
-    summaries: usize,
-    tokens: u64,
+pub struct Seen {
+    /// The messages of every chat request, in order.
+    pub chats: Vec<Vec<Value>>,
+    pub summaries: usize,
+    /// `(prompt, reply)` of every summary call, in order.
+    pub summary_log: Vec<(String, String)>,
+    pub tokens: u64,
+    /// Chat requests answered with the overflow error.
+    pub overflows: usize,
+    /// Tools of every chat request.
+    pub tools: Vec<Option<Value>>,
 }
 
 /// The scripted upstream.
@@ -138,6 +147,11 @@ impl Upstream {
 
     pub fn url(&self) -> String {
         format!("http://{}", self.addr)
+    }
+
+    /// What the upstream has seen so far (taken out).
+    pub fn take_seen(&self) -> Seen {
+        std::mem::take(&mut *self.seen.lock().expect("lock"))
     }
 }
 
@@ -259,6 +273,9 @@ async fn serve(
         + (v.get("tools").map_or(0, |t| t.to_string().len()) / 4) as u64;
     let max_tokens = v["max_tokens"].as_u64();
     if prompt + max_tokens.unwrap_or(0) > window {
+        if let Ok(mut s) = seen.lock() {
+            s.overflows += 1;
+        }
         let err = json!({"error": {"code": 400, "type": "exceed_context_size_error",
             "message": format!("request ({prompt} tokens) exceeds the available context size ({window} tokens), try increasing it"),
             "n_prompt_tokens": prompt, "n_ctx": window}});
@@ -275,6 +292,7 @@ async fn serve(
         }
         if let Ok(mut s) = seen.lock() {
             s.summaries += 1;
+            s.summary_log.push((first.to_owned(), text.clone()));
         }
         let finish = if cut { "length" } else { "stop" };
         let done = (text.len() / 4) as u64;
@@ -282,6 +300,7 @@ async fn serve(
     }
     if let Ok(mut s) = seen.lock() {
         s.chats.push(messages);
+        s.tools.push(v.get("tools").cloned());
         s.tokens += prompt;
     }
     Ok(reply(
@@ -370,7 +389,8 @@ pub async fn start_proxy(toml: &str) -> compactor::app::RunningServer {
     compactor::app::start(config).await.expect("start")
 }
 
-async fn post(url: &str, body: Vec<u8>) -> (StatusCode, Value) {
+/// POSTs a chat completion through compactor (session `quality`).
+pub async fn post(url: &str, body: Vec<u8>) -> (StatusCode, Value) {
     let client = hyper_util::client::legacy::Client::builder(hyper_util::rt::TokioExecutor::new())
         .build_http::<Body>();
     let mut req = Request::new(Full::new(Bytes::from(body)).boxed_unsync());
@@ -434,7 +454,7 @@ pub async fn run(sc: Scenario) -> Report {
             .to_owned();
         client.answer(&sc, i, &text);
     }
-    let seen = std::mem::take(&mut *upstream.seen.lock().expect("lock"));
+    let seen = upstream.take_seen();
     let last = seen
         .chats
         .last()
@@ -467,6 +487,7 @@ pub async fn run(sc: Scenario) -> Report {
         prefix_stable: stable as f64 / pairs as f64,
         failed_requests: failed,
         chat_requests: seen.chats.len(),
+        summary_log: seen.summary_log,
     }
 }
 
