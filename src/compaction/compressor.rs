@@ -556,6 +556,22 @@ impl Cut {
     }
 }
 
+/// `body` with its task snapshot grounded in the newest real user ask of
+/// `turns` (or the note that there is none).
+fn ground(body: &str, turns: &[Value], no_user_turns: bool) -> String {
+    let ask = turns
+        .iter()
+        .rev()
+        .find(|m| view::is_real_user(m))
+        .map(view::text);
+    let grounding = match (&ask, no_user_turns) {
+        (Some(a), _) => serialize::Grounding::UserAsk(a),
+        (None, true) => serialize::Grounding::NoUserInSession,
+        (None, false) => serialize::Grounding::NoUserInWindow,
+    };
+    serialize::ground_task_snapshot_with(body, grounding)
+}
+
 /// Where a pruned tool output's salient lines go.
 #[derive(Clone, Copy)]
 enum SalientUse {
@@ -925,22 +941,8 @@ impl Compressor {
         let Some(body) = running else {
             return out;
         };
-        let ask = turns
-            .iter()
-            .rev()
-            .find(|m| view::is_real_user(m))
-            .map(view::text);
-        let grounding = match (&ask, no_user_turns) {
-            (Some(a), _) => serialize::Grounding::UserAsk(a),
-            (None, true) => serialize::Grounding::NoUserInSession,
-            (None, false) => serialize::Grounding::NoUserInWindow,
-        };
         let window = self.trigger.context_length();
-        let body = clip_summary_for_window(
-            serialize::ground_task_snapshot_with(&body, grounding),
-            target,
-            window,
-        );
+        let body = clip_summary_for_window(ground(&body, turns, no_user_turns), target, window);
         out.summary = Some(markers::normalize_summary_prefix_with(
             markers::summary_prefix_for(window),
             &body,
