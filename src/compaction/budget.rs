@@ -289,6 +289,20 @@ impl From<SummariserBudgets> for (usize, Option<u32>) {
 /// the window; the prompt gets the rest of the window (at 3 chars/token),
 /// at most the 160,000-char reference input cap. Windows of 64k and more
 /// keep the reference: 160,000 chars and no wire cap.
+///
+/// With the default ratio (0.20) and no reply reservation (trigger = 85% of
+/// the window below 64k, 75% at 128k):
+///
+/// | window | largest summary target | reply cap (was) | prompt budget |
+/// |---:|---:|---:|---:|
+/// | 2,048 | 204 | 348 (102) | 4,908 chars |
+/// | 4,096 | 409 | 696 (204) | 10,008 chars |
+/// | 8,192 | 819 | 1,392 (409) | 20,208 chars |
+/// | 32,768 | 2,000 | 5,570 (1,638) | 81,402 chars |
+/// | 131,072 | 6,553 | none (none) | 160,000 chars |
+///
+/// A reservation lowers the trigger and with it the cap (2,048 with
+/// `max_tokens` 256: 304), never below 1.25 × the target.
 pub fn summariser_budgets(window: u64, threshold: u64, ratio: f64) -> SummariserBudgets {
     const REFERENCE_CHARS: usize = super::summariser::DEFAULT_PROMPT_BUDGET_CHARS;
     let window = window.max(1);
