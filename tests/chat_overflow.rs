@@ -111,10 +111,12 @@ async fn overflow_compaction_cannot_fix_passes_the_upstream_error() {
         })
         .await;
         let proxy = start_proxy(&mock.url(), &unknown_window()).await;
+        // The system prompt alone overflows: it is never shortened, so
+        // nothing (not even the last resort) can make the request fit.
         let huge = "word ".repeat(4000);
         let messages = vec![
-            json!({"role":"system","content":SYSTEM_PROMPT}),
-            json!({"role":"user","content":huge}),
+            json!({"role":"system","content":huge}),
+            json!({"role":"user","content":"hello"}),
         ];
         let (status, _headers, body) =
             post_chat(&proxy.url(), chat_body("m", &messages, false), &[AUTH]).await;
@@ -177,7 +179,7 @@ async fn discovered_window_makes_compaction_proactive() {
     assert!(probe.headers.get("x-session-id").is_none());
 }
 
-/// A history that compaction shrinks, ending in a user message too big for
+/// A history that compaction shrinks, under a system prompt too big for
 /// the window on its own: the retry still overflows and the client gets the
 /// upstream's error for the retried request.
 #[tokio::test]
@@ -195,8 +197,11 @@ async fn retry_that_still_overflows_returns_the_second_error() {
         assert_eq!(st, 200);
         conv.answer();
     }
+    // A system prompt too big for the window on its own: it is never
+    // shortened, so neither compaction nor the last resort can make it fit.
     let mut sent = conv.messages.clone();
-    sent.push(json!({"role":"user","content":"word ".repeat(9000)}));
+    sent[0] = json!({"role":"system","content":"word ".repeat(9000)});
+    sent.push(json!({"role":"user","content":"and now?"}));
     let before = mock.chats().len();
     let (status, _, body) = post_chat(&proxy.url(), chat_body("m", &sent, false), &[AUTH]).await;
     let chats = mock.chats()[before..].to_vec();
@@ -347,7 +352,7 @@ async fn resumed_long_history_with_an_unknown_window_is_retried() {
     assert_tool_pairs(&chats[1].messages());
 }
 
-/// After a compaction, a newest user message too big for the window: the
+/// After a compaction, a system prompt too big for the window: the
 /// proactive compaction cannot make it fit and neither can a forced one,
 /// so compactor passes the upstream's error on instead of resending the
 /// same request (the recorded substitution alone is no reason to retry).
@@ -369,8 +374,11 @@ async fn no_identical_retry_when_forced_compaction_has_nothing_left() {
         compacted |= action(&h) == "compacted";
     }
     assert!(compacted);
+    // A system prompt too big for the window on its own: it is never
+    // shortened, so neither compaction nor the last resort can make it fit.
     let mut sent = conv.messages.clone();
-    sent.push(json!({"role":"user","content":"word ".repeat(9000)}));
+    sent[0] = json!({"role":"system","content":"word ".repeat(9000)});
+    sent.push(json!({"role":"user","content":"and now?"}));
     let before = mock.chats().len();
     let (status, _, body) = post_chat(&proxy.url(), chat_body("m", &sent, false), &[AUTH]).await;
     let chats = mock.chats()[before..].to_vec();

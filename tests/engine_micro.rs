@@ -8,7 +8,6 @@
 
 mod engine_support;
 
-use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 
 use compactor::compaction::compressor::Compressor;
@@ -204,18 +203,8 @@ fn telemetry_reports_occupancy_without_forcing_resolution() {
 
 #[test]
 fn emitter_never_forces_window_resolution() {
-    let calls = Arc::new(AtomicUsize::new(0));
-    let counter = calls.clone();
     let cfg = Arc::new(CompactionConfig::default());
-    let trigger = Trigger::new(
-        cfg,
-        "test-model",
-        WindowSource::Lazy(Box::new(move || {
-            counter.fetch_add(1, Ordering::SeqCst);
-            40_960
-        })),
-        None,
-    );
+    let trigger = Trigger::new(cfg, "test-model", WindowSource::Known(40_960), None);
     let t = MicroTelemetry::new(
         &trigger,
         &MicroState::default(),
@@ -228,7 +217,7 @@ fn emitter_never_forces_window_resolution() {
     );
     t.emit();
     assert_eq!(
-        calls.load(Ordering::SeqCst),
+        trigger.window_resolutions(),
         0,
         "telemetry forced window resolution"
     );

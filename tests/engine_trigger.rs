@@ -9,7 +9,6 @@
 // Test helpers panic on bad fixtures: that is a failed test, as in a #[test].
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
-use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -373,32 +372,27 @@ fn init_does_not_probe_when_not_quiet() {
     let msgs = capture::Messages::default();
     let subscriber = tracing_subscriber::registry().with(msgs.clone());
     tracing::subscriber::with_default(subscriber, || {
-        let calls = Arc::new(AtomicUsize::new(0));
-        let calls2 = calls.clone();
+        // The proxy resolves the window before it builds the trigger; the
+        // trigger resolves its budgets (and logs them) on first need.
         let mut c = Trigger::new(
             Arc::new(CompactionConfig::default()),
             "test/model",
-            WindowSource::Lazy(Box::new(move || {
-                calls2.fetch_add(1, Ordering::SeqCst);
-                200_000
-            })),
+            WindowSource::Known(200_000),
             None,
         );
-        // No probe and no init log at construction time.
-        assert_eq!(calls.load(Ordering::SeqCst), 0);
-        assert_eq!(c.cached_context_length(), None);
+        // No resolution and no init log at construction time.
+        assert_eq!(c.window_resolutions(), 0);
         assert_eq!(c.cached_threshold_tokens(), None);
         assert_eq!(msgs.count("Context compressor initialized"), 0);
 
         assert_eq!(c.context_length(), 200_000);
-        assert_eq!(calls.load(Ordering::SeqCst), 1);
+        assert_eq!(c.window_resolutions(), 1);
         assert_eq!(msgs.count("Context compressor initialized"), 1);
 
-        // Later access neither re-probes nor re-logs.
+        // Later access neither re-resolves nor re-logs.
         let _ = c.context_length();
         let _ = c.threshold_tokens();
         let _ = c.tail_token_budget();
-        assert_eq!(calls.load(Ordering::SeqCst), 1);
         assert_eq!(msgs.count("Context compressor initialized"), 1);
         assert_eq!(c.window_resolutions(), 1);
     });
@@ -407,21 +401,17 @@ fn init_does_not_probe_when_not_quiet() {
 #[test]
 fn lazy_window_resolved_by_threshold_access_first() {
     // Whatever reads the window first triggers the single resolution.
-    let calls = Arc::new(AtomicUsize::new(0));
-    let calls2 = calls.clone();
     let mut c = Trigger::new(
         Arc::new(CompactionConfig::default()),
         "m",
-        WindowSource::Lazy(Box::new(move || {
-            calls2.fetch_add(1, Ordering::SeqCst);
-            100_000
-        })),
+        WindowSource::Known(100_000),
         None,
     );
+    assert_eq!(c.window_resolutions(), 0);
     assert!(!c.should_compress(Some(10)));
-    assert_eq!(calls.load(Ordering::SeqCst), 1);
+    assert_eq!(c.window_resolutions(), 1);
     assert_eq!(c.threshold_tokens(), 75_000);
-    assert_eq!(calls.load(Ordering::SeqCst), 1);
+    assert_eq!(c.window_resolutions(), 1);
 }
 
 #[test]
@@ -434,21 +424,18 @@ fn config_context_length_skips_network_probe() {
         None,
     );
     assert_eq!(c.context_length(), 200_000);
-    // A lazy source that is replaced by a known window before first use is never called.
-    let calls = Arc::new(AtomicUsize::new(0));
-    let calls2 = calls.clone();
+    // A window learned before first use replaces the one the trigger was
+    // built with: it is the one resolved, once.
     let mut c = Trigger::new(
         Arc::new(CompactionConfig::default()),
         "test/model",
-        WindowSource::Lazy(Box::new(move || {
-            calls2.fetch_add(1, Ordering::SeqCst);
-            1
-        })),
+        WindowSource::Known(1),
         None,
     );
     c.set_context_length(200_000);
     assert_eq!(c.context_length(), 200_000);
-    assert_eq!(calls.load(Ordering::SeqCst), 0);
+    assert_eq!(c.window_resolutions(), 1);
+    assert_eq!(c.threshold_tokens(), 150_000);
 }
 
 // ---------------------------------------------------------------- TestPreflightSentinelGuard
@@ -1198,20 +1185,15 @@ fn set_max_tokens_rederives_threshold_and_keeps_calibration() {
 
 #[test]
 fn status_is_content_free_and_never_resolves() {
-    let calls = Arc::new(AtomicUsize::new(0));
-    let calls2 = calls.clone();
     let mut t = Trigger::new(
         Arc::new(CompactionConfig::default()),
         "m",
-        WindowSource::Lazy(Box::new(move || {
-            calls2.fetch_add(1, Ordering::SeqCst);
-            100_000
-        })),
+        WindowSource::Known(100_000),
         None,
     )
     .with_clock(Clock::manual());
     let s = t.status();
-    assert_eq!(calls.load(Ordering::SeqCst), 0);
+    assert_eq!(t.window_resolutions(), 0, "status never resolves");
     assert_eq!(s.window, None);
     assert_eq!(s.threshold_tokens, None);
     assert_eq!(s.model, "m");

@@ -11,6 +11,7 @@ use serde_json::Value;
 use tokio::time::Instant;
 
 use crate::compaction::config::Strategy;
+use crate::compaction::last_resort;
 use crate::compaction::trigger::Trigger;
 use crate::compaction::{CompressOptions, Compressor, Outcome};
 use crate::session::key::SessionKey;
@@ -18,7 +19,7 @@ use crate::upstream::Upstream;
 
 use super::conversation::{rough_message_tokens, Conversation};
 use super::record::Record;
-use super::summarise::{budgets_for_window, HttpSummariser, SummaryTarget};
+use super::summarise::{HttpSummariser, SummaryTarget};
 use super::ChatState;
 
 /// "Fits the window" needs the estimate plus 1/10 of it (see [`decide`]).
@@ -42,8 +43,12 @@ pub(super) struct Turn<'a> {
     pub max_out: Option<u64>,
     /// The context window, real tokens.
     pub window: u64,
+    /// Rough estimate of the request's `tools` (part of the fixed cost).
+    pub tools_tokens: u64,
     /// This is the retry after an upstream overflow.
     pub overflow: bool,
+    /// The prompt size the upstream counted in that overflow, if it said.
+    pub overflow_counted: Option<u64>,
 }
 
 /// How an engine pass went, for [`book_pass`].
@@ -125,10 +130,19 @@ pub(super) async fn compact_if_due(
             timeout: Duration::from_secs(cfg.summary_timeout_secs.max(1)),
         },
         t.client_headers,
-        budgets_for_window(Some(engine_window), comp.trigger.max_summary_tokens()),
+        comp.trigger.summariser_budgets().into(),
     );
+    let fit_rough = fit_budget(&values, t);
     let started = Instant::now();
-    let result = run_engine(comp, &values, &summariser, d.micro_pass, d.force, est_rough).await;
+    let result = run_engine(
+        comp,
+        &values,
+        &summariser,
+        (d.micro_pass, d.force),
+        est_rough,
+        fit_rough,
+    )
+    .await;
     let took = started.elapsed();
     // The batch trigger's deferral and strike rules judge batch
     // compactions only; a micro pass is routine.
@@ -234,6 +248,22 @@ fn book_pass(
     }
 }
 
+/// What the messages may take for the request to fit at all: the engine's
+/// last resort shortens messages down to it.
+fn fit_budget(values: &[Value], t: &Turn<'_>) -> u64 {
+    last_resort::fit_budget(
+        values,
+        last_resort::FitInputs {
+            estimate: t.est_tokens,
+            counted: t.overflow_counted,
+            tools: t.tools_tokens,
+            window: t.window,
+            max_out: t.max_out.unwrap_or(0),
+            margin_divisor: ESTIMATE_MARGIN_DIVISOR,
+        },
+    )
+}
+
 /// Whether request number `requests` (1-based) is a micro-compaction turn.
 fn conv_turn_due(requests: u64, every_n: u32) -> bool {
     requests % u64::from(every_n.max(1)) == 0
@@ -304,9 +334,9 @@ async fn run_engine(
     comp: &mut Compressor,
     values: &[Value],
     summariser: &HttpSummariser<'_>,
-    micro_pass: bool,
-    force: bool,
+    (micro_pass, force): (bool, bool),
     current_tokens: u64,
+    fit_tokens: u64,
 ) -> CompactionDone {
     let r = if micro_pass {
         comp.micro_compact(values, summariser).await
@@ -318,6 +348,7 @@ async fn run_engine(
                 force,
                 current_tokens: Some(current_tokens),
                 bypass_cooldown: force,
+                fit_tokens: Some(fit_tokens),
                 ..CompressOptions::default()
             },
         )

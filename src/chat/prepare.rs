@@ -95,7 +95,11 @@ pub(super) async fn prepare(
         est_tokens: est.tokens,
         max_out,
         window,
+        tools_tokens: overhead,
         overflow: overflow.is_some(),
+        overflow_counted: overflow
+            .as_ref()
+            .and_then(|o| o.prompt_tokens.or(o.requested)),
     };
     match compact_if_due(chat, upstream, conv, &turn).await {
         Booked::Compacted(messages) => {

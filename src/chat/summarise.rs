@@ -174,31 +174,6 @@ impl Summariser for HttpSummariser<'_> {
     }
 }
 
-/// Prompt budget (chars) and reply cap (tokens) for a summariser whose
-/// window is `window` tokens and whose summaries should be about
-/// `summary_tokens` long.
-///
-/// Large windows keep the default 160,000-char input cap and no wire cap
-/// on the reply (a hard cap once produced empty summaries from reasoning
-/// models). Small windows (self-hosted llama.cpp, 2k–32k) must fit prompt and
-/// reply into the window, and a small local model that never stops would
-/// otherwise generate until the window is full: the reply is capped near the
-/// summary budget and the prompt gets the rest, counted at a conservative 3
-/// characters per token.
-pub fn budgets_for_window(window: Option<u64>, summary_tokens: u64) -> (usize, Option<u32>) {
-    const DEFAULT_CHARS: usize = crate::compaction::summariser::DEFAULT_PROMPT_BUDGET_CHARS;
-    const MARGIN: u64 = 64;
-    match window {
-        Some(w) if w < 64_000 => {
-            let reply = summary_tokens.clamp(96, (w / 4).max(96));
-            let prompt_tokens = w.saturating_sub(reply + MARGIN).max(w / 4);
-            let chars = usize::try_from(prompt_tokens * 3).unwrap_or(DEFAULT_CHARS);
-            (chars.min(DEFAULT_CHARS), u32::try_from(reply).ok())
-        }
-        _ => (DEFAULT_CHARS, None),
-    }
-}
-
 /// The provider's own message of an error answer, else a generic one.
 fn error_message(body: &[u8], status: u16) -> String {
     let parsed: Option<Value> = serde_json::from_slice(body).ok();
@@ -292,18 +267,5 @@ mod tests {
             "{m}"
         );
         assert_eq!(error_message(b"nope", 500), "HTTP 500");
-    }
-
-    #[test]
-    fn small_windows_split_prompt_and_reply() {
-        for (w, summary) in [(2048u64, 204u64), (4096, 409), (8192, 819), (32_768, 1638)] {
-            let (chars, reply) = budgets_for_window(Some(w), summary);
-            let reply = u64::from(reply.unwrap());
-            // The prompt (at 3 chars/token) plus the reply fit the window.
-            assert!(chars as u64 / 3 + reply <= w, "{w}: {chars} {reply}");
-            assert!(reply >= summary.min(w / 4), "{w}: {reply}");
-        }
-        assert_eq!(budgets_for_window(Some(128_000), 5000), (160_000, None));
-        assert_eq!(budgets_for_window(None, 5000), (160_000, None));
     }
 }

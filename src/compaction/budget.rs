@@ -255,9 +255,121 @@ impl Budgets {
     }
 }
 
+/// Below this window a summary call gets a wire reply cap; at and above it
+/// the reply is left to the model (a hard cap once produced empty summaries
+/// from reasoning models, and such windows are not at risk of overflow).
+pub const SUMMARY_REPLY_CAP_WINDOW: u64 = MINIMUM_CONTEXT_LENGTH;
+/// Characters per token the summariser's prompt budget is counted at
+/// (conservative: prompts quote code and tool output).
+pub const SUMMARY_PROMPT_CHARS_PER_TOKEN: u64 = 3;
+/// Tokens kept free in a summary call's window for the chat template.
+pub const SUMMARY_CALL_MARGIN: u64 = 64;
+
+/// Prompt budget and reply cap of one summary call.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct SummariserBudgets {
+    /// Characters of prompt the summariser reads.
+    pub prompt_chars: usize,
+    /// Wire `max_tokens` of the reply; `None` = no cap.
+    pub reply_tokens: Option<u32>,
+}
+
+impl From<SummariserBudgets> for (usize, Option<u32>) {
+    fn from(b: SummariserBudgets) -> Self {
+        (b.prompt_chars, b.reply_tokens)
+    }
+}
+
+/// The summariser's budgets at `window` with trigger `threshold`.
+///
+/// The reply cap follows `summary_target_ratio` of the trigger (the share
+/// of the compacted request the summary may take, the same share the tail
+/// gets), and is never below 1.25 × the largest summary target, so a model
+/// that writes what it is asked for is not cut off. It is at most a third of
+/// the window; the prompt gets the rest of the window (at 3 chars/token),
+/// at most the 160,000-char reference input cap. Windows of 64k and more
+/// keep the reference: 160,000 chars and no wire cap.
+///
+/// With the default ratio (0.20) and no reply reservation (trigger = 85% of
+/// the window below 64k, 75% at 128k):
+///
+/// | window | largest summary target | reply cap (was) | prompt budget |
+/// |---:|---:|---:|---:|
+/// | 2,048 | 204 | 348 (102) | 4,908 chars |
+/// | 4,096 | 409 | 696 (204) | 10,008 chars |
+/// | 8,192 | 819 | 1,392 (409) | 20,208 chars |
+/// | 32,768 | 2,000 | 5,570 (1,638) | 81,402 chars |
+/// | 131,072 | 6,553 | none (none) | 160,000 chars |
+///
+/// A reservation lowers the trigger and with it the cap (2,048 with
+/// `max_tokens` 256: 304), never below 1.25 × the target.
+pub fn summariser_budgets(window: u64, threshold: u64, ratio: f64) -> SummariserBudgets {
+    const REFERENCE_CHARS: usize = super::summariser::DEFAULT_PROMPT_BUDGET_CHARS;
+    let window = window.max(1);
+    if window >= SUMMARY_REPLY_CAP_WINDOW {
+        return SummariserBudgets {
+            prompt_chars: REFERENCE_CHARS,
+            reply_tokens: None,
+        };
+    }
+    let max_summary = max_summary_tokens_for(window, threshold);
+    let largest_target = summary_budget(u64::MAX / 8, max_summary);
+    let share = floor_mul(threshold, super::config::clamp_ratio(ratio));
+    let reply = share
+        .max(largest_target + largest_target / 4)
+        .min(window / 3)
+        .max(1);
+    let prompt_tokens = window
+        .saturating_sub(reply + SUMMARY_CALL_MARGIN)
+        .max(window / 4);
+    let chars =
+        usize::try_from(prompt_tokens * SUMMARY_PROMPT_CHARS_PER_TOKEN).unwrap_or(REFERENCE_CHARS);
+    SummariserBudgets {
+        prompt_chars: chars.min(REFERENCE_CHARS),
+        reply_tokens: u32::try_from(reply).ok(),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn summariser_budgets_follow_the_trigger() {
+        // (window, reply cap, prompt chars) with the default ratio, no reservation.
+        let cfg = CompactionConfig::default();
+        let ratio = cfg.effective_summary_target_ratio();
+        let at = |w: u64| {
+            let t = Budgets::compute(&cfg, "m", w, None).threshold_tokens;
+            summariser_budgets(w, t, ratio)
+        };
+        for (w, reply) in [(2048u64, 348u32), (4096, 696), (8192, 1392), (32_768, 5570)] {
+            let b = at(w);
+            assert_eq!(b.reply_tokens, Some(reply), "{w}");
+            // The prompt (at 3 chars/token) plus the reply fit the window.
+            assert!(
+                b.prompt_chars as u64 / 3 + u64::from(reply) <= w,
+                "{w}: {b:?}"
+            );
+            // The reply holds the largest summary target with room to spare.
+            let ms =
+                max_summary_tokens_for(w, Budgets::compute(&cfg, "m", w, None).threshold_tokens);
+            assert!(
+                u64::from(reply) >= summary_budget(u64::MAX / 8, ms) * 5 / 4,
+                "{w}"
+            );
+        }
+        assert_eq!(
+            at(131_072),
+            SummariserBudgets {
+                prompt_chars: 160_000,
+                reply_tokens: None
+            }
+        );
+        // A larger ratio gives the summary a larger share.
+        let t = Budgets::compute(&cfg, "m", 8192, None).threshold_tokens;
+        assert!(summariser_budgets(8192, t, 0.4).reply_tokens > at(8192).reply_tokens);
+    }
 
     #[test]
     fn worked_examples_from_notes() {

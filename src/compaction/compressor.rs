@@ -29,6 +29,7 @@ use super::summariser::{Summariser, SummaryError, SummaryErrorKind, SummaryReply
 use super::tail::{self, TailParams};
 use super::tokens;
 use super::trigger::{truncate_error_text, FailureClass, Trigger};
+use super::truncated;
 use super::view;
 
 /// Rows after the head a conversation needs before it is worth compacting.
@@ -66,6 +67,11 @@ pub struct CompressOptions {
     /// Today's date (`YYYY-MM-DD`) for temporal anchoring in the summary
     /// prompt; the engine has no clock of its own.
     pub today: Option<String>,
+    /// Rough tokens the messages must fit into to be sent at all (window
+    /// minus reply reservation and tools). When the call leaves them larger
+    /// (nothing to compact, or not enough), the largest messages are
+    /// shortened as a last resort ([`super::last_resort`]).
+    pub fit_tokens: Option<u64>,
 }
 
 /// Why a compaction was abandoned with the input unchanged.
@@ -142,6 +148,8 @@ pub struct CompressTelemetry {
     pub summary_calls: u32,
     /// Chunks the middle was summarised in (1 = a single prompt).
     pub chunk_count: usize,
+    /// Rows the last resort shortened to make the request fit (0 = none).
+    pub last_resort_rows: usize,
     /// Failure class name, when the attempt did not go cleanly.
     pub failure_class: Option<&'static str>,
     /// The caller's token figure, if given.
@@ -523,6 +531,10 @@ struct Cut {
     /// The ask of an oversized active turn, carried verbatim after the
     /// summary while the rounds before `end` are summarised.
     split_ask: Option<usize>,
+    /// The input before pruning, row for row with `working`: a pruned tool
+    /// output reaches the summariser as its one-line stub plus the salient
+    /// lines of the original (the facts the stub would lose).
+    unpruned: Option<Vec<Value>>,
 }
 
 impl Cut {
@@ -531,9 +543,65 @@ impl Cut {
     fn middle(&self) -> Vec<Value> {
         (self.start..self.end)
             .filter(|&i| Some(i) != self.split_ask)
-            .filter_map(|i| markers::strip_handoff(&self.working[i]))
+            .filter_map(|i| {
+                let row = markers::strip_handoff(&self.working[i])?;
+                Some(match self.unpruned.as_ref().map(|u| &u[i]) {
+                    Some(raw) if raw != &self.working[i] && view::is_role(raw, "tool") => {
+                        with_salient_lines(row, raw, SalientUse::Summariser)
+                    }
+                    _ => row,
+                })
+            })
             .collect()
     }
+}
+
+/// `body` with its task snapshot grounded in the newest real user ask of
+/// `turns` (or the note that there is none).
+fn ground(body: &str, turns: &[Value], no_user_turns: bool) -> String {
+    let ask = turns
+        .iter()
+        .rev()
+        .find(|m| view::is_real_user(m))
+        .map(view::text);
+    let grounding = match (&ask, no_user_turns) {
+        (Some(a), _) => serialize::Grounding::UserAsk(a),
+        (None, true) => serialize::Grounding::NoUserInSession,
+        (None, false) => serialize::Grounding::NoUserInWindow,
+    };
+    serialize::ground_task_snapshot_with(body, grounding)
+}
+
+/// Where a pruned tool output's salient lines go.
+#[derive(Clone, Copy)]
+enum SalientUse {
+    /// The summariser's input: up to six lines with any fact in them.
+    Summariser,
+    /// A pruned row that stays in the request: up to three `key: value`,
+    /// error or decision lines, so its facts outlive the stub.
+    Kept,
+}
+
+/// `pruned` (a tool row whose output became a stub) with the salient lines
+/// of its original output appended, when it has any.
+fn with_salient_lines(mut pruned: Value, raw: &Value, to: SalientUse) -> Value {
+    let (max, min_score) = match to {
+        SalientUse::Summariser => (6, 2),
+        SalientUse::Kept => (3, 3),
+    };
+    let lines = super::salient::salient_lines_min(&view::text(raw), max, min_score);
+    if lines.is_empty() {
+        return pruned;
+    }
+    let stub = view::text(&pruned);
+    if let Some(o) = pruned.as_object_mut() {
+        let text = format!(
+            "{stub}\nKey lines of the original output:\n{}",
+            lines.join("\n")
+        );
+        o.insert("content".into(), Value::String(text));
+    }
+    pruned
 }
 
 /// What one compress call has decided so far. Nothing of it touches the
@@ -550,6 +618,8 @@ struct Pass {
     /// window turned out to hold only earlier summaries (what the handoff
     /// scan adopted from the wire stands then).
     keep_state: Option<SummaryState>,
+    /// [`CompressOptions::fit_tokens`].
+    fit_tokens: Option<u64>,
 }
 
 /// How a compress call ends.
@@ -840,7 +910,9 @@ impl Compressor {
         let mut running = state.previous.clone();
         let n = chunks.len();
         for (i, text) in chunks.iter().enumerate() {
-            let prev = running.as_deref().map(|p| bound_summary_input(p, prev_cap));
+            let prev = running
+                .as_deref()
+                .map(|p| bound_running_summary(p, prev_cap));
             let prompt = build_summary_prompt(&PromptParts {
                 turns: text,
                 previous_summary: prev.as_deref(),
@@ -853,6 +925,10 @@ impl Compressor {
             let call = SummaryCall {
                 prompt,
                 no_user_session: no_user_turns,
+                target_tokens: target,
+                max_body_chars: max_summary_body_chars(target, self.trigger.context_length()),
+                budget_chars: s.prompt_budget_chars(),
+                keep_cut: !self.cfg.abort_on_degraded_summary,
             };
             match call.run(s, &mut model, &mut fallen_back, &mut out).await {
                 Ok(body) => running = Some(body),
@@ -865,22 +941,8 @@ impl Compressor {
         let Some(body) = running else {
             return out;
         };
-        let ask = turns
-            .iter()
-            .rev()
-            .find(|m| view::is_real_user(m))
-            .map(view::text);
-        let grounding = match (&ask, no_user_turns) {
-            (Some(a), _) => serialize::Grounding::UserAsk(a),
-            (None, true) => serialize::Grounding::NoUserInSession,
-            (None, false) => serialize::Grounding::NoUserInWindow,
-        };
         let window = self.trigger.context_length();
-        let body = clip_summary_for_window(
-            serialize::ground_task_snapshot_with(&body, grounding),
-            target,
-            window,
-        );
+        let body = clip_summary_for_window(ground(&body, turns, no_user_turns), target, window);
         out.summary = Some(markers::normalize_summary_prefix_with(
             markers::summary_prefix_for(window),
             &body,
@@ -911,6 +973,7 @@ impl Compressor {
             feasibility_skip: false,
             fallback_used: false,
             keep_state: None,
+            fit_tokens: opts.fit_tokens,
         };
         let cut = match self.cut(messages, &mut pass.tel) {
             Ok(cut) => cut,
@@ -978,6 +1041,11 @@ impl Compressor {
         );
         tel.pruned_rows = pruned_rows;
         let working = remove_blank_echoes(pruned);
+        // Pruning never touches user rows, so the same echo removal on the
+        // raw input keeps the rows aligned (checked by length).
+        let unpruned = (pruned_rows > 0)
+            .then(|| remove_blank_echoes(messages.to_vec()))
+            .filter(|u| u.len() == working.len());
         // The head is measured on the working list (a removed blank echo
         // shifts rows) and never ends inside a tool group.
         let mut start = self.head_size(&working, relax_head);
@@ -991,11 +1059,16 @@ impl Compressor {
         if start >= end {
             return Err(NoOpReason::NoCompressibleWindow);
         }
+        let mut working = working;
+        if let Some(raw) = &unpruned {
+            keep_salient_lines(&mut working, raw, start..end, split_ask);
+        }
         Ok(Cut {
             working,
             start,
             end,
             split_ask,
+            unpruned,
         })
     }
 
@@ -1214,6 +1287,7 @@ impl Compressor {
 
     /// Commits what the call decided, once, and builds its result.
     fn finish(&mut self, messages: &[Value], mut pass: Pass, ending: Ending) -> CompressResult {
+        let ending = last_resort(messages, ending, &mut pass);
         if pass.force {
             self.trigger.clear_failure_cooldown();
             self.trigger.clear_structural_backoff();
@@ -1251,18 +1325,69 @@ impl Compressor {
     }
 }
 
+/// The last resort of a call whose messages still do not fit
+/// `pass.fit_tokens`: nothing was compacted (or not enough), so the
+/// largest messages are shortened ([`super::last_resort::shrink_to_fit`]).
+/// An abort stays an abort; a request that cannot fit stays as it was.
+fn last_resort(messages: &[Value], ending: Ending, pass: &mut Pass) -> Ending {
+    let Some(fit) = pass.fit_tokens else {
+        return ending;
+    };
+    let (base, summary_index, dropped_count) = match &ending {
+        Ending::Unchanged(Outcome::NoOp(_) | Outcome::Rejected) => (messages, None, 0),
+        Ending::Compacted {
+            messages: out,
+            summary_index,
+            tokens_after,
+            dropped_count,
+        } if *tokens_after > fit => (out.as_slice(), *summary_index, *dropped_count),
+        _ => return ending,
+    };
+    let Some(shrunk) = super::last_resort::shrink_to_fit(base, fit) else {
+        return ending;
+    };
+    tracing::warn!(
+        rows = shrunk.rows,
+        fit_tokens = fit,
+        "nothing left to compact; largest messages shortened to fit the window"
+    );
+    pass.tel.last_resort_rows = shrunk.rows;
+    Ending::Compacted {
+        tokens_after: tokens::estimate_messages_tokens_rough(&shrunk.messages),
+        messages: shrunk.messages,
+        summary_index,
+        dropped_count,
+    }
+}
+
 /// One summary prompt, sent with the retry on the main model.
 struct SummaryCall {
     prompt: String,
     /// The session has no user turns: a reply attributing anything to a
     /// user is invented and counts as a refusal.
     no_user_session: bool,
+    /// The summary's token target (for the firmer retry instruction).
+    target_tokens: u64,
+    /// Longest body kept unclipped: a longer one is retried like a cut one.
+    max_body_chars: usize,
+    /// The summariser's prompt budget: the retry's longer prompt must fit.
+    budget_chars: usize,
+    /// A reply cut at the reply limit is kept (cut at its last complete
+    /// line) rather than failed; off under `abort_on_degraded_summary`.
+    keep_cut: bool,
+}
+
+/// A checked reply: its body, and whether it was cut at the reply limit.
+struct Checked {
+    body: String,
+    cut: bool,
 }
 
 impl SummaryCall {
-    /// Sends the prompt on `model` (`None` = the main model). A distinct
-    /// summary model that fails is recorded in `out` and the prompt is
-    /// retried once on the main model, which later prompts then use too.
+    /// Sends the prompt; a summary cut at the reply limit is retried once
+    /// with a firmer length instruction when the prompt budget has room,
+    /// and otherwise (or when the retry is cut too) kept cut at its last
+    /// complete line.
     async fn run(
         &self,
         s: &dyn Summariser,
@@ -1270,17 +1395,51 @@ impl SummaryCall {
         fallen_back: &mut bool,
         out: &mut SummaryAttempt,
     ) -> Result<String, SummaryFailure> {
+        let first = self.send(&self.prompt, s, model, fallen_back, out).await?;
+        let too_long = |c: &Checked| c.body.chars().count() > self.max_body_chars;
+        if !first.cut && !too_long(&first) {
+            return Ok(first.body);
+        }
+        let Some(firm) =
+            truncated::firm_prompt(&self.prompt, self.target_tokens, self.budget_chars)
+        else {
+            return Ok(first.body);
+        };
+        tracing::info!(
+            cut = first.cut,
+            "summary over its length; retrying once with a firmer length instruction"
+        );
+        match self.send(&firm, s, model, fallen_back, out).await {
+            // A complete retry wins; of two cut ones, the one that kept more.
+            Ok(second) if !second.cut || (first.cut && second.body.len() >= first.body.len()) => {
+                Ok(second.body)
+            }
+            _ => Ok(first.body),
+        }
+    }
+
+    /// Sends `prompt` on `model` (`None` = the main model). A distinct
+    /// summary model that fails is recorded in `out` and the prompt is
+    /// retried once on the main model, which later prompts then use too.
+    async fn send(
+        &self,
+        prompt: &str,
+        s: &dyn Summariser,
+        model: &mut Option<String>,
+        fallen_back: &mut bool,
+        out: &mut SummaryAttempt,
+    ) -> Result<Checked, SummaryFailure> {
         loop {
             let req = SummaryRequest {
                 model: model.clone(),
-                prompt: self.prompt.clone(),
+                prompt: prompt.to_owned(),
                 max_tokens: None,
                 temperature: None,
             };
             out.calls += 1;
             let failure = match s.summarise(req).await {
                 Ok(reply) => match self.check(&reply) {
-                    Ok(body) => return Ok(body),
+                    Ok(checked) => return Ok(checked),
                     Err(f) => f,
                 },
                 Err(e) => SummaryFailure::from_error(&e),
@@ -1300,16 +1459,30 @@ impl SummaryCall {
         }
     }
 
-    /// The cleaned, validated body of a reply.
-    fn check(&self, reply: &SummaryReply) -> Result<String, SummaryFailure> {
+    /// The cleaned, validated body of a reply. A reply cut at the reply
+    /// limit is kept up to its last complete line when `keep_cut` allows
+    /// (a truncation failure when nothing complete is left).
+    fn check(&self, reply: &SummaryReply) -> Result<Checked, SummaryFailure> {
         let text = reply_text(reply);
+        let cut = reply.finish_reason.as_deref() == Some("length") && self.keep_cut;
+        let finish = if cut {
+            None
+        } else {
+            reply.finish_reason.as_deref()
+        };
         let body = serialize::validate_summary_reply(
             text.as_deref(),
-            reply.finish_reason.as_deref(),
+            finish,
             reply.refusal.as_deref(),
             reply.reasoning.as_deref(),
         )
         .map_err(|inv| SummaryFailure::invalid(&inv))?;
+        let body = if cut {
+            truncated::cut_at_last_line(&body)
+                .ok_or_else(|| SummaryFailure::invalid(&serialize::SummaryInvalid::Truncated))?
+        } else {
+            body
+        };
         if self.no_user_session && serialize::attributes_to_user(&body) {
             return Err(SummaryFailure::new(
                 SummaryFailureKind::Other,
@@ -1317,7 +1490,7 @@ impl SummaryCall {
                 "summary attributed text to a user in a session without user turns",
             ));
         }
-        Ok(body)
+        Ok(Checked { body, cut })
     }
 }
 
@@ -1338,7 +1511,11 @@ fn plan_chunks(
         return (vec![serialized], SUMMARY_INPUT_MAX_CHARS);
     }
     let room = budget.saturating_sub(overhead).max(1_000);
-    let per_chunk = (room - room / 3).max(500);
+    // The running summary is quoted whole (what summary N recorded must
+    // reach summary N+1) unless it alone would take most of the room; the
+    // chunks get the rest.
+    let prev_cap = prev_len.clamp(room / 3, room * 2 / 3).max(500);
+    let per_chunk = room.saturating_sub(prev_cap).max(500);
     let mut parts: Vec<String> = chunk_for_budget(turns, per_chunk)
         .iter()
         .map(|c| bound_summary_input(&serialize_for_summary(c), per_chunk))
@@ -1353,10 +1530,26 @@ fn plan_chunks(
         parts.truncate(head);
         parts.extend(keep_tail);
     }
-    // The running summary gets a third of the room, the chunk the rest, so
-    // every prompt fits the summariser.
-    let prev_cap = (budget.saturating_sub(overhead) / 3).max(500);
     (parts, prev_cap)
+}
+
+/// Pruned tool rows outside `middle` (they stay in the request) get the
+/// salient lines of their original output.
+fn keep_salient_lines(
+    working: &mut [Value],
+    raw: &[Value],
+    middle: std::ops::Range<usize>,
+    split_ask: Option<usize>,
+) {
+    for (i, row) in working.iter_mut().enumerate() {
+        if (middle.contains(&i) && Some(i) != split_ask)
+            || !view::is_role(row, "tool")
+            || *row == raw[i]
+        {
+            continue;
+        }
+        *row = with_salient_lines(row.clone(), &raw[i], SalientUse::Kept);
+    }
 }
 
 /// The tail cut and the oversized-active-turn split over `working` from
@@ -1483,10 +1676,38 @@ fn clip_chars(body: String, max_chars: usize) -> String {
     if body.chars().count() <= max_chars {
         return body;
     }
+    if let Some(fit) = super::salient::fit_lines(&body, max_chars, NOTE.trim_start()) {
+        return fit;
+    }
     let keep = max_chars.saturating_sub(NOTE.chars().count());
     let mut clipped: String = body.chars().take(keep).collect();
+    if let Some(nl) = clipped.rfind('\n').filter(|&nl| nl >= clipped.len() / 2) {
+        clipped.truncate(nl);
+    }
     clipped.push_str(NOTE);
     clipped
+}
+
+/// The running summary quoted in a summary prompt, within `cap` chars:
+/// shortened by lines (facts kept over narrative), else cut in the middle.
+fn bound_running_summary(previous: &str, cap: usize) -> String {
+    super::salient::fit_lines(previous, cap, "[earlier summary shortened to fit]")
+        .unwrap_or_else(|| bound_summary_input(previous, cap))
+}
+
+/// Longest summary body [`clip_summary_for_window`] leaves whole.
+pub fn max_summary_body_chars(target_tokens: u64, window: u64) -> usize {
+    let factor = if window >= STRICT_SUMMARY_WINDOW {
+        SUMMARY_OVERSHOOT_FACTOR
+    } else {
+        1
+    };
+    usize::try_from(
+        target_tokens
+            .saturating_mul(factor)
+            .saturating_mul(tokens::CHARS_PER_TOKEN),
+    )
+    .unwrap_or(usize::MAX)
 }
 
 /// Character cap of a deterministic fallback body: the summary budget

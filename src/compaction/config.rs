@@ -203,7 +203,10 @@ impl CompactionConfig {
             ));
         }
         if self.summary_timeout_secs == 0 {
-            return Err(InvalidSetting::new("summary_timeout_secs", "must be positive"));
+            return Err(InvalidSetting::new(
+                "summary_timeout_secs",
+                "must be positive",
+            ));
         }
         if self.micro_every_n_turns == 0 {
             return Err(InvalidSetting::new(

@@ -335,20 +335,25 @@ pub fn build_fallback_body_capped(
 ## Constraints & Preferences\n- {FALLBACK_NOTICE} ({reason}), so this summary was assembled locally from {n} compacted messages without a model. Secrets were redacted and details may be missing: verify the current state before acting."
         )
     };
-    let optional = optional_sections(&f, n, &reason, compact, previous_summary, max_chars);
+    let mut optional = Vec::new();
+    // The previous summary is carried whole (it is compact already), and
+    // shortened by lines only when it alone would not fit; then the salient
+    // lines of the dropped turns. Both go first to the cap.
+    let room = max_chars.saturating_sub(required.chars().count() + 2);
+    if let Some(prev) = previous_section(previous_summary, room) {
+        optional.push((4, prev));
+    }
+    let room = room.saturating_sub(optional.first().map_or(0, |(_, t)| t.chars().count() + 2));
+    if let Some(facts) = key_facts_section(dropped, room) {
+        optional.push((0, facts));
+    }
+    optional.extend(optional_sections(&f, n, &reason, compact));
     fit_sections(required, optional, max_chars)
 }
 
 /// The optional sections as `(canonical position, text)`, in the priority
 /// order they are offered to the cap.
-fn optional_sections(
-    f: &Facts,
-    n: usize,
-    reason: &str,
-    compact: bool,
-    previous_summary: Option<&str>,
-    max_chars: usize,
-) -> Vec<(usize, String)> {
+fn optional_sections(f: &Facts, n: usize, reason: &str, compact: bool) -> Vec<(usize, String)> {
     let numbered = |items: &[String]| {
         items
             .iter()
@@ -386,28 +391,64 @@ fn optional_sections(
             format!("## Last Dropped Turns\n{}", f.last_turns.join("\n")),
         ));
     }
-    if let Some(prev) = previous_summary.filter(|p| !p.trim().is_empty()) {
-        let p = redact_secrets(prev.trim());
-        let quoted: String = p
-            .chars()
-            .take(PREVIOUS_SNAPSHOT_MAX_CHARS.min(max_chars / 2))
-            .collect();
-        let quoted = quoted
-            .lines()
-            .map(|l| format!("> {l}"))
-            .collect::<Vec<_>>()
-            .join("\n");
-        optional.push((
-            4,
-            format!("## Previous Summary Snapshot (reference only)\n{quoted}"),
-        ));
-    }
     optional.push((
         5,
         "## Active State\nUnknown — check the working tree and running processes before acting."
             .to_string(),
     ));
     optional
+}
+
+const PREVIOUS_HEADING: &str = "## Previous Summary Snapshot (carried whole)";
+const KEY_FACTS_HEADING: &str = "## Key Facts From The Compacted Turns";
+/// Most salient lines the fallback lists from the dropped turns.
+pub const MAX_KEY_FACTS: usize = 16;
+
+/// The previous summary, quoted, within `room` characters: whole when it
+/// fits, else shortened by lines (facts before narrative).
+fn previous_section(previous: Option<&str>, room: usize) -> Option<String> {
+    let p = redact_secrets(previous?.trim());
+    if p.is_empty() {
+        return None;
+    }
+    // Lines quoted by an earlier fallback are not quoted twice.
+    let quoted = p
+        .lines()
+        .map(|l| {
+            let l = l.trim_start_matches("> ");
+            if l.is_empty() {
+                ">".to_string()
+            } else {
+                format!("> {l}")
+            }
+        })
+        .collect::<Vec<_>>()
+        .join("\n");
+    let text = format!("{PREVIOUS_HEADING}\n{quoted}");
+    super::salient::fit_lines(&text, room, "> [earlier summary shortened to fit]")
+}
+
+/// The salient lines of the dropped turns (asks, decisions, identifiers,
+/// paths, errors, `key: value` facts), newest kept when they do not all fit.
+fn key_facts_section(dropped: &[Value], room: usize) -> Option<String> {
+    let text: String = dropped
+        .iter()
+        .map(|m| render_content(m.get("content")))
+        .collect::<Vec<_>>()
+        .join("\n");
+    let lines = super::salient::salient_lines_min(&text, MAX_KEY_FACTS * 4, 2);
+    let mut used = KEY_FACTS_HEADING.chars().count();
+    let mut kept: Vec<String> = Vec::new();
+    for l in lines.iter().rev().take(MAX_KEY_FACTS) {
+        let cost = l.chars().count() + 3;
+        if used + cost > room {
+            break;
+        }
+        used += cost;
+        kept.push(format!("- {l}"));
+    }
+    kept.reverse();
+    (!kept.is_empty()).then(|| format!("{KEY_FACTS_HEADING}\n{}", kept.join("\n")))
 }
 
 /// Appends the optional sections that fit `budget` to `required`, in their
@@ -624,5 +665,33 @@ mod tests {
         let f = build_fallback_body(&msgs, None, "x");
         assert!(f.contains("User asked: 'real ask'"));
         assert!(f.contains("INTERNAL CONTEXT: [System: note]"));
+    }
+
+    #[test]
+    fn carries_the_previous_summary_whole_and_the_dropped_facts() {
+        let prev: String = (0..30)
+            .map(|i| format!("- earlier fact FACT-{i:02} recorded\n"))
+            .collect();
+        let dropped = vec![
+            json!({"role": "user", "content": "Constraint: never change the tag REL-42."}),
+            json!({"role": "tool", "tool_call_id": "c1", "content": "noise line\nbuild_id: B7-1234\nmore noise"}),
+            json!({"role": "assistant", "content": "Decision: we deploy with id MIG-77."}),
+        ];
+        // Longer than the old 3,000-char (or half-the-cap) snapshot limit.
+        assert!(prev.len() > 816 / 2);
+        let body = build_fallback_body_capped(&dropped, Some(&prev), "boom", 2_400);
+        for i in 0..30 {
+            assert!(
+                body.contains(&format!("FACT-{i:02}")),
+                "fact {i} lost:\n{body}"
+            );
+        }
+        for f in ["REL-42", "build_id: B7-1234", "MIG-77"] {
+            assert!(body.contains(f), "{f} lost:\n{body}");
+        }
+        assert!(body.chars().count() <= 2_400);
+        // A previous summary larger than the cap is shortened, never overflows it.
+        let body = build_fallback_body_capped(&dropped, Some(&prev.repeat(10)), "boom", 1_200);
+        assert!(body.chars().count() <= 1_200, "{}", body.chars().count());
     }
 }

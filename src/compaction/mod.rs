@@ -27,10 +27,12 @@ pub mod budget;
 pub mod compressor;
 pub mod config;
 pub mod fallback;
+pub mod last_resort;
 pub mod markers;
 pub mod micro;
 pub mod prune;
 pub mod redact;
+pub mod salient;
 pub mod sanitize;
 pub mod serialize;
 pub mod summariser;
@@ -38,6 +40,7 @@ pub mod tail;
 pub mod tokens;
 pub mod tool_summary;
 pub mod trigger;
+pub mod truncated;
 pub mod view;
 
 pub use compressor::{

@@ -12,7 +12,7 @@
 
 use std::fmt;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use serde::{Deserialize, Serialize};
@@ -141,24 +141,15 @@ impl Clock {
     }
 }
 
-/// Where the context window comes from. A lazy source is called at most
-/// once, on first need (never in [`Trigger::new`]): resolving may probe the
-/// upstream.
+/// Where the context window comes from. The proxy resolves the window
+/// (config table, learned value, `/props` probe) before it builds a
+/// trigger, so the window is always known; the trigger still logs its
+/// budgets once, on first need (never in [`Trigger::new`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum WindowSource {
-    /// The window is already known (config table, learned value).
+    /// The window is known (config table, learned value, probe); 0 means
+    /// unknown ([`DEFAULT_CONTEXT_LENGTH`] assumed).
     Known(u64),
-    /// Resolve on first need; a result of 0 means unknown
-    /// ([`DEFAULT_CONTEXT_LENGTH`] assumed).
-    Lazy(Box<dyn FnOnce() -> u64 + Send>),
-}
-
-impl fmt::Debug for WindowSource {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        match self {
-            WindowSource::Known(w) => write!(f, "Known({w})"),
-            WindowSource::Lazy(_) => f.write_str("Lazy(..)"),
-        }
-    }
 }
 
 /// Why a summary attempt failed, for choosing its cooldown.
@@ -251,8 +242,6 @@ pub struct TriggerSnapshot {
     pub compression_count: u32,
 }
 
-type LazyWindow = Box<dyn FnOnce() -> u64 + Send>;
-
 /// Content-free view of a trigger for the admin endpoint and logs. Built
 /// from cached values only: reading it never resolves the window.
 #[derive(Clone, Debug, Default, PartialEq, Serialize)]
@@ -298,8 +287,6 @@ pub struct Trigger {
     model: String,
     base_url: String,
     max_tokens: Option<u64>,
-    // Mutex only so a `Trigger` is `Sync` even though the resolver is not.
-    pending_window: Mutex<Option<LazyWindow>>,
     window: Option<u64>,
     threshold_percent: Option<f64>,
     threshold: Option<u64>,
@@ -364,16 +351,13 @@ impl Trigger {
         window: WindowSource,
         max_tokens: Option<u64>,
     ) -> Self {
-        let (known, pending) = match window {
-            WindowSource::Known(w) => (Some(w), None),
-            WindowSource::Lazy(f) => (None, Some(f)),
-        };
+        let WindowSource::Known(w) = window;
+        let known = Some(w);
         let mut t = Self {
             cfg,
             model: model.to_owned(),
             base_url: String::new(),
             max_tokens: max_tokens.filter(|&m| m > 0),
-            pending_window: Mutex::new(pending),
             window: None,
             threshold_percent: None,
             threshold: None,
@@ -476,14 +460,11 @@ impl Trigger {
         let w = match self.window {
             Some(w) => w,
             None => {
-                let raw = self.take_pending_window().map(|f| f()).unwrap_or(0);
-                if raw == 0 {
-                    tracing::warn!(
-                        fallback = DEFAULT_CONTEXT_LENGTH,
-                        "context window unknown; assuming default"
-                    );
-                }
-                sanitize_window(raw)
+                tracing::warn!(
+                    fallback = DEFAULT_CONTEXT_LENGTH,
+                    "context window unknown; assuming default"
+                );
+                sanitize_window(0)
             }
         };
         self.window = Some(w);
@@ -510,19 +491,10 @@ impl Trigger {
         if self.window == Some(window) {
             return;
         }
-        // A set before first resolution replaces the lazy probe entirely.
-        drop(self.take_pending_window());
         self.window = Some(window);
         self.invalidate_budgets();
         if self.window_resolutions == 0 {
             self.resolve_window();
-        }
-    }
-
-    fn take_pending_window(&mut self) -> Option<LazyWindow> {
-        match self.pending_window.get_mut() {
-            Ok(p) => p.take(),
-            Err(poisoned) => poisoned.into_inner().take(),
         }
     }
 
@@ -609,6 +581,17 @@ impl Trigger {
         let m = budget::max_summary_tokens_for(self.context_length(), threshold);
         self.max_summary = Some(m);
         m
+    }
+
+    /// Prompt budget and reply cap of a summary call (see
+    /// [`budget::summariser_budgets`]).
+    pub fn summariser_budgets(&mut self) -> budget::SummariserBudgets {
+        let threshold = self.threshold_tokens();
+        budget::summariser_budgets(
+            self.context_length(),
+            threshold,
+            self.cfg.effective_summary_target_ratio(),
+        )
     }
 
     /// Pin the summary cap (runtime correction or test).
@@ -816,7 +799,6 @@ impl Trigger {
         match window {
             Some(w) => {
                 let w = sanitize_window(w);
-                drop(self.take_pending_window());
                 let first = self.window_resolutions == 0;
                 self.window = Some(w);
                 self.invalidate_budgets();

@@ -1,0 +1,242 @@
+//! The last resort when nothing is left to compact: the fixed part of a
+//! request (system prompt, tools, newest turn) plus the rest does not fit,
+//! so the largest individual messages are shortened in their middle, with
+//! a visible marker, until the request fits.
+//!
+//! No row is removed, so tool-call pairing is kept as it was. The system
+//! prompt (or developer message) leading the list is never shortened; the
+//! newest user message and the running summary only when nothing else is
+//! left to shorten. When even that cannot make the messages fit, nothing is
+//! changed (the upstream answers the request as it is).
+
+use serde_json::Value;
+
+use super::tokens;
+use super::view;
+
+/// No message is shortened below this many characters.
+pub const LAST_RESORT_MIN_CHARS: usize = 240;
+
+fn marker(cut: usize) -> String {
+    format!("\n…[{cut} chars cut from the middle to fit the context window]…\n")
+}
+
+/// Characters of the text a row carries (string content, or the text
+/// parts of a content list).
+fn text_len(m: &Value) -> usize {
+    match m.get("content") {
+        Some(Value::String(s)) => s.chars().count(),
+        Some(Value::Array(parts)) => parts
+            .iter()
+            .filter_map(|p| p.get("text").and_then(Value::as_str))
+            .map(|t| t.chars().count())
+            .max()
+            .unwrap_or(0),
+        _ => 0,
+    }
+}
+
+/// `text` cut to about `keep` characters: 45% head, 55% tail around the
+/// marker.
+fn middle_cut(text: &str, keep: usize) -> String {
+    let n = text.chars().count();
+    if n <= keep {
+        return text.to_owned();
+    }
+    let head = keep * 45 / 100;
+    let tail = keep - head;
+    let start: String = text.chars().take(head).collect();
+    let end: String = text.chars().skip(n - tail).collect();
+    format!("{start}{}{end}", marker(n - keep))
+}
+
+/// Shortens the text of `m` (its largest text part) to about `keep` chars.
+fn shorten(m: &mut Value, keep: usize) {
+    match m.get_mut("content") {
+        Some(Value::String(s)) => *s = middle_cut(s, keep),
+        Some(Value::Array(parts)) => {
+            let largest = parts
+                .iter_mut()
+                .filter(|p| p.get("text").and_then(Value::as_str).is_some())
+                .max_by_key(|p| p.get("text").and_then(Value::as_str).map_or(0, str::len));
+            if let Some(p) = largest {
+                let t = p.get("text").and_then(Value::as_str).unwrap_or("");
+                let cut = middle_cut(t, keep);
+                p["text"] = Value::String(cut);
+            }
+        }
+        _ => {}
+    }
+}
+
+/// What the last resort did.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Shrunk {
+    /// The messages, shortened.
+    pub messages: Vec<Value>,
+    /// Rows shortened.
+    pub rows: usize,
+}
+
+/// `messages` with their largest messages shortened until the rough
+/// estimate is at most `budget` tokens; `None` when they fit already or
+/// cannot be made to fit.
+pub fn shrink_to_fit(messages: &[Value], budget: u64) -> Option<Shrunk> {
+    let mut out = messages.to_vec();
+    if tokens::estimate_messages_tokens_rough(&out) <= budget {
+        return None;
+    }
+    let system = out
+        .first()
+        .is_some_and(|m| view::is_role(m, "system") || view::is_role(m, "developer"));
+    let newest_user = out.iter().rposition(view::is_real_user);
+    let mut shrunk = vec![false; out.len()];
+    // First everything but the newest ask and the summary; then those too.
+    for last_pass in [false, true] {
+        loop {
+            let total = tokens::estimate_messages_tokens_rough(&out);
+            if total <= budget {
+                let rows = shrunk.iter().filter(|s| **s).count();
+                return Some(Shrunk {
+                    messages: out,
+                    rows,
+                });
+            }
+            let candidate = (usize::from(system)..out.len())
+                .filter(|&i| last_pass || (Some(i) != newest_user && !view::is_summary(&out[i])))
+                .map(|i| (text_len(&out[i]), i))
+                .filter(|&(len, _)| len > LAST_RESORT_MIN_CHARS)
+                .max();
+            let Some((len, i)) = candidate else {
+                break;
+            };
+            let over_chars = usize::try_from(budget.abs_diff(total))
+                .unwrap_or(usize::MAX)
+                .saturating_mul(usize::try_from(tokens::CHARS_PER_TOKEN).unwrap_or(4));
+            let keep = len
+                .saturating_sub(over_chars + marker(len).chars().count())
+                .max(LAST_RESORT_MIN_CHARS);
+            shorten(&mut out[i], keep);
+            if text_len(&out[i]) >= len {
+                // Could not shorten it (marker longer than the cut): stop
+                // offering this row.
+                break;
+            }
+            shrunk[i] = true;
+        }
+    }
+    None
+}
+
+/// What [`fit_budget`] works from.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct FitInputs {
+    /// The caller's (calibrated) estimate of the whole prompt, tools
+    /// included, in the upstream's tokens.
+    pub estimate: u64,
+    /// The upstream's own count of the prompt, when it just rejected it.
+    pub counted: Option<u64>,
+    /// Tokens of the tools (and other non-message parts) in the prompt.
+    pub tools: u64,
+    /// The context window.
+    pub window: u64,
+    /// The reply reservation (`max_tokens`).
+    pub max_out: u64,
+    /// The estimate is trusted to within 1/`margin_divisor`.
+    pub margin_divisor: u64,
+}
+
+/// The rough-token budget `messages` must be shortened to for the request
+/// to fit: their own rough size scaled by how much of the window the
+/// messages may take over how much they take now (by the caller's estimate
+/// or, higher, the upstream's count), with the caller's margin.
+/// `u64::MAX` when they fit already.
+pub fn fit_budget(messages: &[Value], f: FitInputs) -> u64 {
+    let usable = f.window.saturating_sub(f.max_out);
+    let usable = usable - usable / f.margin_divisor.max(2);
+    let taken = f.estimate.max(f.counted.unwrap_or(0));
+    if taken <= usable {
+        return u64::MAX;
+    }
+    let allowed = usable.saturating_sub(f.tools);
+    let now = taken.saturating_sub(f.tools).max(1);
+    let rough = tokens::estimate_messages_tokens_rough(messages);
+    u64::try_from(u128::from(rough) * u128::from(allowed) / u128::from(now)).unwrap_or(u64::MAX)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    fn msgs() -> Vec<Value> {
+        vec![
+            json!({"role": "system", "content": "S".repeat(4_000)}),
+            json!({"role": "user", "content": "read the file"}),
+            json!({"role": "assistant", "content": null, "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "read", "arguments": "{}"}}]}),
+            json!({"role": "tool", "tool_call_id": "c1", "content": format!("HEAD{}TAIL", "x".repeat(8_000))}),
+            json!({"role": "user", "content": format!("now fix it {}", "u".repeat(600))}),
+        ]
+    }
+
+    #[test]
+    fn the_largest_non_system_row_is_cut_in_the_middle() {
+        let m = msgs();
+        let before = tokens::estimate_messages_tokens_rough(&m);
+        let budget = before - 1_000;
+        let s = shrink_to_fit(&m, budget).expect("fits after shrinking");
+        assert!(tokens::estimate_messages_tokens_rough(&s.messages) <= budget);
+        assert_eq!(s.rows, 1);
+        assert_eq!(s.messages[0], m[0], "system prompt untouched");
+        assert_eq!(s.messages[4], m[4], "newest ask untouched");
+        let tool = s.messages[3]["content"].as_str().unwrap();
+        assert!(tool.starts_with("HEAD") && tool.ends_with("TAIL"));
+        assert!(tool.contains("chars cut from the middle to fit the context window"));
+        assert_eq!(s.messages.len(), m.len(), "no row removed: pairing kept");
+        assert_eq!(s.messages[3]["tool_call_id"], "c1");
+    }
+
+    #[test]
+    fn the_budget_scales_the_messages_by_the_room_they_have() {
+        let m = msgs();
+        let rough = tokens::estimate_messages_tokens_rough(&m);
+        let f = FitInputs {
+            estimate: 3_000,
+            counted: None,
+            tools: 500,
+            window: 3_300,
+            max_out: 100,
+            margin_divisor: 10,
+        };
+        // usable 3,200 - 320 = 2,880; messages may take 2,380 of their 2,500.
+        assert_eq!(fit_budget(&m, f), rough * 2_380 / 2_500);
+        // The upstream counted more than estimated: its count decides.
+        let counted = FitInputs {
+            counted: Some(3_500),
+            ..f
+        };
+        assert_eq!(fit_budget(&m, counted), rough * 2_380 / 3_000);
+        let fits = FitInputs {
+            estimate: 1_000,
+            ..f
+        };
+        assert_eq!(fit_budget(&m, fits), u64::MAX);
+    }
+
+    #[test]
+    fn the_newest_ask_is_cut_last_and_impossible_fits_change_nothing() {
+        let m = msgs();
+        let system_only = tokens::estimate_messages_tokens_rough(&m[..1]);
+        // Room for the system prompt and little else: the ask is cut too.
+        let s = shrink_to_fit(&m, system_only + 250).expect("fits");
+        assert!(s.messages[4]["content"]
+            .as_str()
+            .unwrap()
+            .contains("chars cut"));
+        assert_eq!(s.messages[0], m[0]);
+        // Not even the system prompt fits: nothing to do.
+        assert_eq!(shrink_to_fit(&m, system_only / 2), None);
+        // Already fits: nothing to do.
+        assert_eq!(shrink_to_fit(&m, u64::MAX), None);
+    }
+}
