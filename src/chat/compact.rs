@@ -24,6 +24,13 @@ use super::ChatState;
 /// "Fits the window" needs the estimate plus 1/10 of it (see [`decide`]).
 const ESTIMATE_MARGIN_DIVISOR: u64 = 10;
 
+/// A bounded engine pass keeps this many rows beyond the protected head at
+/// the start, and at least this many beyond twice `protect_last_n` at the
+/// end.
+const BOUND_HEAD_EXTRA: usize = 64;
+/// A bounded engine pass is given the newest rows worth this many windows.
+const BOUND_TAIL_WINDOWS: u64 = 4;
+
 /// One request as the compaction steps see it.
 pub(super) struct Turn<'a> {
     pub key: SessionKey,
@@ -36,6 +43,8 @@ pub(super) struct Turn<'a> {
     pub client_hashes: &'a [u128],
     /// What would be sent (after substitution): what the engine is given.
     pub outgoing: &'a [Box<RawValue>],
+    /// The record substituted into `outgoing`, if any.
+    pub record: Option<&'a Arc<Record>>,
     /// Calibrated prompt estimate of `outgoing`, real tokens.
     pub est_tokens: u64,
     /// The request's output cap, real tokens.
@@ -58,8 +67,9 @@ struct PassStats {
 
 /// What a booked pass leaves the request with.
 pub(super) enum Booked {
-    /// Send these messages instead (the compaction is recorded).
-    Compacted(Vec<Box<RawValue>>),
+    /// Send these messages instead (the compaction is recorded: the new
+    /// record, unless it could not be mapped onto the client's history).
+    Compacted(Vec<Box<RawValue>>, Option<Arc<Record>>),
     /// The compaction was abandoned; the messages go as they were.
     Aborted,
     /// Nothing to change.
@@ -108,9 +118,14 @@ pub(super) async fn compact_if_due(
     if !(d.wanted || d.micro_pass) {
         return Booked::Nothing;
     }
-    let Ok(values) = t
-        .outgoing
-        .iter()
+    let rows = EngineRows::of(
+        t.outgoing,
+        cfg.protect_first_n + BOUND_HEAD_EXTRA,
+        engine_window,
+        cfg.protect_last_n.saturating_mul(2) + BOUND_HEAD_EXTRA,
+    );
+    let Ok(values) = rows
+        .iter(t.outgoing)
         .map(|m| serde_json::from_str::<Value>(m.get()))
         .collect::<Result<Vec<Value>, _>>()
     else {
@@ -128,8 +143,10 @@ pub(super) async fn compact_if_due(
         budgets_for_window(Some(engine_window), comp.trigger.max_summary_tokens()),
     );
     let started = Instant::now();
-    let result = run_engine(comp, &values, &summariser, d.micro_pass, d.force, est_rough).await;
+    let mut result = run_engine(comp, &values, &summariser, d.micro_pass, d.force, est_rough).await;
+    drop(values);
     let took = started.elapsed();
+    rows.adjust(&mut result);
     // The batch trigger's deferral and strike rules judge batch
     // compactions only; a micro pass is routine.
     if result.outcome == Outcome::Compacted && !d.micro_pass {
@@ -170,15 +187,7 @@ fn book_pass(
             chat.metrics
                 .chat
                 .compaction(result.label, saved, summariser_took);
-            let new_outgoing = commit_record(
-                chat,
-                conv,
-                t.cred,
-                t.original,
-                t.client_hashes,
-                t.outgoing,
-                result,
-            );
+            let (new_outgoing, record) = commit_record(chat, conv, t, result);
             tracing::info!(
                 session = %t.key,
                 outcome = result.label,
@@ -194,7 +203,7 @@ fn book_pass(
                 summariser_ms = p.took.as_millis() as u64,
                 "compaction"
             );
-            Booked::Compacted(new_outgoing)
+            Booked::Compacted(new_outgoing, record)
         }
         // A micro pass with nothing to absorb is no event.
         Outcome::Rejected | Outcome::NoOp(_) if p.micro_pass && p.summariser_calls == 0 => {
@@ -328,6 +337,86 @@ async fn run_engine(
     }
 }
 
+/// The rows of the outgoing history the engine works on.
+///
+/// All of them, unless the history is far larger than the window: then the
+/// head and the newest rows worth [`BOUND_TAIL_WINDOWS`] windows. The engine
+/// keeps at most a window's worth of tail and summarises a bounded input
+/// (its chunks drop the middle of anything longer), so the rows in between
+/// could only be dropped anyway; parsing every one of 100,000 messages into
+/// a JSON tree (and the engine's copies of those) is what made a 4 MB body
+/// take 350 MB. The skipped rows are compacted away unsummarised: the
+/// replacement still stands for the whole prefix.
+struct EngineRows {
+    /// Rows `..head_end` and `tail_start..` go to the engine.
+    head_end: usize,
+    tail_start: usize,
+    /// Rows from `tail_start` to the end.
+    tail_len: usize,
+    /// Rough tokens of the skipped rows.
+    skipped_tokens: u64,
+}
+
+impl EngineRows {
+    fn of(outgoing: &[Box<RawValue>], head: usize, window: u64, min_tail: usize) -> Self {
+        let n = outgoing.len();
+        let whole = Self {
+            head_end: n,
+            tail_start: n,
+            tail_len: 0,
+            skipped_tokens: 0,
+        };
+        if n <= head + min_tail {
+            return whole;
+        }
+        // Byte-based (chars/4 and a little per row): no parsing.
+        let rough = |m: &RawValue| (m.get().len() / 4) as u64 + 4;
+        let budget = window.max(1).saturating_mul(BOUND_TAIL_WINDOWS);
+        let mut acc = 0u64;
+        let mut tail_start = n;
+        while tail_start > head {
+            let t = rough(&outgoing[tail_start - 1]);
+            if acc + t > budget && n - tail_start >= min_tail {
+                break;
+            }
+            acc += t;
+            tail_start -= 1;
+        }
+        if tail_start <= head {
+            return whole;
+        }
+        let skipped_tokens = outgoing[head..tail_start].iter().map(|m| rough(m)).sum();
+        tracing::info!(
+            messages = n,
+            skipped = tail_start - head,
+            "history far beyond the window: the engine gets its head and newest rows"
+        );
+        Self {
+            head_end: head,
+            tail_start,
+            tail_len: n - tail_start,
+            skipped_tokens,
+        }
+    }
+
+    fn iter<'a>(&self, outgoing: &'a [Box<RawValue>]) -> impl Iterator<Item = &'a Box<RawValue>> {
+        outgoing[..self.head_end]
+            .iter()
+            .chain(&outgoing[self.tail_start.max(self.head_end)..])
+    }
+
+    /// Maps a pass over the bounded rows back onto the whole history: the
+    /// kept suffix cannot reach past the newest rows, and the skipped rows
+    /// count as compacted away.
+    fn adjust(&self, result: &mut CompactionDone) {
+        if self.tail_start <= self.head_end {
+            return;
+        }
+        result.kept_suffix = result.kept_suffix.min(self.tail_len);
+        result.tokens_before += self.skipped_tokens;
+    }
+}
+
 /// A compaction attempt, batch or micro, in one shape.
 struct CompactionDone {
     messages: Vec<Value>,
@@ -340,7 +429,6 @@ struct CompactionDone {
     label: &'static str,
 }
 
-
 /// Stores the record of a committed compaction and returns what to send.
 ///
 /// The engine compacted `outgoing` = `old replacement (r) + original[k_old..]`
@@ -349,13 +437,12 @@ struct CompactionDone {
 fn commit_record(
     chat: &ChatState,
     conv: &mut Conversation,
-    cred: u128,
-    original: &[Box<RawValue>],
-    client_hashes: &[u128],
-    outgoing: &[Box<RawValue>],
+    t: &Turn<'_>,
     result: &CompactionDone,
-) -> Vec<Box<RawValue>> {
-    let (r, k_old, old_rep): (usize, usize, &[Box<RawValue>]) = match &conv.record {
+) -> (Vec<Box<RawValue>>, Option<Arc<Record>>) {
+    let (cred, original, client_hashes, outgoing) =
+        (t.cred, t.original, t.client_hashes, t.outgoing);
+    let (r, k_old, old_rep): (usize, usize, &[Box<RawValue>]) = match t.record {
         Some(rec) => (rec.replacement.len(), rec.k, &rec.replacement),
         None => (0, 0, &[]),
     };
@@ -396,9 +483,10 @@ fn commit_record(
                 replacement_tokens,
             ),
         );
-        conv.record = Some(rec);
+        conv.set_record(Some(&rec));
+        return (send, Some(rec));
     }
-    send
+    (send, None)
 }
 
 fn to_raw(v: &Value) -> Option<Box<RawValue>> {
@@ -460,6 +548,32 @@ mod tests {
             ..sizes(th)
         };
         assert!(decide(&mut t, s, false, false).wanted);
+    }
+
+    fn rows(n: usize) -> Vec<Box<RawValue>> {
+        (0..n)
+            .map(|i| to_raw(&serde_json::json!({"role":"user","content":format!("hi {i}")})))
+            .map(|r| r.expect("raw"))
+            .collect()
+    }
+
+    #[test]
+    fn the_engine_gets_the_head_and_the_newest_rows_of_a_huge_history() {
+        let out = rows(10_000);
+        let r = EngineRows::of(&out, 10, 100, 20);
+        assert_eq!(r.head_end, 10);
+        assert!(r.tail_len >= 20 && r.tail_len < 100, "{}", r.tail_len);
+        assert_eq!(r.tail_start + r.tail_len, out.len());
+        assert!(r.skipped_tokens > 0);
+        let given: Vec<&str> = r.iter(&out).map(|m| m.get()).collect();
+        assert_eq!(given.len(), 10 + r.tail_len);
+        assert_eq!(given[9], out[9].get());
+        assert_eq!(given[10], out[r.tail_start].get());
+        // Within a few windows: all of it.
+        let small = rows(300);
+        let r = EngineRows::of(&small, 10, 1_000, 20);
+        assert_eq!(r.iter(&small).count(), small.len());
+        assert_eq!(r.skipped_tokens, 0);
     }
 
     #[test]
