@@ -4,9 +4,9 @@
 mod support;
 
 use bytes::Bytes;
-use support::chat::*;
 use http_body_util::{BodyExt, Full};
 use serde_json::{json, Value};
+use support::chat::*;
 
 const ALICE: (&str, &str) = ("authorization", "Bearer alice");
 
