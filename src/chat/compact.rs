@@ -10,12 +10,13 @@ use serde_json::value::RawValue;
 use serde_json::Value;
 use tokio::time::Instant;
 
-use crate::compaction::config::Strategy;
+use crate::compaction::config::{CompactionConfig, Strategy};
 use crate::compaction::trigger::Trigger;
 use crate::compaction::{CompressOptions, Compressor, Outcome};
 use crate::session::key::SessionKey;
 use crate::upstream::Upstream;
 
+use super::background;
 use super::conversation::{rough_message_tokens, Conversation};
 use super::record::Record;
 use super::summarise::{budgets_for_window, HttpSummariser, SummaryTarget};
@@ -86,7 +87,7 @@ pub(super) enum Booked {
 /// the window check itself stays in real tokens.
 pub(super) async fn compact_if_due(
     chat: &ChatState,
-    upstream: &Upstream,
+    upstream: &Arc<Upstream>,
     conv: &mut Conversation,
     t: &Turn<'_>,
 ) -> Booked {
@@ -115,20 +116,24 @@ pub(super) async fn compact_if_due(
         t.overflow,
         micro_due,
     );
+    if cfg.background {
+        let due = background::Due {
+            est_rough,
+            threshold: d.threshold,
+            engine_window,
+            max_out_rough: t.max_out.map(|m| scale.to_rough(m)),
+        };
+        if let Some(booked) = background_turn(chat, upstream, conv, t, &d, &due).await {
+            return booked;
+        }
+    }
     if !(d.wanted || d.micro_pass) {
         return Booked::Nothing;
     }
-    let rows = EngineRows::of(
-        t.outgoing,
-        cfg.protect_first_n + BOUND_HEAD_EXTRA,
-        engine_window,
-        cfg.protect_last_n.saturating_mul(2) + BOUND_HEAD_EXTRA,
-    );
-    let Ok(values) = rows
-        .iter(t.outgoing)
-        .map(|m| serde_json::from_str::<Value>(m.get()))
-        .collect::<Result<Vec<Value>, _>>()
-    else {
+    let Some(comp) = conv.compressor.as_mut() else {
+        return Booked::Nothing;
+    };
+    let Some((rows, values)) = engine_input(&cfg, t.outgoing, engine_window) else {
         return Booked::Nothing;
     };
     let summariser = HttpSummariser::new(
@@ -164,6 +169,65 @@ pub(super) async fn compact_if_due(
         took,
     };
     book_pass(chat, conv, t, &stats, &result)
+}
+
+/// Pre-compaction on this turn: below the trigger, maybe start one; at the
+/// trigger, commit the pending one if it is usable (`None`: go on inline).
+async fn background_turn(
+    chat: &ChatState,
+    upstream: &Arc<Upstream>,
+    conv: &mut Conversation,
+    t: &Turn<'_>,
+    d: &Decision,
+    due: &background::Due,
+) -> Option<Booked> {
+    background::discard_if_diverged(chat, conv, t.client_hashes);
+    if !d.wanted {
+        background::maybe_start(chat, upstream, conv, t, due);
+        return None;
+    }
+    let c = background::take(chat, conv, t).await?;
+    let k = c.record.k;
+    let send: Vec<Box<RawValue>> = c
+        .record
+        .replacement
+        .iter()
+        .chain(t.original.get(k..).unwrap_or(&[]))
+        .cloned()
+        .collect();
+    if !background::fits(&send, d.threshold) {
+        chat.metrics.chat.precompaction("discarded");
+        return None;
+    }
+    let saved = c.tokens_before.saturating_sub(c.tokens_after);
+    conv.stats.compactions += 1;
+    conv.stats.fallback_compactions += u64::from(c.fallback_used);
+    conv.stats.tokens_saved += saved;
+    conv.stats.overflow_retries += u64::from(d.force);
+    chat.metrics.chat.compaction("compacted", saved, None);
+    chat.metrics.chat.precompaction("used");
+    if let Some(comp) = conv.compressor.as_mut() {
+        comp.previous_summary = c.previous_summary;
+        comp.summary_has_user_turn = c.has_user_turn;
+        comp.trigger.compression_count = comp.trigger.compression_count.saturating_add(1);
+        comp.micro = Default::default();
+        comp.trigger.record_completed_compaction(
+            c.fallback_used,
+            c.feasibility_skip,
+            c.tokens_after,
+        );
+    }
+    tracing::info!(
+        session = %t.key,
+        messages_before = t.outgoing.len(),
+        messages_after = send.len(),
+        tokens_before = c.tokens_before,
+        tokens_after = c.tokens_after,
+        "compaction from a pre-compaction"
+    );
+    let rec = chat.records.insert(t.cred, c.record);
+    conv.set_record(Some(&rec));
+    Some(Booked::Compacted(send, Some(rec)))
 }
 
 /// Books a finished engine pass: conversation stats, metrics and the log
@@ -302,7 +366,7 @@ fn decide(trigger: &mut Trigger, s: Sizes, overflow: bool, micro_due: bool) -> D
 
 /// One engine pass over `values`: a micro pass (one exchange absorbed) or
 /// a batch compaction, reported in one shape.
-async fn run_engine(
+pub(super) async fn run_engine(
     comp: &mut Compressor,
     values: &[Value],
     summariser: &HttpSummariser<'_>,
@@ -347,7 +411,7 @@ async fn run_engine(
 /// a JSON tree (and the engine's copies of those) is what made a 4 MB body
 /// take 350 MB. The skipped rows are compacted away unsummarised: the
 /// replacement still stands for the whole prefix.
-struct EngineRows {
+pub(super) struct EngineRows {
     /// Rows `..head_end` and `tail_start..` go to the engine.
     head_end: usize,
     tail_start: usize,
@@ -358,7 +422,12 @@ struct EngineRows {
 }
 
 impl EngineRows {
-    fn of(outgoing: &[Box<RawValue>], head: usize, window: u64, min_tail: usize) -> Self {
+    pub(super) fn of(
+        outgoing: &[Box<RawValue>],
+        head: usize,
+        window: u64,
+        min_tail: usize,
+    ) -> Self {
         let n = outgoing.len();
         let whole = Self {
             head_end: n,
@@ -399,7 +468,10 @@ impl EngineRows {
         }
     }
 
-    fn iter<'a>(&self, outgoing: &'a [Box<RawValue>]) -> impl Iterator<Item = &'a Box<RawValue>> {
+    pub(super) fn iter<'a>(
+        &self,
+        outgoing: &'a [Box<RawValue>],
+    ) -> impl Iterator<Item = &'a Box<RawValue>> {
         outgoing[..self.head_end]
             .iter()
             .chain(&outgoing[self.tail_start.max(self.head_end)..])
@@ -408,7 +480,7 @@ impl EngineRows {
     /// Maps a pass over the bounded rows back onto the whole history: the
     /// kept suffix cannot reach past the newest rows, and the skipped rows
     /// count as compacted away.
-    fn adjust(&self, result: &mut CompactionDone) {
+    pub(super) fn adjust(&self, result: &mut CompactionDone) {
         if self.tail_start <= self.head_end {
             return;
         }
@@ -417,32 +489,68 @@ impl EngineRows {
     }
 }
 
+/// The rows the engine works on (see [`EngineRows`]), parsed.
+pub(super) fn engine_input(
+    cfg: &CompactionConfig,
+    outgoing: &[Box<RawValue>],
+    engine_window: u64,
+) -> Option<(EngineRows, Vec<Value>)> {
+    let rows = EngineRows::of(
+        outgoing,
+        cfg.protect_first_n + BOUND_HEAD_EXTRA,
+        engine_window,
+        cfg.protect_last_n.saturating_mul(2) + BOUND_HEAD_EXTRA,
+    );
+    let values = rows
+        .iter(outgoing)
+        .map(|m| serde_json::from_str::<Value>(m.get()))
+        .collect::<Result<Vec<Value>, _>>()
+        .ok()?;
+    Some((rows, values))
+}
+
 /// A compaction attempt, batch or micro, in one shape.
-struct CompactionDone {
-    messages: Vec<Value>,
-    outcome: Outcome,
-    fallback_used: bool,
-    feasibility_skip: bool,
-    tokens_before: u64,
-    tokens_after: u64,
-    kept_suffix: usize,
-    label: &'static str,
+pub(super) struct CompactionDone {
+    pub(super) messages: Vec<Value>,
+    pub(super) outcome: Outcome,
+    pub(super) fallback_used: bool,
+    pub(super) feasibility_skip: bool,
+    pub(super) tokens_before: u64,
+    pub(super) tokens_after: u64,
+    pub(super) kept_suffix: usize,
+    pub(super) label: &'static str,
 }
 
 /// Stores the record of a committed compaction and returns what to send.
-///
-/// The engine compacted `outgoing` = `old replacement (r) + original[k_old..]`
-/// and kept its last `kept_suffix` rows. Mapped back onto the client's own
-/// history, the new record stands for `original[..k_new]`.
 fn commit_record(
     chat: &ChatState,
     conv: &mut Conversation,
     t: &Turn<'_>,
     result: &CompactionDone,
 ) -> (Vec<Box<RawValue>>, Option<Arc<Record>>) {
-    let (cred, original, client_hashes, outgoing) =
-        (t.cred, t.original, t.client_hashes, t.outgoing);
-    let (r, k_old, old_rep): (usize, usize, &[Box<RawValue>]) = match t.record {
+    let (send, record) = map_back(t.original, t.client_hashes, t.outgoing, t.record, result);
+    let Some(record) = record else {
+        return (send, None);
+    };
+    let rec = chat.records.insert(t.cred, record);
+    conv.set_record(Some(&rec));
+    (send, Some(rec))
+}
+
+/// Maps a committed pass back onto the client's history: what to send and
+/// the record (none when it cannot be mapped).
+///
+/// The engine compacted `outgoing` = `old replacement (r) + original[k_old..]`
+/// and kept its last `kept_suffix` rows. Mapped back onto the client's own
+/// history, the new record stands for `original[..k_new]`.
+pub(super) fn map_back(
+    original: &[Box<RawValue>],
+    client_hashes: &[u128],
+    outgoing: &[Box<RawValue>],
+    old: Option<&Arc<Record>>,
+    result: &CompactionDone,
+) -> (Vec<Box<RawValue>>, Option<Record>) {
+    let (r, k_old, old_rep): (usize, usize, &[Box<RawValue>]) = match old {
         Some(rec) => (rec.replacement.len(), rec.k, &rec.replacement),
         None => (0, 0, &[]),
     };
@@ -473,18 +581,14 @@ fn commit_record(
             .iter()
             .map(|m| rough_message_tokens(m))
             .sum();
-        let rec = chat.records.insert(
-            cred,
-            Record::new(
-                k_new,
-                client_hashes[k_new - 1],
-                replacement,
-                original_tokens,
-                replacement_tokens,
-            ),
+        let record = Record::new(
+            k_new,
+            client_hashes[k_new - 1],
+            replacement,
+            original_tokens,
+            replacement_tokens,
         );
-        conv.set_record(Some(&rec));
-        return (send, Some(rec));
+        return (send, Some(record));
     }
     (send, None)
 }

@@ -57,6 +57,8 @@ pub struct Conversation {
     tools_estimate: Option<(u64, u64)>,
     /// Usage waiting to be applied.
     pub inbox: Inbox,
+    /// The background pre-compaction started for this conversation.
+    pub(crate) pending: Option<super::background::Pending>,
     /// Counters.
     pub stats: ConvStats,
     /// Last action taken (`passthrough`, `compacted`, …).
@@ -76,6 +78,7 @@ impl Default for Conversation {
             record: None,
             tools_estimate: None,
             inbox: Arc::default(),
+            pending: None,
             stats: ConvStats::default(),
             last_action: "passthrough",
             real_window: None,

@@ -7,6 +7,8 @@
 //!   prefix → estimate → decide → compact → build the body.
 //! - `compact`: the decision (pure `decide`), the engine pass and its
 //!   booking (stats, metrics, one log line, the record).
+//! - `background`: pre-compaction off the request path
+//!   (`[compaction] background`).
 //! - [`conversation`]: per-conversation state behind the session lock.
 //! - [`record`]: compaction records, the stable prefixes.
 //! - [`summarise`]: the summariser as a JSON POST through the upstream.
@@ -16,6 +18,7 @@
 //! It takes what it needs, [`ChatState`] and the [`Upstream`], never the
 //! whole server.
 
+mod background;
 mod compact;
 pub mod conversation;
 mod prepare;
@@ -67,6 +70,8 @@ pub struct ChatState {
     /// Permits for preparing large bodies at once (see `worker`): each
     /// holds its body several times over while it is parsed and compacted.
     pub heavy: Arc<tokio::sync::Semaphore>,
+    /// Permits for background pre-compactions (`background_max_concurrent`).
+    pub background: Arc<tokio::sync::Semaphore>,
 }
 
 impl ChatState {
@@ -107,6 +112,9 @@ impl ChatState {
             expose_headers: cfg.expose_headers,
             metrics,
             heavy: Arc::new(tokio::sync::Semaphore::new(heavy_permits())),
+            background: Arc::new(tokio::sync::Semaphore::new(
+                cfg.compaction.background_max_concurrent.max(1),
+            )),
         })
     }
 

@@ -61,7 +61,7 @@ struct Outgoing<'a> {
 /// compaction.
 pub(super) async fn prepare(
     chat: &ChatState,
-    upstream: &Upstream,
+    upstream: &Arc<Upstream>,
     entry: &Arc<Entry<Conversation>>,
     client_headers: &HeaderMap,
     mut creq: ChatRequest,
