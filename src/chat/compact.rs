@@ -10,13 +10,14 @@ use serde_json::value::RawValue;
 use serde_json::Value;
 use tokio::time::Instant;
 
-use crate::compaction::config::Strategy;
+use crate::compaction::config::{CompactionConfig, Strategy};
 use crate::compaction::last_resort;
 use crate::compaction::trigger::Trigger;
 use crate::compaction::{CompressOptions, Compressor, Outcome};
 use crate::session::key::SessionKey;
 use crate::upstream::Upstream;
 
+use super::background;
 use super::conversation::{rough_message_tokens, Conversation};
 use super::record::Record;
 use super::summarise::{HttpSummariser, SummaryTarget};
@@ -24,6 +25,13 @@ use super::ChatState;
 
 /// "Fits the window" needs the estimate plus 1/10 of it (see [`decide`]).
 const ESTIMATE_MARGIN_DIVISOR: u64 = 10;
+
+/// A bounded engine pass keeps this many rows beyond the protected head at
+/// the start, and at least this many beyond twice `protect_last_n` at the
+/// end.
+const BOUND_HEAD_EXTRA: usize = 64;
+/// A bounded engine pass is given the newest rows worth this many windows.
+const BOUND_TAIL_WINDOWS: u64 = 4;
 
 /// One request as the compaction steps see it.
 pub(super) struct Turn<'a> {
@@ -37,6 +45,8 @@ pub(super) struct Turn<'a> {
     pub client_hashes: &'a [u128],
     /// What would be sent (after substitution): what the engine is given.
     pub outgoing: &'a [Box<RawValue>],
+    /// The record substituted into `outgoing`, if any.
+    pub record: Option<&'a Arc<Record>>,
     /// Calibrated prompt estimate of `outgoing`, real tokens.
     pub est_tokens: u64,
     /// The request's output cap, real tokens.
@@ -63,8 +73,9 @@ struct PassStats {
 
 /// What a booked pass leaves the request with.
 pub(super) enum Booked {
-    /// Send these messages instead (the compaction is recorded).
-    Compacted(Vec<Box<RawValue>>),
+    /// Send these messages instead (the compaction is recorded: the new
+    /// record, unless it could not be mapped onto the client's history).
+    Compacted(Vec<Box<RawValue>>, Option<Arc<Record>>),
     /// The compaction was abandoned; the messages go as they were.
     Aborted,
     /// Nothing to change.
@@ -81,7 +92,7 @@ pub(super) enum Booked {
 /// the window check itself stays in real tokens.
 pub(super) async fn compact_if_due(
     chat: &ChatState,
-    upstream: &Upstream,
+    upstream: &Arc<Upstream>,
     conv: &mut Conversation,
     t: &Turn<'_>,
 ) -> Booked {
@@ -110,40 +121,64 @@ pub(super) async fn compact_if_due(
         t.overflow,
         micro_due,
     );
+    if cfg.background {
+        let due = background::Due {
+            est_rough,
+            threshold: d.threshold,
+            engine_window,
+            max_out_rough: t.max_out.map(|m| scale.to_rough(m)),
+        };
+        if let Some(booked) = background_turn(chat, upstream, conv, t, &d, &due).await {
+            return booked;
+        }
+    }
     if !(d.wanted || d.micro_pass) {
         return Booked::Nothing;
     }
-    let Ok(values) = t
-        .outgoing
-        .iter()
-        .map(|m| serde_json::from_str::<Value>(m.get()))
-        .collect::<Result<Vec<Value>, _>>()
-    else {
+    compact_now(chat, upstream, conv, t, &d, (engine_window, est_rough)).await
+}
+
+/// Step 4: the engine pass the decision asked for, booked.
+async fn compact_now(
+    chat: &ChatState,
+    upstream: &Arc<Upstream>,
+    conv: &mut Conversation,
+    t: &Turn<'_>,
+    d: &Decision,
+    (engine_window, est_rough): (u64, u64),
+) -> Booked {
+    let cfg = Arc::clone(&chat.compaction);
+    let Some(comp) = conv.compressor.as_mut() else {
+        return Booked::Nothing;
+    };
+    let Some((rows, values)) = engine_input(&cfg, t.outgoing, engine_window) else {
         return Booked::Nothing;
     };
     let summariser = HttpSummariser::new(
         upstream,
-        SummaryTarget {
-            base: chat.summary_endpoint.as_ref().unwrap_or(upstream.base()),
-            main_model: t.model.to_owned(),
-            api_key: cfg.summary_api_key.as_deref(),
-            timeout: Duration::from_secs(cfg.summary_timeout_secs.max(1)),
-        },
+        SummaryTarget::configured(
+            &cfg,
+            chat.summary_endpoint.as_ref(),
+            upstream,
+            t.model.to_owned(),
+        ),
         t.client_headers,
         comp.trigger.summariser_budgets().into(),
     );
     let fit_rough = fit_budget(&values, t);
     let started = Instant::now();
-    let result = run_engine(
+    let mut result = run_engine(
         comp,
         &values,
         &summariser,
         (d.micro_pass, d.force),
         est_rough,
-        fit_rough,
+        Some(fit_rough),
     )
     .await;
+    drop(values);
     let took = started.elapsed();
+    rows.adjust(&mut result);
     // The batch trigger's deferral and strike rules judge batch
     // compactions only; a micro pass is routine.
     if result.outcome == Outcome::Compacted && !d.micro_pass {
@@ -161,6 +196,65 @@ pub(super) async fn compact_if_due(
         took,
     };
     book_pass(chat, conv, t, &stats, &result)
+}
+
+/// Pre-compaction on this turn: below the trigger, maybe start one; at the
+/// trigger, commit the pending one if it is usable (`None`: go on inline).
+async fn background_turn(
+    chat: &ChatState,
+    upstream: &Arc<Upstream>,
+    conv: &mut Conversation,
+    t: &Turn<'_>,
+    d: &Decision,
+    due: &background::Due,
+) -> Option<Booked> {
+    background::discard_if_diverged(chat, conv, t.client_hashes);
+    if !d.wanted {
+        background::maybe_start(chat, upstream, conv, t, due);
+        return None;
+    }
+    let c = background::take(chat, conv, t).await?;
+    let k = c.record.k;
+    let send: Vec<Box<RawValue>> = c
+        .record
+        .replacement
+        .iter()
+        .chain(t.original.get(k..).unwrap_or(&[]))
+        .cloned()
+        .collect();
+    if !background::fits(&send, d.threshold) {
+        chat.metrics.chat.precompaction("discarded");
+        return None;
+    }
+    let saved = c.tokens_before.saturating_sub(c.tokens_after);
+    conv.stats.compactions += 1;
+    conv.stats.fallback_compactions += u64::from(c.fallback_used);
+    conv.stats.tokens_saved += saved;
+    conv.stats.overflow_retries += u64::from(d.force);
+    chat.metrics.chat.compaction("compacted", saved, None);
+    chat.metrics.chat.precompaction("used");
+    if let Some(comp) = conv.compressor.as_mut() {
+        comp.previous_summary = c.previous_summary;
+        comp.summary_has_user_turn = c.has_user_turn;
+        comp.trigger.compression_count = comp.trigger.compression_count.saturating_add(1);
+        comp.micro = Default::default();
+        comp.trigger.record_completed_compaction(
+            c.fallback_used,
+            c.feasibility_skip,
+            c.tokens_after,
+        );
+    }
+    tracing::info!(
+        session = %t.key,
+        messages_before = t.outgoing.len(),
+        messages_after = send.len(),
+        tokens_before = c.tokens_before,
+        tokens_after = c.tokens_after,
+        "compaction from a pre-compaction"
+    );
+    let rec = chat.records.insert(t.cred, c.record);
+    conv.set_record(Some(&rec));
+    Some(Booked::Compacted(send, Some(rec)))
 }
 
 /// Books a finished engine pass: conversation stats, metrics and the log
@@ -184,15 +278,7 @@ fn book_pass(
             chat.metrics
                 .chat
                 .compaction(result.label, saved, summariser_took);
-            let new_outgoing = commit_record(
-                chat,
-                conv,
-                t.cred,
-                t.original,
-                t.client_hashes,
-                t.outgoing,
-                result,
-            );
+            let (new_outgoing, record) = commit_record(chat, conv, t, result);
             tracing::info!(
                 session = %t.key,
                 outcome = result.label,
@@ -208,7 +294,7 @@ fn book_pass(
                 summariser_ms = p.took.as_millis() as u64,
                 "compaction"
             );
-            Booked::Compacted(new_outgoing)
+            Booked::Compacted(new_outgoing, record)
         }
         // A micro pass with nothing to absorb is no event.
         Outcome::Rejected | Outcome::NoOp(_) if p.micro_pass && p.summariser_calls == 0 => {
@@ -330,13 +416,13 @@ fn decide(trigger: &mut Trigger, s: Sizes, overflow: bool, micro_due: bool) -> D
 
 /// One engine pass over `values`: a micro pass (one exchange absorbed) or
 /// a batch compaction, reported in one shape.
-async fn run_engine(
+pub(super) async fn run_engine(
     comp: &mut Compressor,
     values: &[Value],
     summariser: &HttpSummariser<'_>,
     (micro_pass, force): (bool, bool),
     current_tokens: u64,
-    fit_tokens: u64,
+    fit_tokens: Option<u64>,
 ) -> CompactionDone {
     let r = if micro_pass {
         comp.micro_compact(values, summariser).await
@@ -348,7 +434,7 @@ async fn run_engine(
                 force,
                 current_tokens: Some(current_tokens),
                 bypass_cooldown: force,
-                fit_tokens: Some(fit_tokens),
+                fit_tokens,
                 ..CompressOptions::default()
             },
         )
@@ -366,33 +452,156 @@ async fn run_engine(
     }
 }
 
+/// The rows of the outgoing history the engine works on.
+///
+/// All of them, unless the history is far larger than the window: then the
+/// head and the newest rows worth [`BOUND_TAIL_WINDOWS`] windows. The engine
+/// keeps at most a window's worth of tail and summarises a bounded input
+/// (its chunks drop the middle of anything longer), so the rows in between
+/// could only be dropped anyway; parsing every one of 100,000 messages into
+/// a JSON tree (and the engine's copies of those) is what made a 4 MB body
+/// take 350 MB. The skipped rows are compacted away unsummarised: the
+/// replacement still stands for the whole prefix.
+pub(super) struct EngineRows {
+    /// Rows `..head_end` and `tail_start..` go to the engine.
+    head_end: usize,
+    tail_start: usize,
+    /// Rows from `tail_start` to the end.
+    tail_len: usize,
+    /// Rough tokens of the skipped rows.
+    skipped_tokens: u64,
+}
+
+impl EngineRows {
+    pub(super) fn of(
+        outgoing: &[Box<RawValue>],
+        head: usize,
+        window: u64,
+        min_tail: usize,
+    ) -> Self {
+        let n = outgoing.len();
+        let whole = Self {
+            head_end: n,
+            tail_start: n,
+            tail_len: 0,
+            skipped_tokens: 0,
+        };
+        if n <= head + min_tail {
+            return whole;
+        }
+        // Byte-based (chars/4 and a little per row): no parsing.
+        let rough = |m: &RawValue| (m.get().len() / 4) as u64 + 4;
+        let budget = window.max(1).saturating_mul(BOUND_TAIL_WINDOWS);
+        let mut acc = 0u64;
+        let mut tail_start = n;
+        while tail_start > head {
+            let t = rough(&outgoing[tail_start - 1]);
+            if acc + t > budget && n - tail_start >= min_tail {
+                break;
+            }
+            acc += t;
+            tail_start -= 1;
+        }
+        if tail_start <= head {
+            return whole;
+        }
+        let skipped_tokens = outgoing[head..tail_start].iter().map(|m| rough(m)).sum();
+        tracing::info!(
+            messages = n,
+            skipped = tail_start - head,
+            "history far beyond the window: the engine gets its head and newest rows"
+        );
+        Self {
+            head_end: head,
+            tail_start,
+            tail_len: n - tail_start,
+            skipped_tokens,
+        }
+    }
+
+    pub(super) fn iter<'a>(
+        &self,
+        outgoing: &'a [Box<RawValue>],
+    ) -> impl Iterator<Item = &'a Box<RawValue>> {
+        outgoing[..self.head_end]
+            .iter()
+            .chain(&outgoing[self.tail_start.max(self.head_end)..])
+    }
+
+    /// Maps a pass over the bounded rows back onto the whole history: the
+    /// kept suffix cannot reach past the newest rows, and the skipped rows
+    /// count as compacted away.
+    pub(super) fn adjust(&self, result: &mut CompactionDone) {
+        if self.tail_start <= self.head_end {
+            return;
+        }
+        result.kept_suffix = result.kept_suffix.min(self.tail_len);
+        result.tokens_before += self.skipped_tokens;
+    }
+}
+
+/// The rows the engine works on (see [`EngineRows`]), parsed.
+pub(super) fn engine_input(
+    cfg: &CompactionConfig,
+    outgoing: &[Box<RawValue>],
+    engine_window: u64,
+) -> Option<(EngineRows, Vec<Value>)> {
+    let rows = EngineRows::of(
+        outgoing,
+        cfg.protect_first_n + BOUND_HEAD_EXTRA,
+        engine_window,
+        cfg.protect_last_n.saturating_mul(2) + BOUND_HEAD_EXTRA,
+    );
+    let values = rows
+        .iter(outgoing)
+        .map(|m| serde_json::from_str::<Value>(m.get()))
+        .collect::<Result<Vec<Value>, _>>()
+        .ok()?;
+    Some((rows, values))
+}
+
 /// A compaction attempt, batch or micro, in one shape.
-struct CompactionDone {
-    messages: Vec<Value>,
-    outcome: Outcome,
-    fallback_used: bool,
-    feasibility_skip: bool,
-    tokens_before: u64,
-    tokens_after: u64,
-    kept_suffix: usize,
-    label: &'static str,
+pub(super) struct CompactionDone {
+    pub(super) messages: Vec<Value>,
+    pub(super) outcome: Outcome,
+    pub(super) fallback_used: bool,
+    pub(super) feasibility_skip: bool,
+    pub(super) tokens_before: u64,
+    pub(super) tokens_after: u64,
+    pub(super) kept_suffix: usize,
+    pub(super) label: &'static str,
 }
 
 /// Stores the record of a committed compaction and returns what to send.
+fn commit_record(
+    chat: &ChatState,
+    conv: &mut Conversation,
+    t: &Turn<'_>,
+    result: &CompactionDone,
+) -> (Vec<Box<RawValue>>, Option<Arc<Record>>) {
+    let (send, record) = map_back(t.original, t.client_hashes, t.outgoing, t.record, result);
+    let Some(record) = record else {
+        return (send, None);
+    };
+    let rec = chat.records.insert(t.cred, record);
+    conv.set_record(Some(&rec));
+    (send, Some(rec))
+}
+
+/// Maps a committed pass back onto the client's history: what to send and
+/// the record (none when it cannot be mapped).
 ///
 /// The engine compacted `outgoing` = `old replacement (r) + original[k_old..]`
 /// and kept its last `kept_suffix` rows. Mapped back onto the client's own
 /// history, the new record stands for `original[..k_new]`.
-fn commit_record(
-    chat: &ChatState,
-    conv: &mut Conversation,
-    cred: u128,
+pub(super) fn map_back(
     original: &[Box<RawValue>],
     client_hashes: &[u128],
     outgoing: &[Box<RawValue>],
+    old: Option<&Arc<Record>>,
     result: &CompactionDone,
-) -> Vec<Box<RawValue>> {
-    let (r, k_old, old_rep): (usize, usize, &[Box<RawValue>]) = match &conv.record {
+) -> (Vec<Box<RawValue>>, Option<Record>) {
+    let (r, k_old, old_rep): (usize, usize, &[Box<RawValue>]) = match old {
         Some(rec) => (rec.replacement.len(), rec.k, &rec.replacement),
         None => (0, 0, &[]),
     };
@@ -423,19 +632,16 @@ fn commit_record(
             .iter()
             .map(|m| rough_message_tokens(m))
             .sum();
-        let rec = chat.records.insert(
-            cred,
-            Record::new(
-                k_new,
-                client_hashes[k_new - 1],
-                replacement,
-                original_tokens,
-                replacement_tokens,
-            ),
+        let record = Record::new(
+            k_new,
+            client_hashes[k_new - 1],
+            replacement,
+            original_tokens,
+            replacement_tokens,
         );
-        conv.record = Some(rec);
+        return (send, Some(record));
     }
-    send
+    (send, None)
 }
 
 fn to_raw(v: &Value) -> Option<Box<RawValue>> {
@@ -497,6 +703,32 @@ mod tests {
             ..sizes(th)
         };
         assert!(decide(&mut t, s, false, false).wanted);
+    }
+
+    fn rows(n: usize) -> Vec<Box<RawValue>> {
+        (0..n)
+            .map(|i| to_raw(&serde_json::json!({"role":"user","content":format!("hi {i}")})))
+            .map(|r| r.expect("raw"))
+            .collect()
+    }
+
+    #[test]
+    fn the_engine_gets_the_head_and_the_newest_rows_of_a_huge_history() {
+        let out = rows(10_000);
+        let r = EngineRows::of(&out, 10, 100, 20);
+        assert_eq!(r.head_end, 10);
+        assert!(r.tail_len >= 20 && r.tail_len < 100, "{}", r.tail_len);
+        assert_eq!(r.tail_start + r.tail_len, out.len());
+        assert!(r.skipped_tokens > 0);
+        let given: Vec<&str> = r.iter(&out).map(|m| m.get()).collect();
+        assert_eq!(given.len(), 10 + r.tail_len);
+        assert_eq!(given[9], out[9].get());
+        assert_eq!(given[10], out[r.tail_start].get());
+        // Within a few windows: all of it.
+        let small = rows(300);
+        let r = EngineRows::of(&small, 10, 1_000, 20);
+        assert_eq!(r.iter(&small).count(), small.len());
+        assert_eq!(r.skipped_tokens, 0);
     }
 
     #[test]

@@ -1,6 +1,6 @@
 //! What compactor remembers about one conversation.
 
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, Weak};
 
 use serde_json::value::RawValue;
 
@@ -48,12 +48,17 @@ pub struct Conversation {
     pub client_chain: ChainCache,
     /// Hash chain of what was sent (after substitution).
     pub sent_chain: ChainCache,
-    /// The newest compaction record this conversation matched or made.
-    pub record: Option<Arc<Record>>,
+    /// The newest compaction record this conversation matched or made,
+    /// weakly: the record store alone keeps records alive, so its byte
+    /// bound holds (an evicted record is freed at once, not when every
+    /// session that matched it lets go). See [`Conversation::record`].
+    record: Option<Weak<Record>>,
     /// (hash of the raw `tools` bytes, their rough estimate).
     tools_estimate: Option<(u64, u64)>,
     /// Usage waiting to be applied.
     pub inbox: Inbox,
+    /// The background pre-compaction started for this conversation.
+    pub(crate) pending: Option<super::background::Pending>,
     /// Counters.
     pub stats: ConvStats,
     /// Last action taken (`passthrough`, `compacted`, …).
@@ -73,6 +78,7 @@ impl Default for Conversation {
             record: None,
             tools_estimate: None,
             inbox: Arc::default(),
+            pending: None,
             stats: ConvStats::default(),
             last_action: "passthrough",
             real_window: None,
@@ -81,6 +87,17 @@ impl Default for Conversation {
 }
 
 impl Conversation {
+    /// The newest record this conversation matched or made, while the
+    /// record store still holds it.
+    pub fn record(&self) -> Option<Arc<Record>> {
+        self.record.as_ref().and_then(Weak::upgrade)
+    }
+
+    /// Remembers `record` (weakly) as the conversation's newest.
+    pub fn set_record(&mut self, record: Option<&Arc<Record>>) {
+        self.record = record.map(Arc::downgrade);
+    }
+
     /// The engine for `model` with the current window and output
     /// reservation; created on first use, updated (cheaply) afterwards.
     pub fn compressor(
@@ -171,5 +188,29 @@ pub fn rough_message_tokens(m: &RawValue) -> u64 {
     match serde_json::from_str::<serde_json::Value>(m.get()) {
         Ok(v) => tokens::estimate_msg_budget_tokens(&v, true),
         Err(_) => tokens::estimate_text_tokens(m.get()),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn the_conversation_does_not_keep_an_evicted_record_alive() {
+        use std::time::Duration;
+        let store = crate::chat::record::RecordStore::new(Duration::from_secs(60), 1);
+        let raw = |s: &str| serde_json::value::RawValue::from_string(s.to_owned()).expect("raw");
+        let mut conv = super::Conversation::default();
+        let first = store.insert(
+            1,
+            crate::chat::record::Record::new(1, 11, vec![raw("1")], 1, 1),
+        );
+        conv.set_record(Some(&first));
+        drop(first);
+        assert!(conv.record().is_some());
+        // A second record evicts the first (max 1): nothing holds it.
+        store.insert(
+            1,
+            crate::chat::record::Record::new(1, 22, vec![raw("2")], 1, 1),
+        );
+        assert!(conv.record().is_none());
     }
 }

@@ -7,19 +7,25 @@
 //!   prefix → estimate → decide → compact → build the body.
 //! - `compact`: the decision (pure `decide`), the engine pass and its
 //!   booking (stats, metrics, one log line, the record).
+//! - `background`: pre-compaction off the request path
+//!   (`[compaction] background`).
 //! - [`conversation`]: per-conversation state behind the session lock.
 //! - [`record`]: compaction records, the stable prefixes.
 //! - [`summarise`]: the summariser as a JSON POST through the upstream.
+//! - `worker`: where `prepare` runs (a task of its own that a leaving
+//!   client does not cancel; large bodies on the blocking pool).
 //!
 //! It takes what it needs, [`ChatState`] and the [`Upstream`], never the
 //! whole server.
 
+mod background;
 mod compact;
 pub mod conversation;
 mod prepare;
 pub mod record;
 pub mod summarise;
 pub mod walk;
+mod worker;
 
 pub use walk::handle;
 
@@ -61,6 +67,11 @@ pub struct ChatState {
     pub expose_headers: bool,
     /// The metrics registry (chat series under `metrics.chat`).
     pub metrics: Arc<Metrics>,
+    /// Permits for preparing large bodies at once (see `worker`): each
+    /// holds its body several times over while it is parsed and compacted.
+    pub heavy: Arc<tokio::sync::Semaphore>,
+    /// Permits for background pre-compactions (`background_max_concurrent`).
+    pub background: Arc<tokio::sync::Semaphore>,
 }
 
 impl ChatState {
@@ -100,6 +111,10 @@ impl ChatState {
             summary_endpoint: cfg.summary_endpoint.clone(),
             expose_headers: cfg.expose_headers,
             metrics,
+            heavy: Arc::new(tokio::sync::Semaphore::new(heavy_permits())),
+            background: Arc::new(tokio::sync::Semaphore::new(
+                cfg.compaction.background_max_concurrent.max(1),
+            )),
         })
     }
 
@@ -107,7 +122,14 @@ impl ChatState {
     pub fn sweep(&self) {
         self.sessions.sweep(tokio::time::Instant::now());
         self.records.sweep();
+        worker::trim_if_due();
     }
+}
+
+/// Large bodies prepared at once: half the cores (at least one), so the
+/// async workers keep a core for everything else.
+fn heavy_permits() -> usize {
+    std::thread::available_parallelism().map_or(1, |n| (n.get() / 2).max(1))
 }
 
 /// Largest discovery answer read.

@@ -19,6 +19,7 @@ use crate::window::overflow::Overflow;
 
 use super::compact::{compact_if_due, Booked, Turn};
 use super::conversation::{rough_message_tokens, Conversation, Inbox};
+use super::record::Record;
 use super::walk::Action;
 use super::{ChatState, Discovery};
 
@@ -50,6 +51,9 @@ struct Outgoing<'a> {
     messages: Cow<'a, [Box<RawValue>]>,
     /// `messages` differ from the client's (the body must be rebuilt).
     changed: bool,
+    /// The record substituted (then the one a compaction made), held for
+    /// the request: the conversation keeps only a weak reference.
+    record: Option<Arc<Record>>,
 }
 
 /// Decides what to send, under the conversation lock. `overflow` is set on
@@ -57,7 +61,7 @@ struct Outgoing<'a> {
 /// compaction.
 pub(super) async fn prepare(
     chat: &ChatState,
-    upstream: &Upstream,
+    upstream: &Arc<Upstream>,
     entry: &Arc<Entry<Conversation>>,
     client_headers: &HeaderMap,
     mut creq: ChatRequest,
@@ -92,6 +96,7 @@ pub(super) async fn prepare(
         original: &original,
         client_hashes: &out.client_hashes,
         outgoing: &out.messages,
+        record: out.record.as_ref(),
         est_tokens: est.tokens,
         max_out,
         window,
@@ -102,7 +107,10 @@ pub(super) async fn prepare(
             .and_then(|o| o.prompt_tokens.or(o.requested)),
     };
     match compact_if_due(chat, upstream, conv, &turn).await {
-        Booked::Compacted(messages) => {
+        Booked::Compacted(messages, record) => {
+            if record.is_some() {
+                out.record = record;
+            }
             out.messages = Cow::Owned(messages);
             out.changed = true;
             action = Action::Compacted;
@@ -162,10 +170,9 @@ fn substitute<'a>(
     original: &'a [Box<RawValue>],
 ) -> Outgoing<'a> {
     let client_hashes = conv.client_chain.chain(original).to_vec();
-    let record = chat
-        .records
-        .lookup(cred, &client_hashes, conv.record.as_ref());
-    conv.record = record.clone();
+    let hint = conv.record();
+    let record = chat.records.lookup(cred, &client_hashes, hint.as_ref());
+    conv.set_record(record.as_ref());
     if record.is_some() {
         conv.stats.substituted += 1;
     }
@@ -183,6 +190,7 @@ fn substitute<'a>(
         client_hashes,
         messages,
         changed: record.is_some(),
+        record,
     }
 }
 
@@ -209,7 +217,7 @@ fn build(
     est: Estimate,
     action: Action,
 ) -> Prepared {
-    let replaced = conv
+    let replaced = out
         .record
         .as_ref()
         .filter(|_| out.changed)

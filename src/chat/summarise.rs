@@ -15,6 +15,7 @@ use bytes::Bytes;
 use http::{header, HeaderMap, HeaderValue};
 use serde_json::{json, Value};
 
+use crate::compaction::config::CompactionConfig;
 use crate::compaction::{Summariser, SummaryError, SummaryErrorKind, SummaryReply, SummaryRequest};
 use crate::config::UpstreamBase;
 use crate::upstream::{FetchError, Upstream};
@@ -45,6 +46,23 @@ pub struct SummaryTarget<'a> {
     pub api_key: Option<&'a str>,
     /// Deadline of one whole call.
     pub timeout: Duration,
+}
+
+impl<'a> SummaryTarget<'a> {
+    /// The configured target: `endpoint` when set, else the upstream itself.
+    pub fn configured(
+        cfg: &'a CompactionConfig,
+        endpoint: Option<&'a UpstreamBase>,
+        upstream: &'a Upstream,
+        main_model: String,
+    ) -> Self {
+        SummaryTarget {
+            base: endpoint.unwrap_or(upstream.base()),
+            main_model,
+            api_key: cfg.summary_api_key.as_deref(),
+            timeout: Duration::from_secs(cfg.summary_timeout_secs.max(1)),
+        }
+    }
 }
 
 /// Summary calls for one request.

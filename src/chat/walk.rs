@@ -30,8 +30,8 @@ use crate::usage::{BodyKind, StreamStart, TapOutcome, UsageObserver};
 use crate::window::overflow::{parse_overflow, parse_overflow_event, Overflow, OverflowKind};
 
 use super::conversation::Conversation;
-use super::prepare::{prepare, Prepared};
-use super::ChatState;
+use super::prepare::Prepared;
+use super::{worker, ChatState};
 
 /// Response header naming what compactor did.
 pub const ACTION_HEADER: &str = "x-compactor-action";
@@ -76,8 +76,8 @@ impl Action {
 
 /// Handles one chat completion request.
 pub async fn handle(
-    chat: &ChatState,
-    upstream: &Upstream,
+    chat: &Arc<ChatState>,
+    upstream: &Arc<Upstream>,
     req: Request<ProxyReqBody>,
 ) -> Response<ProxyBody> {
     let (parts, body) = req.into_parts();
@@ -99,16 +99,22 @@ pub async fn handle(
     let cred = cred.as_u128();
     let entry = chat.sessions.get_or_create(key, Conversation::default);
 
-    let mut prepared = prepare(
-        chat,
-        upstream,
-        &entry,
-        &parts.headers,
+    // Prepared in a task of its own: a client leaving mid-compaction does
+    // not cancel the compaction (its record serves the next turn).
+    let job = |creq, overflow| worker::Job {
+        chat: Arc::clone(chat),
+        upstream: Arc::clone(upstream),
+        entry: Arc::clone(&entry),
+        client_headers: parts.headers.clone(),
         creq,
-        (key, cred),
-        None,
-    )
-    .await;
+        key: (key, cred),
+        overflow,
+        body_len: bytes.len(),
+    };
+    let mut prepared = match worker::run(job(creq, None)).await {
+        Ok(p) => p,
+        Err(e) => return upstream.error_reply(&e),
+    };
     let mut retried = false;
     loop {
         let resp = match send(upstream, &parts, prepared.body.clone()).await {
@@ -134,16 +140,10 @@ pub async fn handle(
                 let Ok(creq) = ChatRequest::parse(bytes.clone()) else {
                     return finish(chat, upstream, resp, &prepared, key);
                 };
-                let retry = prepare(
-                    chat,
-                    upstream,
-                    &entry,
-                    &parts.headers,
-                    creq,
-                    (key, cred),
-                    Some(of),
-                )
-                .await;
+                let retry = match worker::run(job(creq, Some(of))).await {
+                    Ok(p) => p,
+                    Err(e) => return upstream.error_reply(&e),
+                };
                 if !retry.fresh_compaction {
                     // Compaction could not help (a recorded substitution
                     // alone would resend the same overflowing request): the

@@ -101,6 +101,17 @@ pub struct CompactionConfig {
     pub charge_stale_thinking: bool,
     /// Micro strategy: run on every Nth turn (1 = every turn).
     pub micro_every_n_turns: u32,
+    /// Pre-compaction: summarise in the background once a conversation
+    /// passes `background_threshold_percent` of the trigger, so the turn
+    /// that crosses it commits the result instead of waiting for a summary.
+    /// Off by default: on a single-slot server (llama.cpp `-np 1`) the
+    /// background summary occupies the slot the conversation's own turns
+    /// need, so each turn waits for it instead.
+    pub background: bool,
+    /// Where pre-compaction starts, in percent of the trigger threshold.
+    pub background_threshold_percent: f64,
+    /// Background summaries running at once, across all conversations.
+    pub background_max_concurrent: usize,
 }
 
 impl std::fmt::Debug for CompactionConfig {
@@ -125,6 +136,12 @@ impl std::fmt::Debug for CompactionConfig {
             .field("strategy", &self.strategy)
             .field("charge_stale_thinking", &self.charge_stale_thinking)
             .field("micro_every_n_turns", &self.micro_every_n_turns)
+            .field("background", &self.background)
+            .field(
+                "background_threshold_percent",
+                &self.background_threshold_percent,
+            )
+            .field("background_max_concurrent", &self.background_max_concurrent)
             .finish()
     }
 }
@@ -148,6 +165,9 @@ impl Default for CompactionConfig {
             strategy: Strategy::Batch,
             charge_stale_thinking: true,
             micro_every_n_turns: 1,
+            background: false,
+            background_threshold_percent: 80.0,
+            background_max_concurrent: 2,
         }
     }
 }
@@ -206,6 +226,19 @@ impl CompactionConfig {
             return Err(InvalidSetting::new(
                 "summary_timeout_secs",
                 "must be positive",
+            ));
+        }
+        let bg = self.background_threshold_percent;
+        if !(bg.is_finite() && bg > 0.0 && bg < 100.0) {
+            return Err(InvalidSetting::new(
+                "background_threshold_percent",
+                format!("must be in (0, 100) (percent of the trigger); got {bg}"),
+            ));
+        }
+        if self.background_max_concurrent == 0 {
+            return Err(InvalidSetting::new(
+                "background_max_concurrent",
+                "must be at least 1",
             ));
         }
         if self.micro_every_n_turns == 0 {

@@ -27,6 +27,10 @@ pub mod names {
     pub const SESSIONS: &str = "compactor_sessions";
     /// Live compaction records.
     pub const RECORDS: &str = "compactor_compaction_records";
+    /// Background pre-compactions by event (`started`, `used`, `discarded`).
+    pub const PRECOMPACTIONS_TOTAL: &str = "compactor_precompactions_total";
+    /// Time a compaction turn waited for its pre-compaction.
+    pub const PRECOMPACTION_WAIT_SECONDS: &str = "compactor_precompaction_wait_seconds";
 }
 
 /// Chat-path metrics registry.
@@ -39,6 +43,9 @@ pub struct ChatMetrics {
     prompt_tokens: AtomicU64,
     /// Duration of compaction attempts that called the summariser.
     pub summariser: Histogram,
+    precompactions: Mutex<BTreeMap<&'static str, u64>>,
+    /// Time compaction turns waited for a pre-compaction.
+    pub precompaction_wait: Histogram,
 }
 
 impl Default for ChatMetrics {
@@ -50,6 +57,8 @@ impl Default for ChatMetrics {
             overflow_retries: AtomicU64::new(0),
             prompt_tokens: AtomicU64::new(0),
             summariser: Histogram::new(UPSTREAM_BUCKETS),
+            precompactions: Mutex::default(),
+            precompaction_wait: Histogram::new(UPSTREAM_BUCKETS),
         }
     }
 }
@@ -63,6 +72,16 @@ fn read(map: &Mutex<BTreeMap<&'static str, u64>>) -> BTreeMap<&'static str, u64>
 }
 
 impl ChatMetrics {
+    /// A background pre-compaction event (`started`, `used`, `discarded`).
+    pub fn precompaction(&self, event: &'static str) {
+        bump(&self.precompactions, event);
+    }
+
+    /// Pre-compaction events so far.
+    pub fn precompactions(&self, event: &str) -> u64 {
+        read(&self.precompactions).get(event).copied().unwrap_or(0)
+    }
+
     /// One compaction attempt with its outcome label and, when committed,
     /// the tokens it saved and how long it took.
     pub fn compaction(&self, outcome: &'static str, saved: u64, took: Option<Duration>) {
@@ -114,6 +133,15 @@ impl ChatMetrics {
         for (k, v) in read(&self.actions) {
             let _ = writeln!(out, "{}{{action=\"{k}\"}} {v}", names::CHAT_ACTIONS_TOTAL);
         }
+        let pre = read(&self.precompactions);
+        if !pre.is_empty() {
+            let name = names::PRECOMPACTIONS_TOTAL;
+            let _ = writeln!(out, "# HELP {name} Background pre-compactions by event.");
+            let _ = writeln!(out, "# TYPE {name} counter");
+            for (k, v) in pre {
+                let _ = writeln!(out, "{name}{{event=\"{k}\"}} {v}");
+            }
+        }
         for (name, help, v) in [
             (
                 names::TOKENS_SAVED_TOTAL,
@@ -147,6 +175,11 @@ impl ChatMetrics {
             &mut out,
             names::SUMMARISER_SECONDS,
             "Duration of compaction attempts that called the summariser.",
+        );
+        self.precompaction_wait.render_to(
+            &mut out,
+            names::PRECOMPACTION_WAIT_SECONDS,
+            "Time compaction turns waited for a background pre-compaction.",
         );
         out
     }

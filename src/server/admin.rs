@@ -56,7 +56,7 @@ pub async fn session_view<B>(
         .and_then(|t| t.threshold_tokens)
         .map(|t| (t as f64 * scale).round() as u64);
     let calibration = conv.calibration.snapshot();
-    let record = conv.record.as_ref().map(|r| {
+    let record = conv.record().map(|r| {
         json!({
             "replaced_messages": r.k,
             "replacement_messages": r.replacement.len(),

@@ -31,12 +31,14 @@ use crate::upstream::Upstream;
 pub struct AppState {
     /// The validated configuration.
     pub config: Arc<Config>,
-    /// The upstream (pooled client, base, timeouts).
-    pub upstream: Upstream,
+    /// The upstream (pooled client, base, timeouts); shared with the
+    /// compaction tasks, which outlive a request whose client left.
+    pub upstream: Arc<Upstream>,
     /// Metrics registry (also held by `upstream` and `chat`).
     pub metrics: Arc<Metrics>,
-    /// Sessions, compaction records, windows: the chat path's state.
-    pub chat: ChatState,
+    /// Sessions, compaction records, windows: the chat path's state
+    /// (shared with the compaction tasks).
+    pub chat: Arc<ChatState>,
 }
 
 impl std::fmt::Debug for AppState {
@@ -55,9 +57,9 @@ impl AppState {
         let chat = ChatState::from_config(&config, Arc::clone(&metrics))?;
         Ok(AppState {
             config: Arc::new(config),
-            upstream,
+            upstream: Arc::new(upstream),
             metrics,
-            chat,
+            chat: Arc::new(chat),
         })
     }
 }

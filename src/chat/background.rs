@@ -1,0 +1,258 @@
+//! Background pre-compaction (`[compaction] background`).
+//!
+//! Once a conversation's estimate passes `background_threshold_percent` of
+//! the trigger, the same engine pass the trigger would run is started on a
+//! snapshot of what was sent, off the request path: one per conversation,
+//! at most `background_max_concurrent` across all of them. Its result is a
+//! candidate record (the client prefix it stands for and its replacement).
+//!
+//! The turn that crosses the trigger commits the candidate at once when the
+//! history still starts with that prefix and the result fits under the
+//! trigger; if the pass is still running it waits for it at most as long as
+//! an inline compaction may take (`summary_timeout_secs`); otherwise (failed,
+//! stale, diverged) the candidate is dropped and the inline compaction runs
+//! as without this feature. The pass is a task of its own: a client leaving
+//! never cancels it, and a dropped candidate is freed with its task.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use http::HeaderMap;
+use serde_json::value::RawValue;
+use tokio::task::JoinHandle;
+use tokio::time::Instant;
+
+use crate::compaction::trigger::{Trigger, WindowSource};
+use crate::compaction::{Compressor, Outcome};
+use crate::upstream::Upstream;
+
+use super::compact::{engine_input, map_back, run_engine, Turn};
+use super::conversation::{rough_message_tokens, Conversation};
+use super::record::Record;
+use super::summarise::{HttpSummariser, SummaryTarget};
+use super::ChatState;
+
+/// A pre-compaction started for a conversation.
+pub struct Pending {
+    /// Length of the client history snapshotted and its chain hash: a
+    /// history that no longer continues it makes the candidate stale.
+    snap_len: usize,
+    snap_hash: u128,
+    handle: JoinHandle<Option<Candidate>>,
+}
+
+/// A finished pre-compaction, not yet committed.
+pub(super) struct Candidate {
+    pub record: Record,
+    /// The engine's running summary after the pass.
+    pub previous_summary: Option<String>,
+    pub has_user_turn: bool,
+    pub fallback_used: bool,
+    pub feasibility_skip: bool,
+    pub tokens_before: u64,
+    pub tokens_after: u64,
+}
+
+/// What the engine needs of one turn, owned by the background task.
+struct Snapshot {
+    original: Vec<Box<RawValue>>,
+    client_hashes: Vec<u128>,
+    outgoing: Vec<Box<RawValue>>,
+    record: Option<Arc<Record>>,
+    model: String,
+    headers: HeaderMap,
+    engine_window: u64,
+    max_out_rough: Option<u64>,
+    est_rough: u64,
+    previous_summary: Option<String>,
+    has_user_turn: bool,
+    summary_model: Option<String>,
+    summary_model_fallen_back: bool,
+    compression_count: u32,
+}
+
+/// Sizes the caller already worked out for the trigger.
+pub(super) struct Due {
+    pub est_rough: u64,
+    pub threshold: u64,
+    pub engine_window: u64,
+    pub max_out_rough: Option<u64>,
+}
+
+/// Drops a pending pre-compaction whose snapshot this history no longer
+/// continues (the client edited or started over).
+pub(super) fn discard_if_diverged(chat: &ChatState, conv: &mut Conversation, hashes: &[u128]) {
+    let stale = conv
+        .pending
+        .as_ref()
+        .is_some_and(|p| !continues(hashes, p.snap_len, p.snap_hash));
+    if stale {
+        conv.pending = None;
+        chat.metrics.chat.precompaction("discarded");
+    }
+}
+
+fn continues(hashes: &[u128], len: usize, hash: u128) -> bool {
+    len >= 1 && hashes.len() >= len && hashes[len - 1] == hash
+}
+
+/// Starts a pre-compaction when this turn is past the soft threshold and
+/// none is running for the conversation (and a global slot is free).
+pub(super) fn maybe_start(
+    chat: &ChatState,
+    upstream: &Arc<Upstream>,
+    conv: &mut Conversation,
+    t: &Turn<'_>,
+    due: &Due,
+) {
+    let cfg = Arc::clone(&chat.compaction);
+    let soft = due.threshold as f64 * cfg.background_threshold_percent / 100.0;
+    if !cfg.background || conv.pending.is_some() || (due.est_rough as f64) < soft {
+        return;
+    }
+    let Some(&snap_hash) = t.client_hashes.last() else {
+        return;
+    };
+    let Ok(permit) = Arc::clone(&chat.background).try_acquire_owned() else {
+        return;
+    };
+    let Some(comp) = conv.compressor.as_ref() else {
+        return;
+    };
+    let snap = Snapshot {
+        original: t.original.to_vec(),
+        client_hashes: t.client_hashes.to_vec(),
+        outgoing: t.outgoing.to_vec(),
+        record: t.record.cloned(),
+        model: t.model.to_owned(),
+        headers: t.client_headers.clone(),
+        engine_window: due.engine_window,
+        max_out_rough: due.max_out_rough,
+        est_rough: due.est_rough,
+        previous_summary: comp.previous_summary.clone(),
+        has_user_turn: comp.summary_has_user_turn,
+        summary_model: comp.summary_model.clone(),
+        summary_model_fallen_back: comp.summary_model_fallen_back,
+        compression_count: comp.trigger.compression_count,
+    };
+    let job = Job {
+        cfg,
+        upstream: Arc::clone(upstream),
+        endpoint: chat.summary_endpoint.clone(),
+        label: chat.upstream_label.clone(),
+    };
+    let handle = tokio::spawn(async move {
+        let candidate = job.run(snap).await;
+        drop(permit);
+        candidate
+    });
+    chat.metrics.chat.precompaction("started");
+    conv.pending = Some(Pending {
+        snap_len: t.client_hashes.len(),
+        snap_hash,
+        handle,
+    });
+}
+
+/// The pending candidate for this compaction turn, if usable: it waits for
+/// a running pass at most `summary_timeout_secs`.
+pub(super) async fn take(
+    chat: &ChatState,
+    conv: &mut Conversation,
+    t: &Turn<'_>,
+) -> Option<Candidate> {
+    let mut p = conv.pending.take()?;
+    let started = Instant::now();
+    let limit = Duration::from_secs(chat.compaction.summary_timeout_secs.max(1));
+    let done = tokio::time::timeout(limit, &mut p.handle).await;
+    chat.metrics
+        .chat
+        .precompaction_wait
+        .observe(started.elapsed());
+    let usable = match done {
+        Ok(Ok(Some(c))) => {
+            let k = c.record.k;
+            continues(t.client_hashes, k, c.record.prefix_hash).then_some(c)
+        }
+        // Failed, panicked, or slower than an inline compaction (the task
+        // finishes on its own and its result is dropped).
+        _ => None,
+    };
+    if usable.is_none() {
+        chat.metrics.chat.precompaction("discarded");
+    }
+    usable
+}
+
+/// Whether `send` (the candidate substituted) fits under the trigger: a
+/// candidate cut for a shorter history may no longer be enough.
+pub(super) fn fits(send: &[Box<RawValue>], threshold: u64) -> bool {
+    let rough: u64 = send.iter().map(|m| rough_message_tokens(m)).sum();
+    rough < threshold
+}
+
+/// What the background task shares with the chat state.
+struct Job {
+    cfg: Arc<crate::compaction::config::CompactionConfig>,
+    upstream: Arc<Upstream>,
+    endpoint: Option<crate::config::UpstreamBase>,
+    label: String,
+}
+
+impl Job {
+    /// The engine pass over the snapshot, with a compressor of its own
+    /// seeded with the conversation's running summary.
+    async fn run(self, s: Snapshot) -> Option<Candidate> {
+        let cfg = self.cfg;
+        let trigger = Trigger::new(
+            Arc::clone(&cfg),
+            &s.model,
+            WindowSource::Known(s.engine_window),
+            s.max_out_rough,
+        )
+        .with_base_url(&self.label);
+        let mut comp = Compressor::new(Arc::clone(&cfg), trigger);
+        comp.previous_summary = s.previous_summary;
+        comp.summary_has_user_turn = s.has_user_turn;
+        comp.summary_model = s.summary_model;
+        comp.summary_model_fallen_back = s.summary_model_fallen_back;
+        comp.trigger.compression_count = s.compression_count;
+        let (rows, values) = engine_input(&cfg, &s.outgoing, s.engine_window)?;
+        let summariser = HttpSummariser::new(
+            &self.upstream,
+            SummaryTarget::configured(
+                &cfg,
+                self.endpoint.as_ref(),
+                &self.upstream,
+                s.model.clone(),
+            ),
+            &s.headers,
+            comp.trigger.summariser_budgets().into(),
+        );
+        let mut result =
+            // A candidate is a summary, never the last resort: that is decided
+            // by the turn that needs the request to fit.
+            run_engine(&mut comp, &values, &summariser, (false, false), s.est_rough, None).await;
+        drop(values);
+        rows.adjust(&mut result);
+        if result.outcome != Outcome::Compacted {
+            return None;
+        }
+        let (_, record) = map_back(
+            &s.original,
+            &s.client_hashes,
+            &s.outgoing,
+            s.record.as_ref(),
+            &result,
+        );
+        Some(Candidate {
+            record: record?,
+            previous_summary: comp.previous_summary,
+            has_user_turn: comp.summary_has_user_turn,
+            fallback_used: result.fallback_used,
+            feasibility_skip: result.feasibility_skip,
+            tokens_before: result.tokens_before,
+            tokens_after: result.tokens_after,
+        })
+    }
+}

@@ -1,0 +1,143 @@
+//! Background pre-compaction (`[compaction] background`): commit from the
+//! pending record, discard on divergence, fallback to inline, single flight.
+
+mod support;
+
+use std::time::Duration;
+
+use serde_json::json;
+use support::chat::*;
+
+fn config(extra: &str) -> String {
+    format!(
+        "[models.\"m\"]\ncontext_length = 2048\n[compaction]\nbackground = true\nbackground_threshold_percent = 40\n{extra}"
+    )
+}
+
+const HEADERS: [(&str, &str); 2] = [("authorization", "Bearer k"), ("x-session-id", "bg")];
+
+async fn started(url: &str) -> f64 {
+    metric(url, "compactor_precompactions_total{event=\"started\"}").await
+}
+
+async fn used(url: &str) -> f64 {
+    metric(url, "compactor_precompactions_total{event=\"used\"}").await
+}
+
+async fn discarded(url: &str) -> f64 {
+    metric(url, "compactor_precompactions_total{event=\"discarded\"}").await
+}
+
+/// Turns until a pre-compaction starts; returns with its turn answered.
+async fn grow_until_started(url: &str, conv: &mut Conversation) {
+    for _ in 0..30 {
+        let sent = conv.ask();
+        let (st, h, _) = post_chat(url, chat_body("m", &sent, false), &HEADERS).await;
+        assert_eq!(st, 200);
+        assert_eq!(
+            action(&h),
+            "passthrough",
+            "compacted before the soft threshold"
+        );
+        conv.answer();
+        if started(url).await >= 1.0 {
+            return;
+        }
+    }
+    panic!("no pre-compaction started");
+}
+
+/// Asks until a turn compacts; returns the number of turns it took.
+async fn until_compacted(url: &str, conv: &mut Conversation) -> usize {
+    for i in 0..30 {
+        let sent = conv.ask();
+        let (st, h, _) = post_chat(url, chat_body("m", &sent, false), &HEADERS).await;
+        assert_eq!(st, 200);
+        conv.answer();
+        if action(&h) == "compacted" {
+            return i;
+        }
+    }
+    panic!("never compacted");
+}
+
+#[tokio::test]
+async fn the_compaction_turn_commits_the_pending_record_without_a_summary_call() {
+    let mock = ChatMock::start(Settings::default()).await;
+    let proxy = start_proxy(&mock.url(), &config("")).await;
+    let url = proxy.url();
+    let mut conv = Conversation::new(600);
+    grow_until_started(&url, &mut conv).await;
+    // Let the background summary finish.
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let summaries = mock.summaries().len();
+    assert!(summaries >= 1, "the pre-compaction summarised");
+    until_compacted(&url, &mut conv).await;
+    assert!(used(&url).await >= 1.0, "the pending record was not used");
+    assert_eq!(
+        mock.summaries().len(),
+        summaries,
+        "the compaction turn summarised"
+    );
+    let seen = mock.last_chat().messages();
+    assert_tool_pairs(&seen);
+    // The conversation carries on with the record.
+    let sent = conv.ask();
+    let (st, h, _) = post_chat(&url, chat_body("m", &sent, false), &HEADERS).await;
+    assert_eq!(st, 200);
+    assert!(compacted_or_substituted(&h), "{}", action(&h));
+}
+
+#[tokio::test]
+async fn a_diverged_history_discards_the_pending_record() {
+    let mock = ChatMock::start(Settings::default()).await;
+    let proxy = start_proxy(&mock.url(), &config("")).await;
+    let url = proxy.url();
+    let mut conv = Conversation::new(600);
+    grow_until_started(&url, &mut conv).await;
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    // The client edits its history: the snapshot's prefix is gone.
+    conv.messages[1] = json!({"role":"user","content":"an edited first question"});
+    until_compacted(&url, &mut conv).await;
+    assert!(discarded(&url).await >= 1.0);
+    // Only a pre-compaction started after the edit may have been used.
+    assert!(used(&url).await <= started(&url).await - discarded(&url).await);
+}
+
+#[tokio::test]
+async fn a_failed_pre_compaction_falls_back_to_inline() {
+    let mock = ChatMock::start(Settings::default()).await;
+    mock.update(|s| s.summary = SummaryMode::Status(500));
+    let proxy = start_proxy(&mock.url(), &config("")).await;
+    let url = proxy.url();
+    let mut conv = Conversation::new(600);
+    grow_until_started(&url, &mut conv).await;
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    mock.update(|s| s.summary = SummaryMode::Reply(default_summary()));
+    let summaries = mock.summaries().len();
+    until_compacted(&url, &mut conv).await;
+    assert_eq!(used(&url).await, 0.0);
+    assert!(mock.summaries().len() > summaries, "no inline summary");
+}
+
+#[tokio::test]
+async fn one_pre_compaction_at_a_time_per_conversation() {
+    let mock = ChatMock::start(Settings::default()).await;
+    mock.update(|s| s.summary_delay = Duration::from_secs(2));
+    let proxy = start_proxy(&mock.url(), &config("summary_timeout_secs = 5\n")).await;
+    let url = proxy.url();
+    let mut conv = Conversation::new(600);
+    grow_until_started(&url, &mut conv).await;
+    // More turns past the soft threshold while the first is running.
+    for _ in 0..2 {
+        let sent = conv.ask();
+        let (st, h, _) = post_chat(&url, chat_body("m", &sent, false), &HEADERS).await;
+        assert_eq!(st, 200);
+        conv.answer();
+        if action(&h) == "compacted" {
+            break;
+        }
+    }
+    assert_eq!(started(&url).await, 1.0);
+    assert!(mock.summaries().len() <= 1, "{}", mock.summaries().len());
+}
