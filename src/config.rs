@@ -165,6 +165,8 @@ pub struct RawConfig {
     pub headers: HeadersConfig,
     /// Logging.
     pub log: LogConfig,
+    /// Where records outlive the process.
+    pub store: crate::store::config::RawStore,
 }
 
 impl Default for RawConfig {
@@ -182,6 +184,7 @@ impl Default for RawConfig {
             admin: AdminConfig::default(),
             headers: HeadersConfig::default(),
             log: LogConfig::default(),
+            store: crate::store::config::RawStore::default(),
         }
     }
 }
@@ -394,6 +397,8 @@ pub struct Config {
     pub expose_headers: bool,
     /// Log format.
     pub log_format: LogFormat,
+    /// Where records outlive the process (`[store]`).
+    pub store: crate::store::StoreConfig,
 }
 
 impl Default for Config {
@@ -430,6 +435,7 @@ impl Default for Config {
                 admin_token: None,
                 expose_headers: true,
                 log_format: LogFormat::Text,
+                store: crate::store::StoreConfig::default(),
             },
         }
     }
@@ -567,6 +573,10 @@ impl RawConfig {
         if let Some(v) = env.get("COMPACTOR_UPSTREAM_CA_FILE") {
             self.upstream_ca_file = (!v.is_empty()).then(|| PathBuf::from(v));
         }
+        self.store.apply_env(
+            env.get("COMPACTOR_STORE_BACKEND"),
+            env.get("COMPACTOR_STORE_PATH"),
+        );
         if let Some(v) = env.get("COMPACTOR_ADMIN_TOKEN") {
             self.admin.token = (!v.is_empty()).then_some(v);
         }
@@ -642,12 +652,21 @@ impl RawConfig {
         self.check_limits(&mut problems);
         let headers = self.check_session_headers(&mut problems);
         let (compaction, summary_endpoint) = check_compaction(&self.compaction, &mut problems);
+        let store = self
+            .store
+            .validate(
+                Duration::from_secs(self.session.ttl_secs),
+                self.session.max_record_bytes,
+            )
+            .map_err(|(key, m)| problems.bad(&key, m))
+            .ok();
         if matches!(&self.admin.token, Some(t) if t.trim().is_empty()) {
             problems.bad("admin.token", "must not be empty (omit it to disable)");
         }
 
         match (listen, upstream) {
             (Some(listen), Some(upstream)) if problems.0.is_empty() => {
+                let store = store.unwrap_or_default();
                 let t = &self.timeouts;
                 Ok(Config {
                     compaction: compaction.unwrap_or_default(),
@@ -673,6 +692,7 @@ impl RawConfig {
                     admin_token: self.admin.token,
                     expose_headers: self.headers.expose,
                     log_format: self.log.format,
+                    store,
                 })
             }
             _ => Err(ConfigError::Invalid {

@@ -10,7 +10,7 @@
 //! - [`upstream`]: HTTP plumbing: the one [`upstream::Upstream`], body
 //!   wrappers, header policy, error replies.
 //! - Leaves: [`compaction`] (the engine, no I/O), [`request`], [`session`],
-//!   [`usage`], [`window`], [`config`], [`metrics`], [`error`], [`telemetry`].
+//!   [`usage`], [`window`], [`store`], [`config`], [`metrics`], [`error`], [`telemetry`].
 
 pub mod chat;
 pub mod cli;
@@ -21,6 +21,7 @@ pub mod metrics;
 pub mod request;
 pub mod server;
 pub mod session;
+pub mod store;
 pub mod sync;
 pub mod telemetry;
 pub mod upstream;
