@@ -340,7 +340,6 @@ struct CompactionDone {
     label: &'static str,
 }
 
-
 /// Stores the record of a committed compaction and returns what to send.
 ///
 /// The engine compacted `outgoing` = `old replacement (r) + original[k_old..]`
@@ -386,7 +385,7 @@ fn commit_record(
             .iter()
             .map(|m| rough_message_tokens(m))
             .sum();
-        let rec = chat.records.insert(
+        let rec = chat.commit_record(
             cred,
             Record::new(
                 k_new,

@@ -9,6 +9,7 @@
 //!   booking (stats, metrics, one log line, the record).
 //! - [`conversation`]: per-conversation state behind the session lock.
 //! - [`record`]: compaction records, the stable prefixes.
+//! - `durable`: records through the [`crate::store`] (find, commit).
 //! - [`summarise`]: the summariser as a JSON POST through the upstream.
 //!
 //! It takes what it needs, [`ChatState`] and the [`Upstream`], never the
@@ -16,6 +17,7 @@
 
 mod compact;
 pub mod conversation;
+mod durable;
 mod prepare;
 pub mod record;
 pub mod summarise;
@@ -34,6 +36,7 @@ use crate::config::{Config, ConfigError, UpstreamBase};
 use crate::metrics::Metrics;
 use crate::session::key::SessionKeyer;
 use crate::session::store::{SessionStore, StoreLimits};
+use crate::store::StoreHandle;
 use crate::upstream::{FetchError, Upstream};
 use crate::window::cache::{WindowCache, WindowConfig};
 use crate::window::discover::{GetError, UpstreamGet};
@@ -49,8 +52,10 @@ pub struct ChatState {
     pub keyer: SessionKeyer,
     /// Conversations.
     pub sessions: SessionStore<Conversation>,
-    /// Compaction records.
+    /// Compaction records (the hot cache in front of `store`).
     pub records: RecordStore,
+    /// What outlives the process (`[store]`).
+    pub store: StoreHandle,
     /// Context windows per (upstream, model).
     pub windows: WindowCache,
     /// The upstream base as a string (window cache key, trigger base URL).
@@ -95,6 +100,7 @@ impl ChatState {
             // without its session header still finds its compaction.
             records: RecordStore::new(cfg.session.ttl, cfg.session.max_sessions.max(1))
                 .with_max_bytes(cfg.session.max_record_bytes),
+            store: crate::store::open(&cfg.store),
             windows,
             upstream_label: cfg.upstream.to_string(),
             summary_endpoint: cfg.summary_endpoint.clone(),
@@ -107,6 +113,12 @@ impl ChatState {
     pub fn sweep(&self) {
         self.sessions.sweep(tokio::time::Instant::now());
         self.records.sweep();
+        if self.store.name() != "memory" {
+            if let Ok(rt) = tokio::runtime::Handle::try_current() {
+                let store = self.store.clone();
+                rt.spawn(async move { store.sweep().await });
+            }
+        }
     }
 }
 

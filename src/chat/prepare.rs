@@ -75,7 +75,7 @@ pub(super) async fn prepare(
     // Moved out, not copied: the history is the bulk of the body, and the
     // original bytes still go upstream unless `with_messages` runs below.
     let original: Vec<Box<RawValue>> = creq.take_messages();
-    let mut out = substitute(chat, conv, cred, &original);
+    let mut out = substitute(chat, conv, cred, &original).await;
     let max_out = creq.max_output_tokens();
     let overhead = conv.tools_overhead(creq.get_raw("tools"));
     let mut est = estimate(conv, &out, overhead);
@@ -151,7 +151,7 @@ async fn resolve_window(
 }
 
 /// Step 1: substitutes the longest recorded compaction of this history.
-fn substitute<'a>(
+async fn substitute<'a>(
     chat: &ChatState,
     conv: &mut Conversation,
     cred: u128,
@@ -159,8 +159,8 @@ fn substitute<'a>(
 ) -> Outgoing<'a> {
     let client_hashes = conv.client_chain.chain(original).to_vec();
     let record = chat
-        .records
-        .lookup(cred, &client_hashes, conv.record.as_ref());
+        .find_record(cred, &client_hashes, conv.record.as_ref())
+        .await;
     conv.record = record.clone();
     if record.is_some() {
         conv.stats.substituted += 1;
