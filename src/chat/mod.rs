@@ -72,8 +72,14 @@ impl ChatState {
     /// Builds the chat state from the validated proxy configuration.
     pub fn from_config(cfg: &Config, metrics: Arc<Metrics>) -> Result<Self, ConfigError> {
         let compaction = cfg.compaction.clone();
-        let keyer = SessionKeyer::new(&cfg.session.headers)
-            .map_err(|e| ConfigError::invalid("session.headers", e.to_string()))?;
+        let store = crate::store::open(&cfg.store);
+        // Records are keyed by credential fingerprints: a store that keeps
+        // records keeps the secret they are hashed with.
+        let keyer = match store.keyer_secret() {
+            Some(secret) => SessionKeyer::with_secret(&cfg.session.headers, secret),
+            None => SessionKeyer::new(&cfg.session.headers),
+        }
+        .map_err(|e| ConfigError::invalid("session.headers", e.to_string()))?;
         let limits = StoreLimits {
             ttl: cfg.session.ttl,
             max_sessions: cfg.session.max_sessions,
@@ -100,7 +106,7 @@ impl ChatState {
             // without its session header still finds its compaction.
             records: RecordStore::new(cfg.session.ttl, cfg.session.max_sessions.max(1))
                 .with_max_bytes(cfg.session.max_record_bytes),
-            store: crate::store::open(&cfg.store),
+            store,
             windows,
             upstream_label: cfg.upstream.to_string(),
             summary_endpoint: cfg.summary_endpoint.clone(),

@@ -68,6 +68,14 @@ pub trait Store: Send + Sync {
     /// Backend name for logs and metrics (`memory`, `redb`).
     fn name(&self) -> &'static str;
 
+    /// The secret that credential fingerprints and session keys are hashed
+    /// with, kept by the store so that records keyed by a fingerprint are
+    /// found again after a restart (and by every replica). `None`: the
+    /// process picks its own (nothing outlives it anyway).
+    fn keyer_secret(&self) -> Option<u64> {
+        None
+    }
+
     /// Whether a record could match a history of `len` messages. Local and
     /// cheap (no I/O): a lookup goes to the store only when this says yes.
     fn may_have(&self, len: usize) -> bool;
@@ -204,6 +212,11 @@ impl StoreHandle {
     /// See [`Store::may_have`].
     pub fn may_have(&self, len: usize) -> bool {
         self.store.may_have(len)
+    }
+
+    /// See [`Store::keyer_secret`].
+    pub fn keyer_secret(&self) -> Option<u64> {
+        self.store.keyer_secret()
     }
 
     /// See [`Store::touch`].

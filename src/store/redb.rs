@@ -20,6 +20,9 @@ type Key = (u128, u128);
 
 const RECORDS: TableDefinition<'static, Key, &'static [u8]> = TableDefinition::new("records");
 const TOUCHED: TableDefinition<'static, Key, u64> = TableDefinition::new("touched");
+const META: TableDefinition<'static, &'static str, u64> = TableDefinition::new("meta");
+/// Under [`META`]: the keyer secret, made at the file's first open.
+const SECRET: &str = "keyer_secret";
 
 /// What the in-memory index knows of one stored record.
 #[derive(Debug, Clone, Copy)]
@@ -69,6 +72,7 @@ impl Index {
 pub struct RedbStore {
     db: Arc<Database>,
     index: Arc<Mutex<Index>>,
+    secret: u64,
     ttl_ms: u64,
     max_bytes: usize,
 }
@@ -118,10 +122,11 @@ impl RedbStore {
             .set_cache_size(16 << 20)
             .create(path)
             .map_err(backend)?;
-        let index = load_index(&db)?;
+        let (index, secret) = load(&db)?;
         Ok(Self {
             db: Arc::new(db),
             index: Arc::new(Mutex::new(index)),
+            secret,
             ttl_ms: u64::try_from(ttl.as_millis()).unwrap_or(u64::MAX),
             max_bytes: max_bytes.max(1),
         })
@@ -155,9 +160,26 @@ impl RedbStore {
     }
 }
 
-fn load_index(db: &Database) -> Result<Index, StoreError> {
+/// Rebuilds the index and reads (or makes) the keyer secret.
+fn load(db: &Database) -> Result<(Index, u64), StoreError> {
     let tx = db.begin_write().map_err(backend)?;
     let mut index = Index::default();
+    let secret;
+    {
+        let mut meta = tx.open_table(META).map_err(backend)?;
+        let found = meta.get(SECRET).map_err(backend)?.map(|v| v.value());
+        secret = match found {
+            Some(s) => s,
+            None => {
+                use std::hash::{BuildHasher, Hasher};
+                let s = std::collections::hash_map::RandomState::new()
+                    .build_hasher()
+                    .finish();
+                meta.insert(SECRET, s).map_err(backend)?;
+                s
+            }
+        };
+    }
     {
         // Opened in a write transaction so a new file gets its tables.
         let records = tx.open_table(RECORDS).map_err(backend)?;
@@ -181,7 +203,7 @@ fn load_index(db: &Database) -> Result<Index, StoreError> {
         }
     }
     tx.commit().map_err(backend)?;
-    Ok(index)
+    Ok((index, secret))
 }
 
 /// Reads the longest match among `lengths` (longest first).
@@ -265,6 +287,10 @@ impl RedbStore {
 impl Store for RedbStore {
     fn name(&self) -> &'static str {
         "redb"
+    }
+
+    fn keyer_secret(&self) -> Option<u64> {
+        Some(self.secret)
     }
 
     fn may_have(&self, len: usize) -> bool {
@@ -387,7 +413,9 @@ mod tests {
             s.put(1, rec(4, 44, "{\"b\":2}")).await.unwrap();
             assert!(s.may_have(2) && !s.may_have(1));
         }
+        let secret = open(&path).keyer_secret();
         let s = open(&path);
+        assert_eq!(s.keyer_secret(), secret, "the secret outlives the process");
         assert_eq!(s.len(), 2);
         let hit = s.find(1, &[11, 22, 33, 44, 55]).await.unwrap().unwrap();
         assert_eq!(hit, rec(4, 44, "{\"b\":2}"));
