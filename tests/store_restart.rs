@@ -39,7 +39,7 @@ impl Drop for Proc {
 fn start(dir: &Path, upstream: &str, store: &Path) -> Proc {
     let cfg = dir.join("proxy.toml");
     std::fs::write(&cfg, CONFIG).unwrap();
-    let mut child = Command::new(BIN)
+    let child = Command::new(BIN)
         .current_dir(dir)
         .arg("--config")
         .arg(&cfg)
@@ -53,7 +53,12 @@ fn start(dir: &Path, upstream: &str, store: &Path) -> Proc {
         .stderr(Stdio::null())
         .spawn()
         .unwrap();
-    let stdout = child.stdout.take().unwrap();
+    // Owned from here on: killed and reaped on every path, panics included.
+    let mut proc = Proc {
+        child,
+        url: String::new(),
+    };
+    let stdout = proc.child.stdout.take().unwrap();
     let (tx, lines) = mpsc::channel();
     std::thread::spawn(move || {
         for line in BufReader::new(stdout).lines().map_while(Result::ok) {
@@ -82,10 +87,8 @@ fn start(dir: &Path, upstream: &str, store: &Path) -> Proc {
                     eprintln!("PROXY {l}");
                 }
             });
-            return Proc {
-                child,
-                url: format!("http://{addr}"),
-            };
+            proc.url = format!("http://{addr}");
+            return proc;
         }
         seen.push(line);
     }
