@@ -112,4 +112,82 @@ mod tests {
         };
         assert!(from_stored(s).is_none());
     }
+
+    /// A store that is down (every call fails) or slow (every call hangs).
+    struct Broken {
+        slow: bool,
+    }
+
+    #[async_trait::async_trait]
+    impl crate::store::Store for Broken {
+        fn name(&self) -> &'static str {
+            "broken"
+        }
+        fn may_have(&self, _len: usize) -> bool {
+            true
+        }
+        async fn find(
+            &self,
+            _: u128,
+            _: &[u128],
+        ) -> Result<Option<StoredRecord>, crate::store::StoreError> {
+            self.fail().await
+        }
+        async fn put(&self, _: u128, _: StoredRecord) -> Result<(), crate::store::StoreError> {
+            self.fail().await
+        }
+        async fn sweep(&self) -> Result<(), crate::store::StoreError> {
+            self.fail().await
+        }
+    }
+
+    impl Broken {
+        async fn fail<T>(&self) -> Result<T, crate::store::StoreError> {
+            if self.slow {
+                tokio::time::sleep(std::time::Duration::from_secs(30)).await;
+            }
+            Err(crate::store::StoreError::Backend(
+                "connection refused".into(),
+            ))
+        }
+    }
+
+    fn chat_on(slow: bool) -> ChatState {
+        let metrics = Arc::new(crate::metrics::Metrics::default());
+        let mut chat = ChatState::from_config(&crate::config::Config::default(), metrics).unwrap();
+        chat.store = crate::store::StoreHandle::new(
+            Arc::new(Broken { slow }),
+            std::time::Duration::from_millis(50),
+        );
+        chat
+    }
+
+    fn degraded(chat: &ChatState) -> u64 {
+        chat.store
+            .health
+            .degraded
+            .load(std::sync::atomic::Ordering::Relaxed)
+    }
+
+    #[tokio::test]
+    async fn a_store_that_is_down_or_slow_degrades_to_memory() {
+        for slow in [false, true] {
+            let chat = chat_on(slow);
+            let started = std::time::Instant::now();
+            // A miss asks the store, which fails: nothing found, counted.
+            assert!(chat.find_record(1, &[11, 22, 33], None).await.is_none());
+            assert_eq!(degraded(&chat), 1, "slow={slow}");
+            // A commit keeps the record in memory whatever the store does.
+            let raw = RawValue::from_string("{\"a\":1}".into()).unwrap();
+            chat.commit_record(1, Record::new(2, 22, vec![raw], 10, 1));
+            let hit = chat.find_record(1, &[11, 22, 33], None).await.unwrap();
+            assert_eq!(hit.replacement[0].get(), "{\"a\":1}");
+            // The background write fails (or times out) and is counted.
+            tokio::time::sleep(std::time::Duration::from_millis(150)).await;
+            assert_eq!(degraded(&chat), 2, "slow={slow}");
+            assert!(started.elapsed() < std::time::Duration::from_secs(5));
+            let text = chat.store.health.render(chat.store.name());
+            assert!(text.contains("compactor_store_degraded_total{backend=\"broken\"} 2"));
+        }
+    }
 }
