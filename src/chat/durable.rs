@@ -1,6 +1,6 @@
 //! The chat path's one surface onto the [`crate::store`]: find a record
 //! (memory first, the store on a miss) and commit one (memory now, the
-//! store in the background).
+//! store in the background); and learned windows (kept in the store too).
 
 use std::sync::Arc;
 
@@ -47,6 +47,20 @@ impl ChatState {
             self.store.put_in_background(cred, stored);
         }
         rec
+    }
+}
+
+impl ChatState {
+    /// Learns the window from an overflow error; a window learned is kept
+    /// in the store (in the background), so a restart does not overflow
+    /// again to learn it.
+    pub(super) fn learn_window(&self, model: &str, overflow: &crate::window::overflow::Overflow) {
+        if let Some(tokens) = self.windows.learn(&self.upstream_label, model, overflow) {
+            if self.store.name() != "memory" {
+                self.store
+                    .put_window_in_background(&self.upstream_label, model, tokens);
+            }
+        }
     }
 }
 

@@ -98,6 +98,10 @@ impl ChatState {
                 .unwrap_or(defaults.default_window),
             ..defaults
         });
+        // Windows learned before a restart (the store read them at open).
+        for (upstream, model, tokens) in store.windows() {
+            windows.learn_limit(&upstream, &model, tokens);
+        }
         Ok(Self {
             compaction: Arc::new(compaction),
             keyer,

@@ -137,7 +137,7 @@ async fn resolve_window(
     overflow: Option<&Overflow>,
 ) -> u64 {
     if let Some(of) = overflow {
-        chat.windows.learn(&chat.upstream_label, model, of);
+        chat.learn_window(model, of);
     }
     let discovery = Discovery {
         upstream,

@@ -1,5 +1,7 @@
 //! What must outlive a process: compaction records (credential-scoped,
-//! content-addressed by the chained hash of the `k` original messages).
+//! content-addressed by the chained hash of the `k` original messages), the
+//! secret credential fingerprints are hashed with, and learned context
+//! windows.
 //!
 //! The chat path keeps its in-memory [`crate::chat::record::RecordStore`]
 //! as the hot cache in front of a [`Store`]: a committed record is written
@@ -94,6 +96,22 @@ pub trait Store: Send + Sync {
 
     /// Drops expired records and enforces the byte bound.
     async fn sweep(&self) -> Result<(), StoreError>;
+
+    /// The learned context windows (upstream, model, tokens) the store
+    /// held when it was opened. No I/O.
+    fn windows(&self) -> Vec<(String, String, u64)> {
+        Vec::new()
+    }
+
+    /// Stores a learned context window of (upstream, model).
+    async fn put_window(
+        &self,
+        _upstream: &str,
+        _model: &str,
+        _tokens: u64,
+    ) -> Result<(), StoreError> {
+        Ok(())
+    }
 }
 
 /// Nothing outlives the process: every call is free and finds nothing.
@@ -259,6 +277,30 @@ impl StoreHandle {
     pub fn put_in_background(&self, cred: u128, record: StoredRecord) {
         let this = self.clone();
         tokio::spawn(async move { this.put(cred, record).await });
+    }
+
+    /// See [`Store::windows`].
+    pub fn windows(&self) -> Vec<(String, String, u64)> {
+        self.store.windows()
+    }
+
+    /// Stores a learned window in the background; a failure is logged and
+    /// counted.
+    pub fn put_window_in_background(&self, upstream: &str, model: &str, tokens: u64) {
+        let this = self.clone();
+        let (upstream, model) = (upstream.to_owned(), model.to_owned());
+        tokio::spawn(async move {
+            let put = this.store.put_window(&upstream, &model, tokens);
+            match tokio::time::timeout(this.timeout, put).await {
+                Ok(Ok(())) => {}
+                Ok(Err(e)) => {
+                    this.degraded::<()>("put_window", &e);
+                }
+                Err(_) => {
+                    this.degraded::<()>("put_window", &StoreError::Timeout);
+                }
+            }
+        });
     }
 
     /// Sweeps the store; a failure is logged and counted.

@@ -20,6 +20,8 @@ type Key = (u128, u128);
 
 const RECORDS: TableDefinition<'static, Key, &'static [u8]> = TableDefinition::new("records");
 const TOUCHED: TableDefinition<'static, Key, u64> = TableDefinition::new("touched");
+/// Learned windows: `upstream` NUL `model` → tokens.
+const WINDOWS: TableDefinition<'static, &'static str, u64> = TableDefinition::new("windows");
 const META: TableDefinition<'static, &'static str, u64> = TableDefinition::new("meta");
 /// Under [`META`]: the keyer secret, made at the file's first open.
 const SECRET: &str = "keyer_secret";
@@ -73,6 +75,8 @@ pub struct RedbStore {
     db: Arc<Database>,
     index: Arc<Mutex<Index>>,
     secret: u64,
+    /// Learned windows as read at open.
+    windows: Vec<(String, String, u64)>,
     ttl_ms: u64,
     max_bytes: usize,
 }
@@ -123,10 +127,12 @@ impl RedbStore {
             .create(path)
             .map_err(backend)?;
         let (index, secret) = load(&db)?;
+        let windows = load_windows(&db)?;
         Ok(Self {
             db: Arc::new(db),
             index: Arc::new(Mutex::new(index)),
             secret,
+            windows,
             ttl_ms: u64::try_from(ttl.as_millis()).unwrap_or(u64::MAX),
             max_bytes: max_bytes.max(1),
         })
@@ -204,6 +210,26 @@ fn load(db: &Database) -> Result<(Index, u64), StoreError> {
     }
     tx.commit().map_err(backend)?;
     Ok((index, secret))
+}
+
+fn window_key(upstream: &str, model: &str) -> String {
+    format!("{upstream}\0{model}")
+}
+
+fn load_windows(db: &Database) -> Result<Vec<(String, String, u64)>, StoreError> {
+    let tx = db.begin_write().map_err(backend)?;
+    let mut out = Vec::new();
+    {
+        let table = tx.open_table(WINDOWS).map_err(backend)?;
+        for row in table.iter().map_err(backend)? {
+            let (key, tokens) = row.map_err(backend)?;
+            if let Some((u, m)) = key.value().split_once('\0') {
+                out.push((u.to_owned(), m.to_owned(), tokens.value()));
+            }
+        }
+    }
+    tx.commit().map_err(backend)?;
+    Ok(out)
 }
 
 /// Reads the longest match among `lengths` (longest first).
@@ -374,6 +400,23 @@ impl Store for RedbStore {
         .await
     }
 
+    fn windows(&self) -> Vec<(String, String, u64)> {
+        self.windows.clone()
+    }
+
+    async fn put_window(&self, upstream: &str, model: &str, tokens: u64) -> Result<(), StoreError> {
+        let key = window_key(upstream, model);
+        self.blocking(move |db, _| {
+            let tx = db.begin_write().map_err(backend)?;
+            tx.open_table(WINDOWS)
+                .map_err(backend)?
+                .insert(key.as_str(), tokens)
+                .map_err(backend)?;
+            tx.commit().map_err(backend)
+        })
+        .await
+    }
+
     async fn sweep(&self) -> Result<(), StoreError> {
         let (gone, dirty) = self.plan_sweep(&mut lock(&self.index), now_ms());
         if gone.is_empty() && dirty.is_empty() {
@@ -422,6 +465,22 @@ mod tests {
         assert_eq!(s.find(1, &[11, 22, 99]).await.unwrap().unwrap().k, 2);
         assert!(s.find(2, &[11, 22, 33, 44]).await.unwrap().is_none());
         assert!(s.find(1, &[]).await.unwrap().is_none());
+    }
+
+    #[tokio::test]
+    async fn learned_windows_survive_reopen() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("state.redb");
+        {
+            let s = open(&path);
+            assert!(s.windows().is_empty());
+            s.put_window("http://u:1", "m", 4096).await.unwrap();
+            s.put_window("http://u:1", "m", 8192).await.unwrap();
+        }
+        assert_eq!(
+            open(&path).windows(),
+            vec![("http://u:1".into(), "m".into(), 8192)]
+        );
     }
 
     #[tokio::test]
