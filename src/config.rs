@@ -165,6 +165,8 @@ pub struct RawConfig {
     pub headers: HeadersConfig,
     /// Logging.
     pub log: LogConfig,
+    /// Where records outlive the process.
+    pub store: crate::store::config::RawStore,
 }
 
 impl Default for RawConfig {
@@ -182,6 +184,7 @@ impl Default for RawConfig {
             admin: AdminConfig::default(),
             headers: HeadersConfig::default(),
             log: LogConfig::default(),
+            store: crate::store::config::RawStore::default(),
         }
     }
 }
@@ -397,6 +400,8 @@ pub struct Config {
     pub expose_headers: bool,
     /// Log format.
     pub log_format: LogFormat,
+    /// Where records outlive the process (`[store]`).
+    pub store: crate::store::StoreConfig,
 }
 
 impl Default for Config {
@@ -433,6 +438,7 @@ impl Default for Config {
                 admin_token: None,
                 expose_headers: true,
                 log_format: LogFormat::Text,
+                store: crate::store::StoreConfig::default(),
             },
         }
     }
@@ -570,6 +576,10 @@ impl RawConfig {
         if let Some(v) = env.get("COMPACTOR_UPSTREAM_CA_FILE") {
             self.upstream_ca_file = (!v.is_empty()).then(|| PathBuf::from(v));
         }
+        self.store.apply_env(
+            env.get("COMPACTOR_STORE_BACKEND"),
+            env.get("COMPACTOR_STORE_PATH"),
+        );
         if let Some(v) = env.get("COMPACTOR_ADMIN_TOKEN") {
             self.admin.token = (!v.is_empty()).then_some(v);
         }
@@ -645,12 +655,21 @@ impl RawConfig {
         self.check_limits(&mut problems);
         let headers = self.check_session_headers(&mut problems);
         let (compaction, summary_endpoint) = check_compaction(&self.compaction, &mut problems);
+        let store = self
+            .store
+            .validate(
+                Duration::from_secs(self.session.ttl_secs),
+                self.session.max_record_bytes,
+            )
+            .map_err(|(key, m)| problems.bad(&key, m))
+            .ok();
         if matches!(&self.admin.token, Some(t) if t.trim().is_empty()) {
             problems.bad("admin.token", "must not be empty (omit it to disable)");
         }
 
         match (listen, upstream) {
             (Some(listen), Some(upstream)) if problems.0.is_empty() => {
+                let store = store.unwrap_or_default();
                 let t = &self.timeouts;
                 Ok(Config {
                     compaction: compaction.unwrap_or_default(),
@@ -676,6 +695,7 @@ impl RawConfig {
                     admin_token: self.admin.token,
                     expose_headers: self.headers.expose,
                     log_format: self.log.format,
+                    store,
                 })
             }
             _ => Err(ConfigError::Invalid {
@@ -905,6 +925,27 @@ format = "json"
         assert_eq!(c.upstream.path_prefix, "/prefix");
         assert_eq!(c.timeouts.idle, Duration::from_secs(7));
         assert_eq!(c.log_format, LogFormat::Json);
+    }
+
+    #[test]
+    fn store_section_env_and_bounds() {
+        use crate::store::StoreBackend;
+        // Unset: memory here (the binary switches to redb), with the
+        // session's TTL and byte bound.
+        let c = parse("[session]\nttl_secs = 90\nmax_record_bytes = 4096\n").unwrap();
+        assert_eq!(c.store.backend, StoreBackend::Memory);
+        assert!(!c.store.explicit);
+        assert_eq!(c.store.ttl, Duration::from_secs(90));
+        assert_eq!(c.store.max_bytes, 4096);
+        let c = parse("[store]\npath = \"/tmp/s.redb\"\ntimeout_ms = 5\n").unwrap();
+        assert_eq!(c.store.backend, StoreBackend::Redb("/tmp/s.redb".into()));
+        assert_eq!(c.store.timeout, Duration::from_millis(5));
+        let env = MapEnv::from_pairs([("COMPACTOR_STORE_BACKEND", "memory")]);
+        let c = Config::from_toml_str("[store]\nbackend = \"redb\"\n", &env).unwrap();
+        assert_eq!(c.store.backend, StoreBackend::Memory);
+        assert!(c.store.explicit);
+        let e = parse("[store]\nbackend = \"etcd\"\n").unwrap_err();
+        assert_eq!(e.keys(), vec!["store.backend"]);
     }
 
     #[test]

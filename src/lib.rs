@@ -13,7 +13,7 @@
 //!   [`session`] (keys, the session store, calibration), [`config`],
 //!   [`metrics`], [`telemetry`].
 //! - Pure leaves: [`compaction`] (the engine, synchronous, no I/O),
-//!   [`window`], [`request`], [`error`], [`sync`].
+//!   [`window`], [`store`], [`request`], [`error`], [`sync`].
 //!
 //! `ARCHITECTURE.md` has the walk of a request and the module map;
 //! `scripts/check_layers.sh` keeps the imports free of cycles.
@@ -27,6 +27,7 @@ pub mod metrics;
 pub mod request;
 pub mod server;
 pub mod session;
+pub mod store;
 pub mod sync;
 pub mod telemetry;
 pub mod upstream;

@@ -10,7 +10,7 @@ const EXIT_USAGE: u8 = 64;
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
-    let config = match config::Config::load(cli.config.as_deref(), &config::ProcessEnv) {
+    let mut config = match config::Config::load(cli.config.as_deref(), &config::ProcessEnv) {
         Ok(c) => c,
         Err(e) => {
             eprintln!("compactor: {e}");
@@ -20,6 +20,9 @@ fn main() -> ExitCode {
     if cli.validate_and_exit {
         return ExitCode::SUCCESS;
     }
+    // The binary keeps records across restarts unless told otherwise; an
+    // embedding program (and the in-process tests) keep them in memory.
+    config.store.use_binary_default();
     // Held to the end of `main`: dropping it writes the buffered log lines.
     let _log = match telemetry::init(config.log_format) {
         Ok(guard) => guard,

@@ -37,6 +37,9 @@ fn command(dir: &std::path::Path) -> Command {
         .env_remove("RUST_LOG")
         .env_remove("COMPACTOR_LISTEN")
         .env_remove("COMPACTOR_UPSTREAM")
+        .env_remove("COMPACTOR_STORE_BACKEND")
+        // Each run its own store file, never the user's state directory.
+        .env("COMPACTOR_STORE_PATH", dir.join("state.redb"))
         .env("NO_COLOR", "1");
     cmd
 }

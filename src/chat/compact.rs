@@ -252,7 +252,7 @@ async fn background_turn(
         tokens_after = c.tokens_after,
         "compaction from a pre-compaction"
     );
-    let rec = chat.records.insert(t.cred, c.record);
+    let rec = chat.commit_record(t.cred, c.record);
     conv.set_record(Some(&rec));
     Some(Booked::Compacted(send, Some(rec)))
 }
@@ -583,7 +583,7 @@ fn commit_record(
     let Some(record) = record else {
         return (send, None);
     };
-    let rec = chat.records.insert(t.cred, record);
+    let rec = chat.commit_record(t.cred, record);
     conv.set_record(Some(&rec));
     (send, Some(rec))
 }

@@ -11,6 +11,7 @@
 //!   (`[compaction] background`).
 //! - [`conversation`]: per-conversation state behind the session lock.
 //! - [`record`]: compaction records, the stable prefixes.
+//! - `durable`: records through the [`crate::store`] (find, commit).
 //! - [`summarise`]: the summariser as a JSON POST through the upstream.
 //! - `worker`: where `prepare` runs (a task of its own that a leaving
 //!   client does not cancel; large bodies on the blocking pool).
@@ -21,6 +22,7 @@
 mod background;
 mod compact;
 pub mod conversation;
+mod durable;
 mod prepare;
 pub mod record;
 pub mod summarise;
@@ -40,6 +42,7 @@ use crate::config::{Config, ConfigError, UpstreamBase};
 use crate::metrics::Metrics;
 use crate::session::key::SessionKeyer;
 use crate::session::store::{SessionStore, StoreLimits};
+use crate::store::StoreHandle;
 use crate::upstream::{FetchError, Upstream};
 use crate::window::cache::{WindowCache, WindowConfig};
 use crate::window::discover::{GetError, UpstreamGet};
@@ -55,8 +58,10 @@ pub struct ChatState {
     pub keyer: SessionKeyer,
     /// Conversations.
     pub sessions: SessionStore<Conversation>,
-    /// Compaction records.
+    /// Compaction records (the hot cache in front of `store`).
     pub records: RecordStore,
+    /// What outlives the process (`[store]`).
+    pub store: StoreHandle,
     /// Context windows per (upstream, model).
     pub windows: WindowCache,
     /// The upstream base as a string (window cache key, trigger base URL).
@@ -78,8 +83,14 @@ impl ChatState {
     /// Builds the chat state from the validated proxy configuration.
     pub fn from_config(cfg: &Config, metrics: Arc<Metrics>) -> Result<Self, ConfigError> {
         let compaction = cfg.compaction.clone();
-        let keyer = SessionKeyer::new(&cfg.session.headers)
-            .map_err(|e| ConfigError::invalid("session.headers", e.to_string()))?;
+        let store = crate::store::open(&cfg.store);
+        // Records are keyed by credential fingerprints: a store that keeps
+        // records keeps the secret they are hashed with.
+        let keyer = match store.keyer_secret() {
+            Some(secret) => SessionKeyer::with_secret(&cfg.session.headers, secret),
+            None => SessionKeyer::new(&cfg.session.headers),
+        }
+        .map_err(|e| ConfigError::invalid("session.headers", e.to_string()))?;
         let limits = StoreLimits {
             ttl: cfg.session.ttl,
             max_sessions: cfg.session.max_sessions,
@@ -98,6 +109,10 @@ impl ChatState {
                 .unwrap_or(defaults.default_window),
             ..defaults
         });
+        // Windows learned before a restart (the store read them at open).
+        for (upstream, model, tokens) in store.windows() {
+            windows.learn_limit(&upstream, &model, tokens);
+        }
         Ok(Self {
             compaction: Arc::new(compaction),
             keyer,
@@ -106,6 +121,7 @@ impl ChatState {
             // without its session header still finds its compaction.
             records: RecordStore::new(cfg.session.ttl, cfg.session.max_sessions.max(1))
                 .with_max_bytes(cfg.session.max_record_bytes),
+            store,
             windows,
             upstream_label: cfg.upstream.to_string(),
             summary_endpoint: cfg.summary_endpoint.clone(),
@@ -123,6 +139,12 @@ impl ChatState {
         self.sessions.sweep(tokio::time::Instant::now());
         self.records.sweep();
         worker::trim_if_due();
+        if self.store.name() != "memory" {
+            if let Ok(rt) = tokio::runtime::Handle::try_current() {
+                let store = self.store.clone();
+                rt.spawn(async move { store.sweep().await });
+            }
+        }
     }
 }
 

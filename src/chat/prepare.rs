@@ -79,7 +79,7 @@ pub(super) async fn prepare(
     // Moved out, not copied: the history is the bulk of the body, and the
     // original bytes still go upstream unless `with_messages` runs below.
     let original: Vec<Box<RawValue>> = creq.take_messages();
-    let mut out = substitute(chat, conv, cred, &original);
+    let mut out = substitute(chat, conv, cred, &original).await;
     let max_out = creq.max_output_tokens();
     let overhead = conv.tools_overhead(creq.get_raw("tools"));
     let mut est = estimate(conv, &out, overhead);
@@ -149,7 +149,7 @@ async fn resolve_window(
     overflow: Option<&Overflow>,
 ) -> u64 {
     if let Some(of) = overflow {
-        chat.windows.learn(&chat.upstream_label, model, of);
+        chat.learn_window(model, of);
     }
     let discovery = Discovery {
         upstream,
@@ -163,7 +163,7 @@ async fn resolve_window(
 }
 
 /// Step 1: substitutes the longest recorded compaction of this history.
-fn substitute<'a>(
+async fn substitute<'a>(
     chat: &ChatState,
     conv: &mut Conversation,
     cred: u128,
@@ -171,7 +171,7 @@ fn substitute<'a>(
 ) -> Outgoing<'a> {
     let client_hashes = conv.client_chain.chain(original).to_vec();
     let hint = conv.record();
-    let record = chat.records.lookup(cred, &client_hashes, hint.as_ref());
+    let record = chat.find_record(cred, &client_hashes, hint.as_ref()).await;
     conv.set_record(record.as_ref());
     if record.is_some() {
         conv.stats.substituted += 1;

@@ -250,6 +250,8 @@ def compactor(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[StartC
                 "RUST_LOG": os.environ.get("RUST_LOG", "info"),
                 "COMPACTOR_LISTEN": f"127.0.0.1:{port}",
                 "COMPACTOR_UPSTREAM": upstream,
+                # Each compactor its own store file, never the user's state directory.
+                "COMPACTOR_STORE_PATH": str(workdir / "state.redb"),
                 **(env or {}),
             }
             with log_path.open("ab") as log:

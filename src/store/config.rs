@@ -1,0 +1,225 @@
+//! `[store]`: where records outlive the process.
+//!
+//! ```toml
+//! [store]
+//! backend = "redb"          # "memory" | "redb"; unset: the binary uses redb,
+//!                           # an embedding program (and the tests) memory
+//! path = "/var/lib/compactor/state.redb"   # redb file; implies backend = "redb"
+//! timeout_ms = 250          # a slower store call counts as failed
+//! ```
+//!
+//! `COMPACTOR_STORE_BACKEND` and `COMPACTOR_STORE_PATH` override them. The
+//! store's TTL and byte bound are the memory's: `[session] ttl_secs` and
+//! `max_record_bytes`.
+
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use serde::Deserialize;
+
+/// Default per-call store timeout.
+pub const DEFAULT_TIMEOUT_MS: u64 = 250;
+
+/// `[store]` as written.
+#[derive(Debug, Clone, Default, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct RawStore {
+    /// `memory` or `redb`.
+    pub backend: Option<String>,
+    /// The redb file.
+    pub path: Option<PathBuf>,
+    /// Per-call timeout in milliseconds.
+    pub timeout_ms: Option<u64>,
+}
+
+impl RawStore {
+    /// Applies `COMPACTOR_STORE_BACKEND` / `COMPACTOR_STORE_PATH` (an empty
+    /// value unsets).
+    pub fn apply_env(&mut self, backend: Option<String>, path: Option<String>) {
+        if let Some(b) = backend {
+            self.backend = (!b.trim().is_empty()).then_some(b);
+        }
+        if let Some(p) = path {
+            self.path = (!p.trim().is_empty()).then(|| PathBuf::from(p));
+        }
+    }
+
+    /// Validates into a [`StoreConfig`]; `Err((key, message))` names the
+    /// offending key.
+    pub fn validate(
+        &self,
+        ttl: Duration,
+        max_bytes: usize,
+    ) -> Result<StoreConfig, (String, String)> {
+        let timeout_ms = self.timeout_ms.unwrap_or(DEFAULT_TIMEOUT_MS);
+        if timeout_ms == 0 {
+            return Err(("store.timeout_ms".into(), "must be positive".into()));
+        }
+        let (backend, explicit) = match (self.backend.as_deref().map(str::trim), &self.path) {
+            (None, None) => (StoreBackend::Memory, false),
+            (Some("memory"), _) => (StoreBackend::Memory, true),
+            (None | Some("redb"), Some(p)) => (StoreBackend::Redb(p.clone()), true),
+            (Some("redb"), None) => match default_path() {
+                Some(p) => (StoreBackend::Redb(p), true),
+                None => {
+                    return Err((
+                        "store.path".into(),
+                        "no state directory (set XDG_STATE_HOME or HOME, or store.path)".into(),
+                    ))
+                }
+            },
+            (Some(other), _) => {
+                return Err((
+                    "store.backend".into(),
+                    format!("expected \"memory\" or \"redb\", got {other:?}"),
+                ))
+            }
+        };
+        Ok(StoreConfig {
+            backend,
+            explicit,
+            ttl,
+            max_bytes,
+            timeout: Duration::from_millis(timeout_ms),
+        })
+    }
+}
+
+/// Which backend.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum StoreBackend {
+    /// Nothing outlives the process.
+    Memory,
+    /// An embedded redb file.
+    Redb(PathBuf),
+}
+
+/// Validated `[store]`.
+#[derive(Debug, Clone)]
+pub struct StoreConfig {
+    /// The backend.
+    pub backend: StoreBackend,
+    /// Whether the backend was chosen (by `backend`, `path` or their env
+    /// variables) rather than left to the default.
+    pub explicit: bool,
+    /// Idle time after which a record is dropped.
+    pub ttl: Duration,
+    /// Bound on the bytes the records hold together.
+    pub max_bytes: usize,
+    /// Per-call timeout.
+    pub timeout: Duration,
+}
+
+impl Default for StoreConfig {
+    fn default() -> Self {
+        Self {
+            backend: StoreBackend::Memory,
+            explicit: false,
+            ttl: Duration::from_secs(3600),
+            max_bytes: 256 << 20,
+            timeout: Duration::from_millis(DEFAULT_TIMEOUT_MS),
+        }
+    }
+}
+
+impl StoreConfig {
+    /// The binary's default: a redb file under the user's state directory
+    /// unless a backend was chosen. Stays memory when there is no state
+    /// directory.
+    pub fn use_binary_default(&mut self) {
+        if self.explicit {
+            return;
+        }
+        if let Some(p) = default_path() {
+            self.backend = StoreBackend::Redb(p);
+        }
+    }
+}
+
+/// `$XDG_STATE_HOME/compactor/state.redb`, else
+/// `~/.local/state/compactor/state.redb`.
+pub fn default_path() -> Option<PathBuf> {
+    default_path_from(
+        std::env::var_os("XDG_STATE_HOME").map(PathBuf::from),
+        std::env::var_os("HOME").map(PathBuf::from),
+    )
+}
+
+fn default_path_from(xdg: Option<PathBuf>, home: Option<PathBuf>) -> Option<PathBuf> {
+    let base = xdg.filter(|p| p.is_absolute()).or_else(|| {
+        home.filter(|h| !h.as_os_str().is_empty())
+            .map(|h| h.join(".local/state"))
+    })?;
+    Some(base.join("compactor").join(Path::new("state.redb")))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const TTL: Duration = Duration::from_secs(60);
+
+    #[test]
+    fn unset_is_memory_and_not_explicit() {
+        let c = RawStore::default().validate(TTL, 10).unwrap();
+        assert_eq!(c.backend, StoreBackend::Memory);
+        assert!(!c.explicit);
+        assert_eq!(c.timeout, Duration::from_millis(DEFAULT_TIMEOUT_MS));
+    }
+
+    #[test]
+    fn path_implies_redb_and_memory_wins_over_the_binary_default() {
+        let raw = RawStore {
+            path: Some("/tmp/x.redb".into()),
+            ..RawStore::default()
+        };
+        let c = raw.validate(TTL, 10).unwrap();
+        assert_eq!(c.backend, StoreBackend::Redb("/tmp/x.redb".into()));
+        let mut m = RawStore {
+            backend: Some("memory".into()),
+            ..RawStore::default()
+        }
+        .validate(TTL, 10)
+        .unwrap();
+        m.use_binary_default();
+        assert_eq!(m.backend, StoreBackend::Memory);
+    }
+
+    #[test]
+    fn bad_values_name_their_key() {
+        let raw = RawStore {
+            backend: Some("etcd".into()),
+            ..RawStore::default()
+        };
+        assert_eq!(raw.validate(TTL, 10).unwrap_err().0, "store.backend");
+        let raw = RawStore {
+            timeout_ms: Some(0),
+            ..RawStore::default()
+        };
+        assert_eq!(raw.validate(TTL, 10).unwrap_err().0, "store.timeout_ms");
+    }
+
+    #[test]
+    fn env_overrides_and_empty_unsets() {
+        let mut raw = RawStore {
+            backend: Some("redb".into()),
+            ..RawStore::default()
+        };
+        raw.apply_env(Some(String::new()), Some("/tmp/y.redb".into()));
+        assert_eq!(raw.backend, None);
+        assert_eq!(raw.path, Some("/tmp/y.redb".into()));
+    }
+
+    #[test]
+    fn default_path_prefers_xdg_state_home() {
+        assert_eq!(
+            default_path_from(Some("/s".into()), Some("/h".into())),
+            Some(PathBuf::from("/s/compactor/state.redb"))
+        );
+        assert_eq!(
+            default_path_from(Some("rel".into()), Some("/h".into())),
+            Some(PathBuf::from("/h/.local/state/compactor/state.redb"))
+        );
+        assert_eq!(default_path_from(None, None), None);
+    }
+}

@@ -1,0 +1,345 @@
+//! What must outlive a process: compaction records (credential-scoped,
+//! content-addressed by the chained hash of the `k` original messages), the
+//! secret credential fingerprints are hashed with, and learned context
+//! windows.
+//!
+//! The chat path keeps its in-memory [`crate::chat::record::RecordStore`]
+//! as the hot cache in front of a [`Store`]: a committed record is written
+//! through (in the background), and a lookup that misses in memory reads
+//! through only when [`Store::may_have`] says a record could match a
+//! history that long. A passthrough turn of a conversation that was never
+//! compacted therefore costs no store round trip.
+//!
+//! Backends:
+//! - [`Memory`]: nothing outlives the process (the behaviour before stores).
+//! - [`redb::RedbStore`]: an embedded file, the binary's default.
+//!
+//! A store that fails or is slow degrades the request to memory only: the
+//! request passes through, the failure is logged (content-free) and counted
+//! in [`StoreHealth`].
+
+pub mod config;
+pub mod redb;
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+pub use config::{StoreBackend, StoreConfig};
+
+/// One record as stored: the figures and the replacement's raw JSON text,
+/// byte for byte.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct StoredRecord {
+    /// How many leading original messages the replacement stands for.
+    pub k: usize,
+    /// Chained hash of those `k` messages.
+    pub prefix_hash: u128,
+    /// The replacement messages, each a JSON text.
+    pub replacement: Vec<String>,
+    /// Rough token estimate of the `k` originals.
+    pub original_tokens: u64,
+    /// Rough token estimate of the replacement.
+    pub replacement_tokens: u64,
+}
+
+impl StoredRecord {
+    /// Bytes the record takes in a store (its texts and a fixed overhead).
+    pub fn size(&self) -> usize {
+        64 + self.replacement.iter().map(String::len).sum::<usize>()
+    }
+}
+
+/// Why a store call failed.
+#[derive(Debug, thiserror::Error)]
+pub enum StoreError {
+    /// The backend reported an error.
+    #[error("store backend: {0}")]
+    Backend(String),
+    /// The call took longer than the store's timeout.
+    #[error("store call timed out")]
+    Timeout,
+    /// A stored value could not be decoded.
+    #[error("stored value undecodable")]
+    Corrupt,
+}
+
+/// A backend for what must outlive a process.
+#[async_trait::async_trait]
+pub trait Store: Send + Sync {
+    /// Backend name for logs and metrics (`memory`, `redb`).
+    fn name(&self) -> &'static str;
+
+    /// The secret that credential fingerprints and session keys are hashed
+    /// with, kept by the store so that records keyed by a fingerprint are
+    /// found again after a restart (and by every replica). `None`: the
+    /// process picks its own (nothing outlives it anyway).
+    fn keyer_secret(&self) -> Option<u64> {
+        None
+    }
+
+    /// Whether a record could match a history of `len` messages. Local and
+    /// cheap (no I/O): a lookup goes to the store only when this says yes.
+    fn may_have(&self, len: usize) -> bool;
+
+    /// Notes that a record was used from memory, so the store's idle
+    /// time follows real use. Local and cheap (no I/O on the request path:
+    /// a backend writes such uses in its sweep).
+    fn touch(&self, _cred: u128, _prefix_hash: u128) {}
+
+    /// The longest record of this credential whose prefix hash matches
+    /// `hashes` (element i = chained hash of messages 0..=i).
+    async fn find(&self, cred: u128, hashes: &[u128]) -> Result<Option<StoredRecord>, StoreError>;
+
+    /// Stores (or replaces) a record.
+    async fn put(&self, cred: u128, record: StoredRecord) -> Result<(), StoreError>;
+
+    /// Drops expired records and enforces the byte bound.
+    async fn sweep(&self) -> Result<(), StoreError>;
+
+    /// The learned context windows (upstream, model, tokens) the store
+    /// held when it was opened. No I/O.
+    fn windows(&self) -> Vec<(String, String, u64)> {
+        Vec::new()
+    }
+
+    /// Stores a learned context window of (upstream, model).
+    async fn put_window(
+        &self,
+        _upstream: &str,
+        _model: &str,
+        _tokens: u64,
+    ) -> Result<(), StoreError> {
+        Ok(())
+    }
+}
+
+/// Nothing outlives the process: every call is free and finds nothing.
+#[derive(Debug, Default)]
+pub struct Memory;
+
+#[async_trait::async_trait]
+impl Store for Memory {
+    fn name(&self) -> &'static str {
+        "memory"
+    }
+    fn may_have(&self, _len: usize) -> bool {
+        false
+    }
+    async fn find(&self, _: u128, _: &[u128]) -> Result<Option<StoredRecord>, StoreError> {
+        Ok(None)
+    }
+    async fn put(&self, _: u128, _: StoredRecord) -> Result<(), StoreError> {
+        Ok(())
+    }
+    async fn sweep(&self) -> Result<(), StoreError> {
+        Ok(())
+    }
+}
+
+/// Content-free counters of the store's calls.
+#[derive(Debug, Default)]
+pub struct StoreHealth {
+    /// Records found in the store after a memory miss.
+    pub read_hits: AtomicU64,
+    /// Store lookups that found nothing.
+    pub read_misses: AtomicU64,
+    /// Records written through.
+    pub writes: AtomicU64,
+    /// Calls that failed or timed out (the request went on from memory).
+    pub degraded: AtomicU64,
+}
+
+impl StoreHealth {
+    fn bump(c: &AtomicU64) {
+        c.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// Prometheus text of the counters, labelled by backend.
+    pub fn render(&self, backend: &str) -> String {
+        let mut out = String::new();
+        for (name, help, c) in [
+            (
+                "compactor_store_read_hits_total",
+                "Records read through from the store.",
+                &self.read_hits,
+            ),
+            (
+                "compactor_store_read_misses_total",
+                "Store lookups that found nothing.",
+                &self.read_misses,
+            ),
+            (
+                "compactor_store_writes_total",
+                "Records written through to the store.",
+                &self.writes,
+            ),
+            (
+                "compactor_store_degraded_total",
+                "Store calls that failed or timed out (served from memory).",
+                &self.degraded,
+            ),
+        ] {
+            out.push_str(&format!(
+                "# HELP {name} {help}\n# TYPE {name} counter\n{name}{{backend=\"{backend}\"}} {}\n",
+                c.load(Ordering::Relaxed)
+            ));
+        }
+        out
+    }
+}
+
+/// A store with its timeout and counters: what the chat path holds.
+#[derive(Clone)]
+pub struct StoreHandle {
+    store: Arc<dyn Store>,
+    timeout: Duration,
+    /// The counters.
+    pub health: Arc<StoreHealth>,
+}
+
+impl std::fmt::Debug for StoreHandle {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("StoreHandle")
+            .field("backend", &self.store.name())
+            .field("timeout", &self.timeout)
+            .finish_non_exhaustive()
+    }
+}
+
+impl StoreHandle {
+    /// Wraps a store; calls longer than `timeout` count as failed.
+    pub fn new(store: Arc<dyn Store>, timeout: Duration) -> Self {
+        Self {
+            store,
+            timeout,
+            health: Arc::default(),
+        }
+    }
+
+    /// The memory-only handle (nothing outlives the process).
+    pub fn memory() -> Self {
+        Self::new(Arc::new(Memory), Duration::from_secs(1))
+    }
+
+    /// The backend's name.
+    pub fn name(&self) -> &'static str {
+        self.store.name()
+    }
+
+    /// See [`Store::may_have`].
+    pub fn may_have(&self, len: usize) -> bool {
+        self.store.may_have(len)
+    }
+
+    /// See [`Store::keyer_secret`].
+    pub fn keyer_secret(&self) -> Option<u64> {
+        self.store.keyer_secret()
+    }
+
+    /// See [`Store::touch`].
+    pub fn touch(&self, cred: u128, prefix_hash: u128) {
+        self.store.touch(cred, prefix_hash);
+    }
+
+    /// Reads through: `None` on a miss and on a failure (then logged and
+    /// counted: the request goes on from memory).
+    pub async fn find(&self, cred: u128, hashes: &[u128]) -> Option<StoredRecord> {
+        match tokio::time::timeout(self.timeout, self.store.find(cred, hashes)).await {
+            Ok(Ok(Some(r))) => {
+                StoreHealth::bump(&self.health.read_hits);
+                Some(r)
+            }
+            Ok(Ok(None)) => {
+                StoreHealth::bump(&self.health.read_misses);
+                None
+            }
+            Ok(Err(e)) => self.degraded("find", &e),
+            Err(_) => self.degraded("find", &StoreError::Timeout),
+        }
+    }
+
+    /// Writes through; a failure is logged and counted (the record stays in
+    /// memory).
+    pub async fn put(&self, cred: u128, record: StoredRecord) {
+        match tokio::time::timeout(self.timeout, self.store.put(cred, record)).await {
+            Ok(Ok(())) => StoreHealth::bump(&self.health.writes),
+            Ok(Err(e)) => {
+                self.degraded::<()>("put", &e);
+            }
+            Err(_) => {
+                self.degraded::<()>("put", &StoreError::Timeout);
+            }
+        }
+    }
+
+    /// Writes through in the background (the caller does not wait).
+    pub fn put_in_background(&self, cred: u128, record: StoredRecord) {
+        let this = self.clone();
+        tokio::spawn(async move { this.put(cred, record).await });
+    }
+
+    /// See [`Store::windows`].
+    pub fn windows(&self) -> Vec<(String, String, u64)> {
+        self.store.windows()
+    }
+
+    /// Stores a learned window in the background; a failure is logged and
+    /// counted.
+    pub fn put_window_in_background(&self, upstream: &str, model: &str, tokens: u64) {
+        let this = self.clone();
+        let (upstream, model) = (upstream.to_owned(), model.to_owned());
+        tokio::spawn(async move {
+            let put = this.store.put_window(&upstream, &model, tokens);
+            match tokio::time::timeout(this.timeout, put).await {
+                Ok(Ok(())) => {}
+                Ok(Err(e)) => {
+                    this.degraded::<()>("put_window", &e);
+                }
+                Err(_) => {
+                    this.degraded::<()>("put_window", &StoreError::Timeout);
+                }
+            }
+        });
+    }
+
+    /// Sweeps the store; a failure is logged and counted.
+    pub async fn sweep(&self) {
+        // A sweep may walk the whole store: it gets a longer budget.
+        match tokio::time::timeout(self.timeout * 20, self.store.sweep()).await {
+            Ok(Ok(())) => {}
+            Ok(Err(e)) => {
+                self.degraded::<()>("sweep", &e);
+            }
+            Err(_) => {
+                self.degraded::<()>("sweep", &StoreError::Timeout);
+            }
+        }
+    }
+
+    fn degraded<T>(&self, op: &'static str, e: &StoreError) -> Option<T> {
+        StoreHealth::bump(&self.health.degraded);
+        tracing::warn!(backend = self.store.name(), op, error = %e, "store call failed; serving from memory");
+        None
+    }
+}
+
+/// Opens the configured store. A store that cannot be opened degrades to
+/// memory (logged): the proxy still serves.
+pub fn open(cfg: &StoreConfig) -> StoreHandle {
+    let store: Arc<dyn Store> = match &cfg.backend {
+        StoreBackend::Memory => Arc::new(Memory),
+        StoreBackend::Redb(path) => match redb::RedbStore::open(path, cfg.ttl, cfg.max_bytes) {
+            Ok(s) => {
+                tracing::info!(backend = "redb", path = %path.display(), "store opened");
+                Arc::new(s)
+            }
+            Err(e) => {
+                tracing::warn!(backend = "redb", path = %path.display(), error = %e,
+                    "store cannot be opened; records are kept in memory only");
+                Arc::new(Memory)
+            }
+        },
+    };
+    StoreHandle::new(store, cfg.timeout)
+}

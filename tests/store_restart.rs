@@ -1,0 +1,155 @@
+//! Records outlive the process: the real binary on a redb store is killed
+//! with SIGKILL mid-conversation and started again on the same file; the
+//! next turn goes upstream with the byte-identical replacement prefix and
+//! no summary call.
+
+// Test code: a failed unwrap is a failed test. clippy.toml allows that in
+// #[test] functions only, not in the helpers they share.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+mod support;
+
+use std::io::{BufRead, BufReader};
+use std::path::Path;
+use std::process::{Child, Command, Stdio};
+use std::sync::mpsc;
+use std::time::Duration;
+
+use serde_json::Value;
+use support::chat::*;
+
+const BIN: &str = env!("CARGO_BIN_EXE_compactor");
+const ALICE: (&str, &str) = ("authorization", "Bearer alice");
+const CONFIG: &str = "[models.\"m\"]\ncontext_length = 2048\n";
+
+/// The binary, killed on drop (by its own handle).
+struct Proc {
+    child: Child,
+    url: String,
+}
+
+impl Drop for Proc {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// Starts the binary on `upstream` with its records in `store`.
+fn start(dir: &Path, upstream: &str, store: &Path) -> Proc {
+    let cfg = dir.join("proxy.toml");
+    std::fs::write(&cfg, CONFIG).unwrap();
+    let child = Command::new(BIN)
+        .current_dir(dir)
+        .arg("--config")
+        .arg(&cfg)
+        .env_remove("RUST_LOG")
+        .env_remove("COMPACTOR_STORE_BACKEND")
+        .env("NO_COLOR", "1")
+        .env("COMPACTOR_LISTEN", "127.0.0.1:0")
+        .env("COMPACTOR_UPSTREAM", upstream)
+        .env("COMPACTOR_STORE_PATH", store)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    // Owned from here on: killed and reaped on every path, panics included.
+    let mut proc = Proc {
+        child,
+        url: String::new(),
+    };
+    let stdout = proc.child.stdout.take().unwrap();
+    let (tx, lines) = mpsc::channel();
+    std::thread::spawn(move || {
+        for line in BufReader::new(stdout).lines().map_while(Result::ok) {
+            if tx.send(line).is_err() {
+                break;
+            }
+        }
+    });
+    let mut seen = Vec::new();
+    loop {
+        let line = lines
+            .recv_timeout(Duration::from_secs(20))
+            .unwrap_or_else(|_| panic!("no `listening on` line in {seen:?}"));
+        assert!(
+            !line.contains("store cannot be opened"),
+            "the store must open: {line}"
+        );
+        if let Some(i) = line.find("listening on ") {
+            let addr: String = line[i + "listening on ".len()..]
+                .chars()
+                .take_while(|c| c.is_ascii_digit() || *c == '.' || *c == ':')
+                .collect();
+            // Keep draining stdout so the child never blocks on a full pipe.
+            std::thread::spawn(move || {
+                while let Ok(l) = lines.recv() {
+                    eprintln!("PROXY {l}");
+                }
+            });
+            proc.url = format!("http://{addr}");
+            return proc;
+        }
+        seen.push(line);
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn kill_9_and_restart_on_the_same_store_resends_the_prefix_without_a_summary() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = dir.path().join("state/state.redb");
+    let mock = ChatMock::start(Settings::default()).await;
+    let headers = [ALICE, ("x-session-id", "a")];
+
+    let proxy = start(dir.path(), &mock.url(), &store);
+    let mut conv = Conversation::new(600);
+    let mut compacted = None;
+    for _ in 0..20 {
+        let sent = conv.ask();
+        let (st, h, _) = post_chat(&proxy.url, chat_body("m", &sent, false), &headers).await;
+        assert_eq!(st, 200);
+        if action(&h) == "compacted" {
+            compacted = Some(sent);
+            break;
+        }
+        conv.answer();
+    }
+    let sent = compacted.expect("no compaction");
+    let first = mock.last_chat();
+    let calls = mock.summaries().len();
+    assert!(calls > 0);
+    // The write-through runs beside the upstream call; give it a moment.
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let mut proxy = proxy;
+    proxy.child.kill().unwrap(); // SIGKILL: no shutdown path runs
+    proxy.child.wait().unwrap();
+    drop(proxy);
+
+    let proxy = start(dir.path(), &mock.url(), &store);
+    // The same turn again: byte-identical body upstream, no summary.
+    let (st, h, _) = post_chat(&proxy.url, chat_body("m", &sent, false), &headers).await;
+    assert_eq!(st, 200);
+    assert!(substituted(&h), "{}", action(&h));
+    assert_eq!(mock.summaries().len(), calls);
+    assert_eq!(mock.last_chat().body, first.body);
+
+    // The next turn of the conversation: the prefix sent before the kill
+    // is still what goes upstream first.
+    conv.answer();
+    let next = conv.ask();
+    let (st, h, _) = post_chat(&proxy.url, chat_body("m", &next, false), &headers).await;
+    assert_eq!(st, 200);
+    assert!(substituted(&h), "{}", action(&h));
+    assert_eq!(
+        mock.summaries().len(),
+        calls,
+        "no summary after the restart"
+    );
+    let before: Vec<Value> = first.messages();
+    let after: Vec<Value> = mock.last_chat().messages();
+    assert_eq!(after[..before.len()], before[..], "replacement prefix kept");
+
+    let body = std::fs::metadata(&store).unwrap();
+    use std::os::unix::fs::PermissionsExt;
+    assert_eq!(body.permissions().mode() & 0o777, 0o600);
+}
