@@ -641,7 +641,8 @@ impl RawConfig {
         };
         self.check_limits(&mut problems);
         let headers = self.check_session_headers(&mut problems);
-        let (compaction, summary_endpoint) = check_compaction(&self.compaction, &mut problems);
+        let (compaction, summary_endpoint) =
+            check_compaction(&self.compaction, upstream.as_ref(), &mut problems);
         if matches!(&self.admin.token, Some(t) if t.trim().is_empty()) {
             problems.bad("admin.token", "must not be empty (omit it to disable)");
         }
@@ -756,6 +757,7 @@ impl RawConfig {
 /// error is folded into [`ConfigError::Invalid`] here, at the one boundary.
 fn check_compaction(
     table: &toml::Table,
+    upstream: Option<&UpstreamBase>,
     problems: &mut Problems,
 ) -> (
     Option<crate::compaction::config::CompactionConfig>,
@@ -785,6 +787,19 @@ fn check_compaction(
                     None
                 }
             });
+    // Without a key of its own, the summary call carries the client's
+    // credential: only acceptable when it goes to the upstream's own host.
+    if let (Some(ep), None) = (&endpoint, &parsed.summary_api_key) {
+        let same_origin =
+            upstream.is_some_and(|u| u.scheme == ep.scheme && u.authority == ep.authority);
+        if !same_origin {
+            problems.bad(
+                "compaction.summary_api_key",
+                "required when compaction.summary_endpoint is not on the upstream's host \
+                 (the client's own key would be sent there)",
+            );
+        }
+    }
     (Some(parsed), endpoint)
 }
 
