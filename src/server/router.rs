@@ -16,7 +16,7 @@ use hyper::body::Incoming;
 use super::AppState;
 use crate::error::{error_response, full_body, ProxyBody, ProxyError};
 use crate::metrics::Metrics;
-use crate::upstream::body::{observed, Eos, LimitedBody, ProxyReqBody};
+use crate::upstream::body::{observed, Eos, FlushBeforeError, LimitedBody, ProxyReqBody};
 use crate::upstream::coalesce::CoalesceBody;
 use crate::upstream::RequestStats;
 
@@ -134,7 +134,8 @@ pub async fn handle(
             "request"
         );
     });
-    let body = observed(CoalesceBody::new(body), on_eos).boxed_unsync();
+    // Frames gathered by the coalescer must be written before an error.
+    let body = observed(FlushBeforeError::new(CoalesceBody::new(body)), on_eos).boxed_unsync();
     Ok(Response::from_parts(parts, body))
 }
 

@@ -177,6 +177,84 @@ where
     }
 }
 
+/// How long a body error is held back after data frames, so hyper can
+/// write those frames out first (see [`FlushBeforeError`]).
+const ERROR_FLUSH_GRACE: Duration = Duration::from_millis(200);
+
+pin_project! {
+    /// Delays an error that comes right after data frames: hyper's HTTP/1
+    /// server stops at a body error without flushing what it buffered, so
+    /// frames handed over in the same poll as the error never reach the
+    /// client. The error is handed over after a `Pending` and a short grace
+    /// instead, so the frames are written first. Costs one flag per frame.
+    pub struct FlushBeforeError<B: Body> {
+        #[pin]
+        inner: B,
+        // Data went out since the last `Pending`: hyper may not have
+        // flushed it yet.
+        unflushed: bool,
+        held: Option<(B::Error, Pin<Box<Sleep>>)>,
+    }
+}
+
+impl<B: Body> FlushBeforeError<B> {
+    /// Wraps `inner`.
+    pub fn new(inner: B) -> Self {
+        FlushBeforeError {
+            inner,
+            unflushed: false,
+            held: None,
+        }
+    }
+}
+
+impl<B: Body> Body for FlushBeforeError<B> {
+    type Data = B::Data;
+    type Error = B::Error;
+
+    fn poll_frame(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<B::Data>, B::Error>>> {
+        let this = self.project();
+        if let Some((_, sleep)) = this.held.as_mut() {
+            if sleep.as_mut().poll(cx).is_pending() {
+                return Poll::Pending;
+            }
+            return Poll::Ready(this.held.take().map(|(e, _)| Err(e)));
+        }
+        match this.inner.poll_frame(cx) {
+            Poll::Ready(Some(Err(e))) if *this.unflushed => {
+                let mut sleep = Box::pin(tokio::time::sleep(ERROR_FLUSH_GRACE));
+                // Registers the timer: it wakes the task to hand over `e`.
+                if sleep.as_mut().poll(cx).is_ready() {
+                    return Poll::Ready(Some(Err(e)));
+                }
+                *this.held = Some((e, sleep));
+                Poll::Pending
+            }
+            Poll::Ready(r) => {
+                *this.unflushed = matches!(r, Some(Ok(_)));
+                Poll::Ready(r)
+            }
+            Poll::Pending => {
+                *this.unflushed = false;
+                Poll::Pending
+            }
+        }
+    }
+
+    #[inline]
+    fn is_end_stream(&self) -> bool {
+        self.held.is_none() && self.inner.is_end_stream()
+    }
+
+    #[inline]
+    fn size_hint(&self) -> SizeHint {
+        self.inner.size_hint()
+    }
+}
+
 /// How a body ended.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Eos {
