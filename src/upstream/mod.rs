@@ -136,6 +136,11 @@ impl Upstream {
         &self.base
     }
 
+    /// The configured timeouts.
+    pub fn timeouts(&self) -> &Timeouts {
+        &self.timeouts
+    }
+
     /// The metrics registry.
     pub fn metrics(&self) -> &Arc<Metrics> {
         &self.metrics
