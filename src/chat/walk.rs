@@ -15,14 +15,14 @@ use std::sync::Arc;
 use bytes::Bytes;
 use http::request::Parts;
 use http::{header, HeaderValue, Request, Response};
-use http_body_util::{BodyExt, Full};
+use http_body_util::BodyExt;
 use hyper::body::Incoming;
 
 use crate::error::{ProxyBody, ProxyError};
 use crate::request::ChatRequest;
 use crate::session::key::SessionKey;
 use crate::upstream::body::TapBody;
-use crate::upstream::body::{boxed, ProxyReqBody};
+use crate::upstream::body::ProxyReqBody;
 use crate::upstream::{body_read_error, headers, RequestStats, Upstream};
 use crate::usage::hide::HideUsageBody;
 use crate::usage::peek::{peek_start, HoldBack};
@@ -183,12 +183,12 @@ async fn send(
     parts
         .headers
         .insert(header::CONTENT_LENGTH, HeaderValue::from(body.len()));
-    upstream.send(&parts, boxed(Full::new(body))).await
+    upstream.send_bytes(&parts, body).await
 }
 
 /// Forwards bytes we could not parse exactly as received.
 async fn send_plain(upstream: &Upstream, parts: Parts, bytes: Bytes) -> Response<ProxyBody> {
-    match upstream.send(&parts, boxed(Full::new(bytes))).await {
+    match upstream.send_bytes(&parts, bytes).await {
         Ok(resp) => upstream.stream_response(resp),
         Err(e) => upstream.error_reply(&e),
     }

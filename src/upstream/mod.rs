@@ -150,7 +150,13 @@ impl Upstream {
     /// OpenAI-shaped responses.
     pub async fn forward(&self, req: Request<ProxyReqBody>) -> Response<ProxyBody> {
         let (parts, body) = req.into_parts();
-        match self.send(&parts, body).await {
+        let sent = if http_body::Body::is_end_stream(&body) {
+            // Nothing to stream: replayable, so a keep-alive race is retried.
+            self.send_bytes(&parts, Bytes::new()).await
+        } else {
+            self.send(&parts, body).await
+        };
+        match sent {
             Ok(resp) => self.stream_response(resp),
             Err(e) => self.error_reply(&e),
         }
@@ -158,14 +164,46 @@ impl Upstream {
 
     /// Sends one client request upstream: URI joined onto the base, hop-by-hop
     /// headers removed, Host set to the upstream's, the first-byte timeout
-    /// applied. The chat path sends through here too (and retries).
+    /// applied. A streamed body cannot be replayed: no retry.
     pub async fn send(
         &self,
         parts: &Parts,
         body: ProxyReqBody,
     ) -> Result<Response<Incoming>, ProxyError> {
-        let uri = join_uri(&self.base, &parts.uri)
-            .map_err(|e| ProxyError::BadRequest(format!("cannot build upstream URI: {e}")))?;
+        self.attempt(parts, body)
+            .await
+            .map_err(|e| self.attempt_error(e))
+    }
+
+    /// [`Upstream::send`] for a body held in memory (chat bodies, bodiless
+    /// requests): a request that never reached the upstream (a pooled
+    /// connection it closed just then; no response byte came back) is sent
+    /// once more, on another connection.
+    pub async fn send_bytes(
+        &self,
+        parts: &Parts,
+        body: Bytes,
+    ) -> Result<Response<Incoming>, ProxyError> {
+        match self.attempt(parts, boxed(Full::new(body.clone()))).await {
+            Err(Attempt::Client(e)) if unsent(&e) => {
+                self.metrics.record_upstream_retry();
+                tracing::debug!(error = %error_chain(&e), "upstream closed the connection before answering; retrying once");
+                self.send(parts, boxed(Full::new(body))).await
+            }
+            r => r.map_err(|e| self.attempt_error(e)),
+        }
+    }
+
+    async fn attempt(
+        &self,
+        parts: &Parts,
+        body: ProxyReqBody,
+    ) -> Result<Response<Incoming>, Attempt> {
+        let uri = join_uri(&self.base, &parts.uri).map_err(|e| {
+            Attempt::Failed(ProxyError::BadRequest(format!(
+                "cannot build upstream URI: {e}"
+            )))
+        })?;
         let mut headers = parts.headers.clone();
         headers::prepare_request_headers(&mut headers);
         // hyper already answered any `Expect: 100-continue` on our side.
@@ -185,9 +223,18 @@ impl Upstream {
             stats.add_upstream_wait(sent.elapsed());
         }
         match result {
-            Err(_) => Err(ProxyError::FirstByteTimeout(timeout.as_secs())),
+            Err(_) => Err(Attempt::Failed(ProxyError::FirstByteTimeout(
+                timeout.as_secs(),
+            ))),
             Ok(Ok(resp)) => Ok(resp),
-            Ok(Err(e)) => Err(self.classify_client_error(&e)),
+            Ok(Err(e)) => Err(Attempt::Client(e)),
+        }
+    }
+
+    fn attempt_error(&self, e: Attempt) -> ProxyError {
+        match e {
+            Attempt::Failed(e) => e,
+            Attempt::Client(e) => self.classify_client_error(&e),
         }
     }
 
@@ -362,6 +409,33 @@ impl Upstream {
         }
         ProxyError::UpstreamUnreachable(error_chain(e))
     }
+}
+
+/// One upstream attempt that got no response head.
+enum Attempt {
+    /// Already mapped (timeout, bad URI).
+    Failed(ProxyError),
+    /// The client failed; [`unsent`] tells whether a replay is safe.
+    Client(hyper_util::client::legacy::Error),
+}
+
+/// Whether the request failed before any response byte came back because
+/// the connection closed under it (hyper: "connection closed before message
+/// completed", or a request canceled before it was written): the keep-alive
+/// race with an upstream closing idle connections. Connect errors are not
+/// (nothing was pooled; a new connection would fail the same way).
+fn unsent(e: &hyper_util::client::legacy::Error) -> bool {
+    if e.is_connect() {
+        return false;
+    }
+    let mut source: Option<&(dyn std::error::Error + 'static)> = e.source();
+    while let Some(s) = source {
+        if let Some(h) = s.downcast_ref::<hyper::Error>() {
+            return h.is_incomplete_message() || h.is_canceled();
+        }
+        source = s.source();
+    }
+    false
 }
 
 fn host_header(base: &UpstreamBase) -> Result<HeaderValue, http::header::InvalidHeaderValue> {
