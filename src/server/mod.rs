@@ -102,7 +102,9 @@ where
     F: Future<Output = ()>,
 {
     let mut builder = auto::Builder::new(TokioExecutor::new());
-    builder.http1().timer(TokioTimer::new());
+    // half_close: a client that shuts down its write side after the
+    // request still gets the response.
+    builder.http1().timer(TokioTimer::new()).half_close(true);
     builder.http2().timer(TokioTimer::new());
     let graceful = GracefulShutdown::new();
     tokio::pin!(shutdown);
