@@ -16,7 +16,9 @@ use hyper::body::Incoming;
 use super::AppState;
 use crate::error::{error_response, full_body, ProxyBody, ProxyError};
 use crate::metrics::Metrics;
-use crate::upstream::body::{observed, Eos, FlushBeforeError, LimitedBody, ProxyReqBody};
+use crate::upstream::body::{
+    observed, ByteBudget, Eos, FlushBeforeError, LimitedBody, ProxyReqBody,
+};
 use crate::upstream::coalesce::CoalesceBody;
 use crate::upstream::RequestStats;
 
@@ -78,11 +80,16 @@ pub async fn handle(
     state: Arc<AppState>,
     req: Request<Incoming>,
 ) -> Result<Response<ProxyBody>, Infallible> {
-    let stats = Arc::new(RequestStats::default());
     let in_flight = InFlight::new(Arc::clone(&state.metrics));
     let method = req.method().clone();
     let path = req.uri().path().to_owned();
     let route = Route::of(&method, &path);
+    // Chat bodies are read whole: their bytes count against the budget.
+    let stats = Arc::new(if route == Route::Chat {
+        RequestStats::with_budget(Arc::clone(&state.metrics))
+    } else {
+        RequestStats::default()
+    });
     let upstream = &state.upstream;
 
     let resp = match route {
@@ -97,7 +104,7 @@ pub async fn handle(
             "invalid_request_error",
             "not_found",
         ),
-        Route::Chat | Route::Passthrough => match limit_request(&state, req, &stats) {
+        Route::Chat | Route::Passthrough => match limit_request(&state, req, &stats, route) {
             Err(e) => upstream.error_reply(&e),
             Ok(req) if route == Route::Chat => {
                 crate::chat::handle(&state.chat, upstream, req).await
@@ -167,6 +174,7 @@ fn limit_request(
     state: &AppState,
     req: Request<Incoming>,
     stats: &Arc<RequestStats>,
+    route: Route,
 ) -> Result<Request<ProxyReqBody>, ProxyError> {
     let limit = state.config.max_body_bytes;
     let declared = req
@@ -179,7 +187,16 @@ fn limit_request(
     }
     let (mut parts, body) = req.into_parts();
     parts.extensions.insert(Arc::clone(stats));
-    let body = LimitedBody::new(body, limit, Arc::clone(&stats.bytes_in)).boxed_unsync();
+    let secs = state.config.timeouts.body_read;
+    let mut body = LimitedBody::new(body, limit, Arc::clone(&stats.bytes_in))
+        .with_deadline(stats.start + secs, secs.as_secs());
+    if route == Route::Chat {
+        body = body.with_budget(ByteBudget {
+            used: Arc::clone(&state.metrics),
+            max: state.config.limits.max_buffered_body_bytes,
+        });
+    }
+    let body = body.boxed_unsync();
     Ok(Request::from_parts(parts, body))
 }
 

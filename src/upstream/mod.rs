@@ -27,7 +27,9 @@ use tokio::time::Instant;
 use crate::config::{Config, Timeouts, UpstreamBase};
 use crate::error::{BoxError, ErrorSource, ProxyBody, ProxyError};
 use crate::metrics::Metrics;
-use body::{boxed, BodyLimitExceeded, IdleTimeoutBody, ProxyReqBody};
+use body::{
+    boxed, BodyBudgetExceeded, BodyLimitExceeded, BodyReadTimeout, IdleTimeoutBody, ProxyReqBody,
+};
 use client::{build_client, join_uri, UpstreamClient, UpstreamSetupError};
 
 /// Per-request accounting shared between the router, [`Upstream::send`] and
@@ -43,6 +45,17 @@ pub struct RequestStats {
     upstream_wait_ns: AtomicU64,
     /// Whether the upstream was contacted at all.
     upstream_called: AtomicBool,
+    /// Where `bytes_in` was reserved (chat bodies): released on drop.
+    budget: Option<Arc<Metrics>>,
+}
+
+impl Drop for RequestStats {
+    fn drop(&mut self) {
+        if let Some(m) = &self.budget {
+            let n = self.bytes_in.load(Ordering::Relaxed);
+            m.buffered_body_bytes.fetch_sub(n, Ordering::Relaxed);
+        }
+    }
 }
 
 impl Default for RequestStats {
@@ -52,11 +65,20 @@ impl Default for RequestStats {
             bytes_in: Arc::new(AtomicU64::new(0)),
             upstream_wait_ns: AtomicU64::new(0),
             upstream_called: AtomicBool::new(false),
+            budget: None,
         }
     }
 }
 
 impl RequestStats {
+    /// Stats whose `bytes_in` are reserved in `metrics`' buffered-body
+    /// budget while the request lives (see `LimitedBody::with_budget`).
+    pub fn with_budget(metrics: Arc<Metrics>) -> Self {
+        let mut stats = RequestStats::default();
+        stats.budget = Some(metrics);
+        stats
+    }
+
     /// Adds time spent waiting for the upstream.
     pub fn add_upstream_wait(&self, d: Duration) {
         let ns = u64::try_from(d.as_nanos()).unwrap_or(u64::MAX);
@@ -265,6 +287,11 @@ impl Upstream {
     /// Builds the error response for `e`, counting and logging it.
     pub fn error_reply(&self, e: &ProxyError) -> Response<ProxyBody> {
         self.metrics.record_error(e.code());
+        match e {
+            ProxyError::BodyReadTimeout(_) => self.metrics.record_body_read_timeout(),
+            ProxyError::Overloaded(_) => self.metrics.record_body_budget_rejection(),
+            _ => {}
+        }
         match e.source_kind() {
             ErrorSource::Upstream => {
                 tracing::warn!(code = e.code(), error = %e, "upstream failure")
@@ -391,6 +418,9 @@ impl Upstream {
             if let Some(limit) = s.downcast_ref::<BodyLimitExceeded>() {
                 return ProxyError::BodyTooLarge { limit: limit.limit };
             }
+            if let Some(t) = s.downcast_ref::<BodyReadTimeout>() {
+                return ProxyError::BodyReadTimeout(t.0);
+            }
             if let Some(io) = s.downcast_ref::<std::io::Error>() {
                 timed_out |= io.kind() == std::io::ErrorKind::TimedOut;
             }
@@ -457,10 +487,16 @@ pub fn error_chain(e: &dyn std::error::Error) -> String {
 /// Turns a request-body read error (e.g. from collecting a
 /// [`ProxyReqBody`]) into the matching [`ProxyError`].
 pub fn body_read_error(e: &BoxError) -> ProxyError {
-    match e.downcast_ref::<BodyLimitExceeded>() {
-        Some(l) => ProxyError::BodyTooLarge { limit: l.limit },
-        None => ProxyError::ClientBody(error_chain(e.as_ref())),
+    if let Some(l) = e.downcast_ref::<BodyLimitExceeded>() {
+        return ProxyError::BodyTooLarge { limit: l.limit };
     }
+    if let Some(t) = e.downcast_ref::<BodyReadTimeout>() {
+        return ProxyError::BodyReadTimeout(t.0);
+    }
+    if let Some(b) = e.downcast_ref::<BodyBudgetExceeded>() {
+        return ProxyError::Overloaded(b.to_string());
+    }
+    ProxyError::ClientBody(error_chain(e.as_ref()))
 }
 
 #[cfg(test)]
