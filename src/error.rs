@@ -125,8 +125,10 @@ impl ProxyError {
             self.code(),
         );
         if matches!(self, ProxyError::Overloaded(_)) {
-            resp.headers_mut()
-                .insert(header::RETRY_AFTER, HeaderValue::from_static(RETRY_AFTER_SECS));
+            resp.headers_mut().insert(
+                header::RETRY_AFTER,
+                HeaderValue::from_static(RETRY_AFTER_SECS),
+            );
         }
         resp
     }

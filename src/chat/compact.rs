@@ -340,7 +340,6 @@ struct CompactionDone {
     label: &'static str,
 }
 
-
 /// Stores the record of a committed compaction and returns what to send.
 ///
 /// The engine compacted `outgoing` = `old replacement (r) + original[k_old..]`

@@ -21,8 +21,8 @@ use hyper::body::Incoming;
 use crate::error::{ProxyBody, ProxyError};
 use crate::request::ChatRequest;
 use crate::session::key::SessionKey;
-use crate::upstream::body::TapBody;
 use crate::upstream::body::ProxyReqBody;
+use crate::upstream::body::TapBody;
 use crate::upstream::{body_read_error, headers, RequestStats, Upstream};
 use crate::usage::hide::HideUsageBody;
 use crate::usage::peek::{peek_start, HoldBack};
@@ -93,7 +93,9 @@ pub async fn handle(
         // Not a chat request we understand: the upstream answers it.
         return send_plain(upstream, parts, bytes).await;
     };
-    let (key, _source, cred) = chat.keyer.derive_with_credential(&parts.headers, &parts.uri, &creq);
+    let (key, _source, cred) = chat
+        .keyer
+        .derive_with_credential(&parts.headers, &parts.uri, &creq);
     let cred = cred.as_u128();
     let entry = chat.sessions.get_or_create(key, Conversation::default);
 

@@ -80,6 +80,16 @@ pub async fn handle(
     state: Arc<AppState>,
     req: Request<Incoming>,
 ) -> Result<Response<ProxyBody>, Infallible> {
+    handle_on(state, req, None).await
+}
+
+/// [`handle`] for a request on a served connection: `active` marks the
+/// connection busy until the response body ends (idle timeout).
+pub async fn handle_on(
+    state: Arc<AppState>,
+    req: Request<Incoming>,
+    active: Option<super::conn::Active>,
+) -> Result<Response<ProxyBody>, Infallible> {
     let in_flight = InFlight::new(Arc::clone(&state.metrics));
     let method = req.method().clone();
     let path = req.uri().path().to_owned();
@@ -125,6 +135,7 @@ pub async fn handle(
     let metrics = Arc::clone(&state.metrics);
     let on_eos = Box::new(move |eos: Eos, bytes_out: u64| {
         drop(in_flight);
+        drop(active);
         let bytes_in = stats.bytes_in.load(Ordering::Relaxed);
         metrics.record_request(route.label(), status.as_u16(), bytes_in, bytes_out);
         let upstream_ms = upstream_wait.map(millis);

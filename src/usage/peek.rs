@@ -45,7 +45,12 @@ pub struct HoldBack {
 /// `max_bytes` are held or `limit` expires. Never fails: an error of the
 /// body is handed over after the held frames, so the client gets the
 /// upstream's bytes and then sees the cut.
-pub async fn peek_start<B>(mut body: B, kind: BodyKind, max_bytes: usize, limit: HoldBack) -> Peeked<B>
+pub async fn peek_start<B>(
+    mut body: B,
+    kind: BodyKind,
+    max_bytes: usize,
+    limit: HoldBack,
+) -> Peeked<B>
 where
     B: Body<Data = Bytes> + Unpin,
 {
@@ -235,7 +240,13 @@ mod tests {
         let p = peek_start(frames(&parts), BodyKind::Sse, 3, unbounded()).await;
         assert_eq!(p.start, StreamStart::Undecided);
         assert_eq!(p.body.collect().await.unwrap().to_bytes(), parts.concat());
-        let p = peek_start(frames(&[b"data: x\n\n"]), BodyKind::Sse, 1 << 20, unbounded()).await;
+        let p = peek_start(
+            frames(&[b"data: x\n\n"]),
+            BodyKind::Sse,
+            1 << 20,
+            unbounded(),
+        )
+        .await;
         assert_eq!(p.start, StreamStart::Undecided);
         assert!(!p.body.is_end_stream());
         assert_eq!(p.body.held_bytes(), b"data: x\n\n");
