@@ -291,74 +291,7 @@ impl Metrics {
                 let _ = writeln!(out, "{}{{code=\"{code}\"}} {v}", names::PROXY_ERRORS_TOTAL);
             }
         }
-        for (name, help, kind, v) in [
-            (
-                names::REQUEST_BYTES_TOTAL,
-                "Request body bytes received.",
-                "counter",
-                &self.request_bytes,
-            ),
-            (
-                names::RESPONSE_BYTES_TOTAL,
-                "Response body bytes sent.",
-                "counter",
-                &self.response_bytes,
-            ),
-            (
-                names::IDLE_TIMEOUTS_TOTAL,
-                "Streams ended by the idle timeout.",
-                "counter",
-                &self.idle_timeouts,
-            ),
-            (
-                names::IN_FLIGHT,
-                "Requests in flight.",
-                "gauge",
-                &self.in_flight,
-            ),
-            (
-                names::CONNECTIONS_OPEN,
-                "Client connections open.",
-                "gauge",
-                &self.connections_open,
-            ),
-            (
-                names::CONNECTIONS_REJECTED_TOTAL,
-                "Client connections refused at limits.max_connections.",
-                "counter",
-                &self.connections_rejected,
-            ),
-            (
-                names::IDLE_CONNECTION_CLOSES_TOTAL,
-                "Client connections closed after timeouts.client_idle_secs.",
-                "counter",
-                &self.idle_connection_closes,
-            ),
-            (
-                names::BODY_READ_TIMEOUTS_TOTAL,
-                "Request bodies cut by timeouts.body_read_secs.",
-                "counter",
-                &self.body_read_timeouts,
-            ),
-            (
-                names::BUFFERED_BODY_BYTES,
-                "Chat request body bytes buffered now.",
-                "gauge",
-                &self.buffered_body_bytes,
-            ),
-            (
-                names::BODY_BUDGET_REJECTIONS_TOTAL,
-                "Requests refused at limits.max_buffered_body_bytes.",
-                "counter",
-                &self.body_budget_rejections,
-            ),
-            (
-                names::UPSTREAM_RETRIES_TOTAL,
-                "Requests sent again after the upstream closed a pooled connection before answering.",
-                "counter",
-                &self.upstream_retries,
-            ),
-        ] {
+        for (name, help, kind, v) in self.plain_series() {
             let _ = writeln!(out, "# HELP {name} {help}");
             let _ = writeln!(out, "# TYPE {name} {kind}");
             let _ = writeln!(out, "{name} {}", v.load(Ordering::Relaxed));
@@ -374,6 +307,78 @@ impl Metrics {
             "Time compactor added before the response head (total minus upstream wait).",
         );
         out
+    }
+
+    /// The single-value series: (name, help, type, value).
+    fn plain_series(&self) -> [(&'static str, &'static str, &'static str, &AtomicU64); 11] {
+        [
+        (
+            names::REQUEST_BYTES_TOTAL,
+            "Request body bytes received.",
+            "counter",
+            &self.request_bytes,
+        ),
+        (
+            names::RESPONSE_BYTES_TOTAL,
+            "Response body bytes sent.",
+            "counter",
+            &self.response_bytes,
+        ),
+        (
+            names::IDLE_TIMEOUTS_TOTAL,
+            "Streams ended by the idle timeout.",
+            "counter",
+            &self.idle_timeouts,
+        ),
+        (
+            names::IN_FLIGHT,
+            "Requests in flight.",
+            "gauge",
+            &self.in_flight,
+        ),
+        (
+            names::CONNECTIONS_OPEN,
+            "Client connections open.",
+            "gauge",
+            &self.connections_open,
+        ),
+        (
+            names::CONNECTIONS_REJECTED_TOTAL,
+            "Client connections refused at limits.max_connections.",
+            "counter",
+            &self.connections_rejected,
+        ),
+        (
+            names::IDLE_CONNECTION_CLOSES_TOTAL,
+            "Client connections closed after timeouts.client_idle_secs.",
+            "counter",
+            &self.idle_connection_closes,
+        ),
+        (
+            names::BODY_READ_TIMEOUTS_TOTAL,
+            "Request bodies cut by timeouts.body_read_secs.",
+            "counter",
+            &self.body_read_timeouts,
+        ),
+        (
+            names::BUFFERED_BODY_BYTES,
+            "Chat request body bytes buffered now.",
+            "gauge",
+            &self.buffered_body_bytes,
+        ),
+        (
+            names::BODY_BUDGET_REJECTIONS_TOTAL,
+            "Requests refused at limits.max_buffered_body_bytes.",
+            "counter",
+            &self.body_budget_rejections,
+        ),
+        (
+            names::UPSTREAM_RETRIES_TOTAL,
+            "Requests sent again after the upstream closed a pooled connection before answering.",
+            "counter",
+            &self.upstream_retries,
+        ),
+    ]
     }
 }
 

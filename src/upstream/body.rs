@@ -520,12 +520,20 @@ mod tests {
     #[tokio::test]
     async fn limited_body_counts_and_fails_past_limit() {
         let seen = Arc::new(AtomicU64::new(0));
-        let mut b = LimitedBody::new(Full::new(Bytes::from_static(b"12345")), 5, seen.clone());
+        let mut b = Box::pin(LimitedBody::new(
+            Full::new(Bytes::from_static(b"12345")),
+            5,
+            seen.clone(),
+        ));
         assert!(matches!(poll_once(&mut b), Poll::Ready(Some(Ok(_)))));
         assert_eq!(seen.load(Ordering::Relaxed), 5);
 
         let seen = Arc::new(AtomicU64::new(0));
-        let mut b = LimitedBody::new(Full::new(Bytes::from_static(b"123456")), 5, seen);
+        let mut b = Box::pin(LimitedBody::new(
+            Full::new(Bytes::from_static(b"123456")),
+            5,
+            seen,
+        ));
         match poll_once(&mut b) {
             Poll::Ready(Some(Err(e))) => {
                 assert_eq!(e.downcast_ref::<BodyLimitExceeded>().unwrap().limit, 5)
