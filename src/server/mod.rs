@@ -103,9 +103,11 @@ where
     F: Future<Output = ()>,
 {
     let mut builder = auto::Builder::new(TokioExecutor::new());
-    // half_close: a client that shuts down its write side after the
-    // request still gets the response.
-    builder.http1().timer(TokioTimer::new()).half_close(true);
+    // Not half_close(true): it would make hyper ignore the read EOF of a
+    // client that hung up, so the request (compaction, upstream call) would
+    // run on until its response is written (tests/chat_sessions.rs
+    // a_client_leaving_during_compaction_leaves_state_usable).
+    builder.http1().timer(TokioTimer::new());
     builder.http2().timer(TokioTimer::new());
     let graceful = GracefulShutdown::new();
     tokio::pin!(shutdown);
