@@ -151,6 +151,8 @@ pub struct RawConfig {
     pub max_body_bytes: u64,
     /// Timeouts.
     pub timeouts: RawTimeouts,
+    /// Connection and buffering caps.
+    pub limits: RawLimits,
     /// Session identification and bounds.
     pub session: RawSession,
     /// Engine settings, validated into [`crate::compaction::config::CompactionConfig`].
@@ -177,6 +179,7 @@ impl Default for RawConfig {
             upstream_ca_file: None,
             max_body_bytes: DEFAULT_MAX_BODY_BYTES,
             timeouts: RawTimeouts::default(),
+            limits: RawLimits::default(),
             session: RawSession::default(),
             compaction: toml::Table::new(),
             models: BTreeMap::new(),
@@ -201,6 +204,14 @@ pub struct RawTimeouts {
     pub idle_secs: u64,
     /// How long in-flight requests may run after SIGINT/SIGTERM.
     pub shutdown_grace_secs: u64,
+    /// From the request head to the end of a request body compactor reads
+    /// whole (chat) or forwards (passthrough).
+    pub body_read_secs: u64,
+    /// A client connection with no request in flight and no request bytes
+    /// for this long is closed (also before its first request).
+    pub client_idle_secs: u64,
+    /// How long an idle pooled upstream connection is kept for reuse.
+    pub upstream_pool_idle_secs: u64,
 }
 
 impl Default for RawTimeouts {
@@ -211,12 +222,46 @@ impl Default for RawTimeouts {
             first_byte_secs: 600,
             idle_secs: 300,
             shutdown_grace_secs: 30,
+            body_read_secs: 60,
+            client_idle_secs: 60,
+            // Below the 5 s keep-alive of uvicorn (vLLM) and friends: a
+            // connection the upstream is about to close is not reused.
+            upstream_pool_idle_secs: 4,
         }
     }
 }
 
 /// Default bound on the bytes all compaction records hold together (256 MiB).
 pub const DEFAULT_MAX_RECORD_BYTES: usize = 256 << 20;
+
+/// `[limits]`.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct RawLimits {
+    /// Open client connections at most; beyond it: 503 and close.
+    pub max_connections: usize,
+    /// Request body bytes buffered at once across all chat requests;
+    /// beyond it: 503.
+    pub max_buffered_body_bytes: u64,
+}
+
+impl Default for RawLimits {
+    fn default() -> Self {
+        RawLimits {
+            max_connections: 4096,
+            max_buffered_body_bytes: 512 << 20,
+        }
+    }
+}
+
+/// Validated `[limits]`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Limits {
+    /// Open client connections at most.
+    pub max_connections: usize,
+    /// Chat request body bytes buffered at once, all requests together.
+    pub max_buffered_body_bytes: u64,
+}
 
 /// `[session]`.
 #[derive(Debug, Clone, Deserialize)]
@@ -295,6 +340,12 @@ pub struct Timeouts {
     pub idle: Duration,
     /// Shutdown grace period.
     pub shutdown_grace: Duration,
+    /// Request head → end of the request body.
+    pub body_read: Duration,
+    /// Client connection without a request and without bytes.
+    pub client_idle: Duration,
+    /// Idle pooled upstream connections are dropped after this.
+    pub upstream_pool_idle: Duration,
 }
 
 /// Validated session settings.
@@ -383,6 +434,8 @@ pub struct Config {
     pub max_body_bytes: u64,
     /// Timeouts.
     pub timeouts: Timeouts,
+    /// Connection and buffering caps.
+    pub limits: Limits,
     /// Sessions.
     pub session: SessionConfig,
     /// The engine's settings (`[compaction]`), validated.
@@ -424,6 +477,13 @@ impl Default for Config {
                     first_byte: Duration::from_secs(600),
                     idle: Duration::from_secs(300),
                     shutdown_grace: Duration::from_secs(30),
+                    body_read: Duration::from_secs(60),
+                    client_idle: Duration::from_secs(60),
+                    upstream_pool_idle: Duration::from_secs(4),
+                },
+                limits: Limits {
+                    max_connections: 4096,
+                    max_buffered_body_bytes: 512 << 20,
                 },
                 session: SessionConfig {
                     headers: Vec::new(),
@@ -654,7 +714,8 @@ impl RawConfig {
         };
         self.check_limits(&mut problems);
         let headers = self.check_session_headers(&mut problems);
-        let (compaction, summary_endpoint) = check_compaction(&self.compaction, &mut problems);
+        let (compaction, summary_endpoint) =
+            check_compaction(&self.compaction, upstream.as_ref(), &mut problems);
         let store = self
             .store
             .validate(
@@ -683,6 +744,13 @@ impl RawConfig {
                         first_byte: Duration::from_secs(t.first_byte_secs),
                         idle: Duration::from_secs(t.idle_secs),
                         shutdown_grace: Duration::from_secs(t.shutdown_grace_secs),
+                        body_read: Duration::from_secs(t.body_read_secs),
+                        client_idle: Duration::from_secs(t.client_idle_secs),
+                        upstream_pool_idle: Duration::from_secs(t.upstream_pool_idle_secs),
+                    },
+                    limits: Limits {
+                        max_connections: self.limits.max_connections,
+                        max_buffered_body_bytes: self.limits.max_buffered_body_bytes,
                     },
                     session: SessionConfig {
                         headers,
@@ -733,6 +801,17 @@ impl RawConfig {
             ("timeouts.connect_secs", t.connect_secs == 0),
             ("timeouts.first_byte_secs", t.first_byte_secs == 0),
             ("timeouts.idle_secs", t.idle_secs == 0),
+            ("timeouts.body_read_secs", t.body_read_secs == 0),
+            ("timeouts.client_idle_secs", t.client_idle_secs == 0),
+            (
+                "timeouts.upstream_pool_idle_secs",
+                t.upstream_pool_idle_secs == 0,
+            ),
+            ("limits.max_connections", self.limits.max_connections == 0),
+            (
+                "limits.max_buffered_body_bytes",
+                self.limits.max_buffered_body_bytes == 0,
+            ),
             ("session.ttl_secs", s.ttl_secs == 0),
             ("session.max_sessions", s.max_sessions == 0),
             ("session.max_record_bytes", s.max_record_bytes == 0),
@@ -779,6 +858,7 @@ impl RawConfig {
 /// error is folded into [`ConfigError::Invalid`] here, at the one boundary.
 fn check_compaction(
     table: &toml::Table,
+    upstream: Option<&UpstreamBase>,
     problems: &mut Problems,
 ) -> (
     Option<crate::compaction::config::CompactionConfig>,
@@ -808,6 +888,19 @@ fn check_compaction(
                     None
                 }
             });
+    // Without a key of its own, the summary call carries the client's
+    // credential: only acceptable when it goes to the upstream's own host.
+    if let (Some(ep), None) = (&endpoint, &parsed.summary_api_key) {
+        let same_origin =
+            upstream.is_some_and(|u| u.scheme == ep.scheme && u.authority == ep.authority);
+        if !same_origin {
+            problems.bad(
+                "compaction.summary_api_key",
+                "required when compaction.summary_endpoint is not on the upstream's host \
+                 (the client's own key would be sent there)",
+            );
+        }
+    }
     (Some(parsed), endpoint)
 }
 

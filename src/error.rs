@@ -7,6 +7,9 @@ use bytes::Bytes;
 use http::{header, HeaderValue, Response, StatusCode};
 use http_body_util::{BodyExt, Full};
 
+/// `Retry-After` of a 503 for a capacity limit, in seconds.
+pub const RETRY_AFTER_SECS: &str = "1";
+
 /// Boxed error used in body types.
 pub type BoxError = Box<dyn std::error::Error + Send + Sync>;
 
@@ -45,6 +48,12 @@ pub enum ProxyError {
     /// The client's request body failed while being read.
     #[error("client request body failed: {0}")]
     ClientBody(String),
+    /// The request body did not arrive within `timeouts.body_read_secs`.
+    #[error("request body not received within {0} s")]
+    BodyReadTimeout(u64),
+    /// A capacity limit of compactor was reached; retry later.
+    #[error("compactor is at capacity: {0}")]
+    Overloaded(String),
     /// The request cannot be forwarded as given.
     #[error("bad request: {0}")]
     BadRequest(String),
@@ -63,6 +72,8 @@ impl ProxyError {
             }
             ProxyError::BodyTooLarge { .. } => StatusCode::PAYLOAD_TOO_LARGE,
             ProxyError::ClientBody(_) | ProxyError::BadRequest(_) => StatusCode::BAD_REQUEST,
+            ProxyError::BodyReadTimeout(_) => StatusCode::REQUEST_TIMEOUT,
+            ProxyError::Overloaded(_) => StatusCode::SERVICE_UNAVAILABLE,
             ProxyError::Internal(_) => StatusCode::INTERNAL_SERVER_ERROR,
         }
     }
@@ -75,8 +86,9 @@ impl ProxyError {
             | ProxyError::FirstByteTimeout(_) => ErrorSource::Upstream,
             ProxyError::BodyTooLarge { .. }
             | ProxyError::ClientBody(_)
+            | ProxyError::BodyReadTimeout(_)
             | ProxyError::BadRequest(_) => ErrorSource::Client,
-            ProxyError::Internal(_) => ErrorSource::Internal,
+            ProxyError::Internal(_) | ProxyError::Overloaded(_) => ErrorSource::Internal,
         }
     }
 
@@ -97,6 +109,8 @@ impl ProxyError {
             ProxyError::FirstByteTimeout(_) => "upstream_timeout",
             ProxyError::BodyTooLarge { .. } => "request_too_large",
             ProxyError::ClientBody(_) => "client_body_error",
+            ProxyError::BodyReadTimeout(_) => "request_body_timeout",
+            ProxyError::Overloaded(_) => "overloaded",
             ProxyError::BadRequest(_) => "bad_request",
             ProxyError::Internal(_) => "internal_error",
         }
@@ -104,12 +118,19 @@ impl ProxyError {
 
     /// The OpenAI-shaped error response for this error.
     pub fn to_response(&self) -> Response<ProxyBody> {
-        error_response(
+        let mut resp = error_response(
             self.status(),
             &self.to_string(),
             self.error_type(),
             self.code(),
-        )
+        );
+        if matches!(self, ProxyError::Overloaded(_)) {
+            resp.headers_mut().insert(
+                header::RETRY_AFTER,
+                HeaderValue::from_static(RETRY_AFTER_SECS),
+            );
+        }
+        resp
     }
 }
 

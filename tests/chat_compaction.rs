@@ -238,7 +238,9 @@ async fn unreachable_summariser_aborts() {
     let closed = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
     let port = closed.local_addr().unwrap().port();
     drop(closed);
-    let extra = format!("[compaction]\nsummary_endpoint = \"http://127.0.0.1:{port}\"\n");
+    let extra = format!(
+        "[compaction]\nsummary_endpoint = \"http://127.0.0.1:{port}\"\nsummary_api_key = \"sk-s\"\n"
+    );
     let (mock, t) = first_attempt(SummaryMode::Reply(default_summary()), &extra).await;
     assert!(
         mock.summaries().is_empty(),

@@ -15,17 +15,17 @@ use std::sync::Arc;
 use bytes::Bytes;
 use http::request::Parts;
 use http::{header, HeaderValue, Request, Response};
-use http_body_util::{BodyExt, Full};
+use http_body_util::BodyExt;
 use hyper::body::Incoming;
 
 use crate::error::{ProxyBody, ProxyError};
 use crate::request::ChatRequest;
 use crate::session::key::SessionKey;
+use crate::upstream::body::ProxyReqBody;
 use crate::upstream::body::TapBody;
-use crate::upstream::body::{boxed, ProxyReqBody};
 use crate::upstream::{body_read_error, headers, RequestStats, Upstream};
 use crate::usage::hide::HideUsageBody;
-use crate::usage::peek::peek_start;
+use crate::usage::peek::{peek_start, HoldBack};
 use crate::usage::{BodyKind, StreamStart, TapOutcome, UsageObserver};
 use crate::window::overflow::{parse_overflow, parse_overflow_event, Overflow, OverflowKind};
 
@@ -121,11 +121,7 @@ pub async fn handle(
             Ok(r) => r,
             Err(e) => return upstream.error_reply(&e),
         };
-        let outcome = inspect(resp, prepared.plan.stream).await;
-        let (resp, overflow) = match outcome {
-            Ok(x) => x,
-            Err(e) => return upstream.error_reply(&e),
-        };
+        let (resp, overflow) = inspect(resp, prepared.plan.stream, hold_back(upstream)).await;
         match overflow {
             Some(mut of) if !retried && of.kind == OverflowKind::Prompt => {
                 retried = true;
@@ -178,7 +174,7 @@ async fn send(
     parts
         .headers
         .insert(header::CONTENT_LENGTH, HeaderValue::from(body.len()));
-    upstream.send(&parts, boxed(Full::new(body))).await
+    upstream.send_bytes(&parts, body).await
 }
 
 /// An overflow error without numbers still bounds the window: what was just
@@ -197,7 +193,7 @@ fn bound_window(of: &mut Overflow, sent_estimate: u64) {
 
 /// Forwards bytes we could not parse exactly as received.
 async fn send_plain(upstream: &Upstream, parts: Parts, bytes: Bytes) -> Response<ProxyBody> {
-    match upstream.send(&parts, boxed(Full::new(bytes))).await {
+    match upstream.send_bytes(&parts, bytes).await {
         Ok(resp) => upstream.stream_response(resp),
         Err(e) => upstream.error_reply(&e),
     }
@@ -217,16 +213,29 @@ fn clone_parts(parts: &Parts) -> Parts {
     p
 }
 
+/// How long a response start may be held back from now: the idle timeout
+/// between frames, the first-byte timeout overall. The hold-back is
+/// compactor's own wait, so the upstream's timeouts bound it.
+fn hold_back(upstream: &Upstream) -> HoldBack {
+    let t = upstream.timeouts();
+    HoldBack {
+        idle: t.idle,
+        deadline: tokio::time::Instant::now() + t.first_byte,
+    }
+}
+
 /// A response whose start has been read: the held frames go back in front.
 type HeldBody = crate::usage::peek::PrefixedBody<Incoming>;
 
 /// Reads the start of the response: the whole error body (bounded) for an
 /// error status, the first events of a stream; reports an overflow that
-/// arrived before any content.
+/// arrived before any content. Bounded by `limit`: what arrived by then is
+/// released, and a body failing meanwhile is forwarded up to the failure.
 async fn inspect(
     resp: Response<Incoming>,
     stream: bool,
-) -> Result<(Response<HeldBody>, Option<Overflow>), ProxyError> {
+    limit: HoldBack,
+) -> (Response<HeldBody>, Option<Overflow>) {
     let (parts, body) = resp.into_parts();
     let status = parts.status;
     let ct = parts
@@ -234,30 +243,25 @@ async fn inspect(
         .get(header::CONTENT_TYPE)
         .and_then(|v| v.to_str().ok());
     let kind = BodyKind::from_content_type(ct);
-    let map_err = |e: hyper::Error| ProxyError::UpstreamUnreachable(e.to_string());
     if !status.is_success() {
         // The whole error body (bounded), whatever its content type.
-        let peeked = peek_start(body, BodyKind::Json, MAX_ERROR_PEEK)
-            .await
-            .map_err(map_err)?;
+        let peeked = peek_start(body, BodyKind::Json, MAX_ERROR_PEEK, limit).await;
         let overflow = match peeked.start {
             StreamStart::Undecided => None,
             _ => parse_overflow(status.as_u16(), &peeked.body.held_bytes()),
         };
-        return Ok((Response::from_parts(parts, peeked.body), overflow));
+        return (Response::from_parts(parts, peeked.body), overflow);
     }
     if stream && kind == BodyKind::Sse {
-        let peeked = peek_start(body, kind, MAX_STREAM_PEEK)
-            .await
-            .map_err(map_err)?;
+        let peeked = peek_start(body, kind, MAX_STREAM_PEEK, limit).await;
         let overflow = match &peeked.start {
             StreamStart::Error(payload) => parse_overflow_event(payload),
             _ => None,
         };
-        return Ok((Response::from_parts(parts, peeked.body), overflow));
+        return (Response::from_parts(parts, peeked.body), overflow);
     }
     let body = crate::usage::peek::PrefixedBody::new(Default::default(), body, false);
-    Ok((Response::from_parts(parts, body), None))
+    (Response::from_parts(parts, body), None)
 }
 
 /// Turns the upstream response into ours: usage tap (and hider), idle

@@ -33,6 +33,21 @@ pub mod names {
     pub const PROXY_OVERHEAD_SECONDS: &str = "compactor_proxy_overhead_seconds";
     /// Requests currently in flight.
     pub const IN_FLIGHT: &str = "compactor_requests_in_flight";
+    /// Client connections currently open.
+    pub const CONNECTIONS_OPEN: &str = "compactor_connections_open";
+    /// Client connections refused at `limits.max_connections`.
+    pub const CONNECTIONS_REJECTED_TOTAL: &str = "compactor_connections_rejected_total";
+    /// Client connections closed after `timeouts.client_idle_secs`.
+    pub const IDLE_CONNECTION_CLOSES_TOTAL: &str = "compactor_idle_connection_closes_total";
+    /// Request bodies cut by `timeouts.body_read_secs`.
+    pub const BODY_READ_TIMEOUTS_TOTAL: &str = "compactor_body_read_timeouts_total";
+    /// Chat request body bytes buffered right now.
+    pub const BUFFERED_BODY_BYTES: &str = "compactor_buffered_body_bytes";
+    /// Requests refused at `limits.max_buffered_body_bytes`.
+    pub const BODY_BUDGET_REJECTIONS_TOTAL: &str = "compactor_body_budget_rejections_total";
+    /// Requests sent again after the upstream closed a pooled connection
+    /// before answering.
+    pub const UPSTREAM_RETRIES_TOTAL: &str = "compactor_upstream_unsent_retries_total";
 }
 
 /// Fixed-bucket histogram (seconds).
@@ -109,6 +124,15 @@ pub struct Metrics {
     response_bytes: AtomicU64,
     idle_timeouts: AtomicU64,
     in_flight: AtomicU64,
+    connections_open: AtomicU64,
+    connections_rejected: AtomicU64,
+    idle_connection_closes: AtomicU64,
+    body_read_timeouts: AtomicU64,
+    /// Chat request body bytes buffered right now (the byte budget's
+    /// running total: reserved as chunks arrive, released per request).
+    pub buffered_body_bytes: AtomicU64,
+    body_budget_rejections: AtomicU64,
+    upstream_retries: AtomicU64,
     /// Time until the upstream's response head.
     pub upstream_wait: Histogram,
     /// Time compactor added before the response head.
@@ -126,6 +150,13 @@ impl Default for Metrics {
             response_bytes: AtomicU64::new(0),
             idle_timeouts: AtomicU64::new(0),
             in_flight: AtomicU64::new(0),
+            connections_open: AtomicU64::new(0),
+            connections_rejected: AtomicU64::new(0),
+            idle_connection_closes: AtomicU64::new(0),
+            body_read_timeouts: AtomicU64::new(0),
+            buffered_body_bytes: AtomicU64::new(0),
+            body_budget_rejections: AtomicU64::new(0),
+            upstream_retries: AtomicU64::new(0),
             upstream_wait: Histogram::new(UPSTREAM_BUCKETS),
             proxy_overhead: Histogram::new(OVERHEAD_BUCKETS),
             chat: ChatMetrics::default(),
@@ -153,6 +184,49 @@ impl Metrics {
     /// Counts a stream ended by the idle timeout.
     pub fn record_idle_timeout(&self) {
         self.idle_timeouts.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// A client connection was accepted and is served; returns how many
+    /// are open now (pair with [`Metrics::connection_closed`]).
+    pub fn connection_opened(&self) -> u64 {
+        self.connections_open.fetch_add(1, Ordering::Relaxed) + 1
+    }
+
+    /// A served client connection closed.
+    pub fn connection_closed(&self) {
+        let _ = self
+            .connections_open
+            .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |v| v.checked_sub(1));
+    }
+
+    /// Client connections open now.
+    pub fn connections_open(&self) -> u64 {
+        self.connections_open.load(Ordering::Relaxed)
+    }
+
+    /// Counts a connection refused at the cap.
+    pub fn record_connection_rejected(&self) {
+        self.connections_rejected.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// Counts a client connection closed for idleness.
+    pub fn record_idle_connection_close(&self) {
+        self.idle_connection_closes.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// Counts a request body cut by the body read timeout.
+    pub fn record_body_read_timeout(&self) {
+        self.body_read_timeouts.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// Counts a request refused at the buffered-body budget.
+    pub fn record_body_budget_rejection(&self) {
+        self.body_budget_rejections.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// Counts a request replayed after a keep-alive race.
+    pub fn record_upstream_retry(&self) {
+        self.upstream_retries.fetch_add(1, Ordering::Relaxed);
     }
 
     /// A request started (pair with [`Metrics::request_finished`]).
@@ -217,32 +291,7 @@ impl Metrics {
                 let _ = writeln!(out, "{}{{code=\"{code}\"}} {v}", names::PROXY_ERRORS_TOTAL);
             }
         }
-        for (name, help, kind, v) in [
-            (
-                names::REQUEST_BYTES_TOTAL,
-                "Request body bytes received.",
-                "counter",
-                &self.request_bytes,
-            ),
-            (
-                names::RESPONSE_BYTES_TOTAL,
-                "Response body bytes sent.",
-                "counter",
-                &self.response_bytes,
-            ),
-            (
-                names::IDLE_TIMEOUTS_TOTAL,
-                "Streams ended by the idle timeout.",
-                "counter",
-                &self.idle_timeouts,
-            ),
-            (
-                names::IN_FLIGHT,
-                "Requests in flight.",
-                "gauge",
-                &self.in_flight,
-            ),
-        ] {
+        for (name, help, kind, v) in self.plain_series() {
             let _ = writeln!(out, "# HELP {name} {help}");
             let _ = writeln!(out, "# TYPE {name} {kind}");
             let _ = writeln!(out, "{name} {}", v.load(Ordering::Relaxed));
@@ -258,6 +307,78 @@ impl Metrics {
             "Time compactor added before the response head (total minus upstream wait).",
         );
         out
+    }
+
+    /// The single-value series: (name, help, type, value).
+    fn plain_series(&self) -> [(&'static str, &'static str, &'static str, &AtomicU64); 11] {
+        [
+        (
+            names::REQUEST_BYTES_TOTAL,
+            "Request body bytes received.",
+            "counter",
+            &self.request_bytes,
+        ),
+        (
+            names::RESPONSE_BYTES_TOTAL,
+            "Response body bytes sent.",
+            "counter",
+            &self.response_bytes,
+        ),
+        (
+            names::IDLE_TIMEOUTS_TOTAL,
+            "Streams ended by the idle timeout.",
+            "counter",
+            &self.idle_timeouts,
+        ),
+        (
+            names::IN_FLIGHT,
+            "Requests in flight.",
+            "gauge",
+            &self.in_flight,
+        ),
+        (
+            names::CONNECTIONS_OPEN,
+            "Client connections open.",
+            "gauge",
+            &self.connections_open,
+        ),
+        (
+            names::CONNECTIONS_REJECTED_TOTAL,
+            "Client connections refused at limits.max_connections.",
+            "counter",
+            &self.connections_rejected,
+        ),
+        (
+            names::IDLE_CONNECTION_CLOSES_TOTAL,
+            "Client connections closed after timeouts.client_idle_secs.",
+            "counter",
+            &self.idle_connection_closes,
+        ),
+        (
+            names::BODY_READ_TIMEOUTS_TOTAL,
+            "Request bodies cut by timeouts.body_read_secs.",
+            "counter",
+            &self.body_read_timeouts,
+        ),
+        (
+            names::BUFFERED_BODY_BYTES,
+            "Chat request body bytes buffered now.",
+            "gauge",
+            &self.buffered_body_bytes,
+        ),
+        (
+            names::BODY_BUDGET_REJECTIONS_TOTAL,
+            "Requests refused at limits.max_buffered_body_bytes.",
+            "counter",
+            &self.body_budget_rejections,
+        ),
+        (
+            names::UPSTREAM_RETRIES_TOTAL,
+            "Requests sent again after the upstream closed a pooled connection before answering.",
+            "counter",
+            &self.upstream_retries,
+        ),
+    ]
     }
 }
 

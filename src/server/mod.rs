@@ -6,6 +6,7 @@
 //! talks to the upstream; neither reaches back up here.
 
 pub mod admin;
+pub mod conn;
 pub mod router;
 
 use std::future::Future;
@@ -104,7 +105,11 @@ where
     F: Future<Output = ()>,
 {
     let mut builder = auto::Builder::new(TokioExecutor::new());
-    builder.http1().timer(TokioTimer::new());
+    // half_close: a client may shut its write side once the request is
+    // sent and still read the answer. The price is that a client that hung
+    // up is only noticed when its response is written; a compaction it
+    // started runs detached either way (chat::worker).
+    builder.http1().timer(TokioTimer::new()).half_close(true);
     builder.http2().timer(TokioTimer::new());
     let graceful = GracefulShutdown::new();
     tokio::pin!(shutdown);
@@ -126,17 +131,37 @@ where
                         continue;
                     }
                 };
+                let metrics = &state.metrics;
+                if metrics.connections_open() >= state.config.limits.max_connections as u64 {
+                    metrics.record_connection_rejected();
+                    tracing::warn!("connection refused: limits.max_connections reached");
+                    tokio::spawn(conn::reject(stream));
+                    continue;
+                }
                 if let Err(e) = stream.set_nodelay(true) {
                     tracing::debug!(error = %e, "set_nodelay failed");
                 }
-                let state = Arc::clone(&state);
-                let service = service_fn(move |req| router::handle(Arc::clone(&state), req));
-                let conn = builder.serve_connection(TokioIo::new(stream), service);
+                metrics.connection_opened();
+                let activity = Arc::new(conn::Activity::default());
+                let io = conn::IdleIo::new(
+                    stream,
+                    state.config.timeouts.client_idle,
+                    Arc::clone(&activity),
+                    Arc::clone(metrics),
+                );
+                let st = Arc::clone(&state);
+                let service = service_fn(move |req| {
+                    let active = conn::Active::new(&activity);
+                    router::handle_on(Arc::clone(&st), req, Some(active))
+                });
+                let conn = builder.serve_connection(TokioIo::new(io), service);
                 let conn = graceful.watch(conn.into_owned());
+                let metrics = Arc::clone(metrics);
                 tokio::spawn(async move {
                     if let Err(e) = conn.await {
                         tracing::debug!(error = %e, "connection ended with error");
                     }
+                    metrics.connection_closed();
                 });
             }
             () = &mut shutdown => break,

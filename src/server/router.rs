@@ -16,7 +16,9 @@ use hyper::body::Incoming;
 use super::AppState;
 use crate::error::{error_response, full_body, ProxyBody, ProxyError};
 use crate::metrics::Metrics;
-use crate::upstream::body::{observed, Eos, LimitedBody, ProxyReqBody};
+use crate::upstream::body::{
+    observed, ByteBudget, Eos, FlushBeforeError, LimitedBody, ProxyReqBody,
+};
 use crate::upstream::coalesce::CoalesceBody;
 use crate::upstream::RequestStats;
 
@@ -78,11 +80,26 @@ pub async fn handle(
     state: Arc<AppState>,
     req: Request<Incoming>,
 ) -> Result<Response<ProxyBody>, Infallible> {
-    let stats = Arc::new(RequestStats::default());
+    handle_on(state, req, None).await
+}
+
+/// [`handle`] for a request on a served connection: `active` marks the
+/// connection busy until the response body ends (idle timeout).
+pub async fn handle_on(
+    state: Arc<AppState>,
+    req: Request<Incoming>,
+    active: Option<super::conn::Active>,
+) -> Result<Response<ProxyBody>, Infallible> {
     let in_flight = InFlight::new(Arc::clone(&state.metrics));
     let method = req.method().clone();
     let path = req.uri().path().to_owned();
     let route = Route::of(&method, &path);
+    // Chat bodies are read whole: their bytes count against the budget.
+    let stats = Arc::new(if route == Route::Chat {
+        RequestStats::with_budget(Arc::clone(&state.metrics))
+    } else {
+        RequestStats::default()
+    });
     let upstream = &state.upstream;
 
     let resp = match route {
@@ -97,7 +114,7 @@ pub async fn handle(
             "invalid_request_error",
             "not_found",
         ),
-        Route::Chat | Route::Passthrough => match limit_request(&state, req, &stats) {
+        Route::Chat | Route::Passthrough => match limit_request(&state, req, &stats, route) {
             Err(e) => upstream.error_reply(&e),
             Ok(req) if route == Route::Chat => {
                 crate::chat::handle(&state.chat, upstream, req).await
@@ -118,6 +135,7 @@ pub async fn handle(
     let metrics = Arc::clone(&state.metrics);
     let on_eos = Box::new(move |eos: Eos, bytes_out: u64| {
         drop(in_flight);
+        drop(active);
         let bytes_in = stats.bytes_in.load(Ordering::Relaxed);
         metrics.record_request(route.label(), status.as_u16(), bytes_in, bytes_out);
         let upstream_ms = upstream_wait.map(millis);
@@ -134,7 +152,8 @@ pub async fn handle(
             "request"
         );
     });
-    let body = observed(CoalesceBody::new(body), on_eos).boxed_unsync();
+    // Frames gathered by the coalescer must be written before an error.
+    let body = observed(FlushBeforeError::new(CoalesceBody::new(body)), on_eos).boxed_unsync();
     Ok(Response::from_parts(parts, body))
 }
 
@@ -166,6 +185,7 @@ fn limit_request(
     state: &AppState,
     req: Request<Incoming>,
     stats: &Arc<RequestStats>,
+    route: Route,
 ) -> Result<Request<ProxyReqBody>, ProxyError> {
     let limit = state.config.max_body_bytes;
     let declared = req
@@ -178,7 +198,16 @@ fn limit_request(
     }
     let (mut parts, body) = req.into_parts();
     parts.extensions.insert(Arc::clone(stats));
-    let body = LimitedBody::new(body, limit, Arc::clone(&stats.bytes_in)).boxed_unsync();
+    let secs = state.config.timeouts.body_read;
+    let mut body = LimitedBody::new(body, limit, Arc::clone(&stats.bytes_in))
+        .with_deadline(stats.start + secs, secs.as_secs());
+    if route == Route::Chat {
+        body = body.with_budget(ByteBudget {
+            used: Arc::clone(&state.metrics),
+            max: state.config.limits.max_buffered_body_bytes,
+        });
+    }
+    let body = body.boxed_unsync();
     Ok(Request::from_parts(parts, body))
 }
 

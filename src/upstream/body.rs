@@ -36,20 +36,68 @@ pub struct BodyLimitExceeded {
 #[error("upstream idle for more than {0:?}")]
 pub struct IdleTimeout(pub Duration);
 
+/// The request body did not arrive within `timeouts.body_read_secs`.
+#[derive(Debug, thiserror::Error)]
+#[error("request body not received within {0} s")]
+pub struct BodyReadTimeout(pub u64);
+
+/// Buffering this chunk would exceed `limits.max_buffered_body_bytes`.
+#[derive(Debug, thiserror::Error)]
+#[error("request bodies buffered by compactor exceed {0} bytes")]
+pub struct BodyBudgetExceeded(pub u64);
+
+/// The process-wide budget of buffered request body bytes: `used` is
+/// reserved as chunks arrive and released by whoever owns the request.
+#[derive(Debug, Clone)]
+pub struct ByteBudget {
+    /// The running total (also the metrics gauge).
+    pub used: Arc<crate::metrics::Metrics>,
+    /// The cap.
+    pub max: u64,
+}
+
 pin_project! {
-    /// Counts bytes into a shared counter and fails once `limit` is exceeded.
+    /// Counts bytes into a shared counter and fails once `limit` is
+    /// exceeded, when the body is not complete by `deadline`, or (with a
+    /// budget) when the bytes buffered by all requests would exceed it.
     pub struct LimitedBody<B> {
         #[pin]
         inner: B,
         limit: u64,
         seen: Arc<AtomicU64>,
+        deadline: Option<(Instant, u64)>,
+        // Armed at the first wait only: a body already received costs no timer.
+        #[pin]
+        sleep: Option<Sleep>,
+        budget: Option<ByteBudget>,
     }
 }
 
 impl<B> LimitedBody<B> {
     /// Wraps `inner`; `seen` receives the running byte count.
     pub fn new(inner: B, limit: u64, seen: Arc<AtomicU64>) -> Self {
-        LimitedBody { inner, limit, seen }
+        LimitedBody {
+            inner,
+            limit,
+            seen,
+            deadline: None,
+            sleep: None,
+            budget: None,
+        }
+    }
+
+    /// Fails the body with [`BodyReadTimeout`] if it is not complete by
+    /// `deadline` (`secs` is the configured value, for the message).
+    pub fn with_deadline(mut self, deadline: Instant, secs: u64) -> Self {
+        self.deadline = Some((deadline, secs));
+        self
+    }
+
+    /// Reserves every chunk in `budget` (the caller releases `seen` bytes
+    /// when the request is over).
+    pub fn with_budget(mut self, budget: ByteBudget) -> Self {
+        self.budget = Some(budget);
+        self
     }
 }
 
@@ -66,12 +114,19 @@ where
         self: Pin<&mut Self>,
         cx: &mut Context<'_>,
     ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
-        let this = self.project();
+        let mut this = self.project();
         match this.inner.poll_frame(cx) {
             Poll::Ready(Some(Ok(frame))) => {
                 let frame = frame.map_data(|mut d| d.copy_to_bytes(d.remaining()));
                 if let Some(d) = frame.data_ref() {
                     let len = d.len() as u64;
+                    if let Some(b) = this.budget {
+                        let used = &b.used.buffered_body_bytes;
+                        if used.fetch_add(len, Ordering::Relaxed) + len > b.max {
+                            used.fetch_sub(len, Ordering::Relaxed);
+                            return Poll::Ready(Some(Err(Box::new(BodyBudgetExceeded(b.max)))));
+                        }
+                    }
                     let total = this.seen.fetch_add(len, Ordering::Relaxed) + len;
                     if total > *this.limit {
                         return Poll::Ready(Some(Err(Box::new(BodyLimitExceeded {
@@ -83,7 +138,20 @@ where
             }
             Poll::Ready(Some(Err(e))) => Poll::Ready(Some(Err(e.into()))),
             Poll::Ready(None) => Poll::Ready(None),
-            Poll::Pending => Poll::Pending,
+            Poll::Pending => {
+                let Some((deadline, secs)) = *this.deadline else {
+                    return Poll::Pending;
+                };
+                if this.sleep.is_none() {
+                    this.sleep.set(Some(tokio::time::sleep_until(deadline)));
+                }
+                match this.sleep.as_pin_mut().map(|s| s.poll(cx)) {
+                    Some(Poll::Ready(())) => {
+                        Poll::Ready(Some(Err(Box::new(BodyReadTimeout(secs)))))
+                    }
+                    _ => Poll::Pending,
+                }
+            }
         }
     }
 
@@ -169,6 +237,84 @@ where
     #[inline]
     fn is_end_stream(&self) -> bool {
         self.inner.is_end_stream()
+    }
+
+    #[inline]
+    fn size_hint(&self) -> SizeHint {
+        self.inner.size_hint()
+    }
+}
+
+/// How long a body error is held back after data frames, so hyper can
+/// write those frames out first (see [`FlushBeforeError`]).
+const ERROR_FLUSH_GRACE: Duration = Duration::from_millis(200);
+
+pin_project! {
+    /// Delays an error that comes right after data frames: hyper's HTTP/1
+    /// server stops at a body error without flushing what it buffered, so
+    /// frames handed over in the same poll as the error never reach the
+    /// client. The error is handed over after a `Pending` and a short grace
+    /// instead, so the frames are written first. Costs one flag per frame.
+    pub struct FlushBeforeError<B: Body> {
+        #[pin]
+        inner: B,
+        // Data went out since the last `Pending`: hyper may not have
+        // flushed it yet.
+        unflushed: bool,
+        held: Option<(B::Error, Pin<Box<Sleep>>)>,
+    }
+}
+
+impl<B: Body> FlushBeforeError<B> {
+    /// Wraps `inner`.
+    pub fn new(inner: B) -> Self {
+        FlushBeforeError {
+            inner,
+            unflushed: false,
+            held: None,
+        }
+    }
+}
+
+impl<B: Body> Body for FlushBeforeError<B> {
+    type Data = B::Data;
+    type Error = B::Error;
+
+    fn poll_frame(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<B::Data>, B::Error>>> {
+        let this = self.project();
+        if let Some((_, sleep)) = this.held.as_mut() {
+            if sleep.as_mut().poll(cx).is_pending() {
+                return Poll::Pending;
+            }
+            return Poll::Ready(this.held.take().map(|(e, _)| Err(e)));
+        }
+        match this.inner.poll_frame(cx) {
+            Poll::Ready(Some(Err(e))) if *this.unflushed => {
+                let mut sleep = Box::pin(tokio::time::sleep(ERROR_FLUSH_GRACE));
+                // Registers the timer: it wakes the task to hand over `e`.
+                if sleep.as_mut().poll(cx).is_ready() {
+                    return Poll::Ready(Some(Err(e)));
+                }
+                *this.held = Some((e, sleep));
+                Poll::Pending
+            }
+            Poll::Ready(r) => {
+                *this.unflushed = matches!(r, Some(Ok(_)));
+                Poll::Ready(r)
+            }
+            Poll::Pending => {
+                *this.unflushed = false;
+                Poll::Pending
+            }
+        }
+    }
+
+    #[inline]
+    fn is_end_stream(&self) -> bool {
+        self.held.is_none() && self.inner.is_end_stream()
     }
 
     #[inline]
@@ -374,12 +520,20 @@ mod tests {
     #[tokio::test]
     async fn limited_body_counts_and_fails_past_limit() {
         let seen = Arc::new(AtomicU64::new(0));
-        let mut b = LimitedBody::new(Full::new(Bytes::from_static(b"12345")), 5, seen.clone());
+        let mut b = Box::pin(LimitedBody::new(
+            Full::new(Bytes::from_static(b"12345")),
+            5,
+            seen.clone(),
+        ));
         assert!(matches!(poll_once(&mut b), Poll::Ready(Some(Ok(_)))));
         assert_eq!(seen.load(Ordering::Relaxed), 5);
 
         let seen = Arc::new(AtomicU64::new(0));
-        let mut b = LimitedBody::new(Full::new(Bytes::from_static(b"123456")), 5, seen);
+        let mut b = Box::pin(LimitedBody::new(
+            Full::new(Bytes::from_static(b"123456")),
+            5,
+            seen,
+        ));
         match poll_once(&mut b) {
             Poll::Ready(Some(Err(e))) => {
                 assert_eq!(e.downcast_ref::<BodyLimitExceeded>().unwrap().limit, 5)

@@ -2,7 +2,6 @@
 
 use std::path::Path;
 use std::sync::Arc;
-use std::time::Duration;
 
 use http::uri::{PathAndQuery, Uri};
 use hyper_rustls::HttpsConnector;
@@ -18,9 +17,6 @@ use crate::config::{Config, UpstreamBase};
 
 /// The pooled client every upstream request goes through.
 pub type UpstreamClient = Client<HttpsConnector<HttpConnector>, ProxyReqBody>;
-
-/// How long an idle pooled upstream connection is kept.
-const POOL_IDLE_TIMEOUT: Duration = Duration::from_secs(90);
 
 /// The client could not be built.
 #[derive(Debug, thiserror::Error)]
@@ -111,7 +107,9 @@ pub fn build_client(config: &Config) -> Result<UpstreamClient, UpstreamSetupErro
         .wrap_connector(http);
 
     Ok(Client::builder(TokioExecutor::new())
-        .pool_idle_timeout(POOL_IDLE_TIMEOUT)
+        // Below the upstream's own keep-alive (uvicorn: 5 s), so a connection
+        // it is about to close is not picked for a request.
+        .pool_idle_timeout(config.timeouts.upstream_pool_idle)
         .pool_timer(TokioTimer::new())
         .build(https))
 }

@@ -27,7 +27,9 @@ use tokio::time::Instant;
 use crate::config::{Config, Timeouts, UpstreamBase};
 use crate::error::{BoxError, ErrorSource, ProxyBody, ProxyError};
 use crate::metrics::Metrics;
-use body::{boxed, BodyLimitExceeded, IdleTimeoutBody, ProxyReqBody};
+use body::{
+    boxed, BodyBudgetExceeded, BodyLimitExceeded, BodyReadTimeout, IdleTimeoutBody, ProxyReqBody,
+};
 use client::{build_client, join_uri, UpstreamClient, UpstreamSetupError};
 
 /// Per-request accounting shared between the router, [`Upstream::send`] and
@@ -43,6 +45,17 @@ pub struct RequestStats {
     upstream_wait_ns: AtomicU64,
     /// Whether the upstream was contacted at all.
     upstream_called: AtomicBool,
+    /// Where `bytes_in` was reserved (chat bodies): released on drop.
+    budget: Option<Arc<Metrics>>,
+}
+
+impl Drop for RequestStats {
+    fn drop(&mut self) {
+        if let Some(m) = &self.budget {
+            let n = self.bytes_in.load(Ordering::Relaxed);
+            m.buffered_body_bytes.fetch_sub(n, Ordering::Relaxed);
+        }
+    }
 }
 
 impl Default for RequestStats {
@@ -52,11 +65,20 @@ impl Default for RequestStats {
             bytes_in: Arc::new(AtomicU64::new(0)),
             upstream_wait_ns: AtomicU64::new(0),
             upstream_called: AtomicBool::new(false),
+            budget: None,
         }
     }
 }
 
 impl RequestStats {
+    /// Stats whose `bytes_in` are reserved in `metrics`' buffered-body
+    /// budget while the request lives (see `LimitedBody::with_budget`).
+    pub fn with_budget(metrics: Arc<Metrics>) -> Self {
+        let mut stats = RequestStats::default();
+        stats.budget = Some(metrics);
+        stats
+    }
+
     /// Adds time spent waiting for the upstream.
     pub fn add_upstream_wait(&self, d: Duration) {
         let ns = u64::try_from(d.as_nanos()).unwrap_or(u64::MAX);
@@ -136,6 +158,11 @@ impl Upstream {
         &self.base
     }
 
+    /// The configured timeouts.
+    pub fn timeouts(&self) -> &Timeouts {
+        &self.timeouts
+    }
+
     /// The metrics registry.
     pub fn metrics(&self) -> &Arc<Metrics> {
         &self.metrics
@@ -145,7 +172,13 @@ impl Upstream {
     /// OpenAI-shaped responses.
     pub async fn forward(&self, req: Request<ProxyReqBody>) -> Response<ProxyBody> {
         let (parts, body) = req.into_parts();
-        match self.send(&parts, body).await {
+        let sent = if http_body::Body::is_end_stream(&body) {
+            // Nothing to stream: replayable, so a keep-alive race is retried.
+            self.send_bytes(&parts, Bytes::new()).await
+        } else {
+            self.send(&parts, body).await
+        };
+        match sent {
             Ok(resp) => self.stream_response(resp),
             Err(e) => self.error_reply(&e),
         }
@@ -153,14 +186,46 @@ impl Upstream {
 
     /// Sends one client request upstream: URI joined onto the base, hop-by-hop
     /// headers removed, Host set to the upstream's, the first-byte timeout
-    /// applied. The chat path sends through here too (and retries).
+    /// applied. A streamed body cannot be replayed: no retry.
     pub async fn send(
         &self,
         parts: &Parts,
         body: ProxyReqBody,
     ) -> Result<Response<Incoming>, ProxyError> {
-        let uri = join_uri(&self.base, &parts.uri)
-            .map_err(|e| ProxyError::BadRequest(format!("cannot build upstream URI: {e}")))?;
+        self.attempt(parts, body)
+            .await
+            .map_err(|e| self.attempt_error(e))
+    }
+
+    /// [`Upstream::send`] for a body held in memory (chat bodies, bodiless
+    /// requests): a request that never reached the upstream (a pooled
+    /// connection it closed just then; no response byte came back) is sent
+    /// once more, on another connection.
+    pub async fn send_bytes(
+        &self,
+        parts: &Parts,
+        body: Bytes,
+    ) -> Result<Response<Incoming>, ProxyError> {
+        match self.attempt(parts, boxed(Full::new(body.clone()))).await {
+            Err(Attempt::Client(e)) if unsent(&e) => {
+                self.metrics.record_upstream_retry();
+                tracing::debug!(error = %error_chain(&e), "upstream closed the connection before answering; retrying once");
+                self.send(parts, boxed(Full::new(body))).await
+            }
+            r => r.map_err(|e| self.attempt_error(e)),
+        }
+    }
+
+    async fn attempt(
+        &self,
+        parts: &Parts,
+        body: ProxyReqBody,
+    ) -> Result<Response<Incoming>, Attempt> {
+        let uri = join_uri(&self.base, &parts.uri).map_err(|e| {
+            Attempt::Failed(ProxyError::BadRequest(format!(
+                "cannot build upstream URI: {e}"
+            )))
+        })?;
         let mut headers = parts.headers.clone();
         headers::prepare_request_headers(&mut headers);
         // hyper already answered any `Expect: 100-continue` on our side.
@@ -180,9 +245,18 @@ impl Upstream {
             stats.add_upstream_wait(sent.elapsed());
         }
         match result {
-            Err(_) => Err(ProxyError::FirstByteTimeout(timeout.as_secs())),
+            Err(_) => Err(Attempt::Failed(ProxyError::FirstByteTimeout(
+                timeout.as_secs(),
+            ))),
             Ok(Ok(resp)) => Ok(resp),
-            Ok(Err(e)) => Err(self.classify_client_error(&e)),
+            Ok(Err(e)) => Err(Attempt::Client(e)),
+        }
+    }
+
+    fn attempt_error(&self, e: Attempt) -> ProxyError {
+        match e {
+            Attempt::Failed(e) => e,
+            Attempt::Client(e) => self.classify_client_error(&e),
         }
     }
 
@@ -213,6 +287,11 @@ impl Upstream {
     /// Builds the error response for `e`, counting and logging it.
     pub fn error_reply(&self, e: &ProxyError) -> Response<ProxyBody> {
         self.metrics.record_error(e.code());
+        match e {
+            ProxyError::BodyReadTimeout(_) => self.metrics.record_body_read_timeout(),
+            ProxyError::Overloaded(_) => self.metrics.record_body_budget_rejection(),
+            _ => {}
+        }
         match e.source_kind() {
             ErrorSource::Upstream => {
                 tracing::warn!(code = e.code(), error = %e, "upstream failure")
@@ -339,6 +418,9 @@ impl Upstream {
             if let Some(limit) = s.downcast_ref::<BodyLimitExceeded>() {
                 return ProxyError::BodyTooLarge { limit: limit.limit };
             }
+            if let Some(t) = s.downcast_ref::<BodyReadTimeout>() {
+                return ProxyError::BodyReadTimeout(t.0);
+            }
             if let Some(io) = s.downcast_ref::<std::io::Error>() {
                 timed_out |= io.kind() == std::io::ErrorKind::TimedOut;
             }
@@ -357,6 +439,33 @@ impl Upstream {
         }
         ProxyError::UpstreamUnreachable(error_chain(e))
     }
+}
+
+/// One upstream attempt that got no response head.
+enum Attempt {
+    /// Already mapped (timeout, bad URI).
+    Failed(ProxyError),
+    /// The client failed; [`unsent`] tells whether a replay is safe.
+    Client(hyper_util::client::legacy::Error),
+}
+
+/// Whether the request failed before any response byte came back because
+/// the connection closed under it (hyper: "connection closed before message
+/// completed", or a request canceled before it was written): the keep-alive
+/// race with an upstream closing idle connections. Connect errors are not
+/// (nothing was pooled; a new connection would fail the same way).
+fn unsent(e: &hyper_util::client::legacy::Error) -> bool {
+    if e.is_connect() {
+        return false;
+    }
+    let mut source: Option<&(dyn std::error::Error + 'static)> = e.source();
+    while let Some(s) = source {
+        if let Some(h) = s.downcast_ref::<hyper::Error>() {
+            return h.is_incomplete_message() || h.is_canceled();
+        }
+        source = s.source();
+    }
+    false
 }
 
 fn host_header(base: &UpstreamBase) -> Result<HeaderValue, http::header::InvalidHeaderValue> {
@@ -378,10 +487,16 @@ pub fn error_chain(e: &dyn std::error::Error) -> String {
 /// Turns a request-body read error (e.g. from collecting a
 /// [`ProxyReqBody`]) into the matching [`ProxyError`].
 pub fn body_read_error(e: &BoxError) -> ProxyError {
-    match e.downcast_ref::<BodyLimitExceeded>() {
-        Some(l) => ProxyError::BodyTooLarge { limit: l.limit },
-        None => ProxyError::ClientBody(error_chain(e.as_ref())),
+    if let Some(l) = e.downcast_ref::<BodyLimitExceeded>() {
+        return ProxyError::BodyTooLarge { limit: l.limit };
     }
+    if let Some(t) = e.downcast_ref::<BodyReadTimeout>() {
+        return ProxyError::BodyReadTimeout(t.0);
+    }
+    if let Some(b) = e.downcast_ref::<BodyBudgetExceeded>() {
+        return ProxyError::Overloaded(b.to_string());
+    }
+    ProxyError::ClientBody(error_chain(e.as_ref()))
 }
 
 #[cfg(test)]

@@ -10,17 +10,18 @@
 use std::collections::VecDeque;
 use std::pin::Pin;
 use std::task::{Context, Poll};
+use std::time::Duration;
 
 use bytes::Bytes;
 use http_body::{Body, Frame, SizeHint};
 use http_body_util::BodyExt;
 use pin_project_lite::pin_project;
+use tokio::time::Instant;
 
 use super::{BodyKind, StreamStart, UsageExtractor};
 
 /// The held start of a response and the rest of it.
-#[derive(Debug)]
-pub struct Peeked<B> {
+pub struct Peeked<B: Body> {
     /// How the response started (`Undecided` when the cap or the end came
     /// first).
     pub start: StreamStart,
@@ -28,13 +29,28 @@ pub struct Peeked<B> {
     pub body: PrefixedBody<B>,
 }
 
-/// Reads `body` until its start is decided, it ends, or more than
-/// `max_bytes` are held.
+/// How long the start of a response may be held back: at most `idle`
+/// between two frames and until `deadline` overall. When either expires
+/// the hold-back stops and what arrived is released (the caller's own
+/// timeouts govern the rest of the body).
+#[derive(Debug, Clone, Copy)]
+pub struct HoldBack {
+    /// Longest wait for the next frame.
+    pub idle: Duration,
+    /// When holding back stops, whatever has arrived.
+    pub deadline: Instant,
+}
+
+/// Reads `body` until its start is decided, it ends, it fails, more than
+/// `max_bytes` are held or `limit` expires. Never fails: an error of the
+/// body is handed over after the held frames, so the client gets the
+/// upstream's bytes and then sees the cut.
 pub async fn peek_start<B>(
     mut body: B,
     kind: BodyKind,
     max_bytes: usize,
-) -> Result<Peeked<B>, B::Error>
+    limit: HoldBack,
+) -> Peeked<B>
 where
     B: Body<Data = Bytes> + Unpin,
 {
@@ -42,8 +58,13 @@ where
     let mut held = VecDeque::new();
     let mut bytes = 0usize;
     let mut ended = false;
+    let mut error = None;
     while *ex.start() == StreamStart::Undecided && bytes <= max_bytes {
-        match body.frame().await {
+        let until = limit.deadline.min(Instant::now() + limit.idle);
+        let Ok(next) = tokio::time::timeout_at(until, body.frame()).await else {
+            break;
+        };
+        match next {
             Some(Ok(frame)) => {
                 if let Some(d) = frame.data_ref() {
                     ex.feed(d);
@@ -55,7 +76,10 @@ where
                     break;
                 }
             }
-            Some(Err(e)) => return Err(e),
+            Some(Err(e)) => {
+                error = Some(e);
+                break;
+            }
             None => {
                 ended = true;
                 break;
@@ -65,30 +89,34 @@ where
     if ended {
         ex.finish();
     }
-    Ok(Peeked {
+    let mut body = PrefixedBody::new(held, body, ended);
+    body.error = error;
+    Peeked {
         start: ex.start().clone(),
-        body: PrefixedBody::new(held, body, ended),
-    })
+        body,
+    }
 }
 
 pin_project! {
-    /// Yields the held frames, then the inner body.
-    #[derive(Debug)]
-    pub struct PrefixedBody<B> {
+    /// Yields the held frames, then the inner body (or the error it failed
+    /// with while the frames were held).
+    pub struct PrefixedBody<B: Body> {
         prefix: VecDeque<Frame<Bytes>>,
         #[pin]
         inner: B,
         inner_done: bool,
+        error: Option<B::Error>,
     }
 }
 
-impl<B> PrefixedBody<B> {
+impl<B: Body> PrefixedBody<B> {
     /// `prefix` first, then `inner` (skipped when `inner_done`).
     pub fn new(prefix: VecDeque<Frame<Bytes>>, inner: B, inner_done: bool) -> Self {
         Self {
             prefix,
             inner,
             inner_done,
+            error: None,
         }
     }
 
@@ -119,6 +147,10 @@ where
         if let Some(f) = this.prefix.pop_front() {
             return Poll::Ready(Some(Ok(f)));
         }
+        if let Some(e) = this.error.take() {
+            *this.inner_done = true;
+            return Poll::Ready(Some(Err(e)));
+        }
         if *this.inner_done {
             return Poll::Ready(None);
         }
@@ -126,7 +158,9 @@ where
     }
 
     fn is_end_stream(&self) -> bool {
-        self.prefix.is_empty() && (self.inner_done || self.inner.is_end_stream())
+        self.prefix.is_empty()
+            && self.error.is_none()
+            && (self.inner_done || self.inner.is_end_stream())
     }
 
     fn size_hint(&self) -> SizeHint {
@@ -154,6 +188,13 @@ mod tests {
     use crate::upstream::body::tap_tests::MockBody;
     use crate::window::parse_overflow_event;
 
+    fn unbounded() -> HoldBack {
+        HoldBack {
+            idle: Duration::from_secs(3600),
+            deadline: Instant::now() + Duration::from_secs(3600),
+        }
+    }
+
     fn frames(parts: &[&'static [u8]]) -> MockBody {
         MockBody::new(
             parts
@@ -171,9 +212,7 @@ mod tests {
             b"data: {\"choices\":[{\"delta\":{\"content\":\"Hi\"}}]}\n\n",
             b"data: [DONE]\n\n",
         ];
-        let p = peek_start(frames(&parts), BodyKind::Sse, 1 << 20)
-            .await
-            .unwrap();
+        let p = peek_start(frames(&parts), BodyKind::Sse, 1 << 20, unbounded()).await;
         assert_eq!(p.start, StreamStart::Content);
         // Only up to the first content event was read.
         assert_eq!(p.body.prefix.len(), 3);
@@ -187,9 +226,7 @@ mod tests {
             b": ping\n\n",
             b"data: {\"error\":{\"code\":400,\"message\":\"request (5000 tokens) exceeds the available context size (4096 tokens), try increasing it\",\"type\":\"exceed_context_size_error\",\"n_prompt_tokens\":5000,\"n_ctx\":4096}}\n\n",
         ];
-        let p = peek_start(frames(&parts), BodyKind::Sse, 1 << 20)
-            .await
-            .unwrap();
+        let p = peek_start(frames(&parts), BodyKind::Sse, 1 << 20, unbounded()).await;
         let StreamStart::Error(payload) = &p.start else {
             panic!("{:?}", p.start)
         };
@@ -200,12 +237,16 @@ mod tests {
     #[tokio::test]
     async fn cap_and_end_leave_it_undecided() {
         let parts: [&'static [u8]; 2] = [b": a\n\n", b": b\n\n"];
-        let p = peek_start(frames(&parts), BodyKind::Sse, 3).await.unwrap();
+        let p = peek_start(frames(&parts), BodyKind::Sse, 3, unbounded()).await;
         assert_eq!(p.start, StreamStart::Undecided);
         assert_eq!(p.body.collect().await.unwrap().to_bytes(), parts.concat());
-        let p = peek_start(frames(&[b"data: x\n\n"]), BodyKind::Sse, 1 << 20)
-            .await
-            .unwrap();
+        let p = peek_start(
+            frames(&[b"data: x\n\n"]),
+            BodyKind::Sse,
+            1 << 20,
+            unbounded(),
+        )
+        .await;
         assert_eq!(p.start, StreamStart::Undecided);
         assert!(!p.body.is_end_stream());
         assert_eq!(p.body.held_bytes(), b"data: x\n\n");

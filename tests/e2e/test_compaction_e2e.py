@@ -116,6 +116,7 @@ def test_unreachable_summariser_aborts(llama_log, llama_tap, compactor):
     closed = f"http://127.0.0.1:{free_port()}"  # bound, then closed: nothing listens
     via = compactor(
         llama_tap.url, config=f'[compaction]\n{TRIGGER_CAP}summary_endpoint = "{closed}"\n'
+        'summary_api_key = "sk-summary"\n'
     )
     messages = _history(OVER_THRESHOLD_TURN)
     raw = _ask(via.client(), messages)
