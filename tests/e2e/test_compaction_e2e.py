@@ -12,8 +12,15 @@ import os
 import pytest
 
 from conftest import free_port
-from long_conversation import DEFAULT_TURNS, build_conversation, history_through, play, summarize
+from long_conversation import build_conversation, history_through, play, summarize
 
+
+# Turns per run of the long conversation through compactor. At n_ctx 2048 a
+# compaction makes two to four summary calls of up to ~350 tokens each (the
+# summary budget follows the threshold), about 15 s on the 270M model on two
+# cores; 20 turns (about ten compactions, a conversation six times the window)
+# keep the four variants within a few minutes each.
+COMPACTION_TURNS = 20
 
 # A turn reuses the cached prefix when llama.cpp serves at least this share of
 # the previous turn's prompt from its cache (the new turn's own messages are
@@ -28,7 +35,7 @@ CACHE_REUSE_MIN = 0.9
 )
 def test_long_conversation_keeps_working(llama_log, llama_tap, compactor, stream, session):
     via = compactor(llama_tap.url)
-    results = play(via.url, stream=stream, session_id=session, turns=DEFAULT_TURNS)
+    results = play(via.url, stream=stream, session_id=session, turns=COMPACTION_TURNS)
     summary = summarize(results)
     print("summary:", summary)
 
