@@ -105,11 +105,13 @@ where
     F: Future<Output = ()>,
 {
     let mut builder = auto::Builder::new(TokioExecutor::new());
-    // half_close: a client may shut its write side once the request is
-    // sent and still read the answer. The price is that a client that hung
-    // up is only noticed when its response is written; a compaction it
+    // Not half_close(true): with it hyper ignores the read EOF of a client
+    // that hung up, so its upstream call (a generation the client will never
+    // read) runs on until a write fails (tests/proxy_streaming.rs
+    // client_disconnect_*). At the TCP level a half-close and a hang-up look
+    // the same until a write, so cancellation wins; a compaction the client
     // started runs detached either way (chat::worker).
-    builder.http1().timer(TokioTimer::new()).half_close(true);
+    builder.http1().timer(TokioTimer::new());
     builder.http2().timer(TokioTimer::new());
     let graceful = GracefulShutdown::new();
     tokio::pin!(shutdown);
