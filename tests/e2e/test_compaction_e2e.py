@@ -150,6 +150,9 @@ def test_failing_summariser_falls_back_or_aborts(
         "[compaction]\n"
         + TRIGGER_CAP
         + f'summary_endpoint = "{mock_upstream.url}"\n'
+        # Another host (port) than the upstream: it gets its own key, never
+        # the client's.
+        'summary_api_key = "sk-summary"\n'
         f"abort_on_summary_failure = {'true' if abort else 'false'}\n"
     )
     via = compactor(llama_tap.url, config=config)
