@@ -155,6 +155,7 @@ mod tests {
     /// A presented token of the wrong length costs as much to reject as one
     /// of the right length: the length is not checked first.
     #[test]
+    #[ignore = "a timing measurement, not a pass/fail test (run with --ignored); benches/state.rs measures the stores"]
     fn wrong_length_is_not_rejected_early() {
         let secret = vec![b'a'; 256 * 1024];
         let same_len = vec![b'b'; secret.len()];
