@@ -287,6 +287,9 @@ fn convert(map: &WireMap, v: Value) -> Vec<Value> {
                 }
             }
             let mut blocks = parts_as_blocks(&content);
+            // A summary merged into this turn must not go in front of its
+            // thinking: Anthropic wants an assistant turn to open with it.
+            blocks.sort_by_key(|b| !matches!(block_type(b), "thinking" | "redacted_thinking"));
             for tc in calls.into_iter().flatten() {
                 blocks.push(tool_use(map, tc));
             }
