@@ -120,14 +120,21 @@ fn assert_valid(body: &Value) {
         }
         let results = ids(m, "tool_result", "tool_use_id");
         if !results.is_empty() {
-            let calls = if i > 0 { ids(&msgs[i - 1], "tool_use", "id") } else { vec![] };
+            let calls = if i > 0 {
+                ids(&msgs[i - 1], "tool_use", "id")
+            } else {
+                vec![]
+            };
             for r in &results {
                 assert!(calls.contains(r), "tool_result {r} without its tool_use");
             }
             let b = blocks(m);
             let first_other = b.iter().position(|b| b["type"] != "tool_result");
             if let Some(p) = first_other {
-                assert!(b[p..].iter().all(|b| b["type"] != "tool_result"), "results first");
+                assert!(
+                    b[p..].iter().all(|b| b["type"] != "tool_result"),
+                    "results first"
+                );
             }
         }
         let calls = ids(m, "tool_use", "id");
@@ -143,14 +150,21 @@ fn assert_valid(body: &Value) {
     assert!(markers <= 4, "{markers} cache_control markers");
 }
 
-async fn until_compacted(stream: bool) -> (ApiMock, compactor::server::RunningServer, Conv, Vec<u8>) {
+async fn until_compacted(
+    stream: bool,
+) -> (ApiMock, compactor::server::RunningServer, Conv, Vec<u8>) {
     let mock = ApiMock::start(ApiSettings::default()).await;
     let proxy = start_proxy(&mock.url(), &config("")).await;
     let mut conv = Conv::new();
     for _ in 0..20 {
         let sent = body(&conv.ask(), stream);
-        let (status, headers, resp) =
-            post_path(&proxy.url(), "/v1/messages", sent.clone(), &[KEY, VERSION, SESSION]).await;
+        let (status, headers, resp) = post_path(
+            &proxy.url(),
+            "/v1/messages",
+            sent.clone(),
+            &[KEY, VERSION, SESSION],
+        )
+        .await;
         conv.answer();
         assert_eq!(status, 200, "{}", String::from_utf8_lossy(&resp));
         if action(&headers) == "compacted" {
@@ -167,7 +181,9 @@ async fn compaction_keeps_the_request_valid(stream: bool) {
     let seen = mock.last();
     let got = seen.json();
     let client: Value = serde_json::from_slice(&sent).unwrap();
-    assert!(got["messages"].as_array().unwrap().len() < client["messages"].as_array().unwrap().len());
+    assert!(
+        got["messages"].as_array().unwrap().len() < client["messages"].as_array().unwrap().len()
+    );
     assert_valid(&got);
     // Every member but `messages` is the client's bytes, in order: the
     // system blocks with their cache marker included.
@@ -176,7 +192,10 @@ async fn compaction_keeps_the_request_valid(stream: bool) {
     let client_msgs = client["messages"].as_array().unwrap();
     let last = serde_json::to_string(client_msgs.last().unwrap()).unwrap();
     assert!(seen.text().contains(&last), "newest message kept verbatim");
-    assert_eq!(got["messages"].as_array().unwrap().last(), client_msgs.last());
+    assert_eq!(
+        got["messages"].as_array().unwrap().last(),
+        client_msgs.last()
+    );
     // The summary was asked in the same API, with the client's headers.
     let sums = mock.summaries();
     assert!(!sums.is_empty());
@@ -277,7 +296,10 @@ async fn overflow_is_learned_and_retried() {
                 retried = true;
                 break;
             }
-            assert!(seen.iter().all(|s| !s.overflowed), "overflow reached the client");
+            assert!(
+                seen.iter().all(|s| !s.overflowed),
+                "overflow reached the client"
+            );
         }
         assert!(retried, "stream={stream}: never overflowed");
         assert_eq!(
@@ -306,8 +328,13 @@ async fn count_tokens_and_headers_pass_through() {
     assert_eq!(seen.body.as_ref(), sent.as_slice());
     let counted: Value = serde_json::from_slice(&resp).unwrap();
     assert_eq!(counted["input_tokens"].as_u64(), Some(seen.prompt_tokens));
-    let (status, _, _) =
-        post_path(&proxy.url(), "/v1/messages", sent.clone(), &[KEY, VERSION, beta]).await;
+    let (status, _, _) = post_path(
+        &proxy.url(),
+        "/v1/messages",
+        sent.clone(),
+        &[KEY, VERSION, beta],
+    )
+    .await;
     assert_eq!(status, 200);
     let seen = mock.last();
     assert_eq!(seen.body.as_ref(), sent.as_slice());
@@ -334,14 +361,15 @@ async fn claude_code_session_ids_key_conversations() {
             session_of(&headers)
         }
     };
-    let json_id = |s: &str| {
-        json!({"device_id":"d","account_uuid":"a","session_id":s}).to_string()
-    };
+    let json_id = |s: &str| json!({"device_id":"d","account_uuid":"a","session_id":s}).to_string();
     let a = key(with_user(&json_id("s-a")), vec![KEY]).await;
     let a_again = key(with_user(&json_id("s-a")), vec![KEY]).await;
     let b = key(with_user(&json_id("s-b")), vec![KEY]).await;
     assert_eq!(a, a_again);
-    assert_ne!(a, b, "metadata.user_id's session_id separates conversations");
+    assert_ne!(
+        a, b,
+        "metadata.user_id's session_id separates conversations"
+    );
     // The older form ends in `_session_<id>`.
     let old = key(with_user("user_h_account_x_session_s-a"), vec![KEY]).await;
     assert_eq!(old, a);
@@ -356,6 +384,10 @@ async fn claude_code_session_ids_key_conversations() {
     .await;
     assert_ne!(sub, h1);
     // x-api-key is the credential: another key, another conversation.
-    let other = key(with_user(&json_id("s-a")), vec![("x-api-key", "sk-ant-other")]).await;
+    let other = key(
+        with_user(&json_id("s-a")),
+        vec![("x-api-key", "sk-ant-other")],
+    )
+    .await;
     assert_ne!(other, a);
 }

@@ -27,7 +27,9 @@ struct Conv {
 impl Conv {
     fn new() -> Self {
         Self {
-            items: vec![json!({"type":"message","role":"developer","content":[{"type":"input_text","text":"Sandbox: workspace-write."}]})],
+            items: vec![
+                json!({"type":"message","role":"developer","content":[{"type":"input_text","text":"Sandbox: workspace-write."}]}),
+            ],
             turns: 0,
         }
     }
@@ -46,7 +48,8 @@ impl Conv {
         let output = line.repeat(600 / line.len() + 1);
         self.items.push(json!({"type":"reasoning","id":format!("rs_{i}"),"summary":[],"encrypted_content":format!("enc{i}")}));
         self.items.push(json!({"type":"function_call","call_id":id,"name":"shell","arguments":format!("{{\"cmd\":\"cat file_{i}.rs\"}}")}));
-        self.items.push(json!({"type":"function_call_output","call_id":id,"output":output}));
+        self.items
+            .push(json!({"type":"function_call_output","call_id":id,"output":output}));
         self.items.push(json!({"type":"message","role":"assistant","content":[{"type":"output_text","text":format!("file_{i}.rs defines item_{i}.")}]}));
     }
 }
@@ -106,8 +109,13 @@ async fn compaction_keeps_the_request_valid(stream: bool) {
     let mut conv = Conv::new();
     for _ in 0..20 {
         let sent = body(&conv.ask(), stream);
-        let (status, headers, resp) =
-            post_path(&proxy.url(), "/v1/responses", sent.clone(), &[AUTH, SESSION]).await;
+        let (status, headers, resp) = post_path(
+            &proxy.url(),
+            "/v1/responses",
+            sent.clone(),
+            &[AUTH, SESSION],
+        )
+        .await;
         conv.answer();
         assert_eq!(status, 200, "{}", String::from_utf8_lossy(&resp));
         let seen = mock.last();
@@ -179,12 +187,20 @@ async fn overflow_is_retried(stream: bool, failed_event: bool) {
     for _ in 0..25 {
         let before = mock.conversations().len();
         let sent = body(&conv.ask(), stream);
-        let (status, headers, resp) =
-            post_path(&proxy.url(), "/v1/responses", sent.clone(), &[AUTH, SESSION]).await;
+        let (status, headers, resp) = post_path(
+            &proxy.url(),
+            "/v1/responses",
+            sent.clone(),
+            &[AUTH, SESSION],
+        )
+        .await;
         conv.answer();
         assert_eq!(status, 200, "{}", String::from_utf8_lossy(&resp));
         let text = String::from_utf8_lossy(&resp).into_owned();
-        assert!(!text.contains("response.failed"), "the client saw the failure");
+        assert!(
+            !text.contains("response.failed"),
+            "the client saw the failure"
+        );
         let seen = &mock.conversations()[before..];
         if action(&headers) == "retried" {
             assert_eq!(seen.len(), 2, "one failed attempt, one retry");
@@ -197,7 +213,10 @@ async fn overflow_is_retried(stream: bool, failed_event: bool) {
             );
             return;
         }
-        assert!(seen.iter().all(|s| !s.overflowed), "overflow reached the client");
+        assert!(
+            seen.iter().all(|s| !s.overflowed),
+            "overflow reached the client"
+        );
     }
     panic!("never overflowed");
 }
@@ -235,15 +254,29 @@ async fn server_side_state_passes_through_untouched() {
         br#"{"model":"m","input":"a plain string input","max_output_tokens":8}"#.to_vec(),
     ] {
         let before = mock.seen().len();
-        let (status, headers, _) =
-            post_path(&proxy.url(), "/v1/responses", sent.clone(), &[AUTH, SESSION]).await;
+        let (status, headers, _) = post_path(
+            &proxy.url(),
+            "/v1/responses",
+            sent.clone(),
+            &[AUTH, SESSION],
+        )
+        .await;
         assert_eq!(status, 200);
-        assert_eq!(mock.seen().len(), before + 1, "one request, no summary call");
+        assert_eq!(
+            mock.seen().len(),
+            before + 1,
+            "one request, no summary call"
+        );
         assert_eq!(mock.last().body.as_ref(), sent.as_slice());
         assert_eq!(action(&headers), "<none>", "not compactor's conversation");
     }
     // The same history without the reference is compactor's to compact.
-    let (_, headers, _) =
-        post_path(&proxy.url(), "/v1/responses", body(&long, false), &[AUTH, SESSION]).await;
+    let (_, headers, _) = post_path(
+        &proxy.url(),
+        "/v1/responses",
+        body(&long, false),
+        &[AUTH, SESSION],
+    )
+    .await;
     assert_eq!(action(&headers), "compacted");
 }

@@ -396,7 +396,10 @@ pub fn parse_responses_reply(body: &[u8]) -> Result<SummaryReply, SummaryError> 
     }
     let incomplete = v.get("status").and_then(Value::as_str) == Some("incomplete");
     let finish_reason = if incomplete {
-        match v.pointer("/incomplete_details/reason").and_then(Value::as_str) {
+        match v
+            .pointer("/incomplete_details/reason")
+            .and_then(Value::as_str)
+        {
             Some("content_filter") => "content_filter",
             _ => "length",
         }

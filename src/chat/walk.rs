@@ -18,8 +18,8 @@ use http::{header, HeaderValue, Request, Response};
 use http_body_util::BodyExt;
 use hyper::body::Incoming;
 
-use crate::error::{ProxyBody, ProxyError};
 use crate::codec::{Api, ApiRequest};
+use crate::error::{ProxyBody, ProxyError};
 use crate::session::key::{SessionHints, SessionKey};
 use crate::upstream::body::ProxyReqBody;
 use crate::upstream::body::TapBody;
@@ -113,9 +113,7 @@ pub async fn handle_api(
         model: model.as_deref(),
         messages: creq.messages(),
     };
-    let (key, _source, cred) = chat
-        .keyer
-        .derive_hints(&parts.headers, &parts.uri, &hints);
+    let (key, _source, cred) = chat.keyer.derive_hints(&parts.headers, &parts.uri, &hints);
     let cred = cred.as_u128();
     let entry = chat.sessions.get_or_create(key, Conversation::default);
 

@@ -18,8 +18,8 @@ use std::sync::Arc;
 
 use http::HeaderMap;
 
-use crate::error::ProxyError;
 use crate::codec::ApiRequest;
+use crate::error::ProxyError;
 use crate::session::key::SessionKey;
 use crate::session::store::Entry;
 use crate::upstream::Upstream;

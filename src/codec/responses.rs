@@ -170,7 +170,9 @@ fn call_to_engine(v: &Value) -> Value {
     let arguments = match v.get("arguments").or_else(|| v.get("input")) {
         Some(Value::String(s)) => s.clone(),
         Some(other) => other.to_string(),
-        None => v.get("action").map_or_else(|| "{}".to_owned(), Value::to_string),
+        None => v
+            .get("action")
+            .map_or_else(|| "{}".to_owned(), Value::to_string),
     };
     json!({
         "id": str_field(v, "call_id"),
@@ -253,7 +255,9 @@ fn convert(map: &WireMap, v: &Value) -> Vec<Value> {
     let mut out = Vec::new();
     if !blank(&content) || v.get("tool_calls").is_none() {
         let role = if role.is_empty() { "user" } else { role };
-        out.push(json!({"type": "message", "role": role, "content": parts_to_wire(&content, role)}));
+        out.push(
+            json!({"type": "message", "role": role, "content": parts_to_wire(&content, role)}),
+        );
     }
     for tc in v
         .get("tool_calls")

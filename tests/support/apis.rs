@@ -196,7 +196,11 @@ async fn serve(
     };
     let Ok(v) = serde_json::from_slice::<Value>(&body) else {
         record(ApiKind::Other, 0, false);
-        return Ok(reply(400, "application/json", "{\"error\":\"bad json\"}".into()));
+        return Ok(reply(
+            400,
+            "application/json",
+            "{\"error\":\"bad json\"}".into(),
+        ));
     };
     let anthropic = path.starts_with("/v1/messages");
     let (system, list) = if anthropic {
@@ -207,11 +211,19 @@ async fn serve(
     let prompt = ((json_len(system) + json_len(list)) / 4) as u64;
     if path == "/v1/messages/count_tokens" {
         record(ApiKind::Other, prompt, false);
-        return Ok(reply(200, "application/json", format!("{{\"input_tokens\":{prompt}}}")));
+        return Ok(reply(
+            200,
+            "application/json",
+            format!("{{\"input_tokens\":{prompt}}}"),
+        ));
     }
     if path != "/v1/messages" && path != "/v1/responses" {
         record(ApiKind::Other, 0, false);
-        return Ok(reply(404, "application/json", "{\"error\":\"not found\"}".into()));
+        return Ok(reply(
+            404,
+            "application/json",
+            "{\"error\":\"not found\"}".into(),
+        ));
     }
     let stream = v["stream"].as_bool().unwrap_or(false);
     if summary_prompt(list) {
@@ -242,7 +254,11 @@ async fn serve(
             let sse = format!("event: response.created\ndata: {created}\n\nevent: response.failed\ndata: {failed}\n\n");
             return Ok(reply(200, "text/event-stream", sse));
         }
-        return Ok(reply(400, "application/json", json!({"error": err}).to_string()));
+        return Ok(reply(
+            400,
+            "application/json",
+            json!({"error": err}).to_string(),
+        ));
     }
     record(ApiKind::Conversation, prompt, false);
     let text = if anthropic {
@@ -250,7 +266,11 @@ async fn serve(
     } else {
         responses_answer(prompt, stream)
     };
-    let ct = if stream { "text/event-stream" } else { "application/json" };
+    let ct = if stream {
+        "text/event-stream"
+    } else {
+        "application/json"
+    };
     Ok(reply(200, ct, text))
 }
 
@@ -274,14 +294,32 @@ fn anthropic_answer(prompt: u64, stream: bool) -> String {
     let mut start_usage = usage.clone();
     start_usage["output_tokens"] = json!(1);
     let events = [
-        ("message_start", json!({"type":"message_start","message":{"id":"msg_1","type":"message",
-            "role":"assistant","model":"m","content":[],"stop_reason":null,"usage":start_usage}})),
-        ("content_block_start", json!({"type":"content_block_start","index":0,"content_block":{"type":"text","text":""}})),
+        (
+            "message_start",
+            json!({"type":"message_start","message":{"id":"msg_1","type":"message",
+            "role":"assistant","model":"m","content":[],"stop_reason":null,"usage":start_usage}}),
+        ),
+        (
+            "content_block_start",
+            json!({"type":"content_block_start","index":0,"content_block":{"type":"text","text":""}}),
+        ),
         ("ping", json!({"type":"ping"})),
-        ("content_block_delta", json!({"type":"content_block_delta","index":0,"delta":{"type":"text_delta","text":"Hello"}})),
-        ("content_block_delta", json!({"type":"content_block_delta","index":0,"delta":{"type":"text_delta","text":" there"}})),
-        ("content_block_stop", json!({"type":"content_block_stop","index":0})),
-        ("message_delta", json!({"type":"message_delta","delta":{"stop_reason":"end_turn"},"usage":{"output_tokens":3}})),
+        (
+            "content_block_delta",
+            json!({"type":"content_block_delta","index":0,"delta":{"type":"text_delta","text":"Hello"}}),
+        ),
+        (
+            "content_block_delta",
+            json!({"type":"content_block_delta","index":0,"delta":{"type":"text_delta","text":" there"}}),
+        ),
+        (
+            "content_block_stop",
+            json!({"type":"content_block_stop","index":0}),
+        ),
+        (
+            "message_delta",
+            json!({"type":"message_delta","delta":{"stop_reason":"end_turn"},"usage":{"output_tokens":3}}),
+        ),
         ("message_stop", json!({"type":"message_stop"})),
     ];
     events
@@ -301,12 +339,30 @@ fn responses_answer(prompt: u64, stream: bool) -> String {
         .to_string();
     }
     let events = [
-        ("response.created", json!({"type":"response.created","response":{"id":"resp_1","status":"in_progress"}})),
-        ("response.in_progress", json!({"type":"response.in_progress","response":{"id":"resp_1","status":"in_progress"}})),
-        ("response.output_item.added", json!({"type":"response.output_item.added","item":{"type":"message","id":"msg_1","role":"assistant","content":[]}})),
-        ("response.output_text.delta", json!({"type":"response.output_text.delta","item_id":"msg_1","delta":"Hello"})),
-        ("response.output_text.delta", json!({"type":"response.output_text.delta","item_id":"msg_1","delta":" there"})),
-        ("response.completed", json!({"type":"response.completed","response":{"id":"resp_1","status":"completed","output":output,"usage":usage}})),
+        (
+            "response.created",
+            json!({"type":"response.created","response":{"id":"resp_1","status":"in_progress"}}),
+        ),
+        (
+            "response.in_progress",
+            json!({"type":"response.in_progress","response":{"id":"resp_1","status":"in_progress"}}),
+        ),
+        (
+            "response.output_item.added",
+            json!({"type":"response.output_item.added","item":{"type":"message","id":"msg_1","role":"assistant","content":[]}}),
+        ),
+        (
+            "response.output_text.delta",
+            json!({"type":"response.output_text.delta","item_id":"msg_1","delta":"Hello"}),
+        ),
+        (
+            "response.output_text.delta",
+            json!({"type":"response.output_text.delta","item_id":"msg_1","delta":" there"}),
+        ),
+        (
+            "response.completed",
+            json!({"type":"response.completed","response":{"id":"resp_1","status":"completed","output":output,"usage":usage}}),
+        ),
     ];
     events
         .iter()
@@ -317,6 +373,7 @@ fn responses_answer(prompt: u64, stream: bool) -> String {
 fn reply(status: u16, ct: &str, body: String) -> Response<MockBody> {
     let mut resp = Response::new(Full::new(Bytes::from(body)).boxed_unsync());
     *resp.status_mut() = StatusCode::from_u16(status).unwrap();
-    resp.headers_mut().insert("content-type", ct.parse().unwrap());
+    resp.headers_mut()
+        .insert("content-type", ct.parse().unwrap());
     resp
 }
