@@ -2,6 +2,9 @@
 //! scripted Anthropic upstream: usage, compaction with a valid request
 //! shape, overflow retry, passthrough and session keys.
 
+// Test code: a failed unwrap is a failed test (the helpers too).
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
 mod support;
 
 use serde_json::value::RawValue;

@@ -3,6 +3,9 @@
 //! outputs paired, overflow retry (HTTP and `response.failed`), and the
 //! requests that depend on server-side state passing through untouched.
 
+// Test code: a failed unwrap is a failed test (the helpers too).
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
 mod support;
 
 use serde_json::value::RawValue;

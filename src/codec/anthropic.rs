@@ -413,7 +413,7 @@ fn strip_cache_control(v: &mut Value, budget: &mut usize) {
 }
 
 fn strip_here(o: &mut Map<String, Value>, budget: &mut usize) {
-    if !o.get(CACHE_CONTROL).is_some_and(|c| !c.is_null()) {
+    if o.get(CACHE_CONTROL).is_none_or(Value::is_null) {
         return;
     }
     if *budget > 0 {

@@ -24,7 +24,7 @@ const MESSAGES: &str = r#"{"model":"m", "temperature":0.70,"system":[{"type":"te
 fn anthropic_blocks_become_engine_rows() {
     let r = ApiRequest::parse(Api::Messages, MESSAGES.as_bytes().to_vec()).unwrap();
     let rows = values(r.messages());
-    let roles: Vec<&str> = rows.iter().map(|m| role(m)).collect();
+    let roles: Vec<&str> = rows.iter().map(role).collect();
     assert_eq!(
         roles,
         [
@@ -155,7 +155,7 @@ const RESPONSES: &str = r#"{"model":"m","instructions":"I","input":[
 fn responses_items_become_engine_rows() {
     let r = ApiRequest::parse(Api::Responses, RESPONSES.as_bytes().to_vec()).unwrap();
     let rows = values(r.messages());
-    let roles: Vec<&str> = rows.iter().map(|m| role(m)).collect();
+    let roles: Vec<&str> = rows.iter().map(role).collect();
     assert_eq!(
         roles,
         ["system", "user", "assistant", "tool", "tool", "assistant"]
