@@ -13,13 +13,15 @@
 //!   [`session`] (keys, the session store, calibration), [`config`],
 //!   [`metrics`], [`telemetry`].
 //! - Pure leaves: [`compaction`] (the engine, synchronous, no I/O),
-//!   [`window`], [`store`], [`request`], [`error`], [`sync`].
+//!   [`window`], [`store`], [`request`], [`codec`] (each API's request
+//!   mapped onto the engine's conversation and back), [`error`], [`sync`].
 //!
 //! `ARCHITECTURE.md` has the walk of a request and the module map;
 //! `scripts/check_layers.sh` keeps the imports free of cycles.
 
 pub mod chat;
 pub mod cli;
+pub mod codec;
 pub mod compaction;
 pub mod config;
 pub mod error;

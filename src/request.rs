@@ -58,6 +58,8 @@ pub struct ChatRequest {
     messages: Vec<Box<RawValue>>,
     /// Set when `messages` was replaced through [`ChatRequest::with_messages`].
     messages_replaced: bool,
+    /// The name of the list member (`messages`; `input` for Responses).
+    list_key: &'static str,
 }
 
 /// One top-level value of the borrowed parse, pointing into the input.
@@ -71,10 +73,14 @@ enum TopValue<'a> {
 /// Borrowed parse of the top level, in body order.
 struct BorrowedTop<'a>(Vec<(String, TopValue<'a>)>);
 
-impl<'de> serde::Deserialize<'de> for BorrowedTop<'de> {
-    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
-        struct V;
-        impl<'de> Visitor<'de> for V {
+/// Parses a [`BorrowedTop`] whose list member is named `.0`.
+struct TopSeed<'k>(&'k str);
+
+impl<'de> de::DeserializeSeed<'de> for TopSeed<'_> {
+    type Value = BorrowedTop<'de>;
+    fn deserialize<D: Deserializer<'de>>(self, d: D) -> Result<Self::Value, D::Error> {
+        struct V<'k>(&'k str);
+        impl<'de> Visitor<'de> for V<'_> {
             type Value = BorrowedTop<'de>;
             fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
                 f.write_str("a JSON object")
@@ -82,7 +88,7 @@ impl<'de> serde::Deserialize<'de> for BorrowedTop<'de> {
             fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<Self::Value, A::Error> {
                 let mut out: Vec<(String, TopValue<'de>)> = Vec::new();
                 while let Some(k) = map.next_key::<String>()? {
-                    let v = if k == "messages" {
+                    let v = if k == self.0 {
                         TopValue::Messages(map.next_value::<MessageList<'de>>()?.0)
                     } else {
                         TopValue::Raw(map.next_value()?)
@@ -95,9 +101,18 @@ impl<'de> serde::Deserialize<'de> for BorrowedTop<'de> {
                 Ok(BorrowedTop(out))
             }
         }
-        d.deserialize_map(V)
+        d.deserialize_map(V(self.0))
     }
 }
+
+impl<'de> serde::Deserialize<'de> for BorrowedTop<'de> {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        de::DeserializeSeed::deserialize(TopSeed(MESSAGES), d)
+    }
+}
+
+/// The list member of a chat-completions request.
+const MESSAGES: &str = "messages";
 
 /// The `messages` array as borrowed raw elements; anything else is an error
 /// marked [`NOT_ARRAY_MARK`].
@@ -130,8 +145,8 @@ const NOT_ARRAY_MARK: &str = "compactor: `messages` as an array";
 /// it has any: only JSON whitespace may stand between `[` and the first
 /// element, and between the last element and `]`. An empty array has no
 /// element to start from and is found by a second, raw parse.
-fn messages_span(body: &[u8], elements: &[&RawValue]) -> Option<Range<usize>> {
-    span_around(body, elements).or_else(|| raw_messages_span(body))
+fn messages_span(body: &[u8], elements: &[&RawValue], key: &str) -> Option<Range<usize>> {
+    span_around(body, elements).or_else(|| raw_list_span(body, key))
 }
 
 fn span_around(body: &[u8], elements: &[&RawValue]) -> Option<Range<usize>> {
@@ -144,12 +159,17 @@ fn span_around(body: &[u8], elements: &[&RawValue]) -> Option<Range<usize>> {
     (body[open] == b'[' && body[close] == b']').then_some(open..close + 1)
 }
 
-#[cold]
+#[cfg(test)]
 fn raw_messages_span(body: &[u8]) -> Option<Range<usize>> {
+    raw_list_span(body, MESSAGES)
+}
+
+#[cold]
+fn raw_list_span(body: &[u8], key: &str) -> Option<Range<usize>> {
     // Owned keys: a key written with escapes (`"m\u0065ssages"`) cannot be
     // borrowed, and the main parse matched it after unescaping.
     let top: IndexMap<String, &RawValue> = serde_json::from_slice(body).ok()?;
-    offset_in(body, top.get("messages")?.get())
+    offset_in(body, top.get(key)?.get())
 }
 
 /// Offset of `inner` inside `outer`, when `inner` is a sub-slice of it.
@@ -163,8 +183,21 @@ impl ChatRequest {
     /// Parses `bytes` (the whole request body) in one pass. Cheap: only the
     /// top level and the boundaries of each message are parsed.
     pub fn parse(bytes: impl Into<Bytes>) -> Result<Self, ParseError> {
+        Self::parse_list(bytes, MESSAGES)
+    }
+
+    /// [`Self::parse`] for a body whose message list is the member
+    /// `list_key` (the same view serves other APIs' item lists).
+    pub fn parse_list(bytes: impl Into<Bytes>, list_key: &'static str) -> Result<Self, ParseError> {
         let original: Bytes = bytes.into();
-        let borrowed: BorrowedTop<'_> = serde_json::from_slice(&original).map_err(|e| {
+        let borrowed = {
+            let mut de = serde_json::Deserializer::from_slice(&original);
+            de::DeserializeSeed::deserialize(TopSeed(list_key), &mut de).and_then(|t| {
+                de.end()?;
+                Ok(t)
+            })
+        };
+        let borrowed: BorrowedTop<'_> = borrowed.map_err(|e| {
             let text = e.to_string();
             if text.contains(DUPLICATE_MARK) {
                 ParseError::DuplicateKey
@@ -180,7 +213,7 @@ impl ChatRequest {
             let (raw, span) = match v {
                 TopValue::Raw(v) => (Some(v.to_owned()), offset_in(&original, v.get())),
                 TopValue::Messages(list) => {
-                    let span = messages_span(&original, &list);
+                    let span = messages_span(&original, &list, list_key);
                     messages = Some(list.into_iter().map(ToOwned::to_owned).collect());
                     (None, span)
                 }
@@ -200,6 +233,7 @@ impl ChatRequest {
             top,
             messages,
             messages_replaced: false,
+            list_key,
         })
     }
 
@@ -310,7 +344,14 @@ impl ChatRequest {
             Ok(r) => r,
             Err(_) => return false,
         };
-        match self.top.get_mut("stream_options") {
+        self.set_member("stream_options", raw);
+        true
+    }
+
+    /// Replaces the top-level member `key` in place (or appends it when the
+    /// body has none). Not for the list member: see [`Self::with_messages`].
+    pub fn set_member(&mut self, key: &str, raw: Box<RawValue>) {
+        match self.top.get_mut(key) {
             Some(m) => {
                 m.raw = Some(raw);
                 m.changed = true;
@@ -321,10 +362,9 @@ impl ChatRequest {
                     span: None,
                     changed: true,
                 };
-                self.top.insert("stream_options".to_owned(), added);
+                self.top.insert(key.to_owned(), added);
             }
         }
-        true
     }
 
     /// Whether [`Self::to_bytes`] would differ from the original body.
@@ -346,7 +386,7 @@ impl ChatRequest {
         // Members that came from the body are in body order, so their spans
         // increase monotonically; splice replacements in order.
         for (k, m) in &self.top {
-            let replaced_messages = k == "messages" && self.messages_replaced;
+            let replaced_messages = k == self.list_key && self.messages_replaced;
             let Some(orig) = m.span.clone() else {
                 if let Some(raw) = m.raw.as_deref() {
                     appended.push((k, raw));

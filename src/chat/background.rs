@@ -55,6 +55,7 @@ pub(super) struct Candidate {
 
 /// What the engine needs of one turn, owned by the background task.
 struct Snapshot {
+    api: crate::codec::Api,
     original: Vec<Box<RawValue>>,
     client_hashes: Vec<u128>,
     outgoing: Vec<Box<RawValue>>,
@@ -120,6 +121,7 @@ pub(super) fn maybe_start(
         return;
     };
     let snap = Snapshot {
+        api: t.api,
         original: t.original.to_vec(),
         client_hashes: t.client_hashes.to_vec(),
         outgoing: t.outgoing.to_vec(),
@@ -228,7 +230,8 @@ impl Job {
             ),
             &s.headers,
             comp.trigger.summariser_budgets().into(),
-        );
+        )
+        .speaking(s.api);
         let mut result =
             // A candidate is a summary, never the last resort: that is decided
             // by the turn that needs the request to fit.

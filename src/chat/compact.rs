@@ -10,6 +10,7 @@ use serde_json::value::RawValue;
 use serde_json::Value;
 use tokio::time::Instant;
 
+use crate::codec::Api;
 use crate::compaction::config::{CompactionConfig, Strategy};
 use crate::compaction::last_resort;
 use crate::compaction::trigger::Trigger;
@@ -35,6 +36,8 @@ const BOUND_TAIL_WINDOWS: u64 = 4;
 
 /// One request as the compaction steps see it.
 pub(super) struct Turn<'a> {
+    /// The API the request speaks (summaries are asked in it too).
+    pub api: Api,
     pub key: SessionKey,
     pub cred: u128,
     pub model: &'a str,
@@ -164,7 +167,8 @@ async fn compact_now(
         ),
         t.client_headers,
         comp.trigger.summariser_budgets().into(),
-    );
+    )
+    .speaking(t.api);
     let fit_rough = fit_budget(&values, t);
     let started = Instant::now();
     let mut result = run_engine(

@@ -9,7 +9,7 @@ use bytes::Bytes;
 use http::HeaderMap;
 use serde_json::value::RawValue;
 
-use crate::request::ChatRequest;
+use crate::codec::ApiRequest;
 use crate::session::calibration::{Estimate, SentRequest};
 use crate::session::key::SessionKey;
 use crate::session::store::Entry;
@@ -64,7 +64,7 @@ pub(super) async fn prepare(
     upstream: &Arc<Upstream>,
     entry: &Arc<Entry<Conversation>>,
     client_headers: &HeaderMap,
-    mut creq: ChatRequest,
+    mut creq: ApiRequest,
     (key, cred): (SessionKey, u128),
     overflow: Option<Overflow>,
 ) -> Prepared {
@@ -89,6 +89,7 @@ pub(super) async fn prepare(
     // client's messages the recorded replacement stood for.
     let mut action = Action::Passthrough;
     let turn = Turn {
+        api: creq.api(),
         key,
         cred,
         model: &model,
@@ -211,7 +212,7 @@ fn estimate(conv: &mut Conversation, out: &Outgoing<'_>, overhead: u64) -> Estim
 /// Step 5: the body to send; re-serialised only when the messages changed
 /// (the usage plan may still add `stream_options`).
 fn build(
-    mut creq: ChatRequest,
+    mut creq: ApiRequest,
     conv: &Conversation,
     out: Outgoing<'_>,
     est: Estimate,
@@ -225,7 +226,15 @@ fn build(
     if out.changed {
         creq.with_messages(out.messages.into_owned());
     }
-    let plan = plan_usage(&mut creq);
+    let plan = match creq.chat_mut() {
+        Some(chat) => plan_usage(chat),
+        // Anthropic and Responses streams always carry their usage.
+        None => UsagePlan {
+            stream: creq.stream(),
+            client_wants_usage: true,
+            forced: false,
+        },
+    };
     Prepared {
         body: creq.to_bytes(),
         action,

@@ -1,7 +1,10 @@
-//! The summariser the proxy uses: one non-streaming chat completion POSTed
-//! through the [`Upstream`] (to the upstream or a configured summary
-//! endpoint), with the client's own credentials unless a summary key is
-//! configured.
+//! The summariser the proxy uses: one non-streaming call POSTed through the
+//! [`Upstream`] (to the upstream or a configured summary endpoint), with the
+//! client's own credentials unless a summary key is configured. The call is
+//! in the conversation's own API when it goes to the upstream (an Anthropic
+//! Messages conversation is summarised by a `/v1/messages` call, a
+//! Responses one by `/v1/responses`); a configured summary endpoint is
+//! always asked for a chat completion.
 //!
 //! Failures are mapped onto [`SummaryError`] so the engine can classify them:
 //! HTTP status and the provider's message for error answers, `Network` when
@@ -15,6 +18,7 @@ use bytes::Bytes;
 use http::{header, HeaderMap, HeaderValue};
 use serde_json::{json, Value};
 
+use crate::codec::Api;
 use crate::compaction::config::CompactionConfig;
 use crate::compaction::{Summariser, SummaryError, SummaryErrorKind, SummaryReply, SummaryRequest};
 use crate::config::UpstreamBase;
@@ -27,6 +31,8 @@ const FORWARDED: &[&str] = &[
     "authorization",
     "api-key",
     "x-api-key",
+    "anthropic-version",
+    "anthropic-beta",
     "openai-organization",
     "openai-project",
     "http-referer",
@@ -35,6 +41,10 @@ const FORWARDED: &[&str] = &[
 
 /// Largest summary response body read.
 const MAX_REPLY_BYTES: usize = 4 << 20;
+
+/// Output cap of an Anthropic summary call when the engine sets none
+/// (`max_tokens` is required there).
+const MESSAGES_DEFAULT_MAX_TOKENS: u32 = 4096;
 
 /// Where the summary call goes and as whom.
 pub struct SummaryTarget<'a> {
@@ -78,6 +88,12 @@ pub struct HttpSummariser<'a> {
     /// not capped on the wire for large windows).
     max_reply_tokens: Option<u32>,
     calls: AtomicU64,
+    /// The API of the summary call.
+    api: Api,
+    /// The summary call goes to the upstream (not a summary endpoint).
+    to_upstream: bool,
+    /// The configured summary key, for APIs that take it in another header.
+    api_key: Option<String>,
 }
 
 impl<'a> HttpSummariser<'a> {
@@ -103,7 +119,13 @@ impl<'a> HttpSummariser<'a> {
                 headers.insert(header::AUTHORIZATION, v);
             }
         }
+        // `configured` hands out the upstream's own base when no summary
+        // endpoint is set.
+        let to_upstream = std::ptr::eq(target.base, upstream.base());
         Self {
+            api: Api::Chat,
+            to_upstream,
+            api_key: target.api_key.map(str::to_owned),
             upstream,
             base: target.base,
             main_model: target.main_model,
@@ -115,23 +137,59 @@ impl<'a> HttpSummariser<'a> {
         }
     }
 
+    /// Asks summaries in the conversation's `api` when they go to the
+    /// upstream (a summary endpoint keeps chat completions).
+    pub fn speaking(mut self, api: Api) -> Self {
+        if self.to_upstream {
+            self.api = api;
+        }
+        if self.api == Api::Messages {
+            if let Some(v) = self
+                .api_key
+                .as_deref()
+                .and_then(|k| HeaderValue::from_str(k).ok())
+            {
+                self.headers.insert("x-api-key", v);
+            }
+        }
+        self
+    }
+
     /// Summary calls made so far.
     pub fn calls(&self) -> u64 {
         self.calls.load(Ordering::Relaxed)
     }
 
     fn body(&self, req: &SummaryRequest) -> Value {
-        let mut body = json!({
-            "model": req.model.as_deref().unwrap_or(&self.main_model),
-            "messages": [{"role": "user", "content": req.prompt}],
-            "stream": false,
-        });
+        let model = req.model.as_deref().unwrap_or(&self.main_model);
+        let mut body = match self.api {
+            Api::Chat | Api::Messages => json!({
+                "model": model,
+                "messages": [{"role": "user", "content": req.prompt}],
+                "stream": false,
+            }),
+            Api::Responses => json!({
+                "model": model,
+                "input": [{"type": "message", "role": "user", "content": req.prompt}],
+                "stream": false,
+                "store": false,
+            }),
+        };
         let max_tokens = match (req.max_tokens, self.max_reply_tokens) {
             (Some(a), Some(b)) => Some(a.min(b)),
             (a, b) => a.or(b),
         };
+        let max_key = match self.api {
+            Api::Chat => "max_tokens",
+            Api::Messages => "max_tokens",
+            Api::Responses => "max_output_tokens",
+        };
+        let max_tokens = match self.api {
+            Api::Messages => Some(max_tokens.unwrap_or(MESSAGES_DEFAULT_MAX_TOKENS)),
+            _ => max_tokens,
+        };
         if let Some(m) = max_tokens {
-            body["max_tokens"] = json!(m);
+            body[max_key] = json!(m);
         }
         if let Some(t) = req.temperature {
             body["temperature"] = json!(t);
@@ -146,7 +204,11 @@ impl<'a> HttpSummariser<'a> {
             .upstream
             .post_json(
                 self.base,
-                "/v1/chat/completions",
+                match self.api {
+                    Api::Chat => "/v1/chat/completions",
+                    Api::Messages => "/v1/messages",
+                    Api::Responses => "/v1/responses",
+                },
                 self.headers.clone(),
                 bytes,
                 MAX_REPLY_BYTES,
@@ -170,7 +232,11 @@ impl<'a> HttpSummariser<'a> {
                 error_message(&body, status.as_u16()),
             ));
         }
-        parse_reply(&body)
+        match self.api {
+            Api::Chat => parse_reply(&body),
+            Api::Messages => parse_messages_reply(&body),
+            Api::Responses => parse_responses_reply(&body),
+        }
     }
 }
 
@@ -251,9 +317,140 @@ pub fn parse_reply(body: &[u8]) -> Result<SummaryReply, SummaryError> {
     })
 }
 
+fn decode_error(message: &str) -> SummaryError {
+    SummaryError::new(SummaryErrorKind::Decode, None, message.to_owned())
+}
+
+/// The text parts (`key` = `type`) of a list of content blocks, joined.
+fn joined_text(blocks: &[Value], key: &str) -> Option<String> {
+    let texts: Vec<&str> = blocks
+        .iter()
+        .filter(|b| b.get("type").and_then(Value::as_str) == Some(key))
+        .filter_map(|b| b.get("text").and_then(Value::as_str))
+        .collect();
+    (!texts.is_empty()).then(|| texts.concat())
+}
+
+/// An Anthropic message as a [`SummaryReply`]: the text blocks joined,
+/// `stop_reason: "max_tokens"` as the truncation (`length`).
+pub fn parse_messages_reply(body: &[u8]) -> Result<SummaryReply, SummaryError> {
+    let v: Value = serde_json::from_slice(body)
+        .map_err(|e| decode_error(&format!("summary response is not JSON: {e}")))?;
+    let blocks = v
+        .get("content")
+        .and_then(Value::as_array)
+        .ok_or_else(|| decode_error("summary response has no content"))?;
+    let finish_reason = v
+        .get("stop_reason")
+        .and_then(Value::as_str)
+        .map(|r| match r {
+            "max_tokens" => "length",
+            "refusal" => "content_filter",
+            "tool_use" => "tool_calls",
+            _ => "stop",
+        });
+    let thinking: Vec<&str> = blocks
+        .iter()
+        .filter_map(|b| b.get("thinking").and_then(Value::as_str))
+        .collect();
+    Ok(SummaryReply {
+        content: joined_text(blocks, "text").map(Value::String),
+        finish_reason: finish_reason.map(str::to_owned),
+        refusal: None,
+        reasoning: (!thinking.is_empty()).then(|| thinking.concat()),
+    })
+}
+
+/// A Responses response as a [`SummaryReply`]: the `output_text` parts of
+/// its message items, `status: "incomplete"` for `max_output_tokens` as the
+/// truncation (`length`).
+pub fn parse_responses_reply(body: &[u8]) -> Result<SummaryReply, SummaryError> {
+    let v: Value = serde_json::from_slice(body)
+        .map_err(|e| decode_error(&format!("summary response is not JSON: {e}")))?;
+    let output = v
+        .get("output")
+        .and_then(Value::as_array)
+        .ok_or_else(|| decode_error("summary response has no output"))?;
+    let mut text = String::new();
+    let mut refusal = None;
+    for item in output {
+        for part in item
+            .get("content")
+            .and_then(Value::as_array)
+            .into_iter()
+            .flatten()
+        {
+            match part.get("type").and_then(Value::as_str) {
+                Some("output_text") => {
+                    text.push_str(part.get("text").and_then(Value::as_str).unwrap_or(""));
+                }
+                Some("refusal") => {
+                    refusal = part
+                        .get("refusal")
+                        .and_then(Value::as_str)
+                        .map(str::to_owned);
+                }
+                _ => {}
+            }
+        }
+    }
+    let incomplete = v.get("status").and_then(Value::as_str) == Some("incomplete");
+    let finish_reason = if incomplete {
+        match v
+            .pointer("/incomplete_details/reason")
+            .and_then(Value::as_str)
+        {
+            Some("content_filter") => "content_filter",
+            _ => "length",
+        }
+    } else {
+        "stop"
+    };
+    Ok(SummaryReply {
+        content: (!text.is_empty()).then_some(Value::String(text)),
+        finish_reason: Some(finish_reason.to_owned()),
+        refusal,
+        reasoning: None,
+    })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn parses_an_anthropic_message() {
+        let r = parse_messages_reply(
+            br###"{"type":"message","role":"assistant","content":[{"type":"thinking","thinking":"hm"},{"type":"text","text":"## Sum"},{"type":"text","text":"mary"}],"stop_reason":"end_turn"}"###,
+        )
+        .unwrap();
+        assert_eq!(r.content, Some(Value::String("## Summary".into())));
+        assert_eq!(r.finish_reason.as_deref(), Some("stop"));
+        assert_eq!(r.reasoning.as_deref(), Some("hm"));
+        let cut = parse_messages_reply(
+            br###"{"content":[{"type":"text","text":"## S"}],"stop_reason":"max_tokens"}"###,
+        )
+        .unwrap();
+        assert_eq!(cut.finish_reason.as_deref(), Some("length"));
+        let e = parse_messages_reply(br#"{"type":"error"}"#).unwrap_err();
+        assert_eq!(e.kind, SummaryErrorKind::Decode);
+    }
+
+    #[test]
+    fn parses_a_responses_response() {
+        let r = parse_responses_reply(
+            br###"{"status":"completed","output":[{"type":"reasoning","summary":[]},{"type":"message","role":"assistant","content":[{"type":"output_text","text":"## Summary"}]}]}"###,
+        )
+        .unwrap();
+        assert_eq!(r.content, Some(Value::String("## Summary".into())));
+        assert_eq!(r.finish_reason.as_deref(), Some("stop"));
+        let cut = parse_responses_reply(
+            br###"{"status":"incomplete","incomplete_details":{"reason":"max_output_tokens"},"output":[{"type":"message","content":[{"type":"output_text","text":"## S"}]}]}"###,
+        )
+        .unwrap();
+        assert_eq!(cut.finish_reason.as_deref(), Some("length"));
+        assert!(parse_responses_reply(br#"{"object":"list"}"#).is_err());
+    }
 
     #[test]
     fn parses_a_chat_completion() {

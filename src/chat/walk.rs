@@ -18,9 +18,9 @@ use http::{header, HeaderValue, Request, Response};
 use http_body_util::BodyExt;
 use hyper::body::Incoming;
 
+use crate::codec::{Api, ApiRequest};
 use crate::error::{ProxyBody, ProxyError};
-use crate::request::ChatRequest;
-use crate::session::key::SessionKey;
+use crate::session::key::{SessionHints, SessionKey};
 use crate::upstream::body::ProxyReqBody;
 use crate::upstream::body::TapBody;
 use crate::upstream::{body_read_error, headers, RequestStats, Upstream};
@@ -80,6 +80,17 @@ pub async fn handle(
     upstream: &Arc<Upstream>,
     req: Request<ProxyReqBody>,
 ) -> Response<ProxyBody> {
+    handle_api(Api::Chat, chat, upstream, req).await
+}
+
+/// Handles one conversation request of `api` (chat completions, Anthropic
+/// Messages, OpenAI Responses): the same walk, the API's codec.
+pub async fn handle_api(
+    api: Api,
+    chat: &Arc<ChatState>,
+    upstream: &Arc<Upstream>,
+    req: Request<ProxyReqBody>,
+) -> Response<ProxyBody> {
     let (parts, body) = req.into_parts();
     // A compressed body cannot be read without decoding it: forward untouched.
     if parts.headers.contains_key(header::CONTENT_ENCODING) {
@@ -89,13 +100,20 @@ pub async fn handle(
         Ok(c) => c.to_bytes(),
         Err(e) => return upstream.error_reply(&body_read_error(&e)),
     };
-    let Ok(creq) = ChatRequest::parse(bytes.clone()) else {
-        // Not a chat request we understand: the upstream answers it.
+    let Ok(creq) = ApiRequest::parse(api, bytes.clone()) else {
+        // Not a request we understand (or one that depends on state the
+        // upstream keeps): the upstream answers it.
         return send_plain(upstream, parts, bytes).await;
     };
-    let (key, _source, cred) = chat
-        .keyer
-        .derive_with_credential(&parts.headers, &parts.uri, &creq);
+    let (session_id, cache_key) = (creq.session_id(), creq.prompt_cache_key());
+    let model = creq.model();
+    let hints = SessionHints {
+        session_id: session_id.as_deref(),
+        prompt_cache_key: cache_key.as_deref(),
+        model: model.as_deref(),
+        messages: creq.messages(),
+    };
+    let (key, _source, cred) = chat.keyer.derive_hints(&parts.headers, &parts.uri, &hints);
     let cred = cred.as_u128();
     let entry = chat.sessions.get_or_create(key, Conversation::default);
 
@@ -133,7 +151,7 @@ pub async fn handle(
                     requested = of.requested,
                     "upstream context overflow; compacting and retrying"
                 );
-                let Ok(creq) = ChatRequest::parse(bytes.clone()) else {
+                let Ok(creq) = ApiRequest::parse(api, bytes.clone()) else {
                     return finish(chat, upstream, resp, &prepared, key);
                 };
                 let retry = match worker::run(job(creq, Some(of))).await {

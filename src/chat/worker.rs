@@ -18,8 +18,8 @@ use std::sync::Arc;
 
 use http::HeaderMap;
 
+use crate::codec::ApiRequest;
 use crate::error::ProxyError;
-use crate::request::ChatRequest;
 use crate::session::key::SessionKey;
 use crate::session::store::Entry;
 use crate::upstream::Upstream;
@@ -38,7 +38,7 @@ pub(super) struct Job {
     pub upstream: Arc<Upstream>,
     pub entry: Arc<Entry<Conversation>>,
     pub client_headers: HeaderMap,
-    pub creq: ChatRequest,
+    pub creq: ApiRequest,
     pub key: (SessionKey, u128),
     pub overflow: Option<Overflow>,
     /// Size of the client's body.

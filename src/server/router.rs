@@ -1,6 +1,8 @@
 //! Routing: compactor's own `/_compactor/*` endpoints are answered here;
-//! `POST /v1/chat/completions` goes through [`crate::chat::handle`]; every
-//! other request goes to the upstream unchanged (hop-by-hop headers aside).
+//! `POST /v1/chat/completions`, `POST /v1/messages` (Anthropic) and
+//! `POST /v1/responses` go through [`crate::chat::walk::handle_api`] with
+//! their codec; every other request (`/v1/messages/count_tokens` too) goes
+//! to the upstream unchanged (hop-by-hop headers aside).
 //! Every response is observed on its way out (metrics, one log line).
 
 use std::convert::Infallible;
@@ -14,6 +16,7 @@ use http_body_util::BodyExt;
 use hyper::body::Incoming;
 
 use super::AppState;
+use crate::codec::Api;
 use crate::error::{error_response, full_body, ProxyBody, ProxyError};
 use crate::metrics::Metrics;
 use crate::upstream::body::{
@@ -24,6 +27,10 @@ use crate::upstream::RequestStats;
 
 /// Exact path intercepted for compaction.
 pub const CHAT_COMPLETIONS_PATH: &str = "/v1/chat/completions";
+/// Anthropic Messages, intercepted for compaction.
+pub const MESSAGES_PATH: &str = "/v1/messages";
+/// OpenAI Responses, intercepted for compaction.
+pub const RESPONSES_PATH: &str = "/v1/responses";
 /// Prefix of compactor's own endpoints (never forwarded).
 pub const ADMIN_PREFIX: &str = "/_compactor/";
 
@@ -40,6 +47,10 @@ pub enum Route {
     Admin,
     /// `POST /v1/chat/completions`.
     Chat,
+    /// `POST /v1/messages`.
+    Messages,
+    /// `POST /v1/responses`.
+    Responses,
     /// Everything else: forwarded untouched.
     Passthrough,
 }
@@ -55,10 +66,24 @@ impl Route {
                 _ => Route::Admin,
             };
         }
-        if method == Method::POST && path == CHAT_COMPLETIONS_PATH {
-            Route::Chat
-        } else {
-            Route::Passthrough
+        if method != Method::POST {
+            return Route::Passthrough;
+        }
+        match path {
+            CHAT_COMPLETIONS_PATH => Route::Chat,
+            MESSAGES_PATH => Route::Messages,
+            RESPONSES_PATH => Route::Responses,
+            _ => Route::Passthrough,
+        }
+    }
+
+    /// The API of a conversation route (its body is read whole).
+    pub fn api(self) -> Option<Api> {
+        match self {
+            Route::Chat => Some(Api::Chat),
+            Route::Messages => Some(Api::Messages),
+            Route::Responses => Some(Api::Responses),
+            _ => None,
         }
     }
 
@@ -70,6 +95,8 @@ impl Route {
             Route::Session => "session",
             Route::Admin => "admin",
             Route::Chat => "chat",
+            Route::Messages => "messages",
+            Route::Responses => "responses",
             Route::Passthrough => "passthrough",
         }
     }
@@ -95,7 +122,7 @@ pub async fn handle_on(
     let path = req.uri().path().to_owned();
     let route = Route::of(&method, &path);
     // Chat bodies are read whole: their bytes count against the budget.
-    let stats = Arc::new(if route == Route::Chat {
+    let stats = Arc::new(if route.api().is_some() {
         RequestStats::with_budget(Arc::clone(&state.metrics))
     } else {
         RequestStats::default()
@@ -114,13 +141,15 @@ pub async fn handle_on(
             "invalid_request_error",
             "not_found",
         ),
-        Route::Chat | Route::Passthrough => match limit_request(&state, req, &stats, route) {
-            Err(e) => upstream.error_reply(&e),
-            Ok(req) if route == Route::Chat => {
-                crate::chat::handle(&state.chat, upstream, req).await
+        Route::Chat | Route::Messages | Route::Responses | Route::Passthrough => {
+            match (limit_request(&state, req, &stats, route), route.api()) {
+                (Err(e), _) => upstream.error_reply(&e),
+                (Ok(req), Some(api)) => {
+                    crate::chat::walk::handle_api(api, &state.chat, upstream, req).await
+                }
+                (Ok(req), None) => upstream.forward(req).await,
             }
-            Ok(req) => upstream.forward(req).await,
-        },
+        }
     };
 
     let upstream_wait = stats.upstream_wait();
@@ -201,7 +230,7 @@ fn limit_request(
     let secs = state.config.timeouts.body_read;
     let mut body = LimitedBody::new(body, limit, Arc::clone(&stats.bytes_in))
         .with_deadline(stats.start + secs, secs.as_secs());
-    if route == Route::Chat {
+    if route.api().is_some() {
         body = body.with_budget(ByteBudget {
             used: Arc::clone(&state.metrics),
             max: state.config.limits.max_buffered_body_bytes,
@@ -262,5 +291,15 @@ mod tests {
             Route::Passthrough
         );
         assert_eq!(Route::of(&Method::GET, "/health"), Route::Passthrough);
+        assert_eq!(Route::of(&Method::POST, "/v1/messages"), Route::Messages);
+        assert_eq!(
+            Route::of(&Method::POST, "/v1/messages/count_tokens"),
+            Route::Passthrough
+        );
+        assert_eq!(Route::of(&Method::POST, "/v1/responses"), Route::Responses);
+        assert_eq!(
+            Route::of(&Method::GET, "/v1/responses/resp_1"),
+            Route::Passthrough
+        );
     }
 }

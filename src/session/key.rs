@@ -319,6 +319,26 @@ impl SessionKeyer {
         (key, source, cred)
     }
 
+    /// The session key of a request of any API, from what its codec read
+    /// (see [`Self::derive_with_credential`]).
+    pub fn derive_hints(
+        &self,
+        headers: &HeaderMap,
+        uri: &http::Uri,
+        hints: &SessionHints<'_>,
+    ) -> (SessionKey, SessionSource, CredentialFingerprint) {
+        let cred = self.credential_of(headers, uri.query());
+        let (key, source) = self.derive_for(
+            cred,
+            headers,
+            hints.session_id,
+            hints.prompt_cache_key,
+            hints.model,
+            hints.messages,
+        );
+        (key, source, cred)
+    }
+
     /// The session key of `req` within credential scope `cred`.
     fn derive_in(
         &self,
@@ -396,6 +416,20 @@ impl SessionKeyer {
         }
         SessionKey(h.digest128())
     }
+}
+
+/// What a request body says about its session, whatever its API.
+#[derive(Debug, Clone, Copy)]
+pub struct SessionHints<'a> {
+    /// A body session id (chat `session_id`, Claude Code's
+    /// `metadata.user_id`).
+    pub session_id: Option<&'a str>,
+    /// Body `prompt_cache_key`.
+    pub prompt_cache_key: Option<&'a str>,
+    /// `model`.
+    pub model: Option<&'a str>,
+    /// The conversation as the engine sees it (system message first).
+    pub messages: &'a [Box<RawValue>],
 }
 
 #[derive(Deserialize)]

@@ -158,14 +158,35 @@ struct ChunkLite<'a> {
     choices: Option<&'a RawValue>,
     #[serde(default, rename = "type", borrow)]
     kind: Option<&'a RawValue>,
+    /// Anthropic `message_start` carries its usage in `message`.
+    #[serde(default, borrow)]
+    message: Option<&'a RawValue>,
+    /// Responses `response.completed` carries its usage in `response`.
+    #[serde(default, borrow)]
+    response: Option<&'a RawValue>,
 }
 
+/// An object's `usage` member, for the nested places it hides in.
+#[derive(Deserialize)]
+struct NestedUsage<'a> {
+    #[serde(default, borrow)]
+    usage: Option<&'a RawValue>,
+}
+
+/// Chat completions' counts, and the Anthropic and Responses spellings
+/// (`input_tokens`, `output_tokens`; Anthropic counts cache writes and
+/// reads apart from `input_tokens`).
 #[derive(Deserialize)]
 struct UsageLite {
     prompt_tokens: Option<Value>,
     completion_tokens: Option<Value>,
     total_tokens: Option<Value>,
     prompt_tokens_details: Option<DetailsLite>,
+    input_tokens: Option<Value>,
+    output_tokens: Option<Value>,
+    cache_creation_input_tokens: Option<Value>,
+    cache_read_input_tokens: Option<Value>,
+    input_tokens_details: Option<DetailsLite>,
 }
 
 #[derive(Deserialize)]
@@ -225,15 +246,55 @@ fn is_meaningful(raw: Option<&RawValue>) -> bool {
 /// Parses a `usage` object; `None` for `null` or a non-object.
 pub fn parse_usage(raw: &RawValue) -> Option<Usage> {
     let u: UsageLite = serde_json::from_str(raw.get()).ok()?;
+    let cache_read = count(&u.cache_read_input_tokens);
+    // The whole prompt: Anthropic's `input_tokens` leaves out what was
+    // written to and read from its cache; Responses' includes it.
+    let input = count(&u.input_tokens).map(|i| {
+        i.saturating_add(count(&u.cache_creation_input_tokens).unwrap_or(0))
+            .saturating_add(cache_read.unwrap_or(0))
+    });
     Some(Usage {
-        prompt_tokens: count(&u.prompt_tokens),
-        completion_tokens: count(&u.completion_tokens),
+        prompt_tokens: count(&u.prompt_tokens).or(input),
+        completion_tokens: count(&u.completion_tokens).or_else(|| count(&u.output_tokens)),
         total_tokens: count(&u.total_tokens),
         cached_tokens: u
             .prompt_tokens_details
-            .and_then(|d| count(&d.cached_tokens)),
+            .or(u.input_tokens_details)
+            .and_then(|d| count(&d.cached_tokens))
+            .or(cache_read),
     })
 }
+
+/// Fields of `new` where it has them, else those of `old`: an Anthropic
+/// stream gives the prompt in `message_start` and only the output count in
+/// the later `message_delta`.
+fn merge_usage(old: Option<Usage>, new: Usage) -> Usage {
+    let Some(old) = old else {
+        return new;
+    };
+    Usage {
+        prompt_tokens: new.prompt_tokens.or(old.prompt_tokens),
+        completion_tokens: new.completion_tokens.or(old.completion_tokens),
+        total_tokens: new.total_tokens.or(old.total_tokens),
+        cached_tokens: new.cached_tokens.or(old.cached_tokens),
+    }
+}
+
+/// Event types of Anthropic and Responses streams that mean the answer has
+/// started (an overflow can no longer come first).
+const CONTENT_EVENTS: &[&str] = &[
+    "\"message_start\"",
+    "\"content_block_start\"",
+    "\"content_block_delta\"",
+    "\"message_delta\"",
+    "\"response.output_item.added\"",
+    "\"response.content_part.added\"",
+    "\"response.output_text.delta\"",
+    "\"response.completed\"",
+];
+
+/// Event types that report a failed answer (Responses).
+const ERROR_EVENTS: &[&str] = &["\"error\"", "\"response.failed\""];
 
 fn parse_timings(raw: &RawValue) -> Option<Timings> {
     let t: TimingsLite = serde_json::from_str(raw.get()).ok()?;
@@ -418,8 +479,15 @@ fn apply_chunk(
     start: &mut StreamStart,
     whole_body: bool,
 ) {
-    if let Some(u) = c.usage.and_then(parse_usage) {
-        report.usage = Some(u);
+    let nested = || {
+        [c.message, c.response].into_iter().flatten().find_map(|m| {
+            serde_json::from_str::<NestedUsage<'_>>(m.get())
+                .ok()
+                .and_then(|n| n.usage)
+        })
+    };
+    if let Some(u) = c.usage.or_else(nested).and_then(parse_usage) {
+        report.usage = Some(merge_usage(report.usage, u));
     }
     if let Some(t) = c.timings.and_then(parse_timings) {
         report.timings = Some(t);
@@ -427,10 +495,12 @@ fn apply_chunk(
     if *start != StreamStart::Undecided {
         return;
     }
-    let typed_error = c.kind.map(|k| k.get().trim()) == Some("\"error\"");
+    let kind = c.kind.map(|k| k.get().trim());
+    let typed_error = kind.is_some_and(|k| ERROR_EVENTS.contains(&k));
+    let typed_content = kind.is_some_and(|k| CONTENT_EVENTS.contains(&k));
     if is_meaningful(c.error) || typed_error {
         *start = StreamStart::Error(payload.to_vec());
-    } else if whole_body || c.choices.is_some_and(choices_have_content) {
+    } else if whole_body || typed_content || c.choices.is_some_and(choices_have_content) {
         *start = StreamStart::Content;
     }
 }

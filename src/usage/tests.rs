@@ -560,3 +560,51 @@ proptest! {
         let _ = extract(BodyKind::Json, &[&bytes]).report();
     }
 }
+
+#[test]
+fn anthropic_stream_prompt_is_input_plus_cache_and_survives_message_delta() {
+    // Captured from llama.cpp's /v1/messages: `message_start` carries the
+    // input side, `message_delta` only the output count.
+    let s = fixture!("sse/llamacpp_messages.sse");
+    for n in [1, 9, 4096] {
+        let e = extract(BodyKind::Sse, &split_every(s, n));
+        let u = e.report().usage.unwrap();
+        assert_eq!(u.prompt_tokens, Some(11), "5 input + 6 cache read");
+        assert_eq!(u.completion_tokens, Some(3));
+        assert_eq!(u.cached_tokens, Some(6));
+        assert_eq!(e.start(), &StreamStart::Content);
+    }
+    let body = br#"{"type":"message","content":[],"usage":{"input_tokens":10,"cache_creation_input_tokens":200,"cache_read_input_tokens":3000,"output_tokens":7}}"#;
+    let e = extract(BodyKind::Json, &[body]);
+    assert_eq!(
+        e.report().prompt_tokens(),
+        Some((3210, PromptSource::Usage))
+    );
+}
+
+#[test]
+fn responses_stream_usage_is_in_response_completed() {
+    // Captured from llama.cpp's /v1/responses.
+    let s = fixture!("sse/llamacpp_responses.sse");
+    for n in [1, 9, 4096] {
+        let e = extract(BodyKind::Sse, &split_every(s, n));
+        let u = e.report().usage.unwrap();
+        assert_eq!(u.prompt_tokens, Some(11));
+        assert_eq!(u.completion_tokens, Some(3));
+        assert_eq!(e.start(), &StreamStart::Content);
+    }
+    let body = br#"{"object":"response","status":"completed","output":[],"usage":{"input_tokens":40,"output_tokens":2,"total_tokens":42,"input_tokens_details":{"cached_tokens":30}}}"#;
+    let e = extract(BodyKind::Json, &[body]);
+    let u = e.report().usage.unwrap();
+    assert_eq!((u.prompt_tokens, u.cached_tokens), (Some(40), Some(30)));
+}
+
+#[test]
+fn responses_failed_event_is_an_error_start() {
+    let s = b"event: response.created\ndata: {\"type\":\"response.created\",\"response\":{\"id\":\"r\",\"status\":\"in_progress\"}}\n\nevent: response.failed\ndata: {\"type\":\"response.failed\",\"response\":{\"status\":\"failed\",\"error\":{\"code\":\"context_length_exceeded\",\"message\":\"Your input exceeds the context window of this model.\"}}}\n\n";
+    let e = extract(BodyKind::Sse, &[s]);
+    let StreamStart::Error(payload) = e.start() else {
+        panic!("{:?}", e.start());
+    };
+    assert!(crate::window::overflow::parse_overflow_event(payload).is_some());
+}

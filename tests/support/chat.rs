@@ -724,6 +724,16 @@ pub async fn post_chat(
     .await
 }
 
+/// POSTs `body` to `path` of compactor and reads the whole answer.
+pub async fn post_path(
+    proxy: &str,
+    path: &str,
+    body: Vec<u8>,
+    headers: &[(&str, &str)],
+) -> (StatusCode, HeaderMap, Bytes) {
+    send("POST", &format!("{proxy}{path}"), body, headers).await
+}
+
 /// GET with headers.
 pub async fn get_with(url: &str, headers: &[(&str, &str)]) -> (StatusCode, HeaderMap, Bytes) {
     send("GET", url, Vec::new(), headers).await

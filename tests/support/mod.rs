@@ -12,6 +12,7 @@
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 #![allow(dead_code)]
 
+pub mod apis;
 pub mod chat;
 
 use std::collections::HashMap;

@@ -1,0 +1,328 @@
+//! One engine, several APIs: each codec maps its API's request onto the
+//! conversation the engine sees (chat-completions messages) and back.
+//!
+//! - Chat completions: the identity.
+//! - [`anthropic`]: `POST /v1/messages` (top-level `system`, content
+//!   blocks, `tool_use` / `tool_result` pairs).
+//! - [`responses`]: `POST /v1/responses` without server-side state
+//!   (`instructions`, `input` items, `function_call` / `function_call_output`
+//!   pairs).
+//!
+//! Byte preservation: decoding remembers which wire messages each engine
+//! message came from ([`WireMap`]). Encoding walks what is to be sent and
+//! emits the client's own wire bytes for every run of engine messages that
+//! is exactly one wire message's decoding; only what the engine wrote or
+//! changed (the summary, a pruned tool output) is converted back. The list
+//! member of the body is then one splice, and every other member keeps its
+//! bytes (the system member too, unless the engine changed the system
+//! message).
+
+pub mod anthropic;
+pub mod responses;
+
+use std::collections::HashMap;
+use std::ops::Range;
+
+use bytes::Bytes;
+use serde_json::value::RawValue;
+use serde_json::Value;
+
+use crate::request::{message_hash, ChatRequest, ParseError};
+
+/// Which API a request speaks.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Api {
+    /// `POST /v1/chat/completions`.
+    Chat,
+    /// Anthropic `POST /v1/messages`.
+    Messages,
+    /// OpenAI `POST /v1/responses`.
+    Responses,
+}
+
+impl Api {
+    /// Metric and log label.
+    pub fn label(self) -> &'static str {
+        match self {
+            Api::Chat => "chat",
+            Api::Messages => "messages",
+            Api::Responses => "responses",
+        }
+    }
+
+    /// The body member holding the conversation.
+    fn list_key(self) -> &'static str {
+        match self {
+            Api::Chat | Api::Messages => "messages",
+            Api::Responses => "input",
+        }
+    }
+
+    /// The body member holding the system prompt, outside the list.
+    fn system_key(self) -> Option<&'static str> {
+        match self {
+            Api::Chat => None,
+            Api::Messages => Some("system"),
+            Api::Responses => Some("instructions"),
+        }
+    }
+}
+
+/// Why a request is not compacted: the caller forwards it untouched.
+#[derive(Debug, thiserror::Error)]
+pub enum DecodeError {
+    /// Not a request body this API's view can hold.
+    #[error(transparent)]
+    Parse(#[from] ParseError),
+    /// A message or item this codec does not know how to map.
+    #[error("unsupported {0} shape")]
+    Unsupported(&'static str),
+    /// The request depends on state the upstream keeps
+    /// (`previous_response_id`, stored item references): compacting what
+    /// compactor sees would not shorten what the upstream sees.
+    #[error("request refers to server-side state")]
+    ServerState,
+}
+
+/// One wire message (or run of items) and the engine messages it became.
+#[derive(Debug, Clone)]
+struct Group {
+    wire: Range<usize>,
+    engine: Range<usize>,
+}
+
+/// Where each engine message came from.
+#[derive(Debug, Default)]
+pub struct WireMap {
+    /// The client's wire messages, as received.
+    wire: Vec<Box<RawValue>>,
+    groups: Vec<Group>,
+    /// Canonical hash of each engine message (not chained).
+    engine_hashes: Vec<u128>,
+    /// Groups by the hash of their first engine message.
+    by_first: HashMap<u128, Vec<usize>>,
+    /// Hash of the engine's system message made from the system member.
+    system_hash: Option<u128>,
+    /// Where each tool call and tool result sits in `wire`, by call id:
+    /// (wire message, block within its content, for Anthropic).
+    calls: HashMap<String, (usize, Option<usize>)>,
+    results: HashMap<String, (usize, Option<usize>)>,
+    /// `cache_control` markers in the client's own system member.
+    system_cc: usize,
+}
+
+impl WireMap {
+    /// Records that `wire` became the engine messages `engine` (appended to
+    /// `out`).
+    fn push(&mut self, out: &mut Vec<Box<RawValue>>, wire: Range<usize>, engine: Vec<Value>) {
+        let start = out.len();
+        for v in engine {
+            if let Ok(raw) = serde_json::value::to_raw_value(&v) {
+                self.engine_hashes.push(message_hash(&raw));
+                out.push(raw);
+            }
+        }
+        if out.len() == start {
+            return;
+        }
+        let g = self.groups.len();
+        self.by_first
+            .entry(self.engine_hashes[start])
+            .or_default()
+            .push(g);
+        self.groups.push(Group {
+            wire,
+            engine: start..out.len(),
+        });
+    }
+
+    /// The system message, kept out of the groups (its wire form is a body
+    /// member, not a list element).
+    fn push_system(&mut self, out: &mut Vec<Box<RawValue>>, system: Value) {
+        if let Ok(raw) = serde_json::value::to_raw_value(&system) {
+            let h = message_hash(&raw);
+            self.system_hash = Some(h);
+            self.engine_hashes.push(h);
+            out.push(raw);
+        }
+    }
+
+    /// The wire block (or item) a tool call or result id came from, parsed.
+    fn original(&self, result: bool, id: &str) -> Option<Value> {
+        let (w, b) = *if result { &self.results } else { &self.calls }.get(id)?;
+        let v: Value = serde_json::from_str(self.wire.get(w)?.get()).ok()?;
+        match b {
+            None => Some(v),
+            Some(b) => v.get("content")?.get(b).cloned(),
+        }
+    }
+
+    /// Splits `outgoing` into runs: the client's own wire messages where a
+    /// run of engine messages is exactly one group's decoding, else single
+    /// engine messages for the codec to convert.
+    fn pieces<'a>(&'a self, outgoing: &'a [Box<RawValue>]) -> Vec<Piece<'a>> {
+        let hashes: Vec<u128> = outgoing.iter().map(|m| message_hash(m)).collect();
+        let mut out = Vec::with_capacity(outgoing.len());
+        let mut i = 0;
+        while i < outgoing.len() {
+            let found = self.by_first.get(&hashes[i]).and_then(|gs| {
+                gs.iter().map(|&g| &self.groups[g]).find(|g| {
+                    let n = g.engine.len();
+                    hashes.get(i..i + n) == Some(&self.engine_hashes[g.engine.clone()])
+                })
+            });
+            match found {
+                Some(g) => {
+                    out.extend(self.wire[g.wire.clone()].iter().map(|w| Piece::Wire(w)));
+                    i += g.engine.len();
+                }
+                None => {
+                    let system = Some(hashes[i]) == self.system_hash;
+                    out.push(Piece::Engine(&outgoing[i], system));
+                    i += 1;
+                }
+            }
+        }
+        out
+    }
+}
+
+/// One element of what is sent, before the codec renders it.
+#[derive(Debug)]
+enum Piece<'a> {
+    /// A client wire message, sent as its bytes.
+    Wire(&'a RawValue),
+    /// An engine message to convert; `true` when it is the client's own
+    /// system message unchanged.
+    Engine(&'a RawValue, bool),
+}
+
+/// A request of any [`Api`], viewed as the engine's conversation.
+#[derive(Debug)]
+pub struct ApiRequest {
+    api: Api,
+    creq: ChatRequest,
+    /// The engine's messages (moved out by [`Self::take_messages`]).
+    engine: Vec<Box<RawValue>>,
+    map: WireMap,
+}
+
+impl ApiRequest {
+    /// Parses and decodes one request body.
+    pub fn parse(api: Api, bytes: impl Into<Bytes>) -> Result<Self, DecodeError> {
+        let mut creq = ChatRequest::parse_list(bytes, api.list_key())?;
+        let wire = creq.take_messages();
+        let (engine, map) = match api {
+            Api::Chat => (wire, WireMap::default()),
+            Api::Messages => anthropic::decode(&creq, wire)?,
+            Api::Responses => responses::decode(&creq, wire)?,
+        };
+        Ok(Self {
+            api,
+            creq,
+            engine,
+            map,
+        })
+    }
+
+    /// The API.
+    pub fn api(&self) -> Api {
+        self.api
+    }
+
+    /// The engine's messages (empty after [`Self::take_messages`]).
+    pub fn messages(&self) -> &[Box<RawValue>] {
+        &self.engine
+    }
+
+    /// Moves the engine's messages out; the body stays unchanged until
+    /// [`Self::with_messages`].
+    pub fn take_messages(&mut self) -> Vec<Box<RawValue>> {
+        std::mem::take(&mut self.engine)
+    }
+
+    /// Raw top-level member.
+    pub fn get_raw(&self, key: &str) -> Option<&RawValue> {
+        self.creq.get_raw(key)
+    }
+
+    /// `model`, when it is a string.
+    pub fn model(&self) -> Option<String> {
+        self.creq.model()
+    }
+
+    /// `stream == true`.
+    pub fn stream(&self) -> bool {
+        self.creq.stream()
+    }
+
+    /// The output reservation in this API's own field.
+    pub fn max_output_tokens(&self) -> Option<u64> {
+        let key = match self.api {
+            Api::Chat => return self.creq.max_output_tokens(),
+            Api::Messages => "max_tokens",
+            Api::Responses => "max_output_tokens",
+        };
+        self.get_raw(key)
+            .and_then(|r| serde_json::from_str::<u64>(r.get()).ok())
+    }
+
+    /// A session id the body carries: `session_id` (chat), Claude Code's
+    /// `metadata.user_id` (its `session_id` when it is a JSON string of one).
+    pub fn session_id(&self) -> Option<String> {
+        match self.api {
+            Api::Chat => self.creq.session_id(),
+            Api::Messages => anthropic::metadata_session(self.get_raw("metadata")?),
+            Api::Responses => None,
+        }
+    }
+
+    /// Body `prompt_cache_key` (chat and Responses).
+    pub fn prompt_cache_key(&self) -> Option<String> {
+        match self.api {
+            Api::Messages => None,
+            _ => self.creq.prompt_cache_key(),
+        }
+    }
+
+    /// The chat-completions view underneath (usage planning).
+    pub fn chat_mut(&mut self) -> Option<&mut ChatRequest> {
+        (self.api == Api::Chat).then_some(&mut self.creq)
+    }
+
+    /// Sends `outgoing` (engine messages) instead of the client's
+    /// conversation: the list member becomes their wire form, and the
+    /// system member changes only when the engine changed the system
+    /// message.
+    pub fn with_messages(&mut self, outgoing: Vec<Box<RawValue>>) {
+        let (system, wire) = match self.api {
+            Api::Chat => {
+                self.creq.with_messages(outgoing);
+                return;
+            }
+            Api::Messages => anthropic::encode(&self.map, &outgoing),
+            Api::Responses => responses::encode(&self.map, &outgoing),
+        };
+        if let (Some(raw), Some(key)) = (system, self.api.system_key()) {
+            self.creq.set_member(key, raw);
+        }
+        self.creq.with_messages(wire);
+    }
+
+    /// The body to send.
+    pub fn to_bytes(&self) -> Bytes {
+        self.creq.to_bytes()
+    }
+}
+
+/// The role of an engine message, or `""`.
+fn role(m: &Value) -> &str {
+    m.get("role").and_then(Value::as_str).unwrap_or("")
+}
+
+fn to_raw(v: &Value) -> Option<Box<RawValue>> {
+    serde_json::value::to_raw_value(v).ok()
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,298 @@
+//! OpenAI Responses (without server-side state) ↔ the engine's
+//! conversation.
+//!
+//! - `instructions` ↔ the leading system message (never rewritten: a
+//!   changed system message goes into `input` as a message item);
+//! - a `message` item ↔ a message (`input_text` / `output_text` parts as
+//!   text parts, other parts kept as they are);
+//! - a run of call items (`function_call`, and any `*_call` with a
+//!   `call_id`), with the assistant message right before it ↔ one
+//!   assistant message with `tool_calls`;
+//! - a `*_call_output` item ↔ a `tool` message;
+//! - `reasoning` items, and items of other types, go with the item that
+//!   follows them (so a reasoning item stays with its call).
+//!
+//! `previous_response_id`, a `conversation`, or an `item_reference` in the
+//! input mean the upstream holds part of the conversation: such requests
+//! are not compacted.
+
+use serde_json::value::RawValue;
+use serde_json::{json, Value};
+
+use crate::request::ChatRequest;
+
+use super::{to_raw, DecodeError, Piece, WireMap};
+
+fn item_type(v: &Value) -> &str {
+    match v.get("type").and_then(Value::as_str) {
+        Some(t) => t,
+        // An "easy" input message has a role and no type.
+        None if v.get("role").is_some() => "message",
+        None => "",
+    }
+}
+
+fn is_call(v: &Value) -> bool {
+    let t = item_type(v);
+    t == "function_call" || (t.ends_with("_call") && v.get("call_id").is_some())
+}
+
+fn is_output(v: &Value) -> bool {
+    item_type(v).ends_with("_call_output") && v.get("call_id").is_some()
+}
+
+fn is_set(raw: Option<&RawValue>) -> bool {
+    raw.is_some_and(|r| r.get().trim() != "null")
+}
+
+/// Decodes the `input` items (and `instructions`) of `creq`.
+pub(super) fn decode(
+    creq: &ChatRequest,
+    wire: Vec<Box<RawValue>>,
+) -> Result<(Vec<Box<RawValue>>, WireMap), DecodeError> {
+    if is_set(creq.get_raw("previous_response_id")) || is_set(creq.get_raw("conversation")) {
+        return Err(DecodeError::ServerState);
+    }
+    let items: Vec<Value> = wire
+        .iter()
+        .map(|w| serde_json::from_str(w.get()))
+        .collect::<Result<_, _>>()
+        .map_err(|_| DecodeError::Unsupported("item"))?;
+    if items.iter().any(|v| item_type(v) == "item_reference") {
+        return Err(DecodeError::ServerState);
+    }
+    let mut out = Vec::with_capacity(wire.len() + 1);
+    let mut map = WireMap::default();
+    if let Some(Value::String(s)) = creq
+        .get_raw("instructions")
+        .and_then(|r| serde_json::from_str::<Value>(r.get()).ok())
+    {
+        if !s.is_empty() {
+            map.push_system(&mut out, json!({"role": "system", "content": s}));
+        }
+    }
+    let mut pending: Option<usize> = None;
+    let mut i = 0;
+    while i < items.len() {
+        let v = &items[i];
+        let start = pending.unwrap_or(i);
+        if is_output(v) {
+            let id = str_field(v, "call_id").to_owned();
+            map.results.insert(id.clone(), (i, None));
+            let content = output_content(v.get("output"));
+            map.push(
+                &mut out,
+                start..i + 1,
+                vec![json!({"role": "tool", "tool_call_id": id, "content": content})],
+            );
+            pending = None;
+            i += 1;
+            continue;
+        }
+        let message = item_type(v) == "message";
+        if !message && !is_call(v) {
+            // Reasoning and unknown items travel with what follows them.
+            pending.get_or_insert(i);
+            i += 1;
+            continue;
+        }
+        let mut m = if message {
+            message_to_engine(v)?
+        } else {
+            json!({"role": "assistant", "content": null})
+        };
+        let mut j = if message { i + 1 } else { i };
+        let mut calls = Vec::new();
+        if super::role(&m) == "assistant" {
+            while j < items.len() && is_call(&items[j]) {
+                let id = str_field(&items[j], "call_id").to_owned();
+                map.calls.insert(id, (j, None));
+                calls.push(call_to_engine(&items[j]));
+                j += 1;
+            }
+        }
+        if !calls.is_empty() {
+            m["tool_calls"] = Value::Array(calls);
+        }
+        map.push(&mut out, start..j, vec![m]);
+        pending = None;
+        i = j;
+    }
+    if let Some(p) = pending {
+        // Trailing items join the last group.
+        match map.groups.last_mut() {
+            Some(g) if g.wire.end == p => g.wire.end = items.len(),
+            _ => return Err(DecodeError::Unsupported("input")),
+        }
+    }
+    map.wire = wire;
+    Ok((out, map))
+}
+
+fn str_field<'a>(v: &'a Value, k: &str) -> &'a str {
+    v.get(k).and_then(Value::as_str).unwrap_or_default()
+}
+
+fn message_to_engine(v: &Value) -> Result<Value, DecodeError> {
+    let role = match v.get("role").and_then(Value::as_str) {
+        Some(r @ ("user" | "assistant" | "system" | "developer")) => r,
+        _ => return Err(DecodeError::Unsupported("role")),
+    };
+    let content = match v.get("content") {
+        Some(Value::String(s)) => Value::String(s.clone()),
+        Some(Value::Array(parts)) => Value::Array(parts.iter().map(part_to_engine).collect()),
+        _ => return Err(DecodeError::Unsupported("content")),
+    };
+    Ok(json!({"role": role, "content": content}))
+}
+
+fn part_to_engine(p: &Value) -> Value {
+    match (item_type(p), p.get("text")) {
+        ("input_text" | "output_text", Some(t)) => json!({"type": "text", "text": t}),
+        _ => p.clone(),
+    }
+}
+
+fn output_content(output: Option<&Value>) -> Value {
+    match output {
+        Some(Value::String(s)) => Value::String(s.clone()),
+        Some(Value::Array(parts)) => Value::Array(parts.iter().map(part_to_engine).collect()),
+        Some(other) => Value::String(other.to_string()),
+        None => Value::String(String::new()),
+    }
+}
+
+fn call_to_engine(v: &Value) -> Value {
+    let name = v
+        .get("name")
+        .and_then(Value::as_str)
+        .unwrap_or_else(|| item_type(v));
+    let arguments = match v.get("arguments").or_else(|| v.get("input")) {
+        Some(Value::String(s)) => s.clone(),
+        Some(other) => other.to_string(),
+        None => v
+            .get("action")
+            .map_or_else(|| "{}".to_owned(), Value::to_string),
+    };
+    json!({
+        "id": str_field(v, "call_id"),
+        "type": "function",
+        "function": {"name": name, "arguments": arguments},
+    })
+}
+
+/// Encodes what is to be sent as `input` items. `instructions` is never
+/// rewritten (the first member is `None`).
+pub(super) fn encode(
+    map: &WireMap,
+    outgoing: &[Box<RawValue>],
+) -> (Option<Box<RawValue>>, Vec<Box<RawValue>>) {
+    let mut items = Vec::with_capacity(outgoing.len());
+    for piece in map.pieces(outgoing) {
+        match piece {
+            Piece::Wire(w) => items.push(w.to_owned()),
+            // `instructions` carries it, untouched.
+            Piece::Engine(_, true) => {}
+            Piece::Engine(m, false) => {
+                let Ok(v) = serde_json::from_str::<Value>(m.get()) else {
+                    continue;
+                };
+                items.extend(convert(map, &v).iter().filter_map(to_raw));
+            }
+        }
+    }
+    (None, items)
+}
+
+fn parts_to_wire(content: &Value, role: &str) -> Value {
+    let text_type = if role == "assistant" {
+        "output_text"
+    } else {
+        "input_text"
+    };
+    match content {
+        Value::Array(parts) => Value::Array(
+            parts
+                .iter()
+                .map(|p| match (p, item_type(p)) {
+                    (Value::String(s), _) => json!({"type": text_type, "text": s}),
+                    (_, "text") => json!({"type": text_type, "text": p.get("text")}),
+                    _ => p.clone(),
+                })
+                .collect(),
+        ),
+        Value::String(s) => Value::String(s.clone()),
+        _ => Value::String(String::new()),
+    }
+}
+
+fn blank(content: &Value) -> bool {
+    match content {
+        Value::String(s) => s.trim().is_empty(),
+        Value::Array(a) => a.is_empty(),
+        _ => true,
+    }
+}
+
+/// One engine message the engine wrote or changed, as input items.
+fn convert(map: &WireMap, v: &Value) -> Vec<Value> {
+    let role = super::role(v);
+    let content = v.get("content").cloned().unwrap_or(Value::Null);
+    if role == "tool" {
+        let id = str_field(v, "tool_call_id");
+        let output = match &content {
+            Value::String(s) => Value::String(s.clone()),
+            other => parts_to_wire(other, "user"),
+        };
+        return vec![match map.original(true, id) {
+            Some(mut item) => {
+                item["output"] = output;
+                item
+            }
+            None => json!({"type": "function_call_output", "call_id": id, "output": output}),
+        }];
+    }
+    let mut out = Vec::new();
+    if !blank(&content) || v.get("tool_calls").is_none() {
+        let role = if role.is_empty() { "user" } else { role };
+        out.push(
+            json!({"type": "message", "role": role, "content": parts_to_wire(&content, role)}),
+        );
+    }
+    for tc in v
+        .get("tool_calls")
+        .and_then(Value::as_array)
+        .into_iter()
+        .flatten()
+    {
+        out.push(call_to_wire(map, tc));
+    }
+    out
+}
+
+fn call_to_wire(map: &WireMap, tc: &Value) -> Value {
+    let id = str_field(tc, "id");
+    let f = tc.get("function");
+    let arguments = f
+        .and_then(|f| f.get("arguments"))
+        .cloned()
+        .unwrap_or_else(|| Value::String("{}".to_owned()));
+    match map.original(false, id) {
+        Some(mut item) => {
+            // Only a string field the engine may have shortened changes.
+            for key in ["arguments", "input"] {
+                if item.get(key).is_some_and(Value::is_string) {
+                    item[key] = arguments;
+                    break;
+                }
+            }
+            item
+        }
+        None => json!({
+            "type": "function_call",
+            "call_id": id,
+            "name": f.and_then(|f| f.get("name")).cloned().unwrap_or(Value::Null),
+            "arguments": arguments,
+        }),
+    }
+}

@@ -1,0 +1,219 @@
+#![allow(clippy::unwrap_used)]
+
+use serde_json::json;
+
+use super::*;
+
+fn raw(v: &Value) -> Box<RawValue> {
+    to_raw(v).unwrap()
+}
+
+fn values(list: &[Box<RawValue>]) -> Vec<Value> {
+    list.iter()
+        .map(|m| serde_json::from_str(m.get()).unwrap())
+        .collect()
+}
+
+const MESSAGES: &str = r#"{"model":"m", "temperature":0.70,"system":[{"type":"text","text":"S","cache_control":{"type":"ephemeral"}}],"max_tokens":64,"messages":[
+ {"role":"user","content":[{"type":"text","text":"hi"}]},
+ {"role":"assistant","content":[{"type":"thinking","thinking":"t","signature":"s"},{"type":"tool_use","id":"a","name":"Read","input":{"p":1}},{"type":"tool_use","id":"b","name":"Read","input":{"p":2}}]},
+ {"role":"user","content":[{"type":"tool_result","tool_use_id":"a","content":"A","cache_control":{"type":"ephemeral"}},{"type":"tool_result","tool_use_id":"b","content":"B","is_error":true},{"type":"text","text":"go on"}]},
+ {"role":"assistant","content":"done"}],"metadata":{"user_id":"u"}}"#;
+
+#[test]
+fn anthropic_blocks_become_engine_rows() {
+    let r = ApiRequest::parse(Api::Messages, MESSAGES.as_bytes().to_vec()).unwrap();
+    let rows = values(r.messages());
+    let roles: Vec<&str> = rows.iter().map(role).collect();
+    assert_eq!(
+        roles,
+        [
+            "system",
+            "user",
+            "assistant",
+            "tool",
+            "tool",
+            "user",
+            "assistant"
+        ]
+    );
+    assert_eq!(
+        rows[2]["tool_calls"][1]["function"]["arguments"],
+        "{\"p\":2}"
+    );
+    assert_eq!(rows[2]["content"][0]["type"], "thinking");
+    assert_eq!(rows[4]["tool_call_id"], "b");
+    assert_eq!(rows[5]["content"], json!([{"type":"text","text":"go on"}]));
+    assert_eq!(r.max_output_tokens(), Some(64));
+    assert_eq!(r.session_id().as_deref(), Some("u"));
+}
+
+#[test]
+fn unchanged_rows_encode_to_the_client_bytes() {
+    for (api, body) in [(Api::Messages, MESSAGES), (Api::Responses, RESPONSES)] {
+        let mut r = ApiRequest::parse(api, body.as_bytes().to_vec()).unwrap();
+        let rows = r.take_messages();
+        r.with_messages(rows);
+        // Each element is the client's bytes; only the whitespace between
+        // elements goes (the array is one splice).
+        let spliced = body.replace("\n ", "");
+        assert_eq!(r.to_bytes(), spliced.as_bytes(), "{api:?}");
+    }
+}
+
+#[test]
+fn anthropic_rewritten_rows_keep_their_blocks_and_alternate() {
+    let mut r = ApiRequest::parse(Api::Messages, MESSAGES.as_bytes().to_vec()).unwrap();
+    let mut rows = values(&r.take_messages());
+    // The engine: a summary replaces the opening user turn, tool output
+    // `a` is pruned, arguments of `b` shortened.
+    rows[1] = json!({"role":"user","content":"SUMMARY"});
+    rows[3]["content"] = json!("[pruned]");
+    rows[2]["tool_calls"][1]["function"]["arguments"] = json!("{}");
+    let out: Vec<Box<RawValue>> = rows.iter().map(raw).collect();
+    r.with_messages(out);
+    let body: Value = serde_json::from_slice(&r.to_bytes()).unwrap();
+    let msgs = body["messages"].as_array().unwrap();
+    assert_eq!(msgs.len(), 4);
+    assert_eq!(msgs[0], json!({"role":"user","content":"SUMMARY"}));
+    // The assistant turn: thinking first, original tool_use blocks.
+    assert_eq!(msgs[1]["content"][0]["type"], "thinking");
+    assert_eq!(msgs[1]["content"][2]["input"], json!({}));
+    assert_eq!(msgs[1]["content"][1]["input"], json!({"p":1}));
+    // Both results and the text in one user message, results first, each
+    // from its original block (cache marker, is_error kept).
+    let user = msgs[2]["content"].as_array().unwrap();
+    assert_eq!(
+        user[0],
+        json!({"type":"tool_result","tool_use_id":"a","content":"[pruned]","cache_control":{"type":"ephemeral"}})
+    );
+    assert_eq!(user[1]["is_error"], true);
+    assert_eq!(user[2], json!({"type":"text","text":"go on"}));
+    assert_eq!(msgs[3], json!({"role":"assistant","content":"done"}));
+    // The system member and every other member: the client's bytes.
+    let text = String::from_utf8(r.to_bytes().to_vec()).unwrap();
+    assert!(text.starts_with(r#"{"model":"m", "temperature":0.70,"system":[{"type":"text","text":"S","cache_control":{"type":"ephemeral"}}],"max_tokens":64,"messages":["#));
+    assert!(text.ends_with(r#"],"metadata":{"user_id":"u"}}"#));
+}
+
+#[test]
+fn anthropic_changed_system_rewrites_only_the_system_member() {
+    let mut r = ApiRequest::parse(Api::Messages, MESSAGES.as_bytes().to_vec()).unwrap();
+    let mut rows = r.take_messages();
+    rows[0] = raw(&json!({"role":"system","content":"S2"}));
+    r.with_messages(rows);
+    let body: Value = serde_json::from_slice(&r.to_bytes()).unwrap();
+    assert_eq!(body["system"], json!("S2"));
+    assert_eq!(body["messages"].as_array().unwrap().len(), 4);
+}
+
+#[test]
+fn anthropic_cache_markers_stay_within_four() {
+    let mut r = ApiRequest::parse(Api::Messages, MESSAGES.as_bytes().to_vec()).unwrap();
+    let rows = r.take_messages();
+    // Five converted user turns with a marker each, after the kept ones
+    // (the system's and the tool result's already count two).
+    let mut out: Vec<Box<RawValue>> = rows.to_vec();
+    for i in 0..5 {
+        out.push(raw(&json!({"role":"assistant","content":format!("a{i}")})));
+        out.push(raw(&json!({"role":"user","content":[{"type":"text","text":format!("u{i}"),"cache_control":{"type":"ephemeral"}}]})));
+    }
+    r.with_messages(out);
+    let body: Value = serde_json::from_slice(&r.to_bytes()).unwrap();
+    let total = anthropic::count_cache_control(&body);
+    assert_eq!(total, anthropic::MAX_CACHE_CONTROL);
+    // The newest markers are the ones kept.
+    let msgs = body["messages"].as_array().unwrap();
+    assert!(msgs.last().unwrap()["content"][0]
+        .get("cache_control")
+        .is_some());
+    assert!(msgs[5]["content"][0].get("cache_control").is_none());
+}
+
+#[test]
+fn claude_code_metadata_session_ids() {
+    let m = |s: &str| anthropic::metadata_session(&raw(&json!({"user_id": s})));
+    let modern = json!({"device_id":"d","account_uuid":"a","session_id":"s1"}).to_string();
+    assert_eq!(m(&modern).as_deref(), Some("s1"));
+    assert_eq!(m("user_abc_account_x_session_s2").as_deref(), Some("s2"));
+    assert_eq!(m("plain").as_deref(), Some("plain"));
+    assert_eq!(m(""), None);
+}
+
+const RESPONSES: &str = r#"{"model":"m","instructions":"I","input":[
+ {"role":"user","content":"hi"},
+ {"type":"reasoning","id":"rs_1","summary":[]},
+ {"type":"function_call","call_id":"a","name":"f","arguments":"{\"x\":1}"},
+ {"type":"function_call","call_id":"b","name":"f","arguments":"{}"},
+ {"type":"function_call_output","call_id":"a","output":"A"},
+ {"type":"function_call_output","call_id":"b","output":"B"},
+ {"type":"web_search_call","id":"ws_1","status":"completed"},
+ {"type":"message","role":"assistant","content":[{"type":"output_text","text":"done"}]},
+ {"type":"reasoning","id":"rs_2","summary":[]}],"max_output_tokens":9,"prompt_cache_key":"k"}"#;
+
+#[test]
+fn responses_items_become_engine_rows() {
+    let r = ApiRequest::parse(Api::Responses, RESPONSES.as_bytes().to_vec()).unwrap();
+    let rows = values(r.messages());
+    let roles: Vec<&str> = rows.iter().map(role).collect();
+    assert_eq!(
+        roles,
+        ["system", "user", "assistant", "tool", "tool", "assistant"]
+    );
+    // Parallel calls are one assistant row (with the reasoning before them).
+    assert_eq!(rows[2]["tool_calls"].as_array().unwrap().len(), 2);
+    assert_eq!(rows[5]["content"], json!([{"type":"text","text":"done"}]));
+    assert_eq!(r.max_output_tokens(), Some(9));
+    assert_eq!(r.prompt_cache_key().as_deref(), Some("k"));
+    assert_eq!(r.session_id(), None);
+}
+
+#[test]
+fn responses_rewritten_rows_keep_their_items() {
+    let mut r = ApiRequest::parse(Api::Responses, RESPONSES.as_bytes().to_vec()).unwrap();
+    let mut rows = values(&r.take_messages());
+    rows[1] = json!({"role":"user","content":"SUMMARY"});
+    rows[3]["content"] = json!("[pruned]");
+    r.with_messages(rows.iter().map(raw).collect());
+    let body: Value = serde_json::from_slice(&r.to_bytes()).unwrap();
+    let items = body["input"].as_array().unwrap();
+    assert_eq!(body["instructions"], "I");
+    assert_eq!(
+        items[0],
+        json!({"type":"message","role":"user","content":"SUMMARY"})
+    );
+    // The call group is the client's items, reasoning included.
+    assert_eq!(items[1]["id"], "rs_1");
+    assert_eq!(items[2]["call_id"], "a");
+    assert_eq!(
+        items[4],
+        json!({"type":"function_call_output","call_id":"a","output":"[pruned]"})
+    );
+    // The web search item travels with the output before the message, the
+    // trailing reasoning with the message.
+    assert_eq!(items[6]["type"], "web_search_call");
+    assert_eq!(items.last().unwrap()["id"], "rs_2");
+    assert_eq!(items.len(), 9);
+}
+
+#[test]
+fn responses_with_server_state_are_not_decoded() {
+    for body in [
+        r#"{"model":"m","previous_response_id":"resp_1","input":[{"role":"user","content":"hi"}]}"#,
+        r#"{"model":"m","conversation":"conv_1","input":[{"role":"user","content":"hi"}]}"#,
+        r#"{"model":"m","input":[{"type":"item_reference","id":"msg_1"},{"role":"user","content":"hi"}]}"#,
+    ] {
+        assert!(matches!(
+            ApiRequest::parse(Api::Responses, body.as_bytes().to_vec()),
+            Err(DecodeError::ServerState)
+        ));
+    }
+    assert!(matches!(
+        ApiRequest::parse(Api::Responses, br#"{"model":"m","input":"hi"}"#.to_vec()),
+        Err(DecodeError::Parse(_))
+    ));
+    // `null` is no server state.
+    let ok =
+        r#"{"model":"m","previous_response_id":null,"input":[{"role":"user","content":"hi"}]}"#;
+    assert!(ApiRequest::parse(Api::Responses, ok.as_bytes().to_vec()).is_ok());
+}
