@@ -640,6 +640,7 @@ impl RawConfig {
             env.get("COMPACTOR_STORE_BACKEND"),
             env.get("COMPACTOR_STORE_PATH"),
         );
+        self.store.apply_url_env(env.get("COMPACTOR_STORE_URL"));
         if let Some(v) = env.get("COMPACTOR_ADMIN_TOKEN") {
             self.admin.token = (!v.is_empty()).then_some(v);
         }

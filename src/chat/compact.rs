@@ -20,6 +20,7 @@ use crate::upstream::Upstream;
 use super::background;
 use super::conversation::{rough_message_tokens, Conversation};
 use super::record::Record;
+use super::shared;
 use super::summarise::{HttpSummariser, SummaryTarget};
 use super::ChatState;
 
@@ -76,6 +77,9 @@ pub(super) enum Booked {
     /// Send these messages instead (the compaction is recorded: the new
     /// record, unless it could not be mapped onto the client's history).
     Compacted(Vec<Box<RawValue>>, Option<Arc<Record>>),
+    /// Another replica's record covers more of this history: send this
+    /// instead (a substitution, no compaction here).
+    Substituted(Vec<Box<RawValue>>, Arc<Record>),
     /// The compaction was abandoned; the messages go as they were.
     Aborted,
     /// Nothing to change.
@@ -135,7 +139,34 @@ pub(super) async fn compact_if_due(
     if !(d.wanted || d.micro_pass) {
         return Booked::Nothing;
     }
-    compact_now(chat, upstream, conv, t, &d, (engine_window, est_rough)).await
+    let held = if d.micro_pass {
+        None
+    } else {
+        match shared::claim(chat, t).await {
+            shared::Claim::Found(rec) => {
+                let send = rec
+                    .replacement
+                    .iter()
+                    .chain(t.original.get(rec.k..).unwrap_or(&[]))
+                    .cloned()
+                    .collect();
+                conv.set_record(Some(&rec));
+                conv.stats.substituted += 1;
+                return Booked::Substituted(send, rec);
+            }
+            shared::Claim::Owned(held) => Some(held),
+            shared::Claim::Alone => None,
+        }
+    };
+    let booked = compact_now(chat, upstream, conv, t, &d, (engine_window, est_rough)).await;
+    if let Some(held) = held {
+        let record = match &booked {
+            Booked::Compacted(_, rec) => rec.as_ref(),
+            _ => None,
+        };
+        shared::release(chat, held, record);
+    }
+    booked
 }
 
 /// Step 4: the engine pass the decision asked for, booked.
