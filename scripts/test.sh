@@ -50,7 +50,9 @@ require() {
 }
 
 compose_check() {
-    require docker-compose "needed to check docker-compose.yml" && docker-compose -f docker-compose.yml config -q
+    require docker-compose "needed to check docker-compose.yml" &&
+        docker-compose -f docker-compose.yml config -q &&
+        docker-compose -f docker-compose.scale.yml config -q
 }
 
 e2e() {

@@ -13,6 +13,7 @@
 #![allow(dead_code)]
 
 pub mod chat;
+pub mod redis;
 
 use std::collections::HashMap;
 use std::convert::Infallible;
