@@ -1040,6 +1040,15 @@ format = "json"
         assert!(c.store.explicit);
         let e = parse("[store]\nbackend = \"etcd\"\n").unwrap_err();
         assert_eq!(e.keys(), vec!["store.backend"]);
+        let env = MapEnv::from_pairs([("COMPACTOR_STORE_URL", "redis://:pw@cache:6380/1")]);
+        let c = Config::from_toml_str("", &env).unwrap();
+        assert_eq!(
+            c.store.backend,
+            StoreBackend::Redis("redis://:pw@cache:6380/1".into())
+        );
+        let e = parse("[store]\nurl = \"cache:6379\"\n").unwrap_err();
+        assert_eq!(e.keys(), vec!["store.url"]);
+        assert!(!format!("{e}").contains("pw"));
     }
 
     #[test]
