@@ -100,6 +100,28 @@ async fn the_backend_shares_records_secret_windows_state_and_locks() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn auth_and_the_database_come_from_the_url() {
+    let redis = RedisServer::start_with(&["--requirepass", "s3cr:t"]);
+    let url = |auth: &str, db: u32| format!("redis://{auth}@127.0.0.1:{}/{db}", redis.port);
+    let ttl = Duration::from_secs(60);
+    // Wrong password: the store opens (and will retry) but every call fails.
+    let wrong = RedisStore::open(&url(":nope", 0), ttl, 1 << 20).unwrap();
+    assert_eq!(wrong.keyer_secret(), None);
+    assert!(wrong.put(1, rec(1, 1, "{}")).await.is_err());
+    // The password (percent-encoded), bare and as the ACL default user.
+    let db0 = RedisStore::open(&url(":s3cr%3At", 0), ttl, 1 << 20).unwrap();
+    let acl = RedisStore::open(&url("default:s3cr%3At", 0), ttl, 1 << 20).unwrap();
+    assert!(db0.keyer_secret().is_some());
+    assert_eq!(db0.keyer_secret(), acl.keyer_secret());
+    db0.put(1, rec(1, 1, "{}")).await.unwrap();
+    assert!(acl.find(1, &[1]).await.unwrap().is_some());
+    // Another database is another store.
+    let db3 = RedisStore::open(&url(":s3cr%3At", 3), ttl, 1 << 20).unwrap();
+    assert!(db3.find(1, &[1]).await.unwrap().is_none());
+    assert_ne!(db3.keyer_secret(), None);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_sweep_bounds_bytes_oldest_first_and_records_expire() {
     let redis = RedisServer::start();
     let s = open(&redis, Duration::from_secs(60), 3000);
@@ -160,6 +182,11 @@ async fn two_replicas_alternating_share_records_and_summarise_once_per_compactio
             continue;
         }
         assert_eq!(calls, 0, "turn {i} ({}) made a summary call", action(&h));
+        if compactions == 0 {
+            // No record anywhere yet: a passthrough turn asks Redis nothing.
+            let misses = "compactor_store_read_misses_total{backend=\"redis\"}";
+            assert_eq!(metric(proxy, misses).await, 0.0, "turn {i}");
+        }
         if let Some(first) = compacted_sent.take() {
             // The other replica, right after the compaction: the record is
             // found through Redis and the same replacement bytes go first.

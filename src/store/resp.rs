@@ -21,6 +21,9 @@ const MAX_BULK: usize = 64 << 20;
 const MAX_ARRAY: usize = 1 << 20;
 /// Connections kept idle for reuse.
 const MAX_IDLE: usize = 16;
+/// Connections open at once: a slow server makes callers queue (within
+/// their timeout) instead of dialling without bound.
+const MAX_OPEN: usize = 64;
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(2);
 
 /// One RESP2 reply.
@@ -307,6 +310,7 @@ pub struct Client {
     url: RedisUrl,
     tls: Option<tokio_rustls::TlsConnector>,
     idle: Mutex<Vec<Conn>>,
+    open: tokio::sync::Semaphore,
 }
 
 impl std::fmt::Debug for Client {
@@ -323,6 +327,7 @@ impl Client {
             url,
             tls: tls.map(tokio_rustls::TlsConnector::from),
             idle: Mutex::new(Vec::new()),
+            open: tokio::sync::Semaphore::new(MAX_OPEN),
         }
     }
 
@@ -369,6 +374,11 @@ impl Client {
     /// idle). An error reply leaves the connection usable; any other
     /// failure drops it.
     pub async fn call(&self, args: &[&[u8]]) -> Result<Reply, RespError> {
+        let _permit = self
+            .open
+            .acquire()
+            .await
+            .map_err(|_| RespError::Protocol("client closed"))?;
         let idle = crate::sync::lock(&self.idle).pop();
         let mut conn = match idle {
             Some(c) => c,

@@ -9,6 +9,7 @@ use std::time::{Duration, Instant};
 pub struct RedisServer {
     child: Option<Child>,
     pub port: u16,
+    extra: Vec<String>,
 }
 
 fn free_port() -> u16 {
@@ -22,9 +23,15 @@ fn free_port() -> u16 {
 impl RedisServer {
     /// Starts one on a free port.
     pub fn start() -> Self {
+        Self::start_with(&[])
+    }
+
+    /// Starts one with extra `redis-server` arguments (`--requirepass`, …).
+    pub fn start_with(extra: &[&str]) -> Self {
         let mut s = Self {
             child: None,
             port: free_port(),
+            extra: extra.iter().map(|a| (*a).to_owned()).collect(),
         };
         s.up();
         s
@@ -48,6 +55,7 @@ impl RedisServer {
         let spawned = Command::new("redis-server")
             .args(["--port", &self.port.to_string()])
             .args(["--bind", "127.0.0.1", "--save", "", "--appendonly", "no"])
+            .args(&self.extra)
             .stdout(Stdio::null())
             .stderr(Stdio::null())
             .spawn();
