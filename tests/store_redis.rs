@@ -100,6 +100,32 @@ async fn the_backend_shares_records_secret_windows_state_and_locks() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn with_pre_compaction_replicas_alternating_still_send_one_prefix() {
+    let redis = RedisServer::start();
+    let mock = ChatMock::start(Settings::default()).await;
+    let cfg = format!("{}[compaction]\nbackground = true\n", config(&redis));
+    let a = support::start_proxy(&mock.url(), &cfg).await;
+    let b = support::start_proxy(&mock.url(), &cfg).await;
+    let replicas = [a.url(), b.url()];
+    let mut conv = Conversation::new(600);
+    let mut compacted_sent: Option<Vec<Value>> = None;
+    let mut checked = 0;
+    for i in 0..30 {
+        let (h, _) = turn(&replicas[i % 2], &mock, &mut conv, ALICE).await;
+        let sent = mock.last_chat().messages();
+        if action(&h) == "compacted" {
+            compacted_sent = Some(sent);
+        } else if let Some(first) = compacted_sent.take() {
+            assert!(substituted(&h), "turn {i}: {}", action(&h));
+            let n = replacement_len(&sent, &conv, &h);
+            assert_eq!(sent[..n], first[..n], "turn {i}: identical prefix");
+            checked += 1;
+        }
+    }
+    assert!(checked >= 2, "{checked}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn auth_and_the_database_come_from_the_url() {
     let redis = RedisServer::start_with(&["--requirepass", "s3cr:t"]);
     let url = |auth: &str, db: u32| format!("redis://{auth}@127.0.0.1:{}/{db}", redis.port);
