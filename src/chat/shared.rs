@@ -16,7 +16,7 @@ use super::record::Record;
 use super::ChatState;
 
 /// How often a waiting replica looks for the owner's record.
-const POLL: Duration = Duration::from_millis(25);
+const POLL: Duration = Duration::from_millis(50);
 /// The lock outlives the wait a little: the owner still writes its record
 /// after its last summary call.
 const LOCK_SLACK: Duration = Duration::from_secs(5);
@@ -48,7 +48,10 @@ fn token() -> u64 {
 }
 
 /// Claims the compaction of this turn's history (named by the chained hash
-/// of all its messages).
+/// of all its messages). While another replica holds the lock, this one
+/// polls for the owner's record and for the lock: an owner whose
+/// compaction failed releases it without a record, and then this replica
+/// takes over instead of waiting out the summary timeout.
 pub(super) async fn claim(chat: &ChatState, t: &Turn<'_>) -> Claim {
     let Some(&name) = t.client_hashes.last() else {
         return Claim::Alone;
@@ -59,28 +62,28 @@ pub(super) async fn claim(chat: &ChatState, t: &Turn<'_>) -> Claim {
     let have = t.record.map_or(0, |r| r.k);
     let wait = Duration::from_secs(chat.compaction.summary_timeout_secs.max(1));
     let token = token();
-    match chat
-        .store
-        .try_lock(t.cred, name, token, wait + LOCK_SLACK)
-        .await
-    {
-        None => return Claim::Alone,
-        Some(true) => {
-            // The owner before us may have finished between our look and our lock.
-            if let Some(rec) = newer(chat, t, have).await {
-                chat.store.unlock(t.cred, name, token).await;
-                return Claim::Found(rec);
-            }
-            return Claim::Owned(Held {
-                cred: t.cred,
-                name,
-                token,
-            });
-        }
-        Some(false) => {}
-    }
     let deadline = Instant::now() + wait;
     loop {
+        match chat
+            .store
+            .try_lock(t.cred, name, token, wait + LOCK_SLACK)
+            .await
+        {
+            None => return Claim::Alone,
+            Some(true) => {
+                // The owner before us may have finished between our look and our lock.
+                if let Some(rec) = newer(chat, t, have).await {
+                    chat.store.unlock(t.cred, name, token).await;
+                    return Claim::Found(rec);
+                }
+                return Claim::Owned(Held {
+                    cred: t.cred,
+                    name,
+                    token,
+                });
+            }
+            Some(false) => {}
+        }
         if let Some(rec) = newer(chat, t, have).await {
             return Claim::Found(rec);
         }

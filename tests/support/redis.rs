@@ -37,6 +37,33 @@ impl RedisServer {
         s
     }
 
+    /// Starts one that speaks only TLS (its port is the TLS port).
+    pub fn start_tls(cert: &str, key: &str) -> Self {
+        let port = free_port();
+        let p = port.to_string();
+        let mut s = Self {
+            child: None,
+            port,
+            extra: [
+                "--port",
+                "0",
+                "--tls-port",
+                &p,
+                "--tls-cert-file",
+                cert,
+                "--tls-key-file",
+                key,
+                "--tls-auth-clients",
+                "no",
+            ]
+            .iter()
+            .map(|a| (*a).to_owned())
+            .collect(),
+        };
+        s.up();
+        s
+    }
+
     /// The URL proxies are given.
     pub fn url(&self) -> String {
         format!("redis://127.0.0.1:{}/0", self.port)
