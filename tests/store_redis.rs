@@ -294,6 +294,42 @@ async fn two_replicas_compacting_the_same_history_at_once_make_one_summary_call(
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_owner_whose_compaction_failed_hands_the_lock_over() {
+    let redis = RedisServer::start();
+    // 401: the summary fails for good and the owner's compaction is aborted
+    // (no record), after a delay that lets the other replica find the lock held.
+    let mock = ChatMock::start(Settings {
+        summary: SummaryMode::Status(401),
+        summary_delay: Duration::from_millis(600),
+        ..Settings::default()
+    })
+    .await;
+    let a = support::start_proxy(&mock.url(), &config(&redis)).await;
+    let b = support::start_proxy(&mock.url(), &config(&redis)).await;
+    let mut conv = Conversation::new(600);
+    for _ in 0..14 {
+        conv.ask();
+        conv.answer();
+    }
+    let body = chat_body("m", &conv.ask(), false);
+    let (ua, ub) = (a.url(), b.url());
+    let both = async {
+        tokio::join!(
+            post_chat(&ua, body.clone(), &[ALICE]),
+            post_chat(&ub, body.clone(), &[ALICE]),
+        )
+    };
+    // The summary timeout is 600 s: a waiter that did not see the lock
+    // released would hang far past this guard.
+    let (ra, rb) = tokio::time::timeout(Duration::from_secs(60), both)
+        .await
+        .expect("the waiting replica took over when the lock was released");
+    assert_eq!((ra.0.as_u16(), rb.0.as_u16()), (200, 200));
+    assert_eq!((action(&ra.1), action(&rb.1)), ("aborted", "aborted"));
+    assert_eq!(mock.summaries().len(), 2, "each replica tried once");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_redis_killed_mid_run_degrades_to_memory_and_is_used_again_when_back() {
     let mut redis = RedisServer::start();
     let mock = ChatMock::start(Settings::default()).await;
