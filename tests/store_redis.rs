@@ -440,8 +440,9 @@ async fn a_restart_on_the_same_store_keeps_cooldown_and_calibration() {
     let (_, after) = admin_view(&c.url(), TOKEN, &key).await;
     let cooldown = &after["trigger"]["cooldown_remaining_secs"];
     assert!(cooldown.as_u64().is_some_and(|s| s > 0), "{after}");
+    // C saw one usage report itself; the rest came with the stored calibration.
     assert!(
-        after["usage_reports"].as_u64().unwrap() > reports,
+        after["usage_reports"].as_u64().unwrap() >= 2,
         "calibration carried over: {after}"
     );
     let ratio = after["calibration_ratio"].as_f64().unwrap();

@@ -68,8 +68,9 @@ pub struct Conversation {
     pub real_window: Option<u64>,
     /// The store was asked for this conversation's state (once per entry).
     pub(crate) state_loaded: bool,
-    /// The state as last read from or written to the store.
-    pub(crate) state_written: Option<Vec<u8>>,
+    /// What of the state was last read from or written to the store
+    /// (trigger state, ratio in hundredths).
+    pub(crate) state_written: Option<(Option<TriggerSnapshot>, Option<i64>)>,
     /// Stored trigger state waiting for the engine to be created.
     pub(crate) restored_trigger: Option<TriggerSnapshot>,
 }

@@ -20,6 +20,16 @@ struct Persisted {
     trigger: Option<TriggerSnapshot>,
 }
 
+impl Persisted {
+    /// What a write is worth making for: the trigger state, and the ratio
+    /// to 1 %. The per-turn figures (last prompt size, observation count)
+    /// change every turn and would make every turn a store write.
+    fn worth_writing(&self) -> (Option<TriggerSnapshot>, Option<i64>) {
+        let ratio = self.calibration.ratio.map(|r| (r * 100.0).round() as i64);
+        (self.trigger.clone(), ratio)
+    }
+}
+
 fn snapshot(conv: &Conversation) -> Persisted {
     Persisted {
         calibration: conv.calibration.snapshot(),
@@ -53,21 +63,23 @@ pub(super) async fn load(chat: &ChatState, conv: &mut Conversation, key: Session
         (None, snap) => conv.restored_trigger = snap,
         (Some(_), None) => {}
     }
-    conv.state_written = Some(bytes);
+    conv.state_written = Some(p.worth_writing());
 }
 
-/// Writes the conversation's state when it differs from what was last
-/// written (in the background; a failure is counted by the store).
+/// Writes the conversation's state when what matters of it differs from
+/// what was last written (in the background; a failure is counted by the store).
 pub(super) fn save(chat: &ChatState, conv: &mut Conversation, key: SessionKey) {
     if !chat.store.persistent() {
         return;
     }
-    let Ok(bytes) = serde_json::to_vec(&snapshot(conv)) else {
-        return;
-    };
-    if conv.state_written.as_deref() == Some(bytes.as_slice()) {
+    let snap = snapshot(conv);
+    let worth = snap.worth_writing();
+    if conv.state_written.as_ref() == Some(&worth) {
         return;
     }
-    conv.state_written = Some(bytes.clone());
+    let Ok(bytes) = serde_json::to_vec(&snap) else {
+        return;
+    };
+    conv.state_written = Some(worth);
     chat.store.put_state_in_background(key.as_u128(), bytes);
 }
