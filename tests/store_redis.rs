@@ -330,6 +330,51 @@ async fn an_owner_whose_compaction_failed_hands_the_lock_over() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_redis_that_hangs_degrades_within_its_timeout_and_recovers() {
+    let redis = RedisServer::start();
+    let mock = ChatMock::start(Settings::default()).await;
+    let a = support::start_proxy(&mock.url(), &config(&redis)).await;
+    let b = support::start_proxy(&mock.url(), &config(&redis)).await;
+    let degraded = "compactor_store_degraded_total{backend=\"redis\"}";
+    let mut alice = Conversation::new(600);
+    let mut compacted = false;
+    for _ in 0..20 {
+        let (h, _) = turn(&a.url(), &mock, &mut alice, ALICE).await;
+        if action(&h) == "compacted" {
+            compacted = true;
+            break;
+        }
+    }
+    assert!(compacted);
+    tokio::time::sleep(Duration::from_millis(300)).await;
+
+    redis.pause();
+    // A new conversation's first turn asks the store for its state: the
+    // call times out (500 ms here), the turn goes on from memory.
+    let mut bob = Conversation::new(600);
+    let (h, _) = turn(&b.url(), &mock, &mut bob, BOB).await;
+    assert_eq!(action(&h), "passthrough");
+    // Alice's record still serves from A's memory.
+    let (h, _) = turn(&a.url(), &mock, &mut alice, ALICE).await;
+    assert!(compacted_or_substituted(&h), "{}", action(&h));
+    assert!(
+        metric(&b.url(), degraded).await >= 1.0,
+        "the hung call is counted"
+    );
+
+    redis.resume();
+    // Thawed: Alice's record is found by B through the store.
+    let (h, calls) = turn(&b.url(), &mock, &mut alice, ALICE).await;
+    assert!(substituted(&h), "{}", action(&h));
+    assert_eq!(calls, 0);
+    let hits = "compactor_store_read_hits_total{backend=\"redis\"}";
+    assert!(
+        metric(&b.url(), hits).await >= 1.0,
+        "the store answers again"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_redis_killed_mid_run_degrades_to_memory_and_is_used_again_when_back() {
     let mut redis = RedisServer::start();
     let mock = ChatMock::start(Settings::default()).await;

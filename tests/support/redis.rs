@@ -77,6 +77,23 @@ impl RedisServer {
         }
     }
 
+    /// Freezes it (SIGSTOP): connections stay open and nothing answers, a
+    /// slow store at its worst.
+    pub fn pause(&self) {
+        self.signal("-STOP");
+    }
+
+    /// Thaws it (SIGCONT).
+    pub fn resume(&self) {
+        self.signal("-CONT");
+    }
+
+    fn signal(&self, sig: &str) {
+        let pid = self.child.as_ref().expect("running").id().to_string();
+        let ok = Command::new("kill").args([sig, &pid]).status().unwrap();
+        assert!(ok.success());
+    }
+
     /// Starts it again on the same port (empty).
     pub fn up(&mut self) {
         let spawned = Command::new("redis-server")
@@ -104,6 +121,15 @@ impl RedisServer {
 
 impl Drop for RedisServer {
     fn drop(&mut self) {
+        if self.child.is_some() {
+            // A frozen server would not die of SIGKILL's reaping wait otherwise.
+            let _ = Command::new("kill")
+                .args([
+                    "-CONT",
+                    &self.child.as_ref().map_or(0, Child::id).to_string(),
+                ])
+                .status();
+        }
         self.kill();
     }
 }
