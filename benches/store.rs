@@ -3,7 +3,12 @@
 //!   store cannot hold a match (no store call);
 //! - substitution: the record is found in memory (plus the store's `touch`);
 //! - cold lookup: a memory miss read through from redb (after a restart:
-//!   once per conversation), on the blocking pool.
+//!   once per conversation), on the blocking pool, or from Redis on
+//!   loopback (also the look-up a replica makes before it compacts);
+//! - write: a record put (in the background, after a compaction).
+//!
+//! The Redis figures need `redis-server` (`scripts/install_prereqs.sh`);
+//! the bench starts its own on a free loopback port.
 //!
 //! `cargo bench --bench store`
 
@@ -17,6 +22,7 @@ use std::time::Duration;
 
 use compactor::chat::record::{Record, RecordStore};
 use compactor::store::redb::RedbStore;
+use compactor::store::redis::RedisStore;
 use compactor::store::{Memory, StoreHandle, StoredRecord};
 use criterion::{criterion_group, criterion_main, Criterion};
 use serde_json::value::RawValue;
@@ -33,6 +39,37 @@ fn replacement() -> Vec<String> {
         .collect()
 }
 
+/// A `redis-server` of the bench's own, killed on drop.
+struct Redis(std::process::Child, u16);
+
+impl Redis {
+    fn start() -> Self {
+        let port = std::net::TcpListener::bind("127.0.0.1:0")
+            .unwrap()
+            .local_addr()
+            .unwrap()
+            .port();
+        let child = std::process::Command::new("redis-server")
+            .args(["--port", &port.to_string(), "--bind", "127.0.0.1"])
+            .args(["--save", "", "--appendonly", "no"])
+            .stdout(std::process::Stdio::null())
+            .spawn()
+            .expect("redis-server (install it with scripts/install_prereqs.sh)");
+        while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        Self(child, port)
+    }
+}
+
+impl Drop for Redis {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+#[allow(clippy::too_many_lines)] // one bench group, one backend after the other
 fn bench_turns(c: &mut Criterion) {
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(1)
@@ -50,18 +87,24 @@ fn bench_turns(c: &mut Criterion) {
         original_tokens: 10_000,
         replacement_tokens: 1_000,
     };
+    let server = Redis::start();
+    let url = format!("redis://127.0.0.1:{}/0", server.1);
+    let redis = Arc::new(RedisStore::open(&url, ttl, 256 << 20).unwrap());
     rt.block_on(async {
         use compactor::store::Store;
         redb.put(1, stored.clone()).await.unwrap();
+        redis.put(1, stored.clone()).await.unwrap();
     });
     let mem = StoreHandle::new(Arc::new(Memory), Duration::from_secs(1));
     let disk = StoreHandle::new(redb, Duration::from_secs(1));
+    let shared = StoreHandle::new(redis, Duration::from_secs(1));
 
     let mut g = c.benchmark_group("turn");
     // Passthrough: nothing in memory, and the store holds no record as
     // short as this history (credential 2's fresh conversation of 100).
     let empty = RecordStore::new(ttl, 10_000);
-    for (name, h) in [("memory", &mem), ("redb", &disk)] {
+    let backends = [("memory", &mem), ("redb", &disk), ("redis", &shared)];
+    for (name, h) in backends {
         g.bench_function(format!("passthrough/{name}"), |b| {
             b.iter(|| {
                 let hit = empty.lookup(2, black_box(&hashes[..100]), None);
@@ -77,7 +120,7 @@ fn bench_turns(c: &mut Criterion) {
         .map(|s| RawValue::from_string(s.clone()).unwrap())
         .collect();
     hot.insert(1, Record::new(K, hashes[K - 1], raw, 10_000, 1_000));
-    for (name, h) in [("memory", &mem), ("redb", &disk)] {
+    for (name, h) in backends {
         g.bench_function(format!("substitution/{name}"), |b| {
             b.iter(|| {
                 let rec = hot.lookup(1, black_box(&hashes), None).unwrap();
@@ -86,11 +129,20 @@ fn bench_turns(c: &mut Criterion) {
             });
         });
     }
-    // Cold lookup: read through from redb.
-    g.bench_function("cold_lookup/redb", |b| {
-        b.iter(|| rt.block_on(async { black_box(disk.find(1, &hashes).await.unwrap().k) }));
-    });
+    // Cold lookup: read through from the store.
+    for (name, h) in [("redb", &disk), ("redis", &shared)] {
+        g.bench_function(format!("cold_lookup/{name}"), |b| {
+            b.iter(|| rt.block_on(async { black_box(h.find(1, &hashes).await.unwrap().k) }));
+        });
+    }
+    // A record write (after a compaction, off the request path).
+    for (name, h) in [("redb", &disk), ("redis", &shared)] {
+        g.bench_function(format!("write/{name}"), |b| {
+            b.iter(|| rt.block_on(h.put(1, stored.clone())));
+        });
+    }
     g.finish();
+    drop(server);
 }
 
 criterion_group!(benches, bench_turns);

@@ -7,6 +7,8 @@ set -euo pipefail
 need=()
 command -v docker-compose >/dev/null 2>&1 || need+=(docker-compose)
 command -v python3 >/dev/null 2>&1 || need+=(python3 python3-venv)
+# The Redis store tests start their own server (Debian has no valkey; the protocol is the same).
+command -v redis-server >/dev/null 2>&1 || need+=(redis-server)
 
 if [[ ${#need[@]} -eq 0 ]]; then
     echo "install_prereqs: nothing to install"

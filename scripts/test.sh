@@ -10,7 +10,8 @@
 # machine `bash scripts/install_prereqs.sh` installs them, and .ci/run calls it first):
 #   - a Rust toolchain with rustfmt and clippy;
 #   - python3 (3.10+) with venv or pip: the e2e Python packages go into .venv (setup_e2e.sh);
-#   - docker-compose, only to check docker-compose.yml (`docker-compose config`).
+#   - docker-compose, only to check docker-compose.yml and docker-compose.scale.yml (`config -q`);
+#   - redis-server: the Redis store tests (tests/store_redis*.rs) start their own.
 set -euo pipefail
 
 repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -50,7 +51,9 @@ require() {
 }
 
 compose_check() {
-    require docker-compose "needed to check docker-compose.yml" && docker-compose -f docker-compose.yml config -q
+    require docker-compose "needed to check docker-compose.yml" &&
+        docker-compose -f docker-compose.yml config -q &&
+        docker-compose -f docker-compose.scale.yml config -q
 }
 
 e2e() {

@@ -640,6 +640,7 @@ impl RawConfig {
             env.get("COMPACTOR_STORE_BACKEND"),
             env.get("COMPACTOR_STORE_PATH"),
         );
+        self.store.apply_url_env(env.get("COMPACTOR_STORE_URL"));
         if let Some(v) = env.get("COMPACTOR_ADMIN_TOKEN") {
             self.admin.token = (!v.is_empty()).then_some(v);
         }
@@ -1039,6 +1040,15 @@ format = "json"
         assert!(c.store.explicit);
         let e = parse("[store]\nbackend = \"etcd\"\n").unwrap_err();
         assert_eq!(e.keys(), vec!["store.backend"]);
+        let env = MapEnv::from_pairs([("COMPACTOR_STORE_URL", "redis://:pw@cache:6380/1")]);
+        let c = Config::from_toml_str("", &env).unwrap();
+        assert_eq!(
+            c.store.backend,
+            StoreBackend::Redis("redis://:pw@cache:6380/1".into())
+        );
+        let e = parse("[store]\nurl = \"cache:6379\"\n").unwrap_err();
+        assert_eq!(e.keys(), vec!["store.url"]);
+        assert!(!format!("{e}").contains("pw"));
     }
 
     #[test]

@@ -20,7 +20,8 @@ use support::chat::*;
 
 const BIN: &str = env!("CARGO_BIN_EXE_compactor");
 const ALICE: (&str, &str) = ("authorization", "Bearer alice");
-const CONFIG: &str = "[models.\"m\"]\ncontext_length = 2048\n";
+const TOKEN: &str = "admin-secret";
+const CONFIG: &str = "[admin]\ntoken = \"admin-secret\"\n[models.\"m\"]\ncontext_length = 2048\n";
 
 /// The binary, killed on drop (by its own handle).
 struct Proc {
@@ -152,4 +153,68 @@ async fn kill_9_and_restart_on_the_same_store_resends_the_prefix_without_a_summa
     let body = std::fs::metadata(&store).unwrap();
     use std::os::unix::fs::PermissionsExt;
     assert_eq!(body.permissions().mode() & 0o777, 0o600);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn kill_9_and_restart_keeps_the_cooldown_and_the_calibration() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = dir.path().join("state.redb");
+    let mock = ChatMock::start(Settings {
+        summary: SummaryMode::Status(500),
+        bytes_per_token: 2.0,
+        ..Settings::default()
+    })
+    .await;
+    let headers = [ALICE, ("x-session-id", "cool")];
+    let mut proxy = start(dir.path(), &mock.url(), &store);
+    let mut conv = Conversation::new(600);
+    let mut key = String::new();
+    for _ in 0..25 {
+        let before = mock.summaries().len();
+        let sent = conv.ask();
+        let (st, h, _) = post_chat(&proxy.url, chat_body("m", &sent, false), &headers).await;
+        assert_eq!(st, 200);
+        conv.answer();
+        key = session_of(&h);
+        if mock.summaries().len() > before {
+            break;
+        }
+    }
+    let (_, view) = admin_view(&proxy.url, TOKEN, &key).await;
+    assert!(
+        view["trigger"]["cooldown_remaining_secs"]
+            .as_u64()
+            .is_some_and(|s| s > 0),
+        "the failed summary started a cooldown: {view}"
+    );
+    let reports = view["usage_reports"].as_u64().unwrap();
+    assert!(reports >= 2, "{view}");
+    // The state is written after the turn, in the background.
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    proxy.child.kill().unwrap();
+    proxy.child.wait().unwrap();
+    drop(proxy);
+
+    let proxy = start(dir.path(), &mock.url(), &store);
+    let calls = mock.summaries().len();
+    let sent = conv.ask();
+    let (st, h, _) = post_chat(&proxy.url, chat_body("m", &sent, false), &headers).await;
+    assert_eq!(st, 200);
+    assert_eq!(session_of(&h), key);
+    assert_eq!(
+        mock.summaries().len(),
+        calls,
+        "still in cooldown: no summary call"
+    );
+    let (_, view) = admin_view(&proxy.url, TOKEN, &key).await;
+    assert!(
+        view["trigger"]["cooldown_remaining_secs"]
+            .as_u64()
+            .is_some_and(|s| s > 0),
+        "{view}"
+    );
+    // One report is the restarted process's own; the rest were restored.
+    assert!(view["usage_reports"].as_u64().unwrap() >= 2, "{view}");
+    let ratio = view["calibration_ratio"].as_f64().unwrap();
+    assert!((1.8..2.2).contains(&ratio), "{view}");
 }

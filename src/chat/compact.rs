@@ -21,6 +21,7 @@ use crate::upstream::Upstream;
 use super::background;
 use super::conversation::{rough_message_tokens, Conversation};
 use super::record::Record;
+use super::shared;
 use super::summarise::{HttpSummariser, SummaryTarget};
 use super::ChatState;
 
@@ -79,6 +80,9 @@ pub(super) enum Booked {
     /// Send these messages instead (the compaction is recorded: the new
     /// record, unless it could not be mapped onto the client's history).
     Compacted(Vec<Box<RawValue>>, Option<Arc<Record>>),
+    /// Another replica's record covers more of this history: send this
+    /// instead (a substitution, no compaction here).
+    Substituted(Vec<Box<RawValue>>, Arc<Record>),
     /// The compaction was abandoned; the messages go as they were.
     Aborted,
     /// Nothing to change.
@@ -124,6 +128,18 @@ pub(super) async fn compact_if_due(
         t.overflow,
         micro_due,
     );
+    // Across replicas: before a batch compaction (inline or committing a
+    // pre-compaction), another replica's record may already cover this.
+    let held = if d.wanted {
+        match shared::claim(chat, t).await {
+            shared::Claim::Found(rec) => return substitute_peer(conv, t, rec),
+            shared::Claim::Owned(held) => Some(held),
+            shared::Claim::Alone => None,
+        }
+    } else {
+        None
+    };
+    let mut booked = None;
     if cfg.background {
         let due = background::Due {
             est_rough,
@@ -131,14 +147,34 @@ pub(super) async fn compact_if_due(
             engine_window,
             max_out_rough: t.max_out.map(|m| scale.to_rough(m)),
         };
-        if let Some(booked) = background_turn(chat, upstream, conv, t, &d, &due).await {
-            return booked;
-        }
+        booked = background_turn(chat, upstream, conv, t, &d, &due).await;
     }
-    if !(d.wanted || d.micro_pass) {
-        return Booked::Nothing;
+    let booked = match booked {
+        Some(b) => b,
+        None if !(d.wanted || d.micro_pass) => Booked::Nothing,
+        None => compact_now(chat, upstream, conv, t, &d, (engine_window, est_rough)).await,
+    };
+    if let Some(held) = held {
+        let record = match &booked {
+            Booked::Compacted(_, rec) => rec.as_ref(),
+            _ => None,
+        };
+        shared::release(chat, held, record);
     }
-    compact_now(chat, upstream, conv, t, &d, (engine_window, est_rough)).await
+    booked
+}
+
+/// Sends another replica's record in place of a compaction here.
+fn substitute_peer(conv: &mut Conversation, t: &Turn<'_>, rec: Arc<Record>) -> Booked {
+    let send = rec
+        .replacement
+        .iter()
+        .chain(t.original.get(rec.k..).unwrap_or(&[]))
+        .cloned()
+        .collect();
+    conv.set_record(Some(&rec));
+    conv.stats.substituted += 1;
+    Booked::Substituted(send, rec)
 }
 
 /// Step 4: the engine pass the decision asked for, booked.

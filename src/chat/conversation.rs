@@ -6,7 +6,7 @@ use serde_json::value::RawValue;
 
 use crate::compaction::config::CompactionConfig;
 use crate::compaction::tokens;
-use crate::compaction::trigger::{Trigger, WindowSource};
+use crate::compaction::trigger::{Trigger, TriggerSnapshot, WindowSource};
 use crate::compaction::Compressor;
 use crate::request::ChainCache;
 use crate::session::calibration::{Calibration, EngineScale, SentRequest};
@@ -66,6 +66,13 @@ pub struct Conversation {
     /// The window of the last request in real tokens (the engine's own
     /// figure is in rough units, see [`EngineScale`]).
     pub real_window: Option<u64>,
+    /// The store was asked for this conversation's state (once per entry).
+    pub(crate) state_loaded: bool,
+    /// What of the state was last read from or written to the store
+    /// (trigger state, ratio in hundredths).
+    pub(crate) state_written: Option<(Option<TriggerSnapshot>, Option<i64>)>,
+    /// Stored trigger state waiting for the engine to be created.
+    pub(crate) restored_trigger: Option<TriggerSnapshot>,
 }
 
 impl Default for Conversation {
@@ -82,6 +89,9 @@ impl Default for Conversation {
             stats: ConvStats::default(),
             last_action: "passthrough",
             real_window: None,
+            state_loaded: false,
+            state_written: None,
+            restored_trigger: None,
         }
     }
 }
@@ -118,6 +128,9 @@ impl Conversation {
             .with_base_url(base_url);
             Compressor::new(Arc::clone(cfg), trigger)
         });
+        if let Some(snap) = self.restored_trigger.take() {
+            comp.trigger.restore(snap);
+        }
         // A model switch resets the trigger's state (another model, another
         // window and tokenizer). Window and output reservation go in separately:
         // they move with the calibration scale and the client's max_tokens,

@@ -31,6 +31,17 @@ impl ChatState {
             return None;
         }
         let stored = self.store.find(cred, hashes).await?;
+        self.adopt_record(cred, hashes, stored)
+    }
+
+    /// Keeps a record read from the store in memory, if it matches
+    /// `hashes` and its messages are still valid JSON.
+    pub(super) fn adopt_record(
+        &self,
+        cred: u128,
+        hashes: &[u128],
+        stored: StoredRecord,
+    ) -> Option<Arc<Record>> {
         let matches =
             stored.k >= 1 && stored.k <= hashes.len() && hashes[stored.k - 1] == stored.prefix_hash;
         let record = from_stored(stored).filter(|_| matches)?;
@@ -64,7 +75,7 @@ impl ChatState {
     }
 }
 
-fn to_stored(r: &Record) -> StoredRecord {
+pub(super) fn to_stored(r: &Record) -> StoredRecord {
     StoredRecord {
         k: r.k,
         prefix_hash: r.prefix_hash,

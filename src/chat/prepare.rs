@@ -71,6 +71,7 @@ pub(super) async fn prepare(
     let model = creq.model().unwrap_or_default();
     let mut guard = entry.lock().await;
     let conv: &mut Conversation = &mut guard;
+    super::persist::load(chat, conv, key).await;
     conv.drain_inbox();
     conv.note_model(&model);
     conv.stats.requests += u64::from(overflow.is_none());
@@ -123,10 +124,23 @@ pub(super) async fn prepare(
                 rough_message_tokens,
             );
         }
+        Booked::Substituted(messages, record) => {
+            out.record = Some(record);
+            out.messages = Cow::Owned(messages);
+            out.changed = true;
+            let sent_hashes = conv.sent_chain.chain(&out.messages).to_vec();
+            est = conv.calibration.estimate(
+                &out.messages,
+                &sent_hashes,
+                overhead,
+                rough_message_tokens,
+            );
+        }
         Booked::Aborted => action = Action::Aborted,
         Booked::Nothing => {}
     }
     conv.last_action = action.as_str();
+    super::persist::save(chat, conv, key);
     tracing::debug!(
         session = %key,
         action = action.as_str(),

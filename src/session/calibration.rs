@@ -83,8 +83,10 @@ pub struct Estimate {
     pub sent: Arc<SentRequest>,
 }
 
-/// Content-free view for the admin endpoint.
-#[derive(Debug, Clone, Copy, PartialEq, serde::Serialize)]
+/// Content-free view for the admin endpoint, and what of the calibration
+/// outlives the process (see [`Calibration::restore`]).
+#[derive(Debug, Clone, Copy, PartialEq, Default, serde::Serialize, serde::Deserialize)]
+#[serde(default)]
 pub struct CalibrationSnapshot {
     /// Real `prompt_tokens` of the last observed request.
     pub last_real_prompt_tokens: Option<u64>,
@@ -173,6 +175,16 @@ impl Calibration {
             last_estimate_error: self.last_error,
             observations: self.observations,
         }
+    }
+
+    /// Takes the ratio, the last error and the observation count of a
+    /// snapshot (a restart): estimates are priced by the ratio until the
+    /// next real usage. The last observation itself is not restored: its
+    /// per-message estimates are gone with the process.
+    pub fn restore(&mut self, snap: &CalibrationSnapshot) {
+        self.ratio = snap.ratio.map(|r| r.clamp(MIN_RATIO, MAX_RATIO));
+        self.last_error = snap.last_estimate_error;
+        self.observations = snap.observations;
     }
 
     /// Forgets everything (model switch: old calibration must not suppress

@@ -2,13 +2,15 @@
 //!
 //! ```toml
 //! [store]
-//! backend = "redb"          # "memory" | "redb"; unset: the binary uses redb,
-//!                           # an embedding program (and the tests) memory
+//! backend = "redb"          # "memory" | "redb" | "redis"; unset: the binary
+//!                           # uses redb, an embedding program (and the tests) memory
 //! path = "/var/lib/compactor/state.redb"   # redb file; implies backend = "redb"
+//! url = "redis://:pass@cache:6379/0"       # redis:// or rediss://; implies "redis"
 //! timeout_ms = 250          # a slower store call counts as failed
 //! ```
 //!
-//! `COMPACTOR_STORE_BACKEND` and `COMPACTOR_STORE_PATH` override them. The
+//! `COMPACTOR_STORE_BACKEND`, `COMPACTOR_STORE_PATH` and
+//! `COMPACTOR_STORE_URL` override them. The
 //! store's TTL and byte bound are the memory's: `[session] ttl_secs` and
 //! `max_record_bytes`.
 
@@ -28,6 +30,8 @@ pub struct RawStore {
     pub backend: Option<String>,
     /// The redb file.
     pub path: Option<PathBuf>,
+    /// The Redis/Valkey URL (`redis://[user:pass@]host:port/db`, `rediss://`).
+    pub url: Option<String>,
     /// Per-call timeout in milliseconds.
     pub timeout_ms: Option<u64>,
 }
@@ -44,6 +48,13 @@ impl RawStore {
         }
     }
 
+    /// Applies `COMPACTOR_STORE_URL` (an empty value unsets).
+    pub fn apply_url_env(&mut self, url: Option<String>) {
+        if let Some(u) = url {
+            self.url = (!u.trim().is_empty()).then_some(u);
+        }
+    }
+
     /// Validates into a [`StoreConfig`]; `Err((key, message))` names the
     /// offending key.
     pub fn validate(
@@ -55,7 +66,31 @@ impl RawStore {
         if timeout_ms == 0 {
             return Err(("store.timeout_ms".into(), "must be positive".into()));
         }
-        let (backend, explicit) = match (self.backend.as_deref().map(str::trim), &self.path) {
+        if let Some(url) = &self.url {
+            if let Err(e) = super::resp::RedisUrl::parse(url) {
+                return Err(("store.url".into(), e.to_string()));
+            }
+        }
+        let backend = self.backend.as_deref().map(str::trim);
+        match (backend, &self.url) {
+            (None | Some("redis"), Some(url)) => {
+                return Ok(StoreConfig {
+                    backend: StoreBackend::Redis(url.clone()),
+                    explicit: true,
+                    ttl,
+                    max_bytes,
+                    timeout: Duration::from_millis(timeout_ms),
+                })
+            }
+            (Some("redis"), None) => {
+                return Err((
+                    "store.url".into(),
+                    "backend \"redis\" needs a url (redis://host:port)".into(),
+                ))
+            }
+            _ => {}
+        }
+        let (backend, explicit) = match (backend, &self.path) {
             (None, None) => (StoreBackend::Memory, false),
             (Some("memory"), _) => (StoreBackend::Memory, true),
             (None | Some("redb"), Some(p)) => (StoreBackend::Redb(p.clone()), true),
@@ -71,7 +106,7 @@ impl RawStore {
             (Some(other), _) => {
                 return Err((
                     "store.backend".into(),
-                    format!("expected \"memory\" or \"redb\", got {other:?}"),
+                    format!("expected \"memory\", \"redb\" or \"redis\", got {other:?}"),
                 ))
             }
         };
@@ -92,6 +127,8 @@ pub enum StoreBackend {
     Memory,
     /// An embedded redb file.
     Redb(PathBuf),
+    /// A Redis/Valkey server (the URL, credentials included: never logged).
+    Redis(String),
 }
 
 /// Validated `[store]`.
@@ -197,6 +234,35 @@ mod tests {
             ..RawStore::default()
         };
         assert_eq!(raw.validate(TTL, 10).unwrap_err().0, "store.timeout_ms");
+    }
+
+    #[test]
+    fn url_implies_redis_and_is_checked() {
+        let raw = RawStore {
+            url: Some("redis://:pw@127.0.0.1:6390/2".into()),
+            ..RawStore::default()
+        };
+        let c = raw.validate(TTL, 10).unwrap();
+        assert_eq!(
+            c.backend,
+            StoreBackend::Redis("redis://:pw@127.0.0.1:6390/2".into())
+        );
+        let raw = RawStore {
+            url: Some("http://x".into()),
+            ..RawStore::default()
+        };
+        assert_eq!(raw.validate(TTL, 10).unwrap_err().0, "store.url");
+        let raw = RawStore {
+            backend: Some("redis".into()),
+            ..RawStore::default()
+        };
+        assert_eq!(raw.validate(TTL, 10).unwrap_err().0, "store.url");
+        let mut raw = RawStore::default();
+        raw.apply_url_env(Some("rediss://h".into()));
+        assert!(matches!(
+            raw.validate(TTL, 10).unwrap().backend,
+            StoreBackend::Redis(_)
+        ));
     }
 
     #[test]

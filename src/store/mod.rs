@@ -13,6 +13,7 @@
 //! Backends:
 //! - [`Memory`]: nothing outlives the process (the behaviour before stores).
 //! - [`redb::RedbStore`]: an embedded file, the binary's default.
+//! - [`redis::RedisStore`]: Redis or Valkey, shared by several replicas.
 //!
 //! A store that fails or is slow degrades the request to memory only: the
 //! request passes through, the failure is logged (content-free) and counted
@@ -20,6 +21,8 @@
 
 pub mod config;
 pub mod redb;
+pub mod redis;
+pub mod resp;
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
@@ -112,6 +115,42 @@ pub trait Store: Send + Sync {
     ) -> Result<(), StoreError> {
         Ok(())
     }
+
+    /// Whether several processes share this store: then a compaction takes
+    /// [`Store::try_lock`] before its summary call, so that one replica
+    /// summarises and the others use its record.
+    fn shared(&self) -> bool {
+        false
+    }
+
+    /// Takes the lock of the compaction of (`cred`, `prefix_hash`) for
+    /// `ttl`, as `token`; `false`: another owner holds it. A store that is
+    /// not shared has nothing to lock against.
+    async fn try_lock(
+        &self,
+        _cred: u128,
+        _prefix_hash: u128,
+        _token: u64,
+        _ttl: Duration,
+    ) -> Result<bool, StoreError> {
+        Ok(true)
+    }
+
+    /// Releases the lock if `token` still owns it.
+    async fn unlock(&self, _cred: u128, _prefix_hash: u128, _token: u64) -> Result<(), StoreError> {
+        Ok(())
+    }
+
+    /// The state a conversation (by session key) left, as it was put.
+    async fn get_state(&self, _session: u128) -> Result<Option<Vec<u8>>, StoreError> {
+        Ok(None)
+    }
+
+    /// Stores a conversation's state (replacing the previous one); it
+    /// expires after the idle TTL like a record.
+    async fn put_state(&self, _session: u128, _state: Vec<u8>) -> Result<(), StoreError> {
+        Ok(())
+    }
 }
 
 /// Nothing outlives the process: every call is free and finds nothing.
@@ -148,11 +187,18 @@ pub struct StoreHealth {
     pub writes: AtomicU64,
     /// Calls that failed or timed out (the request went on from memory).
     pub degraded: AtomicU64,
+    /// Compactions not run because another replica's record was found.
+    pub peer_records: AtomicU64,
 }
 
 impl StoreHealth {
     fn bump(c: &AtomicU64) {
         c.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// Counts a compaction served by another replica's record.
+    pub fn peer_record(&self) {
+        Self::bump(&self.peer_records);
     }
 
     /// Prometheus text of the counters, labelled by backend.
@@ -178,6 +224,11 @@ impl StoreHealth {
                 "compactor_store_degraded_total",
                 "Store calls that failed or timed out (served from memory).",
                 &self.degraded,
+            ),
+            (
+                "compactor_store_peer_records_total",
+                "Compactions not run here because another replica's record was found.",
+                &self.peer_records,
             ),
         ] {
             out.push_str(&format!(
@@ -303,6 +354,63 @@ impl StoreHandle {
         });
     }
 
+    /// See [`Store::shared`].
+    pub fn shared(&self) -> bool {
+        self.store.shared()
+    }
+
+    /// Whether anything outlives the process (not the memory backend).
+    pub fn persistent(&self) -> bool {
+        self.store.name() != "memory"
+    }
+
+    /// See [`Store::try_lock`]; `None` when the store failed (counted).
+    pub async fn try_lock(
+        &self,
+        cred: u128,
+        prefix_hash: u128,
+        token: u64,
+        ttl: Duration,
+    ) -> Option<bool> {
+        let call = self.store.try_lock(cred, prefix_hash, token, ttl);
+        self.bounded("lock", call).await
+    }
+
+    /// See [`Store::unlock`]; a failure is counted (the lock then expires).
+    pub async fn unlock(&self, cred: u128, prefix_hash: u128, token: u64) {
+        let call = self.store.unlock(cred, prefix_hash, token);
+        self.bounded("unlock", call).await;
+    }
+
+    /// A conversation's stored state; `None` on a miss or a failure.
+    pub async fn get_state(&self, session: u128) -> Option<Vec<u8>> {
+        self.bounded("get_state", self.store.get_state(session))
+            .await
+            .flatten()
+    }
+
+    /// Stores a conversation's state in the background.
+    pub fn put_state_in_background(&self, session: u128, state: Vec<u8>) {
+        let this = self.clone();
+        tokio::spawn(async move {
+            let call = this.store.put_state(session, state);
+            this.bounded("put_state", call).await;
+        });
+    }
+
+    /// One call under the timeout; a failure is logged and counted.
+    async fn bounded<T>(
+        &self,
+        op: &'static str,
+        call: impl std::future::Future<Output = Result<T, StoreError>>,
+    ) -> Option<T> {
+        match tokio::time::timeout(self.timeout, call).await {
+            Ok(Ok(v)) => Some(v),
+            Ok(Err(e)) => self.degraded(op, &e),
+            Err(_) => self.degraded(op, &StoreError::Timeout),
+        }
+    }
+
     /// Sweeps the store; a failure is logged and counted.
     pub async fn sweep(&self) {
         // A sweep may walk the whole store: it gets a longer budget.
@@ -336,6 +444,17 @@ pub fn open(cfg: &StoreConfig) -> StoreHandle {
             }
             Err(e) => {
                 tracing::warn!(backend = "redb", path = %path.display(), error = %e,
+                    "store cannot be opened; records are kept in memory only");
+                Arc::new(Memory)
+            }
+        },
+        StoreBackend::Redis(url) => match redis::RedisStore::open(url, cfg.ttl, cfg.max_bytes) {
+            Ok(s) => {
+                tracing::info!(backend = "redis", "store opened");
+                Arc::new(s)
+            }
+            Err(e) => {
+                tracing::warn!(backend = "redis", error = %e,
                     "store cannot be opened; records are kept in memory only");
                 Arc::new(Memory)
             }

@@ -23,6 +23,9 @@ const TOUCHED: TableDefinition<'static, Key, u64> = TableDefinition::new("touche
 /// Learned windows: `upstream` NUL `model` → tokens.
 const WINDOWS: TableDefinition<'static, &'static str, u64> = TableDefinition::new("windows");
 const META: TableDefinition<'static, &'static str, u64> = TableDefinition::new("meta");
+/// Conversation state by session key: last write (unix ms, 8 bytes LE)
+/// followed by the state as put.
+const STATES: TableDefinition<'static, u128, &'static [u8]> = TableDefinition::new("states");
 /// Under [`META`]: the keyer secret, made at the file's first open.
 const SECRET: &str = "keyer_secret";
 
@@ -39,6 +42,8 @@ struct Meta {
 #[derive(Debug, Default)]
 struct Index {
     meta: HashMap<Key, Meta>,
+    /// Conversation states and when each was last written.
+    states: HashMap<u128, u64>,
     /// Records per prefix length.
     lengths: BTreeMap<usize, usize>,
     bytes: usize,
@@ -122,19 +127,29 @@ impl RedbStore {
     /// it at start-up, before serving.
     pub fn open(path: &Path, ttl: Duration, max_bytes: usize) -> Result<Self, StoreError> {
         prepare_file(path).map_err(backend)?;
-        let db = Database::builder()
+        let mut db = Database::builder()
             .set_cache_size(16 << 20)
             .create(path)
             .map_err(backend)?;
-        let (index, secret) = load(&db)?;
+        let (mut index, secret) = load(&db)?;
         let windows = load_windows(&db)?;
+        let ttl_ms = u64::try_from(ttl.as_millis()).unwrap_or(u64::MAX);
+        let max_bytes = max_bytes.max(1);
+        // What expired while the process was down goes now, and the file
+        // gives the space back: redb reuses freed pages but never shrinks
+        // the file by itself, and only at open does nothing else hold it.
+        let plan = plan_sweep(&mut index, now_ms(), ttl_ms, max_bytes);
+        if !(plan.gone.is_empty() && plan.states.is_empty()) {
+            write_sweep(&db, &plan)?;
+            db.compact().map_err(backend)?;
+        }
         Ok(Self {
             db: Arc::new(db),
             index: Arc::new(Mutex::new(index)),
             secret,
             windows,
-            ttl_ms: u64::try_from(ttl.as_millis()).unwrap_or(u64::MAX),
-            max_bytes: max_bytes.max(1),
+            ttl_ms,
+            max_bytes,
         })
     }
 
@@ -188,6 +203,11 @@ fn load(db: &Database) -> Result<(Index, u64), StoreError> {
     }
     {
         // Opened in a write transaction so a new file gets its tables.
+        let states = tx.open_table(STATES).map_err(backend)?;
+        for row in states.iter().map_err(backend)? {
+            let (key, value) = row.map_err(backend)?;
+            index.states.insert(key.value(), written_at(value.value()));
+        }
         let records = tx.open_table(RECORDS).map_err(backend)?;
         let touched = tx.open_table(TOUCHED).map_err(backend)?;
         for row in records.iter().map_err(backend)? {
@@ -254,58 +274,90 @@ fn read_longest(
     Ok(None)
 }
 
-/// Drops `gone` and writes the last use of `dirty`, in one transaction.
-fn write_sweep(db: &Database, gone: &[Key], dirty: &[(Key, u64)]) -> Result<(), StoreError> {
+/// The write time in front of a stored state.
+fn written_at(value: &[u8]) -> u64 {
+    value
+        .get(..8)
+        .and_then(|b| <[u8; 8]>::try_from(b).ok())
+        .map_or(0, u64::from_le_bytes)
+}
+
+/// What one sweep removes and writes.
+struct SweepPlan {
+    /// Records dropped (expired, or over the byte bound).
+    gone: Vec<Key>,
+    /// Last uses to write.
+    dirty: Vec<(Key, u64)>,
+    /// Conversation states expired.
+    states: Vec<u128>,
+}
+
+/// Carries out a sweep plan in one transaction.
+fn write_sweep(db: &Database, plan: &SweepPlan) -> Result<(), StoreError> {
     let tx = db.begin_write().map_err(backend)?;
     {
         let mut records = tx.open_table(RECORDS).map_err(backend)?;
         let mut touched = tx.open_table(TOUCHED).map_err(backend)?;
-        for key in gone {
+        for key in &plan.gone {
             records.remove(*key).map_err(backend)?;
             touched.remove(*key).map_err(backend)?;
         }
-        for (key, when) in dirty {
+        for (key, when) in &plan.dirty {
             touched.insert(*key, *when).map_err(backend)?;
+        }
+        let mut states = tx.open_table(STATES).map_err(backend)?;
+        for key in &plan.states {
+            states.remove(*key).map_err(backend)?;
         }
     }
     tx.commit().map_err(backend)
 }
 
-impl RedbStore {
-    /// What a sweep at `now` drops (expired first, then the least recently
-    /// used while over the byte bound) and which last uses it writes.
-    fn plan_sweep(&self, index: &mut Index, now: u64) -> (Vec<Key>, Vec<(Key, u64)>) {
-        let mut gone: Vec<Key> = index
-            .meta
-            .iter()
-            .filter(|(_, m)| now.saturating_sub(m.touched) > self.ttl_ms)
-            .map(|(k, _)| *k)
-            .collect();
-        for key in &gone {
-            index.remove(key);
-        }
-        if index.bytes > self.max_bytes {
-            let mut by_age: Vec<(u64, Key)> =
-                index.meta.iter().map(|(k, m)| (m.touched, *k)).collect();
-            by_age.sort_unstable();
-            for (_, key) in by_age {
-                if index.bytes <= self.max_bytes {
-                    break;
-                }
-                index.remove(&key);
-                gone.push(key);
+/// What a sweep at `now` drops (expired first, then the least recently
+/// used while over the byte bound) and which last uses it writes.
+fn plan_sweep(index: &mut Index, now: u64, ttl_ms: u64, max_bytes: usize) -> SweepPlan {
+    let mut gone: Vec<Key> = index
+        .meta
+        .iter()
+        .filter(|(_, m)| now.saturating_sub(m.touched) > ttl_ms)
+        .map(|(k, _)| *k)
+        .collect();
+    for key in &gone {
+        index.remove(key);
+    }
+    if index.bytes > max_bytes {
+        let mut by_age: Vec<(u64, Key)> = index.meta.iter().map(|(k, m)| (m.touched, *k)).collect();
+        by_age.sort_unstable();
+        for (_, key) in by_age {
+            if index.bytes <= max_bytes {
+                break;
             }
+            index.remove(&key);
+            gone.push(key);
         }
-        let dirty = index
-            .meta
-            .iter_mut()
-            .filter(|(_, m)| m.dirty)
-            .map(|(k, m)| {
-                m.dirty = false;
-                (*k, m.touched)
-            })
-            .collect();
-        (gone, dirty)
+    }
+    let dirty = index
+        .meta
+        .iter_mut()
+        .filter(|(_, m)| m.dirty)
+        .map(|(k, m)| {
+            m.dirty = false;
+            (*k, m.touched)
+        })
+        .collect();
+    let states: Vec<u128> = index
+        .states
+        .iter()
+        .filter(|(_, at)| now.saturating_sub(**at) > ttl_ms)
+        .map(|(k, _)| *k)
+        .collect();
+    for k in &states {
+        index.states.remove(k);
+    }
+    SweepPlan {
+        gone,
+        dirty,
+        states,
     }
 }
 
@@ -418,12 +470,50 @@ impl Store for RedbStore {
     }
 
     async fn sweep(&self) -> Result<(), StoreError> {
-        let (gone, dirty) = self.plan_sweep(&mut lock(&self.index), now_ms());
-        if gone.is_empty() && dirty.is_empty() {
+        let plan = plan_sweep(
+            &mut lock(&self.index),
+            now_ms(),
+            self.ttl_ms,
+            self.max_bytes,
+        );
+        if plan.gone.is_empty() && plan.dirty.is_empty() && plan.states.is_empty() {
             return Ok(());
         }
-        self.blocking(move |db, _| write_sweep(db, &gone, &dirty))
-            .await
+        self.blocking(move |db, _| write_sweep(db, &plan)).await
+    }
+
+    async fn get_state(&self, session: u128) -> Result<Option<Vec<u8>>, StoreError> {
+        let ttl_ms = self.ttl_ms;
+        self.blocking(move |db, _| {
+            let tx = db.begin_read().map_err(backend)?;
+            let table = tx.open_table(STATES).map_err(backend)?;
+            let Some(v) = table.get(session).map_err(backend)? else {
+                return Ok(None);
+            };
+            let v = v.value();
+            if now_ms().saturating_sub(written_at(v)) > ttl_ms {
+                return Ok(None);
+            }
+            Ok(v.get(8..).map(<[u8]>::to_vec))
+        })
+        .await
+    }
+
+    async fn put_state(&self, session: u128, state: Vec<u8>) -> Result<(), StoreError> {
+        self.blocking(move |db, index| {
+            let now = now_ms();
+            let mut value = now.to_le_bytes().to_vec();
+            value.extend_from_slice(&state);
+            let tx = db.begin_write().map_err(backend)?;
+            tx.open_table(STATES)
+                .map_err(backend)?
+                .insert(session, value.as_slice())
+                .map_err(backend)?;
+            tx.commit().map_err(backend)?;
+            lock(index).states.insert(session, now);
+            Ok(())
+        })
+        .await
     }
 }
 
@@ -500,6 +590,54 @@ mod tests {
         let path = dir.path().join("state.redb");
         let _s = open(&path);
         assert!(RedbStore::open(&path, Duration::from_secs(60), 1 << 20).is_err());
+    }
+
+    #[tokio::test]
+    async fn conversation_state_survives_reopen_and_expires() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("state.redb");
+        {
+            let s = open(&path);
+            assert_eq!(s.get_state(7).await.unwrap(), None);
+            s.put_state(7, b"one".to_vec()).await.unwrap();
+            s.put_state(7, b"two".to_vec()).await.unwrap();
+        }
+        {
+            let s = open(&path);
+            assert_eq!(s.get_state(7).await.unwrap().as_deref(), Some(&b"two"[..]));
+            assert_eq!(s.get_state(8).await.unwrap(), None);
+        }
+        std::thread::sleep(Duration::from_millis(250));
+        // Reopened with a TTL shorter than the time since the write.
+        let s = RedbStore::open(&path, Duration::from_millis(200), 1 << 20).unwrap();
+        assert_eq!(s.get_state(7).await.unwrap(), None, "expired");
+        assert!(lock(&s.index).states.is_empty(), "dropped at open");
+    }
+
+    #[tokio::test]
+    async fn the_file_shrinks_at_open_after_many_records_expired() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("state.redb");
+        {
+            let s = RedbStore::open(&path, Duration::from_millis(200), 64 << 20).unwrap();
+            let text = "y".repeat(4000);
+            for h in 0..2000u128 {
+                s.put(h % 7, rec(3, h, &text)).await.unwrap();
+            }
+            s.put_state(1, vec![b'z'; 1000]).await.unwrap();
+        }
+        let full = std::fs::metadata(&path).unwrap().len();
+        assert!(full > 8 << 20, "{full}");
+        std::thread::sleep(Duration::from_millis(250));
+        let s = RedbStore::open(&path, Duration::from_millis(200), 64 << 20).unwrap();
+        assert!(s.is_empty());
+        let after = std::fs::metadata(&path).unwrap().len();
+        assert!(after < full / 4, "{full} → {after}");
+        drop(s);
+        // And the shrunk file is a good one.
+        let s = RedbStore::open(&path, Duration::from_secs(60), 1 << 20).unwrap();
+        s.put(1, rec(1, 1, "{}")).await.unwrap();
+        assert!(s.find(1, &[1]).await.unwrap().is_some());
     }
 
     #[tokio::test]
