@@ -14,11 +14,12 @@ use serde_json::{json, Value};
 
 use super::compressor::{
     common_suffix, CompressResult, CompressTelemetry, Compressor, NoOpReason, Outcome,
+    SummaryAttempt, SummaryCall,
 };
 use super::config::Strategy;
 use super::markers::{END_MARKER, HISTORICAL_TASK_HEADING, MICRO_TAG, SUMMARY_PREFIX};
-use super::serialize::{self, serialize_for_summary};
-use super::summariser::{Summariser, SummaryRequest};
+use super::serialize::serialize_for_summary;
+use super::summariser::Summariser;
 use super::tail::TailParams;
 use super::tokens;
 use super::trigger::Trigger;
@@ -263,30 +264,32 @@ impl Compressor {
         tokens::estimate_text_tokens(&self.micro.rolling_summary) >= MICRO_DEFRAG_THRESHOLD_TOKENS
     }
 
+    /// One micro summary call. A reply cut at the reply cap is handled as
+    /// on the batch path: one retry with a firmer length instruction when
+    /// the prompt budget has room, else the reply kept up to its last
+    /// complete line and marked as cut.
     async fn micro_summarize_one(&mut self, s: &dyn Summariser, prompt: String) -> Option<String> {
         let cap = MICRO_MAX_TOKENS_CAP.min(self.trigger.max_summary_tokens());
-        let req = SummaryRequest {
-            model: self
-                .summary_model
-                .clone()
-                .filter(|m| m != self.trigger.model()),
+        let call = SummaryCall {
             prompt,
+            no_user_session: false,
+            target_tokens: cap,
+            max_body_chars: usize::MAX,
+            budget_chars: s.prompt_budget_chars(),
+            keep_cut: !self.cfg.abort_on_degraded_summary,
             max_tokens: Some(u32::try_from(cap).unwrap_or(u32::MAX)),
             temperature: Some(MICRO_TEMPERATURE),
         };
-        let reply = s.summarise(req).await.ok()?;
-        let text = match reply.content.as_ref() {
-            Some(Value::String(t)) => Some(t.clone()),
-            Some(v @ Value::Array(_)) => Some(view::content_text(v)),
-            _ => None,
-        };
-        serialize::validate_summary_reply(
-            text.as_deref(),
-            reply.finish_reason.as_deref(),
-            reply.refusal.as_deref(),
-            None,
-        )
-        .ok()
+        // Micro keeps its own model choice: no retry on the main model.
+        let mut model = self
+            .summary_model
+            .clone()
+            .filter(|m| m != self.trigger.model());
+        let mut fallen_back = true;
+        let mut attempt = SummaryAttempt::default();
+        call.run(s, &mut model, &mut fallen_back, &mut attempt)
+            .await
+            .ok()
     }
 
     /// Runs one micro-compaction pass over `messages`.
