@@ -17,8 +17,8 @@ use compactor::compaction::micro::{
 };
 use compactor::compaction::summariser::SummaryReply;
 use compactor::compaction::tokens::estimate_messages_tokens_rough;
-use compactor::compaction::truncated::CUT_MARKER;
 use compactor::compaction::trigger::{Trigger, WindowSource};
+use compactor::compaction::truncated::CUT_MARKER;
 use compactor::compaction::view::is_summary;
 use engine_support::*;
 use serde_json::Value;
@@ -297,7 +297,10 @@ fn cut_reply(text: &str) -> SummaryReply {
 const CUT: &str = "- build_id: B7-1234\n- tag: REL-42\n- half a li";
 
 fn marker_text(msgs: &[Value]) -> String {
-    markers(msgs).first().map(|m| content_str(m)).unwrap_or_default()
+    markers(msgs)
+        .first()
+        .map(|m| content_str(m))
+        .unwrap_or_default()
 }
 
 #[test]
@@ -315,7 +318,10 @@ fn a_cut_exchange_summary_is_retried_once_with_a_firmer_length() {
     assert!(retry.prompt.contains("cut off at the reply limit"));
     assert_eq!(retry.max_tokens, s.request(0).max_tokens, "same cap");
     let text = marker_text(&r.messages);
-    assert!(text.contains("tag: REL-42") && !text.contains(CUT_MARKER), "{text}");
+    assert!(
+        text.contains("tag: REL-42") && !text.contains(CUT_MARKER),
+        "{text}"
+    );
 }
 
 #[test]
@@ -323,7 +329,11 @@ fn a_cut_exchange_summary_is_kept_at_its_last_complete_line() {
     let mut c = micro();
     let s = Stub::reply(cut_reply(CUT));
     let r = block_on(c.micro_compact(&conversation(6), &s));
-    assert_eq!(r.micro.unwrap().outcome, MicroOutcome::Absorbed, "not a failure");
+    assert_eq!(
+        r.micro.unwrap().outcome,
+        MicroOutcome::Absorbed,
+        "not a failure"
+    );
     assert_eq!(c.micro.consecutive_failures, 0);
     let text = marker_text(&r.messages);
     assert!(text.contains("- tag: REL-42"), "{text}");
@@ -362,4 +372,27 @@ fn abort_on_degraded_summary_treats_a_cut_exchange_summary_as_a_failure() {
     let r = block_on(c.micro_compact(&msgs, &Stub::reply(cut_reply(CUT))));
     assert_eq!(r.micro.unwrap().outcome, MicroOutcome::SummarizeFailed);
     assert_eq!(r.messages, msgs);
+}
+
+#[test]
+fn a_batch_compaction_over_a_micro_marker_carries_its_rolling_summary() {
+    let mut c = micro();
+    let msgs = conversation(8);
+    let absorbed = pass(&mut c, &msgs, &Stub::ok("- micro fact: M-77"));
+    assert!(!markers(&absorbed).is_empty());
+    // A batch summary exists from before the micro pass.
+    c.previous_summary = Some("- batch fact: B-11".into());
+    let s = Stub::ok("## Historical Task Snapshot\nnew");
+    let r = block_on(c.compress(
+        &absorbed,
+        &s,
+        compactor::compaction::compressor::CompressOptions {
+            force: true,
+            ..Default::default()
+        },
+    ));
+    assert!(s.calls() >= 1, "{:?}", r.outcome);
+    let prompt = s.request(0).prompt;
+    assert!(prompt.contains("B-11"), "the batch summary");
+    assert!(prompt.contains("M-77"), "the micro rolling summary");
 }

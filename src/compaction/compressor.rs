@@ -1094,6 +1094,7 @@ impl Compressor {
         } else {
             self.previous_summary
                 .clone()
+                .map(|p| with_micro_summary(p, working))
                 .or_else(|| Some(bodies.join("\n\n")))
         };
         // Provenance: a real user row decides; without one, an earlier
@@ -1359,6 +1360,27 @@ fn last_resort(messages: &[Value], ending: Ending, pass: &mut Pass) -> Ending {
         messages: shrunk.messages,
         summary_index,
         dropped_count,
+    }
+}
+
+/// The running batch summary plus the rolling summary of the newest micro
+/// marker on the wire: a micro pass absorbs exchanges after the last batch
+/// compaction, so what it recorded is in no batch summary yet and would be
+/// lost with its marker.
+fn with_micro_summary(previous: String, working: &[Value]) -> String {
+    let rolling = working
+        .iter()
+        .rev()
+        .find(|m| super::micro::is_micro_marker(m))
+        .and_then(|m| match markers::classify_handoff(m) {
+            Handoff::Standalone { body, .. } | Handoff::Merged { body, .. } => Some(body),
+            Handoff::None => None,
+        });
+    match rolling {
+        Some(r) if !r.trim().is_empty() && !previous.contains(r.trim()) => {
+            format!("{previous}\n\n{r}")
+        }
+        _ => previous,
     }
 }
 

@@ -269,7 +269,15 @@ impl Compressor {
     /// the prompt budget has room, else the reply kept up to its last
     /// complete line and marked as cut.
     async fn micro_summarize_one(&mut self, s: &dyn Summariser, prompt: String) -> Option<String> {
-        let cap = MICRO_MAX_TOKENS_CAP.min(self.trigger.max_summary_tokens());
+        // The reply cap of a batch summary at this window (it follows the
+        // window), bounded by the micro cap: the rolling summary carries every
+        // exchange absorbed so far, so a smaller cap cuts it on every pass.
+        let reply_cap = self
+            .trigger
+            .summariser_budgets()
+            .reply_tokens
+            .map_or(u64::MAX, u64::from);
+        let cap = MICRO_MAX_TOKENS_CAP.min(reply_cap).max(1);
         let call = SummaryCall {
             prompt,
             no_user_session: false,
