@@ -12,8 +12,10 @@ use tokio::time::Instant;
 
 use crate::compaction::config::{CompactionConfig, Strategy};
 use crate::compaction::last_resort;
+use crate::compaction::micro::MicroOutcome;
 use crate::compaction::trigger::Trigger;
 use crate::compaction::{CompressOptions, Compressor, Outcome};
+use crate::request::message_hashes;
 use crate::session::key::SessionKey;
 use crate::upstream::Upstream;
 
@@ -128,14 +130,47 @@ pub(super) async fn compact_if_due(
             engine_window,
             max_out_rough: t.max_out.map(|m| scale.to_rough(m)),
         };
-        if let Some(booked) = background_turn(chat, upstream, conv, t, &d, &due).await {
-            return booked;
+        let booked = match background_turn(chat, upstream, conv, t, &d, &due).await {
+            Some(booked) => booked,
+            None if d.wanted || d.micro_pass => {
+                compact_now(chat, upstream, conv, t, &d, (engine_window, est_rough)).await
+            }
+            None => return Booked::Nothing,
+        };
+        if d.micro_pass {
+            start_after_micro(chat, upstream, conv, t, &due, &booked);
         }
+        return booked;
     }
     if !(d.wanted || d.micro_pass) {
         return Booked::Nothing;
     }
     compact_now(chat, upstream, conv, t, &d, (engine_window, est_rough)).await
+}
+
+/// After a micro pass on this turn, the pre-compaction of the next one
+/// starts from what this turn sends.
+fn start_after_micro(
+    chat: &ChatState,
+    upstream: &Arc<Upstream>,
+    conv: &mut Conversation,
+    t: &Turn<'_>,
+    due: &background::Due,
+    booked: &Booked,
+) {
+    let base = match booked {
+        Booked::Compacted(send, Some(rec)) => background::Base {
+            outgoing: send,
+            record: Some(rec),
+        },
+        // Sent without a record of its own: nothing to start from.
+        Booked::Compacted(_, None) => return,
+        Booked::Aborted | Booked::Nothing => background::Base {
+            outgoing: t.outgoing,
+            record: t.record,
+        },
+    };
+    background::maybe_start_micro(chat, upstream, conv, t, due, &base);
 }
 
 /// Step 4: the engine pass the decision asked for, booked.
@@ -209,8 +244,22 @@ async fn background_turn(
     due: &background::Due,
 ) -> Option<Booked> {
     background::discard_if_diverged(chat, conv, t.client_hashes);
+    if d.micro_pass {
+        return micro_from_pending(chat, conv, t, due).await;
+    }
     if !d.wanted {
         background::maybe_start(chat, upstream, conv, t, due);
+        let base = background::Base {
+            outgoing: t.outgoing,
+            record: t.record,
+        };
+        background::maybe_start_micro(chat, upstream, conv, t, due, &base);
+        return None;
+    }
+    if background::pending_is_micro(conv) {
+        // A micro pass is not the batch compaction this turn needs.
+        conv.pending = None;
+        chat.metrics.chat.precompaction("discarded");
         return None;
     }
     let c = background::take(chat, conv, t).await?;
@@ -251,6 +300,71 @@ async fn background_turn(
         tokens_before = c.tokens_before,
         tokens_after = c.tokens_after,
         "compaction from a pre-compaction"
+    );
+    let rec = chat.commit_record(t.cred, c.record);
+    conv.set_record(Some(&rec));
+    Some(Booked::Compacted(send, Some(rec)))
+}
+
+/// A micro turn served by the pending micro pass: committed when it
+/// absorbed exactly the exchange this turn's own pass would (same rows up
+/// to its end), else discarded (`None`: the pass runs inline). While this
+/// turn has nothing to absorb, the pending pass is kept for a later turn.
+async fn micro_from_pending(
+    chat: &ChatState,
+    conv: &mut Conversation,
+    t: &Turn<'_>,
+    due: &background::Due,
+) -> Option<Booked> {
+    if !background::pending_is_micro(conv) {
+        return None;
+    }
+    let (start, end) = {
+        let comp = conv.compressor.as_mut()?;
+        let (rows, values) = engine_input(&chat.compaction, t.outgoing, due.engine_window)?;
+        if !rows.is_whole() {
+            return None;
+        }
+        comp.micro_cut(&values, false)?
+    };
+    let c = background::take(chat, conv, t).await?;
+    let covers = c.micro.as_ref().is_some_and(|m| {
+        m.start == start
+            && m.end == end
+            && t.outgoing
+                .get(..end)
+                .and_then(|rows| message_hashes(rows).last().copied())
+                == Some(m.prefix_hash)
+    });
+    let Some(cut) = c.micro.filter(|_| covers) else {
+        chat.metrics.chat.precompaction("discarded");
+        return None;
+    };
+    let k = c.record.k;
+    let send: Vec<Box<RawValue>> = c
+        .record
+        .replacement
+        .iter()
+        .chain(t.original.get(k..).unwrap_or(&[]))
+        .cloned()
+        .collect();
+    let saved = c.tokens_before.saturating_sub(c.tokens_after);
+    conv.stats.compactions += 1;
+    conv.stats.tokens_saved += saved;
+    chat.metrics
+        .chat
+        .compaction(MicroOutcome::Absorbed.as_str(), saved, None);
+    chat.metrics.chat.precompaction("used");
+    if let Some(comp) = conv.compressor.as_mut() {
+        comp.micro = cut.state;
+    }
+    tracing::info!(
+        session = %t.key,
+        messages_before = t.outgoing.len(),
+        messages_after = send.len(),
+        tokens_before = c.tokens_before,
+        tokens_after = c.tokens_after,
+        "micro compaction from a pre-compaction"
     );
     let rec = chat.commit_record(t.cred, c.record);
     conv.set_record(Some(&rec));
@@ -517,6 +631,11 @@ impl EngineRows {
             tail_len: n - tail_start,
             skipped_tokens,
         }
+    }
+
+    /// Every row goes to the engine.
+    pub(super) fn is_whole(&self) -> bool {
+        self.tail_start <= self.head_end
     }
 
     pub(super) fn iter<'a>(

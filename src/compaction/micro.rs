@@ -306,19 +306,60 @@ impl Compressor {
         messages: &[Value],
         s: &dyn Summariser,
     ) -> CompressResult {
+        self.micro_pass(messages, s, false).await
+    }
+
+    /// A micro pass that absorbs the next exchange even while it is still in
+    /// the protected tail: background pre-compaction prepares the exchange
+    /// a later turn's pass will absorb once the tail has moved past it. That
+    /// turn commits it only when its own [`Compressor::micro_cut`] is the
+    /// same exchange.
+    pub async fn micro_compact_ahead(
+        &mut self,
+        messages: &[Value],
+        s: &dyn Summariser,
+    ) -> CompressResult {
+        self.micro_pass(messages, s, true).await
+    }
+
+    /// The exchange (`start..end` of `messages`) a micro pass would absorb
+    /// now, without summarising anything; `ahead` ignores the protected
+    /// tail (see [`Compressor::micro_compact_ahead`]).
+    pub fn micro_cut(&mut self, messages: &[Value], ahead: bool) -> Option<(usize, usize)> {
+        let (head_end, tail_start) = self.micro_bounds(messages, ahead)?;
+        let cursor = self.resume_cursor(messages, head_end, tail_start);
+        next_exchange(messages, cursor, tail_start)
+    }
+
+    /// The head and the start of the tail a pass works between.
+    fn micro_bounds(&mut self, messages: &[Value], ahead: bool) -> Option<(usize, usize)> {
+        let n = messages.len();
+        if self.cfg.strategy != Strategy::Micro || n < MICRO_MIN_MESSAGES {
+            return None;
+        }
+        let head_end = self.protect_head_size(messages);
+        let tail_start = if ahead {
+            n
+        } else {
+            let mut p: TailParams = self.tail_params();
+            p.allow_split_turn = false;
+            super::tail::find_tail_cut_by_tokens(messages, head_end, &p)
+        };
+        (head_end < tail_start).then_some((head_end, tail_start))
+    }
+
+    async fn micro_pass(
+        &mut self,
+        messages: &[Value],
+        s: &dyn Summariser,
+        ahead: bool,
+    ) -> CompressResult {
         let unchanged =
             |outcome, telemetry| micro_result(messages, messages.to_vec(), outcome, telemetry, 0);
         let n = messages.len();
-        if self.cfg.strategy != Strategy::Micro || n < MICRO_MIN_MESSAGES {
+        let Some((head_end, tail_start)) = self.micro_bounds(messages, ahead) else {
             return unchanged(MicroOutcome::NoOp, None);
-        }
-        let head_end = self.protect_head_size(messages);
-        let mut p: TailParams = self.tail_params();
-        p.allow_split_turn = false;
-        let tail_start = super::tail::find_tail_cut_by_tokens(messages, head_end, &p);
-        if head_end >= tail_start {
-            return unchanged(MicroOutcome::NoOp, None);
-        }
+        };
         let cursor = self.resume(messages, head_end, tail_start);
         let tokens_before = tokens::estimate_messages_tokens_rough(messages);
         let mut working = messages.to_vec();
@@ -408,14 +449,18 @@ impl Compressor {
     /// window, else just after the newest marker (whose rolling summary is
     /// rebuilt if the compressor lost it, e.g. after a restart).
     fn resume(&mut self, messages: &[Value], head_end: usize, tail_start: usize) -> usize {
-        let last_marker = (head_end..tail_start)
-            .rev()
-            .find(|&i| view::is_summary(&messages[i]));
         if self.micro.rolling_summary.is_empty() {
+            let last_marker = last_marker(messages, head_end, tail_start);
             if let Some(text) = last_marker.and_then(|i| rolling_from_marker(&messages[i])) {
                 self.micro.rolling_summary = text;
             }
         }
+        self.resume_cursor(messages, head_end, tail_start)
+    }
+
+    /// The cursor part of [`Self::resume`], which changes nothing.
+    fn resume_cursor(&self, messages: &[Value], head_end: usize, tail_start: usize) -> usize {
+        let last_marker = last_marker(messages, head_end, tail_start);
         match self.micro.cursor {
             Some(c) if c > head_end && c < tail_start => c,
             _ => last_marker.map_or(head_end, |i| i + 1),
@@ -473,6 +518,13 @@ impl Compressor {
         );
         micro_result(messages, working, outcome, Some(tel), 0)
     }
+}
+
+/// The newest summary row between the head and the tail.
+fn last_marker(messages: &[Value], head_end: usize, tail_start: usize) -> Option<usize> {
+    (head_end..tail_start)
+        .rev()
+        .find(|&i| view::is_summary(&messages[i]))
 }
 
 /// The next exchange from `cursor`: skip to the first real assistant row,
