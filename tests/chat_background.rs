@@ -1,5 +1,7 @@
 //! Background pre-compaction (`[compaction] background`): commit from the
-//! pending record, discard on divergence, fallback to inline, single flight.
+//! pending record, discard on divergence, fallback to inline, single flight,
+//! for both strategies; and an overflow retry that finds a matching pending
+//! record uses it.
 
 mod support;
 
@@ -302,4 +304,53 @@ async fn one_micro_pre_compaction_at_a_time_per_conversation() {
         s - settled <= 1.0,
         "{s} started, {settled} used or discarded: more than one in flight"
     );
+}
+
+// ---------------------------------------------------------------- overflow
+
+/// A window the upstream enforces below the configured one: the turn that
+/// overflows is retried with a forced compaction, which takes the pending
+/// pre-compaction when it still fits the learned window.
+async fn overflow_retry_uses_the_pending_record(strategy: &str, extra: &str) {
+    let mock = ChatMock::start(Settings {
+        window: Some(3_000),
+        ..Settings::default()
+    })
+    .await;
+    let proxy = start_proxy(
+        &mock.url(),
+        &format!(
+            "[models.\"m\"]\ncontext_length = 8192\n[compaction]\nstrategy = \"{strategy}\"\nbackground = true\nbackground_threshold_percent = 20\nthreshold_percent = 0.9\nprotect_last_n = 2\nmin_tail_user_messages = 1\nsummary_target_ratio = 0.1\n{extra}"
+        ),
+    )
+    .await;
+    let url = proxy.url();
+    let mut conv = Conversation::new(600);
+    let mut retried_turn = None;
+    for _ in 0..40 {
+        let summaries = mock.summaries().len();
+        let a = turn(&url, &mut conv).await;
+        if a == "retried" {
+            retried_turn = Some(mock.summaries().len() - summaries);
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let inline_summaries = retried_turn.expect("the upstream never overflowed");
+    assert!(
+        used(&url).await >= 1.0,
+        "the retry did not use the pending record"
+    );
+    assert_eq!(inline_summaries, 0, "the retry summarised inline");
+}
+
+#[tokio::test]
+async fn an_overflow_retry_uses_the_pending_batch_record() {
+    overflow_retry_uses_the_pending_record("batch", "").await;
+}
+
+#[tokio::test]
+async fn an_overflow_retry_uses_the_pending_batch_record_under_micro() {
+    // Micro passes rare enough that the history grows into the overflow.
+    overflow_retry_uses_the_pending_record("micro", "micro_every_n_turns = 1000\n").await;
 }

@@ -124,16 +124,18 @@ pub(super) fn maybe_start(
     conv: &mut Conversation,
     t: &Turn<'_>,
     due: &Due,
+    base: &Base<'_>,
 ) {
     let soft = due.threshold as f64 * chat.compaction.background_threshold_percent / 100.0;
     if (due.est_rough as f64) < soft {
         return;
     }
-    let base = Base {
-        outgoing: t.outgoing,
-        record: t.record,
-    };
-    spawn(chat, upstream, conv, t, due, &base, false);
+    if conv.pending.as_ref().is_some_and(|p| p.micro) {
+        // Past the soft threshold the batch compaction is what comes next.
+        conv.pending = None;
+        chat.metrics.chat.precompaction("discarded");
+    }
+    spawn(chat, upstream, conv, t, due, base, false);
 }
 
 /// Starts the micro pass a later turn will need (the next exchange, see
@@ -149,10 +151,16 @@ pub(super) fn maybe_start_micro(
     base: &Base<'_>,
 ) {
     let soft = due.threshold as f64 * chat.compaction.background_threshold_percent / 100.0;
-    if chat.compaction.strategy != Strategy::Micro
-        || (due.est_rough as f64) >= soft
-        || conv.pending.is_some()
-    {
+    if chat.compaction.strategy != Strategy::Micro || (due.est_rough as f64) >= soft {
+        return;
+    }
+    if conv.pending.as_ref().is_some_and(|p| !p.micro) {
+        // Micro passes brought the conversation back under the soft
+        // threshold: the batch compaction it was prepared for is not coming.
+        conv.pending = None;
+        chat.metrics.chat.precompaction("discarded");
+    }
+    if conv.pending.is_some() {
         return;
     }
     // Only when there is an exchange to absorb: a pass with nothing to do

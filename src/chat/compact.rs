@@ -170,6 +170,8 @@ fn start_after_micro(
             record: t.record,
         },
     };
+    // Past the soft threshold the batch compaction is what will be due.
+    background::maybe_start(chat, upstream, conv, t, due, &base);
     background::maybe_start_micro(chat, upstream, conv, t, due, &base);
 }
 
@@ -248,11 +250,11 @@ async fn background_turn(
         return micro_from_pending(chat, conv, t, due).await;
     }
     if !d.wanted {
-        background::maybe_start(chat, upstream, conv, t, due);
         let base = background::Base {
             outgoing: t.outgoing,
             record: t.record,
         };
+        background::maybe_start(chat, upstream, conv, t, due, &base);
         background::maybe_start_micro(chat, upstream, conv, t, due, &base);
         return None;
     }
