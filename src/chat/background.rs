@@ -298,27 +298,33 @@ struct Job {
 }
 
 impl Job {
-    /// The engine pass over the snapshot, with a compressor of its own
-    /// seeded with the conversation's running summary.
-    async fn run(self, s: Snapshot) -> Option<Candidate> {
-        let cfg = self.cfg;
+    /// A compressor of the job's own, seeded with the conversation's
+    /// running summary (and micro state, for a micro pass).
+    fn compressor(&self, s: &mut Snapshot) -> Compressor {
         let trigger = Trigger::new(
-            Arc::clone(&cfg),
+            Arc::clone(&self.cfg),
             &s.model,
             WindowSource::Known(s.engine_window),
             s.max_out_rough,
         )
         .with_base_url(&self.label);
-        let mut comp = Compressor::new(Arc::clone(&cfg), trigger);
-        comp.previous_summary = s.previous_summary;
+        let mut comp = Compressor::new(Arc::clone(&self.cfg), trigger);
+        comp.previous_summary = s.previous_summary.take();
         comp.summary_has_user_turn = s.has_user_turn;
-        comp.summary_model = s.summary_model;
+        comp.summary_model = s.summary_model.take();
         comp.summary_model_fallen_back = s.summary_model_fallen_back;
         comp.trigger.compression_count = s.compression_count;
-        let micro = s.micro.is_some();
-        if let Some(m) = s.micro.clone() {
+        if let Some(m) = s.micro.take() {
             comp.micro = m;
         }
+        comp
+    }
+
+    /// The engine pass over the snapshot.
+    async fn run(self, mut s: Snapshot) -> Option<Candidate> {
+        let cfg = Arc::clone(&self.cfg);
+        let micro = s.micro.is_some();
+        let mut comp = self.compressor(&mut s);
         let (rows, values) = engine_input(&cfg, &s.outgoing, s.engine_window)?;
         // A micro cut is checked against the turn's own rows: the engine
         // must have been given all of them.
