@@ -55,7 +55,8 @@ pub(super) struct Turn<'a> {
     pub max_out: Option<u64>,
     /// The context window, real tokens.
     pub window: u64,
-    /// Rough estimate of the request's `tools` (part of the fixed cost).
+    /// Estimate of the request's `tools` (part of the fixed cost), real
+    /// tokens once the conversation is calibrated.
     pub tools_tokens: u64,
     /// This is the retry after an upstream overflow.
     pub overflow: bool,
