@@ -7,7 +7,9 @@
 //! An in-process mock upstream answers chat turns at once and summary
 //! calls after 2 s; a 40-turn conversation is sent with 3 s and with 50 ms
 //! between turns. `SCALE=0.1` shrinks every time (summary delay, gaps) for
-//! a quick run; `TURNS=N` changes the turn count.
+//! a quick run; `TURNS=N` changes the turn count; `STRATEGY=micro` runs the
+//! micro strategy (every turn a micro pass; a pending pass is the next
+//! exchange absorbed ahead).
 
 // A benchmark binary: a failed unwrap is a failed run.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
@@ -89,10 +91,16 @@ struct Run {
     other_ms: Vec<f64>,
 }
 
-async fn run(background: bool, gap: Duration, delay: Duration, turns: usize) -> Run {
+async fn run(
+    background: bool,
+    gap: Duration,
+    delay: Duration,
+    turns: usize,
+    strategy: &str,
+) -> Run {
     let upstream = start_mock(delay).await;
     let toml = format!(
-        "listen = \"127.0.0.1:0\"\nupstream = \"{upstream}\"\n[models.\"m\"]\ncontext_length = 4096\n[compaction]\nbackground = {background}\nbackground_threshold_percent = 60\n"
+        "listen = \"127.0.0.1:0\"\nupstream = \"{upstream}\"\n[models.\"m\"]\ncontext_length = 4096\n[compaction]\nstrategy = \"{strategy}\"\nbackground = {background}\nbackground_threshold_percent = 60\n"
     );
     let cfg =
         compactor::config::Config::from_toml_str(&toml, &compactor::config::MapEnv::default())
@@ -174,8 +182,9 @@ async fn main() {
         .ok()
         .and_then(|s| s.parse().ok())
         .unwrap_or(40);
+    let strategy = std::env::var("STRATEGY").unwrap_or_else(|_| "batch".into());
     let delay = Duration::from_secs_f64(2.0 * scale);
-    println!("summary delay {:?}, {turns} turns", delay);
+    println!("strategy {strategy}, summary delay {delay:?}, {turns} turns");
     println!(
         "{:<11} {:>8} {:>12} {:>12} {:>22} {:>16}",
         "mode", "gap", "compactions", "from pending", "compaction turn (ms)", "other turn (ms)"
@@ -185,7 +194,7 @@ async fn main() {
         Duration::from_millis(50),
     ] {
         for background in [false, true] {
-            let r = run(background, gap, delay, turns).await;
+            let r = run(background, gap, delay, turns, &strategy).await;
             println!(
                 "{:<11} {:>8} {:>12} {:>12} {:>22.1} {:>16.1}",
                 if background { "background" } else { "inline" },

@@ -18,6 +18,7 @@ use compactor::compaction::micro::{
 use compactor::compaction::summariser::SummaryReply;
 use compactor::compaction::tokens::estimate_messages_tokens_rough;
 use compactor::compaction::trigger::{Trigger, WindowSource};
+use compactor::compaction::truncated::CUT_MARKER;
 use compactor::compaction::view::is_summary;
 use engine_support::*;
 use serde_json::Value;
@@ -282,4 +283,116 @@ fn micro_call_uses_capped_max_tokens_and_low_temperature() {
     // min(1500, max_summary_tokens(40,960) = 2,048)
     assert_eq!(req.max_tokens, Some(1_500));
     assert_eq!(req.temperature, Some(0.1));
+}
+
+fn cut_reply(text: &str) -> SummaryReply {
+    SummaryReply {
+        content: Some(Value::String(text.into())),
+        finish_reason: Some("length".into()),
+        refusal: None,
+        reasoning: None,
+    }
+}
+
+const CUT: &str = "- build_id: B7-1234\n- tag: REL-42\n- half a li";
+
+fn marker_text(msgs: &[Value]) -> String {
+    markers(msgs)
+        .first()
+        .map(|m| content_str(m))
+        .unwrap_or_default()
+}
+
+#[test]
+fn a_cut_exchange_summary_is_retried_once_with_a_firmer_length() {
+    let mut c = micro();
+    let s = Stub::seq(vec![
+        Ok(cut_reply(CUT)),
+        Ok(SummaryReply::text("- build_id: B7-1234\n- tag: REL-42")),
+    ]);
+    let r = block_on(c.micro_compact(&conversation(6), &s));
+    assert_eq!(r.micro.unwrap().outcome, MicroOutcome::Absorbed);
+    assert_eq!(s.calls(), 2, "one retry");
+    let retry = s.request(1);
+    assert!(retry.prompt.starts_with(&s.request(0).prompt));
+    assert!(retry.prompt.contains("cut off at the reply limit"));
+    assert_eq!(retry.max_tokens, s.request(0).max_tokens, "same cap");
+    let text = marker_text(&r.messages);
+    assert!(
+        text.contains("tag: REL-42") && !text.contains(CUT_MARKER),
+        "{text}"
+    );
+}
+
+#[test]
+fn a_cut_exchange_summary_is_kept_at_its_last_complete_line() {
+    let mut c = micro();
+    let s = Stub::reply(cut_reply(CUT));
+    let r = block_on(c.micro_compact(&conversation(6), &s));
+    assert_eq!(
+        r.micro.unwrap().outcome,
+        MicroOutcome::Absorbed,
+        "not a failure"
+    );
+    assert_eq!(c.micro.consecutive_failures, 0);
+    let text = marker_text(&r.messages);
+    assert!(text.contains("- tag: REL-42"), "{text}");
+    assert!(!text.contains("half a li"), "the partial line goes: {text}");
+    assert!(text.contains(CUT_MARKER), "marked as cut: {text}");
+    assert!(c.micro.rolling_summary.contains(CUT_MARKER));
+}
+
+#[test]
+fn without_room_for_the_firmer_prompt_the_cut_exchange_summary_is_kept_without_retry() {
+    let probe = Stub::ok("x");
+    pass(&mut micro(), &conversation(6), &probe);
+    let len = probe.request(0).prompt.chars().count();
+    let mut c = micro();
+    let s = Stub::reply(cut_reply(CUT)).with_budget(len + 10);
+    let r = block_on(c.micro_compact(&conversation(6), &s));
+    assert_eq!(s.calls(), 1, "no room for the retry");
+    assert!(marker_text(&r.messages).contains(CUT_MARKER));
+}
+
+#[test]
+fn a_cut_exchange_summary_with_no_complete_line_is_a_failure() {
+    let mut c = micro();
+    let msgs = conversation(6);
+    let s = Stub::reply(cut_reply("- half a li"));
+    let r = block_on(c.micro_compact(&msgs, &s));
+    assert_eq!(r.micro.unwrap().outcome, MicroOutcome::SummarizeFailed);
+    assert_eq!(r.messages, msgs);
+}
+
+#[test]
+fn abort_on_degraded_summary_treats_a_cut_exchange_summary_as_a_failure() {
+    let mut c = micro();
+    std::sync::Arc::make_mut(&mut c.cfg).abort_on_degraded_summary = true;
+    let msgs = conversation(6);
+    let r = block_on(c.micro_compact(&msgs, &Stub::reply(cut_reply(CUT))));
+    assert_eq!(r.micro.unwrap().outcome, MicroOutcome::SummarizeFailed);
+    assert_eq!(r.messages, msgs);
+}
+
+#[test]
+fn a_batch_compaction_over_a_micro_marker_carries_its_rolling_summary() {
+    let mut c = micro();
+    let msgs = conversation(8);
+    let absorbed = pass(&mut c, &msgs, &Stub::ok("- micro fact: M-77"));
+    assert!(!markers(&absorbed).is_empty());
+    // A batch summary exists from before the micro pass.
+    c.previous_summary = Some("- batch fact: B-11".into());
+    let s = Stub::ok("## Historical Task Snapshot\nnew");
+    let r = block_on(c.compress(
+        &absorbed,
+        &s,
+        compactor::compaction::compressor::CompressOptions {
+            force: true,
+            ..Default::default()
+        },
+    ));
+    assert!(s.calls() >= 1, "{:?}", r.outcome);
+    let prompt = s.request(0).prompt;
+    assert!(prompt.contains("B-11"), "the batch summary");
+    assert!(prompt.contains("M-77"), "the micro rolling summary");
 }

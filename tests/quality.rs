@@ -17,7 +17,11 @@ use serde_json::{json, Value};
 /// per window; a drop below fails the test.
 const FLOORS: [(u64, usize, usize); 4] = [
     // (window, batch, micro)
-    (2_048, 8, 8),
+    // Micro at 2k: its per-exchange summaries were all cut at a 102-token
+    // cap and failed, so the batch fallback kept 8/8; now they are kept at
+    // the batch reply cap and the tight prompt budget shortens the running
+    // summary (7/8).
+    (2_048, 8, 7),
     (4_096, 8, 8),
     (8_192, 8, 8),
     (32_768, 8, 8),

@@ -22,11 +22,14 @@ use serde_json::value::RawValue;
 use tokio::task::JoinHandle;
 use tokio::time::Instant;
 
+use crate::compaction::config::Strategy;
+use crate::compaction::micro::{MicroOutcome, MicroState};
 use crate::compaction::trigger::{Trigger, WindowSource};
 use crate::compaction::{Compressor, Outcome};
+use crate::request::message_hashes;
 use crate::upstream::Upstream;
 
-use super::compact::{engine_input, map_back, run_engine, Turn};
+use super::compact::{engine_input, map_back, run_engine, CompactionDone, Turn};
 use super::conversation::{rough_message_tokens, Conversation};
 use super::record::Record;
 use super::summarise::{HttpSummariser, SummaryTarget};
@@ -38,12 +41,16 @@ pub struct Pending {
     /// history that no longer continues it makes the candidate stale.
     snap_len: usize,
     snap_hash: u128,
+    /// A micro pass (else a batch compaction).
+    micro: bool,
     handle: JoinHandle<Option<Candidate>>,
 }
 
 /// A finished pre-compaction, not yet committed.
 pub(super) struct Candidate {
     pub record: Record,
+    /// Set for a micro pass: the exchange it absorbed.
+    pub micro: Option<MicroCut>,
     /// The engine's running summary after the pass.
     pub previous_summary: Option<String>,
     pub has_user_turn: bool,
@@ -51,6 +58,17 @@ pub(super) struct Candidate {
     pub feasibility_skip: bool,
     pub tokens_before: u64,
     pub tokens_after: u64,
+}
+
+/// The exchange a background micro pass absorbed, and the state it left.
+pub(super) struct MicroCut {
+    /// `start..end` of the outgoing messages the pass was given.
+    pub start: usize,
+    pub end: usize,
+    /// Chain hash of those messages up to `end`: the pass is valid for a
+    /// turn whose outgoing messages start with the same rows.
+    pub prefix_hash: u128,
+    pub state: MicroState,
 }
 
 /// What the engine needs of one turn, owned by the background task.
@@ -70,6 +88,8 @@ struct Snapshot {
     summary_model: Option<String>,
     summary_model_fallen_back: bool,
     compression_count: u32,
+    /// Set for a micro pass: the conversation's rolling micro state.
+    micro: Option<MicroState>,
 }
 
 /// Sizes the caller already worked out for the trigger.
@@ -105,10 +125,81 @@ pub(super) fn maybe_start(
     conv: &mut Conversation,
     t: &Turn<'_>,
     due: &Due,
+    base: &Base<'_>,
+) {
+    let soft = due.threshold as f64 * chat.compaction.background_threshold_percent / 100.0;
+    if (due.est_rough as f64) < soft {
+        return;
+    }
+    if conv.pending.as_ref().is_some_and(|p| p.micro) {
+        // Past the soft threshold the batch compaction is what comes next.
+        conv.pending = None;
+        chat.metrics.chat.precompaction("discarded");
+    }
+    spawn(chat, upstream, conv, t, due, base, false);
+}
+
+/// Starts the micro pass a later turn will need (the next exchange, see
+/// [`crate::compaction::Compressor::micro_compact_ahead`]), on `base`, what
+/// this turn sends: below the soft threshold (above it the slot is left to
+/// the batch compaction that will soon be due).
+pub(super) fn maybe_start_micro(
+    chat: &ChatState,
+    upstream: &Arc<Upstream>,
+    conv: &mut Conversation,
+    t: &Turn<'_>,
+    due: &Due,
+    base: &Base<'_>,
+) {
+    let soft = due.threshold as f64 * chat.compaction.background_threshold_percent / 100.0;
+    if chat.compaction.strategy != Strategy::Micro || (due.est_rough as f64) >= soft {
+        return;
+    }
+    if conv.pending.as_ref().is_some_and(|p| !p.micro) {
+        // Micro passes brought the conversation back under the soft
+        // threshold: the batch compaction it was prepared for is not coming.
+        conv.pending = None;
+        chat.metrics.chat.precompaction("discarded");
+    }
+    if conv.pending.is_some() {
+        return;
+    }
+    // Only when there is an exchange to absorb: a pass with nothing to do
+    // would hold the slot for no candidate.
+    let Some((rows, values)) = engine_input(&chat.compaction, base.outgoing, due.engine_window)
+    else {
+        return;
+    };
+    let has_cut = rows.is_whole()
+        && conv
+            .compressor
+            .as_mut()
+            .and_then(|c| c.micro_cut(&values, true))
+            .is_some();
+    drop(values);
+    if has_cut {
+        spawn(chat, upstream, conv, t, due, base, true);
+    }
+}
+
+/// What a pre-compaction starts from: the messages sent and the record
+/// they substitute.
+pub(super) struct Base<'a> {
+    pub outgoing: &'a [Box<RawValue>],
+    pub record: Option<&'a Arc<Record>>,
+}
+
+fn spawn(
+    chat: &ChatState,
+    upstream: &Arc<Upstream>,
+    conv: &mut Conversation,
+    t: &Turn<'_>,
+    due: &Due,
+    base: &Base<'_>,
+    micro: bool,
 ) {
     let cfg = Arc::clone(&chat.compaction);
-    let soft = due.threshold as f64 * cfg.background_threshold_percent / 100.0;
-    if !cfg.background || conv.pending.is_some() || (due.est_rough as f64) < soft {
+    if !cfg.background || conv.pending.is_some() {
         return;
     }
     let Some(&snap_hash) = t.client_hashes.last() else {
@@ -124,8 +215,8 @@ pub(super) fn maybe_start(
         api: t.api,
         original: t.original.to_vec(),
         client_hashes: t.client_hashes.to_vec(),
-        outgoing: t.outgoing.to_vec(),
-        record: t.record.cloned(),
+        outgoing: base.outgoing.to_vec(),
+        record: base.record.cloned(),
         model: t.model.to_owned(),
         headers: t.client_headers.clone(),
         engine_window: due.engine_window,
@@ -136,6 +227,7 @@ pub(super) fn maybe_start(
         summary_model: comp.summary_model.clone(),
         summary_model_fallen_back: comp.summary_model_fallen_back,
         compression_count: comp.trigger.compression_count,
+        micro: micro.then(|| comp.micro.clone()),
     };
     let job = Job {
         cfg,
@@ -152,8 +244,14 @@ pub(super) fn maybe_start(
     conv.pending = Some(Pending {
         snap_len: t.client_hashes.len(),
         snap_hash,
+        micro,
         handle,
     });
+}
+
+/// Whether the pending pre-compaction is a micro pass.
+pub(super) fn pending_is_micro(conv: &Conversation) -> bool {
+    conv.pending.as_ref().is_some_and(|p| p.micro)
 }
 
 /// The pending candidate for this compaction turn, if usable: it waits for
@@ -202,24 +300,44 @@ struct Job {
 }
 
 impl Job {
-    /// The engine pass over the snapshot, with a compressor of its own
-    /// seeded with the conversation's running summary.
-    async fn run(self, s: Snapshot) -> Option<Candidate> {
-        let cfg = self.cfg;
+    /// A compressor of the job's own, seeded with the conversation's
+    /// running summary (and micro state, for a micro pass).
+    fn compressor(&self, s: &mut Snapshot) -> Compressor {
         let trigger = Trigger::new(
-            Arc::clone(&cfg),
+            Arc::clone(&self.cfg),
             &s.model,
             WindowSource::Known(s.engine_window),
             s.max_out_rough,
         )
         .with_base_url(&self.label);
-        let mut comp = Compressor::new(Arc::clone(&cfg), trigger);
-        comp.previous_summary = s.previous_summary;
+        let mut comp = Compressor::new(Arc::clone(&self.cfg), trigger);
+        comp.previous_summary = s.previous_summary.take();
         comp.summary_has_user_turn = s.has_user_turn;
-        comp.summary_model = s.summary_model;
+        comp.summary_model = s.summary_model.take();
         comp.summary_model_fallen_back = s.summary_model_fallen_back;
         comp.trigger.compression_count = s.compression_count;
+        if let Some(m) = s.micro.take() {
+            comp.micro = m;
+        }
+        comp
+    }
+
+    /// The engine pass over the snapshot.
+    async fn run(self, mut s: Snapshot) -> Option<Candidate> {
+        let cfg = Arc::clone(&self.cfg);
+        let micro = s.micro.is_some();
+        let mut comp = self.compressor(&mut s);
         let (rows, values) = engine_input(&cfg, &s.outgoing, s.engine_window)?;
+        // A micro cut is checked against the turn's own rows: the engine
+        // must have been given all of them.
+        let cut = if micro {
+            if !rows.is_whole() {
+                return None;
+            }
+            Some(comp.micro_cut(&values, true)?)
+        } else {
+            None
+        };
         let summariser = HttpSummariser::new(
             &self.upstream,
             SummaryTarget::configured(
@@ -232,10 +350,21 @@ impl Job {
             comp.trigger.summariser_budgets().into(),
         )
         .speaking(s.api);
-        let mut result =
+        let mut result = if micro {
+            micro_ahead(&mut comp, &values, &summariser).await
+        } else {
             // A candidate is a summary, never the last resort: that is decided
             // by the turn that needs the request to fit.
-            run_engine(&mut comp, &values, &summariser, (false, false), s.est_rough, None).await;
+            run_engine(
+                &mut comp,
+                &values,
+                &summariser,
+                (false, false),
+                s.est_rough,
+                None,
+            )
+            .await
+        };
         drop(values);
         rows.adjust(&mut result);
         if result.outcome != Outcome::Compacted {
@@ -248,8 +377,18 @@ impl Job {
             s.record.as_ref(),
             &result,
         );
+        let micro = match cut {
+            Some((start, end)) => Some(MicroCut {
+                start,
+                end,
+                prefix_hash: *message_hashes(s.outgoing.get(..end)?).last()?,
+                state: comp.micro.clone(),
+            }),
+            None => None,
+        };
         Some(Candidate {
             record: record?,
+            micro,
             previous_summary: comp.previous_summary,
             has_user_turn: comp.summary_has_user_turn,
             fallback_used: result.fallback_used,
@@ -257,5 +396,33 @@ impl Job {
             tokens_before: result.tokens_before,
             tokens_after: result.tokens_after,
         })
+    }
+}
+
+/// The look-ahead micro pass, in the engine pass's shape; anything but an
+/// absorbed exchange (a defrag alone, a failure) is no candidate.
+async fn micro_ahead(
+    comp: &mut Compressor,
+    values: &[serde_json::Value],
+    summariser: &HttpSummariser<'_>,
+) -> CompactionDone {
+    let r = comp.micro_compact_ahead(values, summariser).await;
+    let absorbed = r
+        .micro
+        .as_ref()
+        .is_some_and(|m| m.outcome == MicroOutcome::Absorbed);
+    CompactionDone {
+        label: r.label(),
+        messages: r.messages,
+        outcome: if absorbed {
+            r.outcome
+        } else {
+            Outcome::Rejected
+        },
+        fallback_used: r.fallback_used,
+        feasibility_skip: r.feasibility_skip,
+        tokens_before: r.tokens_before,
+        tokens_after: r.tokens_after,
+        kept_suffix: r.kept_suffix,
     }
 }

@@ -13,8 +13,10 @@ use tokio::time::Instant;
 use crate::codec::Api;
 use crate::compaction::config::{CompactionConfig, Strategy};
 use crate::compaction::last_resort;
+use crate::compaction::micro::MicroOutcome;
 use crate::compaction::trigger::Trigger;
 use crate::compaction::{CompressOptions, Compressor, Outcome};
+use crate::request::message_hashes;
 use crate::session::key::SessionKey;
 use crate::upstream::Upstream;
 
@@ -57,7 +59,8 @@ pub(super) struct Turn<'a> {
     pub max_out: Option<u64>,
     /// The context window, real tokens.
     pub window: u64,
-    /// Rough estimate of the request's `tools` (part of the fixed cost).
+    /// Estimate of the request's `tools` (part of the fixed cost), real
+    /// tokens once the conversation is calibrated.
     pub tools_tokens: u64,
     /// This is the retry after an upstream overflow.
     pub overflow: bool,
@@ -140,14 +143,16 @@ pub(super) async fn compact_if_due(
         None
     };
     let mut booked = None;
+    let mut due = None;
     if cfg.background {
-        let due = background::Due {
+        let bg = background::Due {
             est_rough,
             threshold: d.threshold,
             engine_window,
             max_out_rough: t.max_out.map(|m| scale.to_rough(m)),
         };
-        booked = background_turn(chat, upstream, conv, t, &d, &due).await;
+        booked = background_turn(chat, upstream, conv, t, &d, &bg).await;
+        due = Some(bg);
     }
     let booked = match booked {
         Some(b) => b,
@@ -160,6 +165,9 @@ pub(super) async fn compact_if_due(
             _ => None,
         };
         shared::release(chat, held, record);
+    }
+    if let Some(due) = due.as_ref().filter(|_| d.micro_pass) {
+        start_after_micro(chat, upstream, conv, t, due, &booked);
     }
     booked
 }
@@ -175,6 +183,33 @@ fn substitute_peer(conv: &mut Conversation, t: &Turn<'_>, rec: Arc<Record>) -> B
     conv.set_record(Some(&rec));
     conv.stats.substituted += 1;
     Booked::Substituted(send, rec)
+}
+
+/// After a micro pass on this turn, the pre-compaction of the next one
+/// starts from what this turn sends.
+fn start_after_micro(
+    chat: &ChatState,
+    upstream: &Arc<Upstream>,
+    conv: &mut Conversation,
+    t: &Turn<'_>,
+    due: &background::Due,
+    booked: &Booked,
+) {
+    let base = match booked {
+        Booked::Compacted(send, Some(rec)) | Booked::Substituted(send, rec) => background::Base {
+            outgoing: send,
+            record: Some(rec),
+        },
+        // Sent without a record of its own: nothing to start from.
+        Booked::Compacted(_, None) => return,
+        Booked::Aborted | Booked::Nothing => background::Base {
+            outgoing: t.outgoing,
+            record: t.record,
+        },
+    };
+    // Past the soft threshold the batch compaction is what will be due.
+    background::maybe_start(chat, upstream, conv, t, due, &base);
+    background::maybe_start_micro(chat, upstream, conv, t, due, &base);
 }
 
 /// Step 4: the engine pass the decision asked for, booked.
@@ -249,8 +284,22 @@ async fn background_turn(
     due: &background::Due,
 ) -> Option<Booked> {
     background::discard_if_diverged(chat, conv, t.client_hashes);
+    if d.micro_pass {
+        return micro_from_pending(chat, conv, t, due).await;
+    }
     if !d.wanted {
-        background::maybe_start(chat, upstream, conv, t, due);
+        let base = background::Base {
+            outgoing: t.outgoing,
+            record: t.record,
+        };
+        background::maybe_start(chat, upstream, conv, t, due, &base);
+        background::maybe_start_micro(chat, upstream, conv, t, due, &base);
+        return None;
+    }
+    if background::pending_is_micro(conv) {
+        // A micro pass is not the batch compaction this turn needs.
+        conv.pending = None;
+        chat.metrics.chat.precompaction("discarded");
         return None;
     }
     let c = background::take(chat, conv, t).await?;
@@ -291,6 +340,71 @@ async fn background_turn(
         tokens_before = c.tokens_before,
         tokens_after = c.tokens_after,
         "compaction from a pre-compaction"
+    );
+    let rec = chat.commit_record(t.cred, c.record);
+    conv.set_record(Some(&rec));
+    Some(Booked::Compacted(send, Some(rec)))
+}
+
+/// A micro turn served by the pending micro pass: committed when it
+/// absorbed exactly the exchange this turn's own pass would (same rows up
+/// to its end), else discarded (`None`: the pass runs inline). While this
+/// turn has nothing to absorb, the pending pass is kept for a later turn.
+async fn micro_from_pending(
+    chat: &ChatState,
+    conv: &mut Conversation,
+    t: &Turn<'_>,
+    due: &background::Due,
+) -> Option<Booked> {
+    if !background::pending_is_micro(conv) {
+        return None;
+    }
+    let (start, end) = {
+        let comp = conv.compressor.as_mut()?;
+        let (rows, values) = engine_input(&chat.compaction, t.outgoing, due.engine_window)?;
+        if !rows.is_whole() {
+            return None;
+        }
+        comp.micro_cut(&values, false)?
+    };
+    let c = background::take(chat, conv, t).await?;
+    let covers = c.micro.as_ref().is_some_and(|m| {
+        m.start == start
+            && m.end == end
+            && t.outgoing
+                .get(..end)
+                .and_then(|rows| message_hashes(rows).last().copied())
+                == Some(m.prefix_hash)
+    });
+    let Some(cut) = c.micro.filter(|_| covers) else {
+        chat.metrics.chat.precompaction("discarded");
+        return None;
+    };
+    let k = c.record.k;
+    let send: Vec<Box<RawValue>> = c
+        .record
+        .replacement
+        .iter()
+        .chain(t.original.get(k..).unwrap_or(&[]))
+        .cloned()
+        .collect();
+    let saved = c.tokens_before.saturating_sub(c.tokens_after);
+    conv.stats.compactions += 1;
+    conv.stats.tokens_saved += saved;
+    chat.metrics
+        .chat
+        .compaction(MicroOutcome::Absorbed.as_str(), saved, None);
+    chat.metrics.chat.precompaction("used");
+    if let Some(comp) = conv.compressor.as_mut() {
+        comp.micro = cut.state;
+    }
+    tracing::info!(
+        session = %t.key,
+        messages_before = t.outgoing.len(),
+        messages_after = send.len(),
+        tokens_before = c.tokens_before,
+        tokens_after = c.tokens_after,
+        "micro compaction from a pre-compaction"
     );
     let rec = chat.commit_record(t.cred, c.record);
     conv.set_record(Some(&rec));
@@ -557,6 +671,11 @@ impl EngineRows {
             tail_len: n - tail_start,
             skipped_tokens,
         }
+    }
+
+    /// Every row goes to the engine.
+    pub(super) fn is_whole(&self) -> bool {
+        self.tail_start <= self.head_end
     }
 
     pub(super) fn iter<'a>(

@@ -102,7 +102,7 @@ pub(super) async fn prepare(
         est_tokens: est.tokens,
         max_out,
         window,
-        tools_tokens: overhead,
+        tools_tokens: real_tools_tokens(conv, overhead),
         overflow: overflow.is_some(),
         overflow_counted: overflow
             .as_ref()
@@ -152,6 +152,17 @@ pub(super) async fn prepare(
         "chat request prepared"
     );
     build(creq, conv, out, est, action)
+}
+
+/// The tools' rough estimate in the upstream's tokens, by the conversation's
+/// calibrated real/rough ratio: the last resort's budget subtracts them from
+/// the real window, and an upstream whose template renders tool schemas
+/// compactly (or not at all) would otherwise leave no room for the messages.
+fn real_tools_tokens(conv: &Conversation, rough: u64) -> u64 {
+    match conv.calibration.ratio() {
+        Some(r) if r.is_finite() && r > 0.0 => (rough as f64 * r).ceil() as u64,
+        _ => rough,
+    }
 }
 
 /// The context window for `model`: learned from the overflow first when

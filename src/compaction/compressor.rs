@@ -929,6 +929,8 @@ impl Compressor {
                 max_body_chars: max_summary_body_chars(target, self.trigger.context_length()),
                 budget_chars: s.prompt_budget_chars(),
                 keep_cut: !self.cfg.abort_on_degraded_summary,
+                max_tokens: None,
+                temperature: None,
             };
             match call.run(s, &mut model, &mut fallen_back, &mut out).await {
                 Ok(body) => running = Some(body),
@@ -1092,6 +1094,7 @@ impl Compressor {
         } else {
             self.previous_summary
                 .clone()
+                .map(|p| with_micro_summary(p, working))
                 .or_else(|| Some(bodies.join("\n\n")))
         };
         // Provenance: a real user row decides; without one, an earlier
@@ -1360,21 +1363,48 @@ fn last_resort(messages: &[Value], ending: Ending, pass: &mut Pass) -> Ending {
     }
 }
 
-/// One summary prompt, sent with the retry on the main model.
-struct SummaryCall {
-    prompt: String,
+/// The running batch summary plus the rolling summary of the newest micro
+/// marker on the wire: a micro pass absorbs exchanges after the last batch
+/// compaction, so what it recorded is in no batch summary yet and would be
+/// lost with its marker.
+fn with_micro_summary(previous: String, working: &[Value]) -> String {
+    let rolling = working
+        .iter()
+        .rev()
+        .find(|m| super::micro::is_micro_marker(m))
+        .and_then(|m| match markers::classify_handoff(m) {
+            Handoff::Standalone { body, .. } | Handoff::Merged { body, .. } => Some(body),
+            Handoff::None => None,
+        });
+    match rolling {
+        Some(r) if !r.trim().is_empty() && !previous.contains(r.trim()) => {
+            format!("{previous}\n\n{r}")
+        }
+        _ => previous,
+    }
+}
+
+/// One summary prompt, sent with the retry on the main model. Batch and
+/// micro summaries both go through it, so a reply cut at the reply limit is
+/// handled the same way on either path.
+pub(super) struct SummaryCall {
+    pub(super) prompt: String,
     /// The session has no user turns: a reply attributing anything to a
     /// user is invented and counts as a refusal.
-    no_user_session: bool,
+    pub(super) no_user_session: bool,
     /// The summary's token target (for the firmer retry instruction).
-    target_tokens: u64,
+    pub(super) target_tokens: u64,
     /// Longest body kept unclipped: a longer one is retried like a cut one.
-    max_body_chars: usize,
+    pub(super) max_body_chars: usize,
     /// The summariser's prompt budget: the retry's longer prompt must fit.
-    budget_chars: usize,
+    pub(super) budget_chars: usize,
     /// A reply cut at the reply limit is kept (cut at its last complete
     /// line) rather than failed; off under `abort_on_degraded_summary`.
-    keep_cut: bool,
+    pub(super) keep_cut: bool,
+    /// Wire `max_tokens` and temperature (micro summaries set them; batch
+    /// summaries leave the cap to the summariser's budgets).
+    pub(super) max_tokens: Option<u32>,
+    pub(super) temperature: Option<f32>,
 }
 
 /// A checked reply: its body, and whether it was cut at the reply limit.
@@ -1388,7 +1418,7 @@ impl SummaryCall {
     /// with a firmer length instruction when the prompt budget has room,
     /// and otherwise (or when the retry is cut too) kept cut at its last
     /// complete line.
-    async fn run(
+    pub(super) async fn run(
         &self,
         s: &dyn Summariser,
         model: &mut Option<String>,
@@ -1433,8 +1463,8 @@ impl SummaryCall {
             let req = SummaryRequest {
                 model: model.clone(),
                 prompt: prompt.to_owned(),
-                max_tokens: None,
-                temperature: None,
+                max_tokens: self.max_tokens,
+                temperature: self.temperature,
             };
             out.calls += 1;
             let failure = match s.summarise(req).await {

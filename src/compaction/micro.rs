@@ -14,11 +14,12 @@ use serde_json::{json, Value};
 
 use super::compressor::{
     common_suffix, CompressResult, CompressTelemetry, Compressor, NoOpReason, Outcome,
+    SummaryAttempt, SummaryCall,
 };
 use super::config::Strategy;
 use super::markers::{END_MARKER, HISTORICAL_TASK_HEADING, MICRO_TAG, SUMMARY_PREFIX};
-use super::serialize::{self, serialize_for_summary};
-use super::summariser::{Summariser, SummaryRequest};
+use super::serialize::serialize_for_summary;
+use super::summariser::Summariser;
 use super::tail::TailParams;
 use super::tokens;
 use super::trigger::Trigger;
@@ -263,30 +264,40 @@ impl Compressor {
         tokens::estimate_text_tokens(&self.micro.rolling_summary) >= MICRO_DEFRAG_THRESHOLD_TOKENS
     }
 
+    /// One micro summary call. A reply cut at the reply cap is handled as
+    /// on the batch path: one retry with a firmer length instruction when
+    /// the prompt budget has room, else the reply kept up to its last
+    /// complete line and marked as cut.
     async fn micro_summarize_one(&mut self, s: &dyn Summariser, prompt: String) -> Option<String> {
-        let cap = MICRO_MAX_TOKENS_CAP.min(self.trigger.max_summary_tokens());
-        let req = SummaryRequest {
-            model: self
-                .summary_model
-                .clone()
-                .filter(|m| m != self.trigger.model()),
+        // The reply cap of a batch summary at this window (it follows the
+        // window), bounded by the micro cap: the rolling summary carries every
+        // exchange absorbed so far, so a smaller cap cuts it on every pass.
+        let reply_cap = self
+            .trigger
+            .summariser_budgets()
+            .reply_tokens
+            .map_or(u64::MAX, u64::from);
+        let cap = MICRO_MAX_TOKENS_CAP.min(reply_cap).max(1);
+        let call = SummaryCall {
             prompt,
+            no_user_session: false,
+            target_tokens: cap,
+            max_body_chars: usize::MAX,
+            budget_chars: s.prompt_budget_chars(),
+            keep_cut: !self.cfg.abort_on_degraded_summary,
             max_tokens: Some(u32::try_from(cap).unwrap_or(u32::MAX)),
             temperature: Some(MICRO_TEMPERATURE),
         };
-        let reply = s.summarise(req).await.ok()?;
-        let text = match reply.content.as_ref() {
-            Some(Value::String(t)) => Some(t.clone()),
-            Some(v @ Value::Array(_)) => Some(view::content_text(v)),
-            _ => None,
-        };
-        serialize::validate_summary_reply(
-            text.as_deref(),
-            reply.finish_reason.as_deref(),
-            reply.refusal.as_deref(),
-            None,
-        )
-        .ok()
+        // Micro keeps its own model choice: no retry on the main model.
+        let mut model = self
+            .summary_model
+            .clone()
+            .filter(|m| m != self.trigger.model());
+        let mut fallen_back = true;
+        let mut attempt = SummaryAttempt::default();
+        call.run(s, &mut model, &mut fallen_back, &mut attempt)
+            .await
+            .ok()
     }
 
     /// Runs one micro-compaction pass over `messages`.
@@ -295,19 +306,60 @@ impl Compressor {
         messages: &[Value],
         s: &dyn Summariser,
     ) -> CompressResult {
+        self.micro_pass(messages, s, false).await
+    }
+
+    /// A micro pass that absorbs the next exchange even while it is still in
+    /// the protected tail: background pre-compaction prepares the exchange
+    /// a later turn's pass will absorb once the tail has moved past it. That
+    /// turn commits it only when its own [`Compressor::micro_cut`] is the
+    /// same exchange.
+    pub async fn micro_compact_ahead(
+        &mut self,
+        messages: &[Value],
+        s: &dyn Summariser,
+    ) -> CompressResult {
+        self.micro_pass(messages, s, true).await
+    }
+
+    /// The exchange (`start..end` of `messages`) a micro pass would absorb
+    /// now, without summarising anything; `ahead` ignores the protected
+    /// tail (see [`Compressor::micro_compact_ahead`]).
+    pub fn micro_cut(&mut self, messages: &[Value], ahead: bool) -> Option<(usize, usize)> {
+        let (head_end, tail_start) = self.micro_bounds(messages, ahead)?;
+        let cursor = self.resume_cursor(messages, head_end, tail_start);
+        next_exchange(messages, cursor, tail_start)
+    }
+
+    /// The head and the start of the tail a pass works between.
+    fn micro_bounds(&mut self, messages: &[Value], ahead: bool) -> Option<(usize, usize)> {
+        let n = messages.len();
+        if self.cfg.strategy != Strategy::Micro || n < MICRO_MIN_MESSAGES {
+            return None;
+        }
+        let head_end = self.protect_head_size(messages);
+        let tail_start = if ahead {
+            n
+        } else {
+            let mut p: TailParams = self.tail_params();
+            p.allow_split_turn = false;
+            super::tail::find_tail_cut_by_tokens(messages, head_end, &p)
+        };
+        (head_end < tail_start).then_some((head_end, tail_start))
+    }
+
+    async fn micro_pass(
+        &mut self,
+        messages: &[Value],
+        s: &dyn Summariser,
+        ahead: bool,
+    ) -> CompressResult {
         let unchanged =
             |outcome, telemetry| micro_result(messages, messages.to_vec(), outcome, telemetry, 0);
         let n = messages.len();
-        if self.cfg.strategy != Strategy::Micro || n < MICRO_MIN_MESSAGES {
+        let Some((head_end, tail_start)) = self.micro_bounds(messages, ahead) else {
             return unchanged(MicroOutcome::NoOp, None);
-        }
-        let head_end = self.protect_head_size(messages);
-        let mut p: TailParams = self.tail_params();
-        p.allow_split_turn = false;
-        let tail_start = super::tail::find_tail_cut_by_tokens(messages, head_end, &p);
-        if head_end >= tail_start {
-            return unchanged(MicroOutcome::NoOp, None);
-        }
+        };
         let cursor = self.resume(messages, head_end, tail_start);
         let tokens_before = tokens::estimate_messages_tokens_rough(messages);
         let mut working = messages.to_vec();
@@ -397,14 +449,18 @@ impl Compressor {
     /// window, else just after the newest marker (whose rolling summary is
     /// rebuilt if the compressor lost it, e.g. after a restart).
     fn resume(&mut self, messages: &[Value], head_end: usize, tail_start: usize) -> usize {
-        let last_marker = (head_end..tail_start)
-            .rev()
-            .find(|&i| view::is_summary(&messages[i]));
         if self.micro.rolling_summary.is_empty() {
+            let last_marker = last_marker(messages, head_end, tail_start);
             if let Some(text) = last_marker.and_then(|i| rolling_from_marker(&messages[i])) {
                 self.micro.rolling_summary = text;
             }
         }
+        self.resume_cursor(messages, head_end, tail_start)
+    }
+
+    /// The cursor part of [`Self::resume`], which changes nothing.
+    fn resume_cursor(&self, messages: &[Value], head_end: usize, tail_start: usize) -> usize {
+        let last_marker = last_marker(messages, head_end, tail_start);
         match self.micro.cursor {
             Some(c) if c > head_end && c < tail_start => c,
             _ => last_marker.map_or(head_end, |i| i + 1),
@@ -462,6 +518,13 @@ impl Compressor {
         );
         micro_result(messages, working, outcome, Some(tel), 0)
     }
+}
+
+/// The newest summary row between the head and the tail.
+fn last_marker(messages: &[Value], head_end: usize, tail_start: usize) -> Option<usize> {
+    (head_end..tail_start)
+        .rev()
+        .find(|&i| view::is_summary(&messages[i]))
 }
 
 /// The next exchange from `cursor`: skip to the first real assistant row,
