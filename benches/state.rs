@@ -18,8 +18,8 @@ use std::hint::black_box;
 
 use bytes::BytesMut;
 use compactor::chat::record::{Record, RecordStore};
-use compactor::server::admin::tokens_match;
 use compactor::request::{message_hashes, ChainCache, ChatRequest};
+use compactor::server::admin::tokens_match;
 use compactor::session::calibration::Calibration;
 use compactor::session::store::{SessionStore, StoreLimits};
 use compactor::session::SessionKey;

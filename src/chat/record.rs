@@ -490,7 +490,10 @@ mod tests {
             let (examined, evicted) = work_of_inserts_when_full(size, 300, 100);
             // The 300 looked-up records outlive 100 untouched ones.
             assert_eq!(evicted, 0, "store of {size}");
-            assert!(examined <= 100 + 300, "store of {size}: {examined} examined");
+            assert!(
+                examined <= 100 + 300,
+                "store of {size}: {examined} examined"
+            );
         }
     }
 

@@ -662,7 +662,10 @@ mod tests {
             // eviction continues with the untouched ones.
             let (examined, evicted) = work_of_new_sessions_when_full(size, 300, 100).await;
             assert_eq!(evicted, 100, "store of {size}");
-            assert!(examined <= 100 + 300, "store of {size}: {examined} examined");
+            assert!(
+                examined <= 100 + 300,
+                "store of {size}: {examined} examined"
+            );
         }
     }
 

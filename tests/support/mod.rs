@@ -74,6 +74,9 @@ pub enum Reply {
     Broken { first: Vec<Bytes> },
     /// Never sends a response head.
     Hang,
+    /// Sends no response head until [`Release::release`], then answers as
+    /// `then`.
+    AfterRelease { release: Release, then: Box<Reply> },
     /// Replies `{"len":N,"xxh3":"…"}` about the request body it consumed.
     BodyDigest,
 }
@@ -284,6 +287,13 @@ async fn serve(
     let Some(reply) = reply else {
         return Ok(respond(404, &[], full(Bytes::from_static(b"no route"))));
     };
+    let reply = match reply {
+        Reply::AfterRelease { release, then } => {
+            release.0.notified().await;
+            *then
+        }
+        other => other,
+    };
     Ok(match reply {
         Reply::Full {
             status,
@@ -375,7 +385,7 @@ async fn serve(
             });
             respond(200, &[("content-type", "text/event-stream".into())], body)
         }
-        Reply::Hang => {
+        Reply::Hang | Reply::AfterRelease { .. } => {
             std::future::pending::<()>().await;
             unreachable!()
         }
