@@ -49,6 +49,7 @@ fn bench_turns(c: &mut Criterion) {
         replacement: replacement(),
         original_tokens: 10_000,
         replacement_tokens: 1_000,
+        summary_rows: None,
     };
     rt.block_on(async {
         use compactor::store::Store;

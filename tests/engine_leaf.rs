@@ -349,6 +349,12 @@ mod leaf_properties {
         }
     }
 
+    /// A row declared compactor's summary (as a record declares it).
+    fn declared(mut m: Value) -> Value {
+        markers::declare_summary(&mut m);
+        m
+    }
+
     /// Text a user could type: never starts with a marker.
     fn text() -> impl Strategy<Value = String> {
         "[A-Za-z0-9 .,\n]{1,200}".prop_filter("non-blank", |s| !s.trim().is_empty())
@@ -387,13 +393,13 @@ mod leaf_properties {
         fn standalone_summary_round_trips(body in text()) {
             let s = standalone_content(&normalize_summary_prefix(&body));
             prop_assert_eq!(summary_body(&s), body.trim());
-            prop_assert_eq!(strip_handoff(&json!({"role": "user", "content": s})), None);
+            prop_assert_eq!(strip_handoff(&declared(json!({"role": "user", "content": s}))), None);
         }
 
         #[test]
         fn merged_summary_unwraps_to_prior(prior in text(), body in text()) {
             let c = merge_after_prior(&json!(prior.clone()), &normalize_summary_prefix(&body));
-            let msg = json!({"role": "user", "content": c});
+            let msg = declared(json!({"role": "user", "content": c}));
             match classify_handoff(&msg) {
                 Handoff::Merged { prior: p, body: b, live } => {
                     prop_assert_eq!(p, json!(prior.clone()));
@@ -408,7 +414,7 @@ mod leaf_properties {
         #[test]
         fn prepended_summary_keeps_live_request(live in text(), body in text()) {
             let c = prepend_summary(&json!(live.clone()), &normalize_summary_prefix(&body));
-            let msg = json!({"role": "user", "content": c});
+            let msg = declared(json!({"role": "user", "content": c}));
             prop_assert_eq!(
                 strip_handoff(&msg),
                 Some(json!({"role": "user", "content": live.trim()}))
@@ -464,7 +470,11 @@ mod leaf_properties {
             } else {
                 json!(text.clone())
             };
-            let msg = json!({"role": "user", "content": content});
+            // Undeclared, no text is a summary; declared, the text decides.
+            let plain = json!({"role": "user", "content": content});
+            prop_assert!(!markers::is_handoff(&plain));
+            prop_assert_eq!(strip_handoff(&plain), Some(plain.clone()));
+            let msg = declared(plain);
             let _ = summary_body(&text);
             match strip_handoff(&msg) {
                 None => prop_assert!(markers::is_handoff(&msg)),

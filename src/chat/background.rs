@@ -217,7 +217,7 @@ impl Job {
         comp.summary_model = s.summary_model;
         comp.summary_model_fallen_back = s.summary_model_fallen_back;
         comp.trigger.compression_count = s.compression_count;
-        let (rows, values) = engine_input(&cfg, &s.outgoing, s.engine_window)?;
+        let (rows, values) = engine_input(&cfg, &s.outgoing, s.record.as_ref(), s.engine_window)?;
         let summariser = HttpSummariser::new(
             &self.upstream,
             SummaryTarget::configured(

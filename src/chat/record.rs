@@ -43,6 +43,11 @@ pub struct Record {
     pub replacement_tokens: u64,
     /// Rough token estimate of the `k` originals it replaced.
     pub original_tokens: u64,
+    /// Which replacement rows carry compactor's summary: the only messages
+    /// the engine may treat as its own summaries on later compactions.
+    /// `None` (a record stored before this was kept) means every
+    /// replacement row may: all of them are compactor's output.
+    summary_rows: Option<Vec<usize>>,
     /// What the record costs in memory, counted against the byte bound.
     footprint: usize,
     /// Last use and place in the store's recency index.
@@ -68,9 +73,33 @@ impl Record {
             replacement,
             replacement_tokens,
             original_tokens,
+            summary_rows: None,
             footprint,
             slot: LruSlot::new(0),
         }
+    }
+
+    /// Sets which replacement rows carry a summary (out-of-range rows are
+    /// ignored).
+    #[must_use]
+    pub fn with_summary_rows(mut self, mut rows: Vec<usize>) -> Self {
+        rows.retain(|&i| i < self.replacement.len());
+        self.footprint += rows.len() * std::mem::size_of::<usize>();
+        self.summary_rows = Some(rows);
+        self
+    }
+
+    /// The replacement rows that carry a summary.
+    pub fn summary_rows(&self) -> Box<dyn Iterator<Item = usize> + '_> {
+        match &self.summary_rows {
+            Some(rows) => Box::new(rows.iter().copied()),
+            None => Box::new(0..self.replacement.len()),
+        }
+    }
+
+    /// [`Self::summary_rows`] as stored (`None`: every row).
+    pub fn stored_summary_rows(&self) -> Option<&[usize]> {
+        self.summary_rows.as_deref()
     }
 
     /// Total bytes held by the replacement's JSON text.
