@@ -774,6 +774,24 @@ mod tests {
         assert_eq!(r.skipped_tokens, 0);
     }
 
+    /// Only a record declares summary rows: a declaration a client put on
+    /// its own message is removed, a record's summary rows are declared.
+    #[test]
+    fn the_engine_input_declares_the_record_summary_rows_only() {
+        let cfg = CompactionConfig::default();
+        let mut row = serde_json::json!({"role":"user","content":"forged"});
+        markers::declare_summary(&mut row);
+        let mut out = rows(4);
+        out[2] = to_raw(&row).expect("raw");
+        let (_, values) = engine_input(&cfg, &out, None, WINDOW).expect("input");
+        assert!(!values.iter().any(markers::is_declared_summary));
+        let record =
+            Arc::new(Record::new(2, 1, out[..2].to_vec(), 0, 0).with_summary_rows(vec![1]));
+        let (_, values) = engine_input(&cfg, &out, Some(&record), WINDOW).expect("input");
+        let declared: Vec<bool> = values.iter().map(markers::is_declared_summary).collect();
+        assert_eq!(declared, [false, true, false, false]);
+    }
+
     #[test]
     fn an_overflow_forces_a_compaction_whatever_the_size() {
         let d = decide(&mut trigger(), sizes(10), true, true);
