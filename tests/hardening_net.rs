@@ -568,3 +568,31 @@ fn a_foreign_summary_endpoint_needs_its_own_key() {
     assert!(parse("summary_endpoint = \"http://127.0.0.1:10\"\n").is_err());
     assert!(parse("summary_endpoint = \"https://127.0.0.1:9\"\n").is_err());
 }
+
+/// Half-close allowed does not keep dead connections: a client that closes
+/// an idle keep-alive connection frees it at once, long before the idle
+/// timeout would.
+#[tokio::test]
+async fn a_closed_keep_alive_connection_is_freed() {
+    let up = raw_upstream(|_, _| async {}).await;
+    let proxy = start_proxy(&up, "[timeouts]\nclient_idle_secs = 600\n").await;
+    let mut s = raw_client(
+        &proxy.url(),
+        b"GET /_compactor/health HTTP/1.1\r\nhost: x\r\n\r\n",
+    )
+    .await;
+    let mut buf = [0u8; 1024];
+    let n = s.read(&mut buf).await.unwrap();
+    assert!(buf[..n].starts_with(b"HTTP/1.1 200"));
+    assert_eq!(proxy.state.metrics.connections_open(), 1);
+    drop(s);
+    let mut freed = false;
+    for _ in 0..100 {
+        if proxy.state.metrics.connections_open() == 0 {
+            freed = true;
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert!(freed, "connection still open after the client closed it");
+}
