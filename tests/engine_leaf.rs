@@ -280,38 +280,6 @@ mod key_partition {
     }
 }
 
-/// Timing probe (not a pass/fail test): `cargo test --test engine_leaf
-/// estimate_speed -- --ignored --nocapture`.
-#[test]
-#[ignore]
-fn estimate_speed_probe() {
-    let msgs: Vec<Value> = (0..1_000)
-        .map(|i| match i % 3 {
-            0 => json!({"role": "user", "content": format!("question {i} {}", "word ".repeat(100))}),
-            1 => json!({"role": "assistant", "content": "calling", "tool_calls": [
-                {"id": format!("c{i}"), "type": "function",
-                 "function": {"name": "read_file", "arguments": format!("{{\"path\":\"/src/f{i}.rs\"}}")}}]}),
-            _ => json!({"role": "tool", "tool_call_id": format!("c{}", i - 1), "content": "line of output\n".repeat(60)}),
-        })
-        .collect();
-    let runs = 50;
-    let t = std::time::Instant::now();
-    let mut sink = 0u64;
-    for _ in 0..runs {
-        sink += tokens::estimate_messages_tokens_rough(&msgs);
-    }
-    let wire = t.elapsed() / runs;
-    let t = std::time::Instant::now();
-    for _ in 0..runs {
-        sink += msgs
-            .iter()
-            .map(|m| tokens::estimate_msg_budget_tokens(m, true))
-            .sum::<u64>();
-    }
-    let walk = t.elapsed() / runs;
-    println!("1000 msgs: wire estimate {wire:?}, budget walk {walk:?} (sink {sink})");
-}
-
 /// Property tests over the leaf functions (our own, not ported).
 mod leaf_properties {
     use super::*;
