@@ -13,7 +13,7 @@ use compactor::compaction::compressor::{CompressOptions, Compressor, Outcome};
 use compactor::compaction::config::CompactionConfig;
 use compactor::compaction::markers::{self, END_MARKER, SUMMARY_PREFIX, SUMMARY_PREFIX_COMPACT};
 use compactor::compaction::tokens::{estimate_messages_tokens_rough, estimate_tools_tokens};
-use compactor::compaction::trigger::{Clock, Trigger, WindowSource};
+use compactor::compaction::trigger::{Trigger, WindowSource};
 use compactor::compaction::view;
 use engine_support::*;
 use serde_json::{json, Value};
@@ -39,8 +39,7 @@ fn engine(window: u64) -> Compressor {
         "llama",
         WindowSource::Known(window),
         Some(MAX_TOKENS),
-    )
-    .with_clock(Clock::manual());
+    );
     Compressor::new(cfg, trigger)
 }
 

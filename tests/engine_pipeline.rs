@@ -410,15 +410,15 @@ fn incomplete_chunked_read_falls_back_to_main() {
     assert!(out.unwrap().contains("summary via main model"));
 }
 
-#[test]
-fn streaming_closed_on_main_uses_short_cooldown() {
+#[tokio::test(start_paused = true)]
+async fn streaming_closed_on_main_uses_short_cooldown() {
     let mut c = compressor_with("main-model", 100_000, |_| {});
     let s = Stub::err(stream_closed(
         "RemoteProtocolError: response ended prematurely",
     ));
-    let out = block_on(c.generate_summary(&s, &do_something(), None)).summary;
+    let out = c.generate_summary(&s, &do_something(), None).await.summary;
     assert!(out.is_none());
-    // The manual clock is frozen: exactly the 30 s short cooldown remains.
+    // tokio's clock is paused: exactly the 30 s short cooldown remains.
     assert_eq!(
         c.trigger.cooldown_remaining(),
         Some(Duration::from_secs(30))

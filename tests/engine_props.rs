@@ -336,11 +336,10 @@ proptest! {
         turns in prop::collection::vec(turn(), 3..80),
         ends_with_user in any::<bool>(),
     ) {
-        use compactor::compaction::trigger::{Clock, Trigger, WindowSource};
+        use compactor::compaction::trigger::{Trigger, WindowSource};
         let max_tokens = window / 8;
         let mut c = compressor_with("llama", window, |_| {});
-        c.trigger = Trigger::new(c.cfg.clone(), "llama", WindowSource::Known(window), Some(max_tokens))
-            .with_clock(Clock::manual());
+        c.trigger = Trigger::new(c.cfg.clone(), "llama", WindowSource::Known(window), Some(max_tokens));
         let threshold = c.trigger.threshold_tokens();
         let input = build(true, &turns, ends_with_user);
         let before = estimate_messages_tokens_rough(&input);
@@ -363,10 +362,9 @@ proptest! {
         rounds in prop::collection::vec(prop::collection::vec(200usize..3_000, 1..3), 2..14),
         compacted_before in any::<bool>(),
     ) {
-        use compactor::compaction::trigger::{Clock, Trigger, WindowSource};
+        use compactor::compaction::trigger::{Trigger, WindowSource};
         let mut c = compressor_with("llama", window, |_| {});
-        c.trigger = Trigger::new(c.cfg.clone(), "llama", WindowSource::Known(window), Some(16))
-            .with_clock(Clock::manual());
+        c.trigger = Trigger::new(c.cfg.clone(), "llama", WindowSource::Known(window), Some(16));
         if compacted_before {
             c.trigger.compression_count = 1;
         }

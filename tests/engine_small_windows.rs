@@ -10,7 +10,7 @@ use compactor::compaction::compressor::{CompressOptions, Outcome};
 use compactor::compaction::serialize::prompt_overhead_chars;
 use compactor::compaction::summariser::SummaryReply;
 use compactor::compaction::tokens::estimate_request_tokens_rough;
-use compactor::compaction::trigger::{Clock, Trigger, WindowSource};
+use compactor::compaction::trigger::{Trigger, WindowSource};
 use engine_support::*;
 use serde_json::{json, Value};
 use std::sync::Arc;
@@ -45,8 +45,7 @@ fn fits_after_compaction(window: u64) {
         "llama",
         WindowSource::Known(window),
         Some(max_tokens),
-    )
-    .with_clock(Clock::manual());
+    );
     let threshold = c.trigger.threshold_tokens();
     assert!(
         threshold < window - max_tokens,
@@ -229,8 +228,7 @@ fn verbose_summariser_still_fits_a_2048_window() {
         "llama",
         WindowSource::Known(window),
         Some(max_tokens),
-    )
-    .with_clock(Clock::manual());
+    );
     let threshold = c.trigger.threshold_tokens();
     let msgs = conversation(threshold * 3 / 2);
     // The model ignores "Target ~N tokens" and writes ~2,500 tokens.

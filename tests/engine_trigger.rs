@@ -18,8 +18,8 @@ use compactor::compaction::budget::{
 };
 use compactor::compaction::config::{CompactionConfig, Strategy};
 use compactor::compaction::trigger::{
-    cooldown_for, seed_preflight, truncate_error_text, Clock, FailureClass, Trigger,
-    TriggerSnapshot, Usage, WindowSource,
+    cooldown_for, seed_preflight, truncate_error_text, FailureClass, Trigger, TriggerSnapshot,
+    Usage, WindowSource,
 };
 use serde_json::json;
 
@@ -37,14 +37,13 @@ fn compressor() -> Trigger {
         c.protect_first_n = 2;
         c.protect_last_n = 2;
     });
-    let mut t = Trigger::new(cfg, "test/model", WindowSource::Known(100_000), None)
-        .with_clock(Clock::manual());
+    let mut t = Trigger::new(cfg, "test/model", WindowSource::Known(100_000), None);
     let _ = t.context_length();
     t
 }
 
 fn trig(cfg: Arc<CompactionConfig>, model: &str, window: u64) -> Trigger {
-    Trigger::new(cfg, model, WindowSource::Known(window), None).with_clock(Clock::manual())
+    Trigger::new(cfg, model, WindowSource::Known(window), None)
 }
 
 fn pct(p: f64) -> Arc<CompactionConfig> {
@@ -745,22 +744,22 @@ fn cooldown_classes_and_ladders() {
     }
 }
 
-#[test]
-fn cooldown_blocks_then_expires_with_clock() {
+#[tokio::test(start_paused = true)]
+async fn cooldown_blocks_then_expires_with_clock() {
     let mut t = compressor();
     t.set_failure_cooldown(30, "stream closed");
     assert_eq!(t.cooldown_remaining(), Some(Duration::from_secs(30)));
     assert!(!t.should_compress(Some(90_000)));
     assert_eq!(t.block_reason().as_deref(), Some("cooldown:30"));
-    t.clock().advance(Duration::from_millis(29_500));
+    tokio::time::advance(Duration::from_millis(29_500)).await;
     assert_eq!(t.block_reason().as_deref(), Some("cooldown:1"));
-    t.clock().advance(Duration::from_millis(500));
+    tokio::time::advance(Duration::from_millis(500)).await;
     assert_eq!(t.cooldown_remaining(), None);
     assert!(t.should_compress(Some(90_000)));
 }
 
-#[test]
-fn new_cooldown_never_shortens_live_one() {
+#[tokio::test(start_paused = true)]
+async fn new_cooldown_never_shortens_live_one() {
     let mut t = compressor();
     t.set_failure_cooldown(900, "timeout");
     t.set_failure_cooldown(30, "decode");
@@ -770,26 +769,26 @@ fn new_cooldown_never_shortens_live_one() {
     t.set_failure_cooldown(1_000, "no provider");
     assert_eq!(t.cooldown_remaining(), Some(Duration::from_secs(1_000)));
     // After expiry a short one applies again.
-    t.clock().advance(Duration::from_secs(1_001));
+    tokio::time::advance(Duration::from_secs(1_001)).await;
     t.set_failure_cooldown(30, "decode");
     assert_eq!(t.cooldown_remaining(), Some(Duration::from_secs(30)));
     t.clear_failure_cooldown();
     assert_eq!(t.cooldown_remaining(), None);
 }
 
-#[test]
-fn timeout_ladder_advances_and_success_resets() {
+#[tokio::test(start_paused = true)]
+async fn timeout_ladder_advances_and_success_resets() {
     let mut t = compressor();
     assert_eq!(
         t.note_summary_failure(FailureClass::Timeout, "timed out"),
         60
     );
-    t.clock().advance(Duration::from_secs(61));
+    tokio::time::advance(Duration::from_secs(61)).await;
     assert_eq!(
         t.note_summary_failure(FailureClass::Timeout, "timed out"),
         300
     );
-    t.clock().advance(Duration::from_secs(301));
+    tokio::time::advance(Duration::from_secs(301)).await;
     assert_eq!(
         t.note_summary_failure(FailureClass::Timeout, "timed out"),
         900
@@ -823,8 +822,8 @@ fn error_text_truncated_to_220_chars() {
 
 // ---------------------------------------------------------------- breakers
 
-#[test]
-fn ineffective_strikes_from_real_usage_trip_breaker_and_probe_recovers() {
+#[tokio::test(start_paused = true)]
+async fn ineffective_strikes_from_real_usage_trip_breaker_and_probe_recovers() {
     let mut t = compressor(); // threshold 85,000
     for _ in 0..2 {
         t.record_completed_compaction(false, false, 60_000);
@@ -837,10 +836,10 @@ fn ineffective_strikes_from_real_usage_trip_breaker_and_probe_recovers() {
     assert!(!t.should_compress(Some(95_000)));
     assert_eq!(t.block_reason().as_deref(), Some("ineffective"));
     let deadline = t.recovery_deadline().unwrap();
-    t.clock().advance(Duration::from_secs(299));
+    tokio::time::advance(Duration::from_secs(299)).await;
     assert!(t.is_blocked());
     assert_eq!(t.recovery_deadline(), Some(deadline)); // not re-armed while waiting
-    t.clock().advance(Duration::from_secs(1));
+    tokio::time::advance(Duration::from_secs(1)).await;
     // Probe: counters drop to 1 and one attempt is allowed.
     assert!(t.should_compress(Some(95_000)));
     assert_eq!(t.ineffective_compression_count, 1);
@@ -902,12 +901,12 @@ fn rejected_compaction_is_a_strike() {
     assert!(t.is_blocked());
 }
 
-#[test]
-fn recovery_deadline_far_in_future_is_rearmed() {
+#[tokio::test(start_paused = true)]
+async fn recovery_deadline_far_in_future_is_rearmed() {
     let mut t = compressor();
     t.fallback_streak = 2;
     // Persisted deadline from a clock that has since jumped back.
-    let far = t.clock().wall_now() + Duration::from_secs(10_000);
+    let far = std::time::SystemTime::now() + Duration::from_secs(10_000);
     let ms = far
         .duration_since(std::time::UNIX_EPOCH)
         .unwrap()
@@ -919,18 +918,18 @@ fn recovery_deadline_far_in_future_is_rearmed() {
     });
     assert!(t.is_blocked());
     let d = t.recovery_deadline().unwrap();
-    let rem = d.duration_since(t.clock().wall_now()).unwrap();
+    let rem = d.duration_since(tokio::time::Instant::now());
     assert_eq!(rem, Duration::from_secs(300));
 }
 
-#[test]
-fn structural_backoff_blocks_300s_without_strike() {
+#[tokio::test(start_paused = true)]
+async fn structural_backoff_blocks_300s_without_strike() {
     let mut t = compressor();
     t.set_structural_backoff();
     assert_eq!(t.ineffective_compression_count, 0);
     assert_eq!(t.block_reason().as_deref(), Some("structural_backoff:300"));
     assert!(!t.should_compress(Some(90_000)));
-    t.clock().advance(Duration::from_secs(300));
+    tokio::time::advance(Duration::from_secs(300)).await;
     assert!(t.should_compress(Some(90_000)));
     // A committed compaction clears it; so does an explicit clear.
     t.set_structural_backoff();
@@ -994,10 +993,9 @@ fn deferral_raises_baseline_within_tolerance() {
 
 // ---------------------------------------------------------------- persistence
 
-#[test]
-fn snapshot_restore_round_trip_carries_cooldown() {
-    let clock = Clock::manual();
-    let mut a = compressor().with_clock(clock.clone());
+#[tokio::test(start_paused = true)]
+async fn snapshot_restore_round_trip_carries_cooldown() {
+    let mut a = compressor();
     a.set_failure_cooldown(999, "timeout");
     a.ineffective_compression_count = 1;
     a.fallback_streak = 1;
@@ -1009,8 +1007,10 @@ fn snapshot_restore_round_trip_carries_cooldown() {
     let back: TriggerSnapshot = serde_json::from_str(&text).unwrap();
     assert_eq!(back, snap);
 
-    clock.advance(Duration::from_secs(100));
-    let mut b = compressor().with_clock(clock.clone());
+    // 100 s pass on the wall clock while the process is down.
+    let mut back = back;
+    back.cooldown_until_unix_ms = back.cooldown_until_unix_ms.map(|ms| ms - 100_000);
+    let mut b = compressor();
     b.prellm_skip_count = 2;
     b.restore(back);
     let rem = b.cooldown_remaining().unwrap();
@@ -1030,8 +1030,8 @@ fn snapshot_restore_round_trip_carries_cooldown() {
     assert_eq!(b.snapshot().cooldown_error, None);
 }
 
-#[test]
-fn restore_without_cooldown_keeps_live_local_one() {
+#[tokio::test(start_paused = true)]
+async fn restore_without_cooldown_keeps_live_local_one() {
     let mut t = compressor();
     t.set_failure_cooldown(60, "decode");
     t.restore(TriggerSnapshot::default());
@@ -1065,7 +1065,6 @@ fn reset_session_clears_everything_per_session() {
 fn trigger_is_send_and_sync() {
     fn assert_send_sync<T: Send + Sync>() {}
     assert_send_sync::<Trigger>();
-    assert_send_sync::<Clock>();
     assert_send_sync::<TriggerSnapshot>();
     assert_send_sync::<CompactionConfig>();
 }
@@ -1147,8 +1146,7 @@ fn update_model_without_change_is_a_no_op() {
         WindowSource::Known(100_000),
         None,
     )
-    .with_base_url("http://up")
-    .with_clock(Clock::manual());
+    .with_base_url("http://up");
     t.last_real_prompt_tokens = 50_000;
     t.ineffective_compression_count = 1;
     t.set_failure_cooldown(60, "x");
@@ -1190,8 +1188,7 @@ fn status_is_content_free_and_never_resolves() {
         "m",
         WindowSource::Known(100_000),
         None,
-    )
-    .with_clock(Clock::manual());
+    );
     let s = t.status();
     assert_eq!(t.window_resolutions(), 0, "status never resolves");
     assert_eq!(s.window, None);

@@ -695,13 +695,13 @@ fn to_raw(v: &Value) -> Option<Box<RawValue>> {
 mod tests {
     use super::*;
     use crate::compaction::config::CompactionConfig;
-    use crate::compaction::trigger::{Clock, WindowSource};
+    use crate::compaction::trigger::WindowSource;
 
     const WINDOW: u64 = 10_000;
 
     fn trigger() -> Trigger {
         let cfg = Arc::new(CompactionConfig::default());
-        Trigger::new(cfg, "m", WindowSource::Known(WINDOW), None).with_clock(Clock::manual())
+        Trigger::new(cfg, "m", WindowSource::Known(WINDOW), None)
     }
 
     fn sizes(est: u64) -> Sizes {

@@ -8,19 +8,22 @@
 //! a compaction loop: failure cooldowns, the anti-thrash breaker with its
 //! recovery probe, and the structural backoff.
 //!
-//! Time comes from an injectable [`Clock`] so tests can advance it.
+//! Deadlines are `tokio::time::Instant`s: outside a runtime they read the
+//! system's monotonic clock, and tests pause and advance tokio's clock
+//! instead of carrying a clock of their own. Only [`TriggerSnapshot`]
+//! speaks wall-clock time, so a deadline means the same after a restart.
 
 use std::fmt;
-use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
-use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use serde::{Deserialize, Serialize};
+use tokio::time::Instant;
 
 use super::budget::{self, DEFAULT_CONTEXT_LENGTH};
 use super::config::CompactionConfig;
 
-/// Anti-thrash recovery probe delay (wall clock, persisted).
+/// Anti-thrash recovery probe delay (persisted as a wall-clock deadline).
 pub const RECOVERY_PROBE_SECS: u64 = 300;
 /// Backoff after a structural no-op (nothing to compress); no strike.
 pub const STRUCTURAL_BACKOFF_SECS: u64 = 300;
@@ -57,88 +60,6 @@ pub struct Usage {
     pub total_tokens: Option<u64>,
     /// `prompt_tokens_details.cached_tokens`.
     pub cached_tokens: Option<u64>,
-}
-
-/// Source of time for cooldowns and deadlines. [`Clock::system`] reads the
-/// real clocks; [`Clock::manual`] starts at the current time and moves only
-/// by [`Clock::advance`]. Clones share the same manual time, so a test keeps
-/// a clone and advances the clock a [`Trigger`] uses.
-#[derive(Clone)]
-pub struct Clock {
-    manual: Option<Arc<ManualClock>>,
-}
-
-struct ManualClock {
-    base: Instant,
-    base_wall: SystemTime,
-    offset_nanos: AtomicU64,
-}
-
-impl fmt::Debug for Clock {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        match &self.manual {
-            None => f.write_str("Clock::System"),
-            Some(m) => write!(
-                f,
-                "Clock::Manual(+{:?})",
-                Duration::from_nanos(m.offset_nanos.load(Ordering::Relaxed))
-            ),
-        }
-    }
-}
-
-impl Default for Clock {
-    fn default() -> Self {
-        Self::system()
-    }
-}
-
-impl Clock {
-    /// The real monotonic and wall clocks.
-    pub fn system() -> Self {
-        Self { manual: None }
-    }
-
-    /// A test clock frozen at the current time until advanced.
-    pub fn manual() -> Self {
-        Self {
-            manual: Some(Arc::new(ManualClock {
-                base: Instant::now(),
-                base_wall: SystemTime::now(),
-                offset_nanos: AtomicU64::new(0),
-            })),
-        }
-    }
-
-    /// Monotonic now (cooldowns, backoffs).
-    pub fn now(&self) -> Instant {
-        match &self.manual {
-            None => Instant::now(),
-            Some(m) => m.base + Duration::from_nanos(m.offset_nanos.load(Ordering::Relaxed)),
-        }
-    }
-
-    /// Wall-clock now (persisted deadlines).
-    pub fn wall_now(&self) -> SystemTime {
-        match &self.manual {
-            None => SystemTime::now(),
-            Some(m) => m.base_wall + Duration::from_nanos(m.offset_nanos.load(Ordering::Relaxed)),
-        }
-    }
-
-    /// Move a manual clock forward (both monotonic and wall time). No effect
-    /// on the system clock.
-    pub fn advance(&self, d: Duration) {
-        if let Some(m) = &self.manual {
-            let nanos = u64::try_from(d.as_nanos()).unwrap_or(u64::MAX);
-            m.offset_nanos.fetch_add(nanos, Ordering::Relaxed);
-        }
-    }
-
-    /// Whether this is a manual (test) clock.
-    pub fn is_manual(&self) -> bool {
-        self.manual.is_some()
-    }
 }
 
 /// Where the context window comes from. The proxy resolves the window
@@ -322,11 +243,10 @@ pub struct Trigger {
     cooldown_until: Option<Instant>,
     cooldown_error: Option<String>,
     structural_backoff_until: Option<Instant>,
-    recovery_deadline: Option<SystemTime>,
+    recovery_deadline: Option<Instant>,
     verify_pending: bool,
     timeout_failures: u32,
     truncated_failures: u32,
-    clock: Clock,
 }
 
 impl fmt::Debug for Trigger {
@@ -383,7 +303,6 @@ impl Trigger {
             verify_pending: false,
             timeout_failures: 0,
             truncated_failures: 0,
-            clock: Clock::system(),
         };
         // A known window is stored without the first-resolution log: that
         // line is emitted on first use, like a lazy one.
@@ -391,23 +310,11 @@ impl Trigger {
         t
     }
 
-    /// Use `clock` (builder form, typically [`Clock::manual`] in tests).
-    /// Call before any deadline is set: deadlines are not carried over.
-    pub fn with_clock(mut self, clock: Clock) -> Self {
-        self.clock = clock;
-        self
-    }
-
     /// Record the upstream base URL the conversation goes to (builder form),
     /// so a later [`Trigger::update_model`] can tell a route change.
     pub fn with_base_url(mut self, base_url: &str) -> Self {
         self.base_url = base_url.to_owned();
         self
-    }
-
-    /// The clock this trigger reads.
-    pub fn clock(&self) -> &Clock {
-        &self.clock
     }
 
     /// The configuration.
@@ -648,7 +555,7 @@ impl Trigger {
 
     /// Why automatic compaction is blocked, if it is: `"cooldown:<s>"`,
     /// `"structural_backoff:<s>"` (remaining seconds, rounded up) or
-    /// `"ineffective"`. A tripped breaker arms a 300 s wall-clock recovery
+    /// `"ineffective"`. A tripped breaker arms a 300 s recovery
     /// deadline on first evaluation; once it passes, both counters drop to at
     /// most 1 and one probe attempt is allowed.
     pub fn block_reason(&mut self) -> Option<String> {
@@ -662,7 +569,7 @@ impl Trigger {
             self.recovery_deadline = None;
             return None;
         }
-        let now = self.clock.wall_now();
+        let now = Instant::now();
         let window = Duration::from_secs(RECOVERY_PROBE_SECS);
         match self.recovery_deadline {
             Some(deadline) if now >= deadline => {
@@ -674,7 +581,8 @@ impl Trigger {
                 );
                 None
             }
-            // A deadline beyond one window (clock jumped back) is re-armed.
+            // A deadline beyond one window (restored from a wall clock that
+            // has since jumped back) is re-armed.
             Some(deadline) if deadline <= now + window => Some("ineffective".to_owned()),
             _ => {
                 self.recovery_deadline = Some(now + window);
@@ -683,8 +591,8 @@ impl Trigger {
         }
     }
 
-    /// The armed anti-thrash recovery deadline (wall clock).
-    pub fn recovery_deadline(&self) -> Option<SystemTime> {
+    /// The armed anti-thrash recovery deadline.
+    pub fn recovery_deadline(&self) -> Option<Instant> {
         self.recovery_deadline
     }
 
@@ -869,7 +777,7 @@ impl Trigger {
     /// (the deadline is the later of the two); the error text (first 220
     /// chars) follows the deadline that wins.
     pub fn set_failure_cooldown(&mut self, secs: u64, error: &str) {
-        let deadline = self.clock.now() + Duration::from_secs(secs);
+        let deadline = Instant::now() + Duration::from_secs(secs);
         match self.cooldown_until {
             Some(existing) if existing >= deadline && self.cooldown_remaining().is_some() => {}
             _ => {
@@ -888,7 +796,7 @@ impl Trigger {
     /// Time left on a live failure cooldown.
     pub fn cooldown_remaining(&self) -> Option<Duration> {
         let until = self.cooldown_until?;
-        let now = self.clock.now();
+        let now = Instant::now();
         (until > now).then(|| until - now)
     }
 
@@ -947,7 +855,7 @@ impl Trigger {
     /// Nothing to compress: back off 300 s without a strike (in memory only).
     pub fn set_structural_backoff(&mut self) {
         self.structural_backoff_until =
-            Some(self.clock.now() + Duration::from_secs(STRUCTURAL_BACKOFF_SECS));
+            Some(Instant::now() + Duration::from_secs(STRUCTURAL_BACKOFF_SECS));
     }
 
     /// Clear the structural backoff (forced compaction, committed compaction).
@@ -958,7 +866,7 @@ impl Trigger {
     /// Time left on a live structural backoff.
     pub fn structural_backoff_remaining(&self) -> Option<Duration> {
         let until = self.structural_backoff_until?;
-        let now = self.clock.now();
+        let now = Instant::now();
         (until > now).then(|| until - now)
     }
 
@@ -988,7 +896,7 @@ impl Trigger {
 
     /// Content-free status from cached values (never resolves the window).
     pub fn status(&self) -> TriggerStatus {
-        let wall = self.clock.wall_now();
+        let now = Instant::now();
         TriggerStatus {
             model: self.model.clone(),
             window: self.window.filter(|_| self.window_resolutions > 0),
@@ -1004,7 +912,7 @@ impl Trigger {
             structural_backoff_remaining_secs: self.structural_backoff_remaining().map(ceil_secs),
             recovery_probe_in_secs: self
                 .recovery_deadline
-                .map(|d| d.duration_since(wall).map(ceil_secs).unwrap_or(0)),
+                .map(|d| ceil_secs(d.saturating_duration_since(now))),
             awaiting_real_usage: self.awaiting_real_usage_after_compression,
             provider_omits_usage: self.provider_omits_usage,
         }
@@ -1012,14 +920,16 @@ impl Trigger {
 
     /// The fields to persist for this conversation.
     pub fn snapshot(&self) -> TriggerSnapshot {
-        let wall = self.clock.wall_now();
+        let (now, wall) = (Instant::now(), SystemTime::now());
         let cooldown_until_unix_ms = self.cooldown_remaining().map(|rem| unix_ms(wall + rem));
         TriggerSnapshot {
             cooldown_until_unix_ms,
             cooldown_error: cooldown_until_unix_ms.and(self.cooldown_error.clone()),
             ineffective_compression_count: self.ineffective_compression_count,
             fallback_streak: self.fallback_streak,
-            recovery_deadline_unix_ms: self.recovery_deadline.map(unix_ms),
+            recovery_deadline_unix_ms: self
+                .recovery_deadline
+                .map(|d| unix_ms(wall + d.saturating_duration_since(now))),
             compression_count: self.compression_count,
         }
     }
@@ -1030,12 +940,12 @@ impl Trigger {
     /// without one keeps a live local cooldown (a failed write must not
     /// reopen the thrash window). The feasibility-skip count restarts at 0.
     pub fn restore(&mut self, snap: TriggerSnapshot) {
-        let wall = self.clock.wall_now();
+        let (now, wall) = (Instant::now(), SystemTime::now());
         if let Some(ms) = snap.cooldown_until_unix_ms {
             let until = UNIX_EPOCH + Duration::from_millis(ms);
             match until.duration_since(wall) {
                 Ok(rem) if !rem.is_zero() => {
-                    self.cooldown_until = Some(self.clock.now() + rem);
+                    self.cooldown_until = Some(now + rem);
                     self.cooldown_error = snap.cooldown_error.map(|e| truncate_error_text(&e));
                 }
                 _ => {
@@ -1047,9 +957,11 @@ impl Trigger {
         }
         self.ineffective_compression_count = snap.ineffective_compression_count;
         self.fallback_streak = snap.fallback_streak;
-        self.recovery_deadline = snap
-            .recovery_deadline_unix_ms
-            .map(|ms| UNIX_EPOCH + Duration::from_millis(ms));
+        // A deadline that has passed is due now.
+        self.recovery_deadline = snap.recovery_deadline_unix_ms.map(|ms| {
+            let until = UNIX_EPOCH + Duration::from_millis(ms);
+            now + until.duration_since(wall).unwrap_or_default()
+        });
         self.compression_count = snap.compression_count;
         self.prellm_skip_count = 0;
     }

@@ -11,7 +11,7 @@ use compactor::compaction::config::CompactionConfig;
 use compactor::compaction::summariser::{
     Summariser, SummaryError, SummaryErrorKind, SummaryReply, SummaryRequest,
 };
-use compactor::compaction::trigger::{Clock, Trigger, WindowSource};
+use compactor::compaction::trigger::{Trigger, WindowSource};
 use serde_json::{json, Value};
 
 /// One scripted answer.
@@ -122,7 +122,7 @@ pub fn null_content() -> SummaryReply {
     }
 }
 
-/// A compressor over a known window with a manual clock; `f` edits the
+/// A compressor over a known window; `f` edits the
 /// defaults.
 pub fn compressor_with(
     model: &str,
@@ -132,8 +132,7 @@ pub fn compressor_with(
     let mut cfg = CompactionConfig::default();
     f(&mut cfg);
     let cfg = Arc::new(cfg);
-    let trigger = Trigger::new(cfg.clone(), model, WindowSource::Known(window), None)
-        .with_clock(Clock::manual());
+    let trigger = Trigger::new(cfg.clone(), model, WindowSource::Known(window), None);
     Compressor::new(cfg, trigger)
 }
 
