@@ -1,6 +1,8 @@
 //! Engine benchmarks: the per-request decision when nothing needs compacting
 //! (estimate + trigger check) and a full batch compaction with a stub
-//! summariser, on 10 / 100 / 1,000 / 5,000 messages.
+//! summariser, on 10 / 100 / 1,000 / 5,000 messages; and the two rough
+//! estimates of 1,000 messages (`estimate_1000`: the wire-size estimate
+//! against the per-message budget walk).
 
 use std::hint::black_box;
 use std::sync::Arc;
@@ -8,7 +10,9 @@ use std::sync::Arc;
 use compactor::compaction::compressor::{CompressOptions, Compressor};
 use compactor::compaction::config::CompactionConfig;
 use compactor::compaction::summariser::{Summariser, SummaryError, SummaryReply, SummaryRequest};
-use compactor::compaction::tokens::estimate_request_tokens_rough;
+use compactor::compaction::tokens::{
+    estimate_messages_tokens_rough, estimate_msg_budget_tokens, estimate_request_tokens_rough,
+};
 use compactor::compaction::trigger::{Trigger, WindowSource};
 use criterion::{criterion_group, criterion_main, BatchSize, BenchmarkId, Criterion};
 use serde_json::{json, Value};
@@ -102,5 +106,36 @@ fn bench(c: &mut Criterion) {
     g.finish();
 }
 
-criterion_group!(benches, bench);
+/// 1,000 messages of a tool-using conversation with long texts.
+fn estimate_input() -> Vec<Value> {
+    (0..1_000)
+        .map(|i| match i % 3 {
+            0 => json!({"role": "user", "content": format!("question {i} {}", "word ".repeat(100))}),
+            1 => json!({"role": "assistant", "content": "calling", "tool_calls": [
+                {"id": format!("c{i}"), "type": "function",
+                 "function": {"name": "read_file", "arguments": format!("{{\"path\":\"/src/f{i}.rs\"}}")}}]}),
+            _ => json!({"role": "tool", "tool_call_id": format!("c{}", i - 1), "content": "line of output\n".repeat(60)}),
+        })
+        .collect()
+}
+
+fn bench_estimates(c: &mut Criterion) {
+    let msgs = estimate_input();
+    let mut g = c.benchmark_group("estimate_1000");
+    g.bench_function("wire", |b| {
+        b.iter(|| black_box(estimate_messages_tokens_rough(black_box(&msgs))))
+    });
+    g.bench_function("budget_walk", |b| {
+        b.iter(|| {
+            black_box(
+                msgs.iter()
+                    .map(|m| estimate_msg_budget_tokens(m, true))
+                    .sum::<u64>(),
+            )
+        })
+    });
+    g.finish();
+}
+
+criterion_group!(benches, bench, bench_estimates);
 criterion_main!(benches);

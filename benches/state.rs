@@ -1,6 +1,14 @@
 //! Micro-benchmarks of the state building blocks: SSE usage scanning and
-//! usage hiding throughput, the message hash chain, and the calibrated
-//! estimate of a growing conversation.
+//! usage hiding throughput, the message hash chain, the calibrated
+//! estimate of a growing conversation, eviction from full stores of two
+//! sizes, and the admin token comparison.
+//!
+//! `cargo bench --bench state`; the timing comparisons the unit tests do
+//! not make (they count the work instead) are `eviction_by_size` (a new
+//! session or record in a full store of 512 vs 16,384: O(log n) keeps them
+//! close, a scan would make the larger ~32x) and `admin_token` (a 256 KiB
+//! secret against a presented token of equal length, one byte longer, and
+//! differing in the first or the last byte: all alike).
 
 // Test code: a failed unwrap is a failed test. clippy.toml allows that in
 // #[test] functions only, not in the helpers they share.
@@ -11,6 +19,7 @@ use std::hint::black_box;
 use bytes::BytesMut;
 use compactor::chat::record::{Record, RecordStore};
 use compactor::request::{message_hashes, ChainCache, ChatRequest};
+use compactor::server::admin::tokens_match;
 use compactor::session::calibration::Calibration;
 use compactor::session::store::{SessionStore, StoreLimits};
 use compactor::session::SessionKey;
@@ -178,5 +187,69 @@ fn bench_stores(c: &mut Criterion) {
     g.finish();
 }
 
-criterion_group!(benches, bench_sse, bench_hashes, bench_stores);
+/// A new session / record in full stores of two sizes.
+fn bench_eviction_by_size(c: &mut Criterion) {
+    let mut g = c.benchmark_group("eviction_by_size");
+    for size in [512u128, 16_384] {
+        let store: SessionStore<u64> = SessionStore::new(StoreLimits {
+            ttl: std::time::Duration::from_secs(3600),
+            max_sessions: size as usize,
+        });
+        for i in 0..size {
+            store.get_or_create(SessionKey::from_u128(i), || 0);
+        }
+        let mut next = size;
+        g.bench_function(format!("session_insert_when_full/{size}"), |b| {
+            b.iter(|| {
+                next += 1;
+                black_box(store.get_or_create(SessionKey::from_u128(next), || 0))
+            })
+        });
+        let records = RecordStore::new(std::time::Duration::from_secs(3600), size as usize);
+        for h in 0..size {
+            records.insert(1, Record::new(1, h, Vec::new(), 0, 0));
+        }
+        let mut next = size;
+        g.bench_function(format!("record_insert_when_full/{size}"), |b| {
+            b.iter(|| {
+                next += 1;
+                black_box(records.insert(1, Record::new(1, next, Vec::new(), 0, 0)))
+            })
+        });
+    }
+    g.finish();
+}
+
+/// The admin token comparison: neither length nor the first differing
+/// byte should change its cost.
+fn bench_admin_token(c: &mut Criterion) {
+    let secret = vec![b'a'; 256 * 1024];
+    let equal = secret.clone();
+    let mut first = secret.clone();
+    first[0] = b'b';
+    let mut last = secret.clone();
+    *last.last_mut().unwrap() = b'b';
+    let longer = [secret.as_slice(), b"a"].concat();
+    let mut g = c.benchmark_group("admin_token");
+    for (name, presented) in [
+        ("equal", &equal),
+        ("differs_first_byte", &first),
+        ("differs_last_byte", &last),
+        ("one_byte_longer", &longer),
+    ] {
+        g.bench_function(name, |b| {
+            b.iter(|| black_box(tokens_match(black_box(presented), &secret)))
+        });
+    }
+    g.finish();
+}
+
+criterion_group!(
+    benches,
+    bench_sse,
+    bench_hashes,
+    bench_stores,
+    bench_eviction_by_size,
+    bench_admin_token
+);
 criterion_main!(benches);

@@ -86,6 +86,7 @@ fn bench_turns(c: &mut Criterion) {
         replacement: replacement(),
         original_tokens: 10_000,
         replacement_tokens: 1_000,
+        summary_rows: None,
     };
     let server = Redis::start();
     let url = format!("redis://127.0.0.1:{}/0", server.1);

@@ -2,7 +2,10 @@
 //! requests through compactor against examples/fault_upstream.rs and checks
 //! every stream byte for byte against what the upstream sent.
 //!
-//! `cargo run --example fault_client -- PROXY_URL [N] [TIMEOUT_SECS]`
+//! `cargo run --example fault_client -- PROXY_URL [N] [TIMEOUT_SECS] [MODE]`
+//!
+//! `MODE` is `stream` (the default, below), `silent` or `slow_upload`
+//! (connection-level modes, see examples/fault_modes).
 //!
 //! Request `id` carries `x-fault-id: id`, so both ends derive the same plan
 //! (examples/fault_common). Compactor always asks the upstream for usage on
@@ -26,6 +29,8 @@
 
 #[path = "fault_common/mod.rs"]
 mod fault_common;
+#[path = "fault_modes/mod.rs"]
+mod fault_modes;
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
@@ -224,6 +229,18 @@ async fn main() {
         .unwrap_or_else(|| "http://127.0.0.1:4000".into());
     let n: u64 = args.next().and_then(|s| s.parse().ok()).unwrap_or(1000);
     let timeout = Duration::from_secs(args.next().and_then(|s| s.parse().ok()).unwrap_or(60));
+    let mode = args.next().unwrap_or_else(|| "stream".into());
+    if mode != "stream" {
+        let addr = proxy
+            .trim_start_matches("http://")
+            .trim_end_matches('/')
+            .to_string();
+        if !fault_modes::run(&mode, &addr, n, timeout).await {
+            eprintln!("unknown mode {mode}");
+            std::process::exit(64);
+        }
+        return;
+    }
     let url = format!("{}/v1/chat/completions", proxy.trim_end_matches('/'));
     let client: HttpClient = Client::builder(TokioExecutor::new())
         .pool_max_idle_per_host(0)

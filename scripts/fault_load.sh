@@ -5,6 +5,8 @@
 #   scripts/fault_load.sh               # 1,000 requests, debug build
 #   N=200 TIMEOUT=30 scripts/fault_load.sh
 #   PROFILE=release scripts/fault_load.sh
+#   MODE=silent N=600 scripts/fault_load.sh        # silent connections
+#   MODE=slow_upload N=64 scripts/fault_load.sh    # bodies dribbled slowly
 #
 # Builds compactor and the two examples, starts examples/fault_upstream.rs
 # (SSE streams with slow drip, stalls and aborted connections) and
@@ -15,12 +17,31 @@
 # descriptors from /proc. Prints a summary table; cleans up on exit.
 # FAULT_VERBOSE=1 lists every request that was not ok in
 # $OUT/client_errors.txt. Bounded: at most N (≤ 5,000) requests, each at most TIMEOUT (≤ 120) s.
+#
+# Connection-level modes (examples/fault_modes; a health check every 100 ms
+# runs alongside, on fresh connections):
+# - MODE=silent: N connections that never send a byte, with
+#   timeouts.client_idle_secs = IDLE (2) and limits.max_connections = CAP
+#   (3/4 of N). Expected: each closed by the idle timeout or, beyond the
+#   cap, answered 503 with Retry-After; none still open; health answered
+#   throughout (503 while the cap is full) and 200 afterwards.
+# - MODE=slow_upload: N chat requests announcing a 1 MiB body, sending
+#   256 KiB at once and then a byte every 200 ms, with
+#   timeouts.body_read_secs = BODY_READ (2) and
+#   limits.max_buffered_body_bytes = BUDGET (8 MiB). Expected: each answered
+#   408 or, beyond the budget, 503 with Retry-After; none unanswered.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 N="${N:-1000}"; [ "$N" -gt 5000 ] && N=5000
 TIMEOUT="${TIMEOUT:-60}"; [ "$TIMEOUT" -gt 120 ] && TIMEOUT=120
 PROFILE="${PROFILE:-debug}"
+MODE="${MODE:-stream}"
+case "$MODE" in stream|silent|slow_upload) ;; *) echo "MODE must be stream, silent or slow_upload" >&2; exit 64;; esac
+IDLE="${IDLE:-2}"
+CAP="${CAP:-$(( N * 3 / 4 ))}"
+BODY_READ="${BODY_READ:-2}"
+BUDGET="${BUDGET:-8388608}"
 OUT="${OUT:-target/fault_load}"
 mkdir -p "$OUT"
 
@@ -71,6 +92,10 @@ max_sessions = 500
 [log]
 format = "text"
 TOML
+case "$MODE" in
+  silent) printf '[timeouts]\nclient_idle_secs = %s\n[limits]\nmax_connections = %s\n' "$IDLE" "$CAP" >>"$OUT/compactor.toml" ;;
+  slow_upload) printf '[timeouts]\nbody_read_secs = %s\n[limits]\nmax_buffered_body_bytes = %s\n' "$BODY_READ" "$BUDGET" >>"$OUT/compactor.toml" ;;
+esac
 NO_COLOR=1 start PROXY "$OUT/compactor.log" "$BIN/compactor" --config "$OUT/compactor.toml"
 
 # Peak RSS (VmHWM) is kept by the kernel; fds and current RSS are sampled.
@@ -87,7 +112,7 @@ FD_START=$(fds "$PROXY_PID")
 ) &
 SAMPLER=$!
 
-timeout $((TIMEOUT + 60)) "$BIN/examples/fault_client" "http://$PROXY" "$N" "$TIMEOUT" >"$OUT/client.txt" 2>"$OUT/client_errors.txt"
+timeout $((TIMEOUT + 60)) "$BIN/examples/fault_client" "http://$PROXY" "$N" "$TIMEOUT" "$MODE" >"$OUT/client.txt" 2>"$OUT/client_errors.txt"
 sleep 1
 FD_AFTER=$(fds "$PROXY_PID")
 RSS_AFTER=$(kib "$PROXY_PID" VmRSS)
@@ -99,8 +124,56 @@ ALIVE=yes; kill -0 "$PROXY_PID" 2>/dev/null || ALIVE=no
 PANICS=$(grep -c "panicked" "$OUT/compactor.log" || true)
 
 v() { awk -v k="$1" '$1==k{print $2}' "$OUT/client.txt"; }
+# A counter of compactor's (read after the run, under the cap again).
+metric() { curl -s "http://$PROXY/_compactor/metrics" | awk -v k="$1" '$1==k{print $2}'; }
+# Outcome counts of the connection modes default to 0 when absent.
+c() { local x; x="$(v "$1")"; echo "${x:-0}"; }
+compactor_rows() {
+  printf "%-42s %s\n" \
+    "compactor peak RSS VmHWM (KiB)" "$HWM" \
+    "compactor RSS start / after (KiB)" "$RSS_START / $RSS_AFTER" \
+    "compactor fds start / peak / after" "$FD_START / $FD_PEAK / $FD_AFTER" \
+    "compactor alive / panics logged" "$ALIVE / $PANICS"
+}
+health_rows() {
+  printf "%-42s %s\n" \
+    "health checks 200 / 503 / failed" "$(c health_200) / $(c health_503) / $(c health_failed)" \
+    "health check latency max (ms)" "$(c health_max_ms)" \
+    "health status after the run" "$(c health_after)"
+}
 echo
-echo "== fault/load: $N concurrent streaming requests, $PROFILE build, $(nproc) cores"
+case "$MODE" in
+silent)
+  echo "== fault/load silent: $N connections that never send a byte, client_idle_secs $IDLE, max_connections $CAP, $PROFILE build, $(nproc) cores"
+  printf "%-42s %s\n" \
+    "connections" "$(v requests)" \
+    "closed by the idle timeout (ok)" "$(c closed_idle)" \
+    "503 + Retry-After, closed (ok)" "$(c refused_503_retry_after)" \
+    "503 without Retry-After (bad)" "$(c refused_503_no_retry_after)" \
+    "closed with other bytes (bad)" "$(c closed_other)" \
+    "still open after ${TIMEOUT}s (bad)" "$(c still_open)" \
+    "connect failed" "$(c connect_failed)" \
+    "wall time (ms)" "$(v wall_ms)" \
+    "metrics: idle closes / cap refusals" "$(metric compactor_idle_connection_closes_total) / $(metric compactor_connections_rejected_total)"
+  health_rows; compactor_rows
+  ;;
+slow_upload)
+  echo "== fault/load slow_upload: $N chat bodies of 1 MiB (256 KiB, then 5 B/s), body_read_secs $BODY_READ, max_buffered_body_bytes $BUDGET, $PROFILE build, $(nproc) cores"
+  printf "%-42s %s\n" \
+    "requests" "$(v requests)" \
+    "408 body-read timeout (ok)" "$(c status_408)" \
+    "503 + Retry-After (ok)" "$(c status_503_retry_after)" \
+    "503 without Retry-After (bad)" "$(c status_503_no_retry_after)" \
+    "other status (bad)" "$(c status_other)" \
+    "closed without a status (bad)" "$(c closed_without_status)" \
+    "no answer within ${TIMEOUT}s (bad)" "$(c no_answer)" \
+    "connect failed" "$(c connect_failed)" \
+    "wall time (ms)" "$(v wall_ms)" \
+    "metrics: body-read timeouts / budget 503s" "$(metric compactor_body_read_timeouts_total) / $(metric compactor_body_budget_rejections_total)"
+  health_rows; compactor_rows
+  ;;
+stream)
+  echo "== fault/load: $N concurrent streaming requests, $PROFILE build, $(nproc) cores"
 printf "%-34s %s\n" \
   "requests" "$(v requests)" \
   "ok (complete, byte-identical)" "$(v ok)" \
@@ -117,4 +190,7 @@ printf "%-34s %s\n" \
   "compactor RSS start / after (KiB)" "$RSS_START / $RSS_AFTER" \
   "compactor fds start / peak / after" "$FD_START / $FD_PEAK / $FD_AFTER" \
   "compactor alive / panics logged" "$ALIVE / $PANICS" \
-  "upstream counters" "$UP"
+  "upstream counters" "$UP" \
+  "client connections open after (metric)" "$(metric compactor_connections_open)"
+  ;;
+esac

@@ -280,38 +280,6 @@ mod key_partition {
     }
 }
 
-/// Timing probe (not a pass/fail test): `cargo test --test engine_leaf
-/// estimate_speed -- --ignored --nocapture`.
-#[test]
-#[ignore]
-fn estimate_speed_probe() {
-    let msgs: Vec<Value> = (0..1_000)
-        .map(|i| match i % 3 {
-            0 => json!({"role": "user", "content": format!("question {i} {}", "word ".repeat(100))}),
-            1 => json!({"role": "assistant", "content": "calling", "tool_calls": [
-                {"id": format!("c{i}"), "type": "function",
-                 "function": {"name": "read_file", "arguments": format!("{{\"path\":\"/src/f{i}.rs\"}}")}}]}),
-            _ => json!({"role": "tool", "tool_call_id": format!("c{}", i - 1), "content": "line of output\n".repeat(60)}),
-        })
-        .collect();
-    let runs = 50;
-    let t = std::time::Instant::now();
-    let mut sink = 0u64;
-    for _ in 0..runs {
-        sink += tokens::estimate_messages_tokens_rough(&msgs);
-    }
-    let wire = t.elapsed() / runs;
-    let t = std::time::Instant::now();
-    for _ in 0..runs {
-        sink += msgs
-            .iter()
-            .map(|m| tokens::estimate_msg_budget_tokens(m, true))
-            .sum::<u64>();
-    }
-    let walk = t.elapsed() / runs;
-    println!("1000 msgs: wire estimate {wire:?}, budget walk {walk:?} (sink {sink})");
-}
-
 /// Property tests over the leaf functions (our own, not ported).
 mod leaf_properties {
     use super::*;
@@ -347,6 +315,12 @@ mod leaf_properties {
             }
             other => other.clone(),
         }
+    }
+
+    /// A row declared compactor's summary (as a record declares it).
+    fn declared(mut m: Value) -> Value {
+        markers::declare_summary(&mut m);
+        m
     }
 
     /// Text a user could type: never starts with a marker.
@@ -387,13 +361,13 @@ mod leaf_properties {
         fn standalone_summary_round_trips(body in text()) {
             let s = standalone_content(&normalize_summary_prefix(&body));
             prop_assert_eq!(summary_body(&s), body.trim());
-            prop_assert_eq!(strip_handoff(&json!({"role": "user", "content": s})), None);
+            prop_assert_eq!(strip_handoff(&declared(json!({"role": "user", "content": s}))), None);
         }
 
         #[test]
         fn merged_summary_unwraps_to_prior(prior in text(), body in text()) {
             let c = merge_after_prior(&json!(prior.clone()), &normalize_summary_prefix(&body));
-            let msg = json!({"role": "user", "content": c});
+            let msg = declared(json!({"role": "user", "content": c}));
             match classify_handoff(&msg) {
                 Handoff::Merged { prior: p, body: b, live } => {
                     prop_assert_eq!(p, json!(prior.clone()));
@@ -408,7 +382,7 @@ mod leaf_properties {
         #[test]
         fn prepended_summary_keeps_live_request(live in text(), body in text()) {
             let c = prepend_summary(&json!(live.clone()), &normalize_summary_prefix(&body));
-            let msg = json!({"role": "user", "content": c});
+            let msg = declared(json!({"role": "user", "content": c}));
             prop_assert_eq!(
                 strip_handoff(&msg),
                 Some(json!({"role": "user", "content": live.trim()}))
@@ -464,7 +438,11 @@ mod leaf_properties {
             } else {
                 json!(text.clone())
             };
-            let msg = json!({"role": "user", "content": content});
+            // Undeclared, no text is a summary; declared, the text decides.
+            let plain = json!({"role": "user", "content": content});
+            prop_assert!(!markers::is_handoff(&plain));
+            prop_assert_eq!(strip_handoff(&plain), Some(plain.clone()));
+            let msg = declared(plain);
             let _ = summary_body(&text);
             match strip_handoff(&msg) {
                 None => prop_assert!(markers::is_handoff(&msg)),

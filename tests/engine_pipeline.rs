@@ -731,13 +731,13 @@ fn merged_tail_summary_still_detected_and_stripped() {
         "{PRIOR_HEADER}\nold tail content here\n\n{MERGE_DELIMITER}\n\n{SUMMARY_PREFIX}\nTHE_SUMMARY_BODY\n\n{END_MARKER}"
     );
     assert!(!matches!(
-        classify_handoff(&msg("user", &merged)),
+        classify_handoff(&summary_msg("user", &merged)),
         Handoff::None
     ));
     assert_eq!(summary_body(&merged), "THE_SUMMARY_BODY");
     let standalone = format!("{SUMMARY_PREFIX}\nSTANDALONE_BODY\n\n{END_MARKER}");
     assert!(!matches!(
-        classify_handoff(&msg("user", &standalone)),
+        classify_handoff(&summary_msg("user", &standalone)),
         Handoff::None
     ));
     assert_eq!(summary_body(&standalone), "STANDALONE_BODY");
@@ -864,7 +864,7 @@ fn double_compaction_summary_must_be_user_when_only_system_protected() {
 fn restart_handoff_without_system_still_starts_with_user() {
     let mut c = compressor(3, 2);
     let msgs = vec![
-        msg("user", &format!("{SUMMARY_PREFIX}\nold persisted summary")),
+        summary_msg("user", &format!("{SUMMARY_PREFIX}\nold persisted summary")),
         msg("assistant", "handoff acknowledged"),
         msg("user", "new work after restart"),
         msg("assistant", "new answer after restart"),

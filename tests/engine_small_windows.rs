@@ -191,7 +191,7 @@ fn large_previous_summary_is_bounded_to_the_summariser_budget() {
     c.previous_summary = Some(format!("PREV {}", "p".repeat(50_000)));
     let mut msgs = vec![
         msg("system", "sys"),
-        msg(
+        summary_msg(
             "user",
             &format!("{}\nold", compactor::compaction::markers::SUMMARY_PREFIX),
         ),

@@ -463,8 +463,11 @@ fn pool_idle_timeout_is_configurable() {
 
 // ------------------------------------------------------ 4. half-close
 
+/// A client that shuts its write side once its request is sent (a FIN
+/// after a complete request, not an abort) gets its response, on a
+/// forwarded route and on the chat route, while the upstream takes its
+/// time to answer.
 #[tokio::test]
-#[ignore = "a half-close and a hang-up look the same until a write; compactor keeps cancelling on read EOF (see server::serve)"]
 async fn a_half_closed_client_gets_its_response() {
     let up = raw_upstream(|mut s, _| async move {
         read_request(&mut s).await;
@@ -473,14 +476,24 @@ async fn a_half_closed_client_gets_its_response() {
     })
     .await;
     let proxy = start_proxy(&up, "").await;
-    let mut s = raw_client(&proxy.url(), b"GET /v1/models HTTP/1.1\r\nhost: x\r\n\r\n").await;
-    s.shutdown().await.unwrap();
-    let got = read_all(&mut s).await;
-    assert!(
-        got.starts_with(b"HTTP/1.1 200"),
-        "{}",
-        String::from_utf8_lossy(&got)
+    let chat = r#"{"model":"m","messages":[{"role":"user","content":"hi"}]}"#;
+    let chat_request = format!(
+        "POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n{chat}",
+        chat.len()
     );
+    for request in [
+        b"GET /v1/models HTTP/1.1\r\nhost: x\r\n\r\n".as_slice(),
+        chat_request.as_bytes(),
+    ] {
+        let mut s = raw_client(&proxy.url(), request).await;
+        s.shutdown().await.unwrap();
+        let got = read_all(&mut s).await;
+        assert!(
+            got.starts_with(b"HTTP/1.1 200") && got.ends_with(b"{}"),
+            "{}",
+            String::from_utf8_lossy(&got)
+        );
+    }
 }
 
 // ------------------------------------------- 5. reset mid-stream
@@ -554,4 +567,32 @@ fn a_foreign_summary_endpoint_needs_its_own_key() {
     // Another port or scheme is another origin.
     assert!(parse("summary_endpoint = \"http://127.0.0.1:10\"\n").is_err());
     assert!(parse("summary_endpoint = \"https://127.0.0.1:9\"\n").is_err());
+}
+
+/// Half-close allowed does not keep dead connections: a client that closes
+/// an idle keep-alive connection frees it at once, long before the idle
+/// timeout would.
+#[tokio::test]
+async fn a_closed_keep_alive_connection_is_freed() {
+    let up = raw_upstream(|_, _| async {}).await;
+    let proxy = start_proxy(&up, "[timeouts]\nclient_idle_secs = 600\n").await;
+    let mut s = raw_client(
+        &proxy.url(),
+        b"GET /_compactor/health HTTP/1.1\r\nhost: x\r\n\r\n",
+    )
+    .await;
+    let mut buf = [0u8; 1024];
+    let n = s.read(&mut buf).await.unwrap();
+    assert!(buf[..n].starts_with(b"HTTP/1.1 200"));
+    assert_eq!(proxy.state.metrics.connections_open(), 1);
+    drop(s);
+    let mut freed = false;
+    for _ in 0..100 {
+        if proxy.state.metrics.connections_open() == 0 {
+            freed = true;
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert!(freed, "connection still open after the client closed it");
 }

@@ -14,6 +14,7 @@ use bytes::Bytes;
 use http_body_util::BodyExt;
 use hyper::body::Frame;
 use support::*;
+use tokio::io::AsyncWriteExt;
 
 const FIRST: &str = "data: {\"choices\":[{\"delta\":{\"content\":\"first\"}}]}\n\n";
 const LAST: &str = "data: {\"choices\":[],\"usage\":{\"prompt_tokens\":3}}\n\ndata: [DONE]\n\n";
@@ -102,11 +103,62 @@ async fn request_body_streams_to_upstream() {
     assert_eq!(seen.headers["transfer-encoding"], "chunked");
 }
 
+/// A generation that runs for about 20 s unless cancelled: `FIRST` at
+/// once, then another event every 50 ms. A test waiting (at most 10 s) for
+/// its cancellation fails if compactor never cancels.
+fn long_generation() -> Reply {
+    let mut chunks = vec![(Duration::ZERO, Bytes::from_static(FIRST.as_bytes()))];
+    chunks.extend((0..400).map(|_| {
+        (
+            Duration::from_millis(50),
+            Bytes::from_static(FIRST.as_bytes()),
+        )
+    }));
+    Reply::Chunks {
+        status: 200,
+        headers: vec![("content-type", "text/event-stream".into())],
+        chunks,
+    }
+}
+
+/// Waits until the upstream saw its stream cancelled and its connection
+/// closed, and compactor freed the request.
+async fn assert_cancelled(up: &MockUpstream, proxy: &compactor::server::RunningServer) {
+    let observed = up
+        .wait_for(Duration::from_secs(10), |u| {
+            u.cancelled() == 1 && u.closed_connections() == 1
+        })
+        .await;
+    assert!(
+        observed,
+        "upstream did not see the cancel: cancelled={} closed={}",
+        up.cancelled(),
+        up.closed_connections()
+    );
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    while !proxy
+        .state
+        .metrics
+        .render(0, 0)
+        .contains("compactor_requests_in_flight 0")
+    {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "in-flight count leaked"
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+}
+
+/// A client that hangs up mid-stream cancels the upstream generation. A
+/// hang-up is noticed on the first write that fails (compactor serves
+/// HTTP/1 with half-close allowed, so a read EOF alone is not an abort):
+/// the generation goes on producing events, and the next ones cannot be
+/// written.
 #[tokio::test]
 async fn client_disconnect_cancels_upstream() {
-    let release = Release::new();
     let up = MockUpstream::builder()
-        .route("/v1/chat/completions", held(&release))
+        .route("/v1/chat/completions", long_generation())
         .run()
         .await;
     let proxy = start_proxy(&up.url(), "").await;
@@ -122,20 +174,7 @@ async fn client_disconnect_cancels_upstream() {
     assert_eq!(up.closed_connections(), 0);
     // Client hangs up mid-stream.
     drop(body);
-    let observed = up
-        .wait_for(Duration::from_secs(10), |u| {
-            u.cancelled() == 1 && u.closed_connections() == 1
-        })
-        .await;
-    assert!(
-        observed,
-        "upstream did not see the cancel: cancelled={} closed={}",
-        up.cancelled(),
-        up.closed_connections()
-    );
-    // The proxy logged the request as cancelled and freed it.
-    let text = proxy.state.metrics.render(0, 0);
-    assert!(text.contains("compactor_requests_in_flight 0"), "{text}");
+    assert_cancelled(&up, &proxy).await;
 }
 
 #[tokio::test]
@@ -288,19 +327,34 @@ async fn graceful_shutdown_lets_in_flight_stream_finish() {
         .unwrap();
 }
 
+/// A client that hangs up while the upstream has not answered yet cancels
+/// the upstream request once the upstream answers: the first writes of the
+/// response fail. Before that, a hang-up cannot be told from a half-close
+/// (both are a read EOF), and a half-closed client is owed its response,
+/// so the wait for the head is bounded by `timeouts.first_byte_secs`, not
+/// cut short by the EOF. A compaction the request started finishes and is
+/// recorded either way (it runs detached).
 #[tokio::test]
 async fn client_disconnect_before_response_head_cancels_upstream() {
+    let release = Release::new();
     let up = MockUpstream::builder()
-        .route("/v1/chat/completions", Reply::Hang)
+        .route(
+            "/v1/chat/completions",
+            Reply::AfterRelease {
+                release: release.clone(),
+                then: Box::new(long_generation()),
+            },
+        )
         .run()
         .await;
     let proxy = start_proxy(&up.url(), "").await;
-    let req = request(
-        "POST",
-        &format!("{}/v1/chat/completions", proxy.url()),
-        full("{}"),
-    );
-    let pending = tokio::spawn(async move { client().request(req).await });
+    let addr = proxy.url().trim_start_matches("http://").to_string();
+    let mut s = tokio::net::TcpStream::connect(addr).await.unwrap();
+    s.write_all(
+        b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\ncontent-length: 15\r\n\r\n{\"stream\":true}",
+    )
+    .await
+    .unwrap();
     assert!(
         up.wait_for(Duration::from_secs(10), |u| u.requests().len() == 1)
             .await
@@ -310,25 +364,10 @@ async fn client_disconnect_before_response_head_cancels_upstream() {
         .metrics
         .render(0, 0)
         .contains("compactor_requests_in_flight 1"));
-    pending.abort();
-    assert!(
-        up.wait_for(Duration::from_secs(10), |u| u.closed_connections() == 1)
-            .await,
-        "upstream connection left open"
-    );
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
-    while !proxy
-        .state
-        .metrics
-        .render(0, 0)
-        .contains("compactor_requests_in_flight 0")
-    {
-        assert!(
-            tokio::time::Instant::now() < deadline,
-            "in-flight count leaked"
-        );
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
+    // The client goes away before any byte of the response.
+    drop(s);
+    release.release();
+    assert_cancelled(&up, &proxy).await;
 }
 
 #[tokio::test]

@@ -37,6 +37,7 @@ fn rec(k: usize, h: u128, text: &str) -> StoredRecord {
         replacement: vec![text.to_owned()],
         original_tokens: 100,
         replacement_tokens: 10,
+        summary_rows: None,
     }
 }
 

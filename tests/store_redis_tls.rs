@@ -43,6 +43,7 @@ async fn rediss_urls_speak_tls_and_check_the_certificate() {
         replacement: vec!["{\"role\":\"user\",\"content\":\"x\"}".into()],
         original_tokens: 3,
         replacement_tokens: 1,
+        summary_rows: None,
     };
     s.put(1, rec.clone()).await.unwrap();
     assert_eq!(s.find(1, &[5]).await.unwrap(), Some(rec));

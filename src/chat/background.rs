@@ -166,8 +166,12 @@ pub(super) fn maybe_start_micro(
     }
     // Only when there is an exchange to absorb: a pass with nothing to do
     // would hold the slot for no candidate.
-    let Some((rows, values)) = engine_input(&chat.compaction, base.outgoing, due.engine_window)
-    else {
+    let Some((rows, values)) = engine_input(
+        &chat.compaction,
+        base.outgoing,
+        base.record,
+        due.engine_window,
+    ) else {
         return;
     };
     let has_cut = rows.is_whole()
@@ -327,7 +331,7 @@ impl Job {
         let cfg = Arc::clone(&self.cfg);
         let micro = s.micro.is_some();
         let mut comp = self.compressor(&mut s);
-        let (rows, values) = engine_input(&cfg, &s.outgoing, s.engine_window)?;
+        let (rows, values) = engine_input(&cfg, &s.outgoing, s.record.as_ref(), s.engine_window)?;
         // A micro cut is checked against the turn's own rows: the engine
         // must have been given all of them.
         let cut = if micro {

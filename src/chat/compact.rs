@@ -13,6 +13,7 @@ use tokio::time::Instant;
 use crate::codec::Api;
 use crate::compaction::config::{CompactionConfig, Strategy};
 use crate::compaction::last_resort;
+use crate::compaction::markers;
 use crate::compaction::micro::MicroOutcome;
 use crate::compaction::trigger::Trigger;
 use crate::compaction::{CompressOptions, Compressor, Outcome};
@@ -225,7 +226,7 @@ async fn compact_now(
     let Some(comp) = conv.compressor.as_mut() else {
         return Booked::Nothing;
     };
-    let Some((rows, values)) = engine_input(&cfg, t.outgoing, engine_window) else {
+    let Some((rows, values)) = engine_input(&cfg, t.outgoing, t.record, engine_window) else {
         return Booked::Nothing;
     };
     let summariser = HttpSummariser::new(
@@ -361,7 +362,8 @@ async fn micro_from_pending(
     }
     let (start, end) = {
         let comp = conv.compressor.as_mut()?;
-        let (rows, values) = engine_input(&chat.compaction, t.outgoing, due.engine_window)?;
+        let (rows, values) =
+            engine_input(&chat.compaction, t.outgoing, t.record, due.engine_window)?;
         if !rows.is_whole() {
             return None;
         }
@@ -678,6 +680,18 @@ impl EngineRows {
         self.tail_start <= self.head_end
     }
 
+    /// Where row `i` of the whole history is in the engine's input, if it
+    /// is given to the engine.
+    fn position(&self, i: usize) -> Option<usize> {
+        if i < self.head_end {
+            Some(i)
+        } else if i >= self.tail_start.max(self.head_end) {
+            Some(self.head_end + (i - self.tail_start.max(self.head_end)))
+        } else {
+            None
+        }
+    }
+
     pub(super) fn iter<'a>(
         &self,
         outgoing: &'a [Box<RawValue>],
@@ -699,10 +713,14 @@ impl EngineRows {
     }
 }
 
-/// The rows the engine works on (see [`EngineRows`]), parsed.
+/// The rows the engine works on (see [`EngineRows`]), parsed, with the
+/// summary rows of the substituted `record` (it fills `outgoing`'s start)
+/// declared as such and nothing else: a declaration a client sent is
+/// removed, so only a record can make a message compactor's summary.
 pub(super) fn engine_input(
     cfg: &CompactionConfig,
     outgoing: &[Box<RawValue>],
+    record: Option<&Arc<Record>>,
     engine_window: u64,
 ) -> Option<(EngineRows, Vec<Value>)> {
     let rows = EngineRows::of(
@@ -711,11 +729,19 @@ pub(super) fn engine_input(
         engine_window,
         cfg.protect_last_n.saturating_mul(2) + BOUND_HEAD_EXTRA,
     );
-    let values = rows
+    let mut values = rows
         .iter(outgoing)
         .map(|m| serde_json::from_str::<Value>(m.get()))
         .collect::<Result<Vec<Value>, _>>()
         .ok()?;
+    for v in &mut values {
+        markers::undeclare_summary(v);
+    }
+    for i in record.into_iter().flat_map(|r| r.summary_rows()) {
+        if let Some(v) = rows.position(i).and_then(|p| values.get_mut(p)) {
+            markers::declare_summary(v);
+        }
+    }
     Some((rows, values))
 }
 
@@ -770,10 +796,27 @@ pub(super) fn map_back(
         .min(result.messages.len());
     let replaced_out = outgoing.len() - kept;
     let new_head = &result.messages[..result.messages.len() - kept];
-    let mut replacement: Vec<Box<RawValue>> = new_head.iter().filter_map(to_raw).collect();
+    // The engine's declarations say which rows are summaries; they are
+    // recorded beside the replacement, never sent.
+    let mut summary_rows: Vec<usize> = Vec::new();
+    let mut replacement: Vec<Box<RawValue>> = Vec::with_capacity(new_head.len());
+    for v in new_head {
+        let mut v = v.clone();
+        if markers::undeclare_summary(&mut v) {
+            summary_rows.push(replacement.len());
+        }
+        replacement.extend(to_raw(&v));
+    }
     let k_new = if replaced_out >= r {
         k_old + (replaced_out - r)
     } else {
+        let carried = old.into_iter().flat_map(|rec| rec.summary_rows());
+        let base = replacement.len();
+        summary_rows.extend(
+            carried
+                .filter(|&j| j >= replaced_out)
+                .map(|j| base + j - replaced_out),
+        );
         replacement.extend(old_rep[replaced_out..].iter().cloned());
         k_old
     };
@@ -797,7 +840,8 @@ pub(super) fn map_back(
             replacement,
             original_tokens,
             replacement_tokens,
-        );
+        )
+        .with_summary_rows(summary_rows);
         return (send, Some(record));
     }
     (send, None)
@@ -888,6 +932,24 @@ mod tests {
         let r = EngineRows::of(&small, 10, 1_000, 20);
         assert_eq!(r.iter(&small).count(), small.len());
         assert_eq!(r.skipped_tokens, 0);
+    }
+
+    /// Only a record declares summary rows: a declaration a client put on
+    /// its own message is removed, a record's summary rows are declared.
+    #[test]
+    fn the_engine_input_declares_the_record_summary_rows_only() {
+        let cfg = CompactionConfig::default();
+        let mut row = serde_json::json!({"role":"user","content":"forged"});
+        markers::declare_summary(&mut row);
+        let mut out = rows(4);
+        out[2] = to_raw(&row).expect("raw");
+        let (_, values) = engine_input(&cfg, &out, None, WINDOW).expect("input");
+        assert!(!values.iter().any(markers::is_declared_summary));
+        let record =
+            Arc::new(Record::new(2, 1, out[..2].to_vec(), 0, 0).with_summary_rows(vec![1]));
+        let (_, values) = engine_input(&cfg, &out, Some(&record), WINDOW).expect("input");
+        let declared: Vec<bool> = values.iter().map(markers::is_declared_summary).collect();
+        assert_eq!(declared, [false, true, false, false]);
     }
 
     #[test]

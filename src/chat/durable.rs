@@ -82,6 +82,7 @@ pub(super) fn to_stored(r: &Record) -> StoredRecord {
         replacement: r.replacement.iter().map(|m| m.get().to_owned()).collect(),
         original_tokens: r.original_tokens,
         replacement_tokens: r.replacement_tokens,
+        summary_rows: r.stored_summary_rows().map(<[usize]>::to_vec),
     }
 }
 
@@ -94,13 +95,17 @@ fn from_stored(s: StoredRecord) -> Option<Record> {
         .map(RawValue::from_string)
         .collect::<Result<Vec<_>, _>>()
         .ok()?;
-    Some(Record::new(
+    let record = Record::new(
         s.k,
         s.prefix_hash,
         replacement,
         s.original_tokens,
         s.replacement_tokens,
-    ))
+    );
+    Some(match s.summary_rows {
+        Some(rows) => record.with_summary_rows(rows),
+        None => record,
+    })
 }
 
 #[cfg(test)]
@@ -118,6 +123,10 @@ mod tests {
             4,
         );
         let back = from_stored(to_stored(&r)).unwrap();
+        assert_eq!(back.stored_summary_rows(), None);
+        let rows = Record::new(3, 7, back.replacement.clone(), 40, 4).with_summary_rows(vec![0]);
+        let declared = from_stored(to_stored(&rows)).unwrap();
+        assert_eq!(declared.stored_summary_rows(), Some(&[0][..]));
         assert_eq!(back.replacement[0].get(), text);
         assert_eq!((back.k, back.prefix_hash), (3, 7));
         assert_eq!((back.original_tokens, back.replacement_tokens), (40, 4));
@@ -134,6 +143,7 @@ mod tests {
             replacement: vec!["{oops".into()],
             original_tokens: 0,
             replacement_tokens: 0,
+            summary_rows: None,
         };
         assert!(from_stored(s).is_none());
     }

@@ -145,7 +145,9 @@ pub fn assemble(head: Vec<Value>, summary: &str, tail: Vec<Value>) -> Assembled 
     let base = messages.len();
     let summary_index = match placement {
         Placement::Standalone(role) => {
-            messages.push(json!({"role": role, "content": markers::standalone_content(summary)}));
+            let mut row = json!({"role": role, "content": markers::standalone_content(summary)});
+            markers::declare_summary(&mut row);
+            messages.push(row);
             messages.extend(tail);
             base
         }
@@ -157,6 +159,7 @@ pub fn assemble(head: Vec<Value>, summary: &str, tail: Vec<Value>) -> Assembled 
                 summary,
             );
             set_content(&mut messages[idx], merged);
+            markers::declare_summary(&mut messages[idx]);
             idx
         }
         Placement::MergeIntoTail => {
@@ -167,6 +170,7 @@ pub fn assemble(head: Vec<Value>, summary: &str, tail: Vec<Value>) -> Assembled 
                 summary,
             );
             set_content(&mut messages[idx], merged);
+            markers::declare_summary(&mut messages[idx]);
             idx
         }
     };
@@ -199,6 +203,7 @@ pub fn assemble_split_turn(head: Vec<Value>, summary: &str, tail: Vec<Value>) ->
         summary,
     );
     set_content(&mut messages[idx], merged);
+    markers::declare_summary(&mut messages[idx]);
     Assembled {
         messages,
         summary_index: idx,

@@ -2092,13 +2092,14 @@ mod tests {
             &Value::String("do it".into()),
             &markers::normalize_summary_prefix("B"),
         );
-        assert!(is_ask_row(
-            &serde_json::json!({"role": "user", "content": carried})
-        ));
+        let declared = |content: &Value| {
+            let mut m = serde_json::json!({"role": "user", "content": content});
+            markers::declare_summary(&mut m);
+            m
+        };
+        assert!(is_ask_row(&declared(&carried)));
         let bare = markers::standalone_content(&markers::normalize_summary_prefix("B"));
-        assert!(!is_ask_row(
-            &serde_json::json!({"role": "user", "content": bare})
-        ));
+        assert!(!is_ask_row(&declared(&Value::String(bare))));
         assert!(!is_ask_row(
             &serde_json::json!({"role": "assistant", "content": "x"})
         ));

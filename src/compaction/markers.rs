@@ -10,6 +10,12 @@
 //! - standalone: `PREFIX\nbody\n\nEND` (optionally followed by live text,
 //!   the force-user-leading merge shape `PREFIX\nbody\n\nEND\n\nlive`);
 //! - merged: `PRIOR_HEADER\nold\n\nMERGE_DELIMITER\n\nPREFIX\nbody\n\nEND`.
+//!
+//! Text alone never makes a summary: a message is classified only when it
+//! is *declared* one ([`declare_summary`]), by the engine for the rows it
+//! builds and by the proxy for the rows a compaction record says are its
+//! own. A client's message that merely reads like a summary is ordinary
+//! content.
 
 use serde_json::{json, Value};
 
@@ -250,6 +256,30 @@ pub fn classify_text(text: &str) -> TextHandoff {
     TextHandoff::Merged { prior, body, live }
 }
 
+/// The private key marking a declared summary row in the engine's working
+/// copies of messages. It never reaches the wire: the proxy removes it from
+/// every client message before the engine sees them (so a client cannot
+/// declare one) and from every row it sends or records.
+pub const SUMMARY_ROW_KEY: &str = "_compactor_summary_row";
+
+/// Declares `msg` one of compactor's own summary rows.
+pub fn declare_summary(msg: &mut Value) {
+    if let Some(o) = msg.as_object_mut() {
+        o.insert(SUMMARY_ROW_KEY.into(), Value::Bool(true));
+    }
+}
+
+/// Whether `msg` is a declared summary row.
+pub fn is_declared_summary(msg: &Value) -> bool {
+    msg.get(SUMMARY_ROW_KEY).is_some()
+}
+
+/// Removes the declaration from `msg`; true when it had one.
+pub fn undeclare_summary(msg: &mut Value) -> bool {
+    msg.as_object_mut()
+        .is_some_and(|o| o.remove(SUMMARY_ROW_KEY).is_some())
+}
+
 /// How a message relates to compaction summaries.
 #[derive(Clone, Debug, PartialEq)]
 pub enum Handoff {
@@ -294,8 +324,12 @@ fn text_part(text: String) -> Value {
 /// standalone (parts before it, text after END in it, and parts after it are
 /// live); a header-led first text part with the summary delimiter in the
 /// last non-blank text part makes it merged. Anything ambiguous is `None`
-/// (left untouched).
+/// (left untouched), and so is every message not declared a summary row
+/// ([`declare_summary`]), whatever its text.
 pub fn classify_handoff(msg: &Value) -> Handoff {
+    if !is_declared_summary(msg) {
+        return Handoff::None;
+    }
     match msg.get("content") {
         Some(Value::String(s)) => match classify_text(s) {
             TextHandoff::None => Handoff::None,
@@ -427,6 +461,8 @@ pub fn strip_handoff(msg: &Value) -> Option<Value> {
     if let Some(o) = out.as_object_mut() {
         o.insert("content".into(), content);
         o.remove("api_content");
+        // What is left is the row's own content, not a summary.
+        o.remove(SUMMARY_ROW_KEY);
     }
     Some(out)
 }
@@ -505,6 +541,11 @@ pub fn neutralize_reserved_markers(body: &str) -> String {
 mod tests {
     use super::*;
 
+    fn declared(mut m: Value) -> Value {
+        declare_summary(&mut m);
+        m
+    }
+
     #[test]
     fn compact_prefix_is_recognised_and_stripped() {
         assert!(SUMMARY_PREFIX_COMPACT.chars().count() <= 520);
@@ -520,7 +561,7 @@ mod tests {
             &json!("do it"),
             &normalize_summary_prefix_with(SUMMARY_PREFIX_COMPACT, "B"),
         );
-        match classify_handoff(&json!({"role": "user", "content": c})) {
+        match classify_handoff(&declared(json!({"role": "user", "content": c}))) {
             Handoff::Standalone { body, live } => {
                 assert_eq!(body, "B");
                 assert_eq!(live, Some(json!("do it")));
@@ -551,13 +592,16 @@ mod tests {
                 live: None
             }
         );
-        assert_eq!(strip_handoff(&json!({"role": "user", "content": s})), None);
+        assert_eq!(
+            strip_handoff(&declared(json!({"role": "user", "content": s}))),
+            None
+        );
     }
 
     #[test]
     fn prepended_summary_keeps_live_request() {
         let c = prepend_summary(&json!("do the thing"), &normalize_summary_prefix("B"));
-        let msg = json!({"role": "user", "content": c, "api_content": "stale"});
+        let msg = declared(json!({"role": "user", "content": c, "api_content": "stale"}));
         assert_eq!(
             strip_handoff(&msg),
             Some(json!({"role": "user", "content": "do the thing"}))
@@ -568,7 +612,7 @@ mod tests {
     #[test]
     fn merged_round_trip_string() {
         let c = merge_after_prior(&json!("old text\nline 2"), &normalize_summary_prefix("SUM"));
-        let msg = json!({"role": "assistant", "content": c});
+        let msg = declared(json!({"role": "assistant", "content": c}));
         match classify_handoff(&msg) {
             Handoff::Merged { prior, body, live } => {
                 assert_eq!(prior, json!("old text\nline 2"));
@@ -587,7 +631,7 @@ mod tests {
     fn merged_round_trip_list() {
         let old = json!([{"type": "text", "text": "PRESERVED"}, {"type": "image_url", "image_url": {"url": "http://x"}}]);
         let c = merge_after_prior(&old, &normalize_summary_prefix("SUM"));
-        let msg = json!({"role": "user", "content": c});
+        let msg = declared(json!({"role": "user", "content": c}));
         match classify_handoff(&msg) {
             Handoff::Merged { prior, body, .. } => {
                 assert_eq!(prior, old);
@@ -603,7 +647,7 @@ mod tests {
             &json!([{"type": "text", "text": "live ask"}]),
             &normalize_summary_prefix("S"),
         );
-        let msg = json!({"role": "user", "content": c});
+        let msg = declared(json!({"role": "user", "content": c}));
         assert_eq!(
             strip_handoff(&msg),
             Some(json!({"role": "user", "content": [{"type": "text", "text": "live ask"}]}))
@@ -616,22 +660,26 @@ mod tests {
         let merged = format!(
             "{PRIOR_HEADER}\nold tail content here\n\n{MERGE_DELIMITER}\n\n{SUMMARY_PREFIX}\nTHE_SUMMARY_BODY\n\n{END_MARKER}"
         );
-        assert!(is_handoff(&json!({"role": "user", "content": merged})));
+        assert!(is_handoff(&declared(
+            json!({"role": "user", "content": merged})
+        )));
         assert_eq!(summary_body(&merged), "THE_SUMMARY_BODY");
         let standalone = format!("{SUMMARY_PREFIX}\nSTANDALONE_BODY\n\n{END_MARKER}");
-        assert!(is_handoff(&json!({"role": "user", "content": standalone})));
+        assert!(is_handoff(&declared(
+            json!({"role": "user", "content": standalone})
+        )));
         assert_eq!(summary_body(&standalone), "STANDALONE_BODY");
     }
 
     #[test]
     fn legacy_prefix_recognised() {
-        assert!(is_handoff(
-            &json!({"role": "user", "content": "[CONTEXT SUMMARY]: old stuff"})
-        ));
+        assert!(is_handoff(&declared(
+            json!({"role": "user", "content": "[CONTEXT SUMMARY]: old stuff"})
+        )));
         assert_eq!(summary_body("[CONTEXT SUMMARY]: old stuff"), "old stuff");
-        assert!(!is_handoff(
-            &json!({"role": "user", "content": "hello [CONTEXT SUMMARY]"})
-        ));
+        assert!(!is_handoff(&declared(
+            json!({"role": "user", "content": "hello [CONTEXT SUMMARY]"})
+        )));
     }
 
     #[test]
@@ -656,6 +704,29 @@ mod tests {
     fn non_summary_untouched() {
         let msg = json!({"role": "user", "content": "plain", "api_content": "keep"});
         assert_eq!(strip_handoff(&msg), Some(msg.clone()));
-        assert_eq!(classify_handoff(&json!({"role": "tool"})), Handoff::None);
+        assert_eq!(
+            classify_handoff(&declared(json!({"role": "tool"}))),
+            Handoff::None
+        );
+    }
+
+    /// Only a declaration makes a summary: the same text in a message
+    /// nobody declared is ordinary content, and stripping a declared row
+    /// leaves no declaration behind.
+    #[test]
+    fn text_alone_is_not_a_summary() {
+        let text = standalone_content(&normalize_summary_prefix("FORGED"));
+        let plain = json!({"role": "user", "content": text});
+        assert_eq!(classify_handoff(&plain), Handoff::None);
+        assert!(!is_handoff(&plain));
+        assert_eq!(strip_handoff(&plain), Some(plain.clone()));
+        let merged = merge_after_prior(&json!("mine"), &normalize_summary_prefix("S"));
+        let mut row = declared(json!({"role": "assistant", "content": merged}));
+        assert_eq!(
+            strip_handoff(&row),
+            Some(json!({"role": "assistant", "content": "mine"}))
+        );
+        assert!(undeclare_summary(&mut row));
+        assert!(!is_declared_summary(&row) && !undeclare_summary(&mut row));
     }
 }

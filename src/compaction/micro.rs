@@ -17,6 +17,7 @@ use super::compressor::{
     SummaryAttempt, SummaryCall,
 };
 use super::config::Strategy;
+use super::markers;
 use super::markers::{END_MARKER, HISTORICAL_TASK_HEADING, MICRO_TAG, SUMMARY_PREFIX};
 use super::serialize::serialize_for_summary;
 use super::summariser::Summariser;
@@ -216,6 +217,9 @@ fn micro_result(
 
 /// True for a marker written by micro-compaction.
 pub fn is_micro_marker(m: &Value) -> bool {
+    if !markers::is_declared_summary(m) {
+        return false;
+    }
     let t = view::text(m);
     t.starts_with(SUMMARY_PREFIX)
         && t[SUMMARY_PREFIX.len()..]
@@ -225,6 +229,13 @@ pub fn is_micro_marker(m: &Value) -> bool {
 
 fn marker_content(rolling: &str) -> String {
     format!("{SUMMARY_PREFIX}\n{MICRO_TAG}\n{HISTORICAL_TASK_HEADING}\n{rolling}\n\n{END_MARKER}")
+}
+
+/// A declared marker row holding `rolling`.
+fn marker_row(rolling: &str) -> Value {
+    let mut row = json!({"role": "user", "content": marker_content(rolling)});
+    markers::declare_summary(&mut row);
+    row
 }
 
 /// The rolling summary inside a marker: after the last task heading, up to
@@ -479,8 +490,7 @@ impl Compressor {
         };
         self.micro.rolling_summary = t;
         if let Some(i) = working.iter().rposition(is_micro_marker) {
-            working[i] =
-                json!({"role": "user", "content": marker_content(&self.micro.rolling_summary)});
+            working[i] = marker_row(&self.micro.rolling_summary);
         }
         Some(MicroOutcome::Defrag)
     }
@@ -567,7 +577,7 @@ fn splice_exchange(
     rolling: &str,
     cumulative: bool,
 ) -> Vec<Value> {
-    let marker = json!({"role": "user", "content": marker_content(rolling)});
+    let marker = marker_row(rolling);
     let mut spliced: Vec<Value> = Vec::with_capacity(working.len());
     for (i, m) in working.iter().enumerate() {
         if i == start {

@@ -1,6 +1,8 @@
 //! `GET /_compactor/sessions/{key}`: a content-free view of one
 //! conversation, behind the admin token.
 
+use std::sync::OnceLock;
+
 use bytes::Bytes;
 use http::{header, HeaderValue, Request, Response, StatusCode};
 use serde_json::json;
@@ -31,7 +33,7 @@ pub async fn session_view<B>(
         .get(header::AUTHORIZATION)
         .and_then(|v| v.to_str().ok())
         .and_then(|v| v.strip_prefix("Bearer "));
-    if !presented.is_some_and(|p| constant_time_eq(p.as_bytes(), token.as_bytes())) {
+    if !presented.is_some_and(|p| tokens_match(p.as_bytes(), token.as_bytes())) {
         return error_response(
             StatusCode::UNAUTHORIZED,
             "missing or wrong admin token",
@@ -102,71 +104,78 @@ fn not_found() -> Response<ProxyBody> {
     )
 }
 
-/// Compares a presented token with the configured one without an early
-/// exit: neither a differing byte nor a differing length ends the loop
-/// sooner. The loop runs over the presented bytes only (the secret's bytes
-/// are read cyclically), so its duration depends on what the caller sent,
-/// never on the secret's length or content.
-fn constant_time_eq(presented: &[u8], secret: &[u8]) -> bool {
-    // Lengths differ ⇒ some bit of the xor is set; folded in, not branched on.
-    let len_diff = (presented.len() ^ secret.len()) as u64;
-    let mut diff = len_diff | u64::from(secret.is_empty());
-    let n = secret.len().max(1);
-    for (i, &p) in presented.iter().enumerate() {
-        let s = secret.get(i % n).copied().unwrap_or(0);
-        diff |= u64::from(std::hint::black_box(p ^ s));
-    }
+/// Whether a presented token equals the configured one, in time that
+/// depends on neither the secret's length nor where the two first differ.
+///
+/// Both tokens are reduced to fixed-length HMAC-SHA-256 tags under a key
+/// drawn once per process, and the two tags are compared with a
+/// branch-free fold over all 32 bytes. Hashing the presented token costs
+/// time in its own length only (the caller's input); hashing the secret
+/// costs the same on every call; the fold always reads every byte. The
+/// random key keeps the tags unpredictable, so even a leak of which tag
+/// bytes differ would say nothing about the secret's bytes. An empty secret
+/// never matches (the config refuses one anyway).
+pub fn tokens_match(presented: &[u8], secret: &[u8]) -> bool {
+    let key = token_key();
+    let a = ring::hmac::sign(key, presented);
+    let b = ring::hmac::sign(key, secret);
+    let diff = a
+        .as_ref()
+        .iter()
+        .zip(b.as_ref())
+        .fold(u8::from(secret.is_empty()), |acc, (x, y)| {
+            acc | std::hint::black_box(x ^ y)
+        });
     std::hint::black_box(diff) == 0
+}
+
+/// The per-process HMAC key of [`tokens_match`].
+fn token_key() -> &'static ring::hmac::Key {
+    static KEY: OnceLock<ring::hmac::Key> = OnceLock::new();
+    KEY.get_or_init(|| {
+        let mut bytes = [0u8; 32];
+        // Without an OS random source the tags are still compared without a
+        // branch; only their unpredictability is lost.
+        let _ = ring::rand::SecureRandom::fill(&ring::rand::SystemRandom::new(), &mut bytes);
+        ring::hmac::Key::new(ring::hmac::HMAC_SHA256, &bytes)
+    })
 }
 
 #[cfg(test)]
 mod tests {
-    use super::constant_time_eq;
-    use std::time::{Duration, Instant};
+    use super::tokens_match;
 
     #[test]
-    fn token_comparison() {
-        assert!(constant_time_eq(b"abc", b"abc"));
-        assert!(!constant_time_eq(b"abc", b"abd"));
-        assert!(!constant_time_eq(b"abc", b"abcd"));
-        assert!(!constant_time_eq(b"abcd", b"abc"));
-        assert!(!constant_time_eq(b"", b"abc"));
-        assert!(
-            !constant_time_eq(b"abcabc", b"abc"),
-            "cyclic read is not a match"
-        );
-        // An empty secret never matches (config rejects it anyway).
-        assert!(!constant_time_eq(b"", b""));
-        assert!(!constant_time_eq(b"x", b""));
+    fn equal_tokens_match() {
+        assert!(tokens_match(b"abc", b"abc"));
+        let long = vec![b'z'; 64 * 1024];
+        assert!(tokens_match(&long, &long.clone()));
     }
 
-    /// Fastest of a few runs of `f` (the minimum filters scheduler noise).
-    fn fastest(mut f: impl FnMut() -> bool) -> Duration {
-        (0..15)
-            .map(|_| {
-                let t = Instant::now();
-                std::hint::black_box(f());
-                t.elapsed()
-            })
-            .min()
-            .unwrap_or_default()
-    }
-
-    /// A presented token of the wrong length costs as much to reject as one
-    /// of the right length: the length is not checked first.
     #[test]
-    #[ignore = "a timing measurement, not a pass/fail test (run with --ignored); benches/state.rs measures the stores"]
-    fn wrong_length_is_not_rejected_early() {
-        let secret = vec![b'a'; 256 * 1024];
-        let same_len = vec![b'b'; secret.len()];
-        let longer = vec![b'b'; secret.len() + 1];
-        let right = fastest(|| constant_time_eq(&same_len, &secret));
-        let wrong = fastest(|| constant_time_eq(&longer, &secret));
-        // An early return makes `wrong` thousands of times faster; a
-        // branch-free loop makes both about equal.
-        assert!(
-            wrong * 8 >= right,
-            "length mismatch rejected in {wrong:?}, equal length in {right:?}"
-        );
+    fn a_differing_byte_anywhere_does_not_match() {
+        let secret = b"s3cret-admin-token-0123456789";
+        for i in 0..secret.len() {
+            let mut p = secret.to_vec();
+            p[i] ^= 1;
+            assert!(!tokens_match(&p, secret), "byte {i} differs");
+        }
+    }
+
+    #[test]
+    fn different_lengths_and_common_prefixes_do_not_match() {
+        assert!(!tokens_match(b"abc", b"abcd"));
+        assert!(!tokens_match(b"abcd", b"abc"));
+        assert!(!tokens_match(b"abcabc", b"abc"));
+        assert!(!tokens_match(b"abc\0", b"abc"));
+        assert!(!tokens_match(b"ab", b"abc"));
+    }
+
+    #[test]
+    fn empty_tokens_never_match() {
+        assert!(!tokens_match(b"", b"abc"));
+        // An empty secret matches nothing, not even an empty token.
+        assert!(!tokens_match(b"", b""));
+        assert!(!tokens_match(b"x", b""));
     }
 }

@@ -105,13 +105,18 @@ where
     F: Future<Output = ()>,
 {
     let mut builder = auto::Builder::new(TokioExecutor::new());
-    // Not half_close(true): with it hyper ignores the read EOF of a client
-    // that hung up, so its upstream call (a generation the client will never
-    // read) runs on until a write fails (tests/proxy_streaming.rs
-    // client_disconnect_*). At the TCP level a half-close and a hang-up look
-    // the same until a write, so cancellation wins; a compaction the client
-    // started runs detached either way (chat::worker).
-    builder.http1().timer(TokioTimer::new());
+    // half_close: a read EOF is not an abort. A client may shut its write
+    // side once its request is sent and still read the answer (HTTP/1.1
+    // allows it; HAProxy's `abortonclose` is off by default for this
+    // reason). At the TCP level a half-close and a hang-up look the same
+    // until a write, so a client that really went away is noticed on the
+    // first write that fails: mid-stream that is the next frame; before the
+    // response head, the upstream request runs until its head arrives (or
+    // `timeouts.first_byte_secs` ends it), then the failed writes drop it
+    // and its upstream connection. A compaction the request started
+    // finishes and is recorded either way (chat::worker). HTTP/2 is not
+    // affected: a stream's END_STREAM is not a connection close.
+    builder.http1().timer(TokioTimer::new()).half_close(true);
     builder.http2().timer(TokioTimer::new());
     let graceful = GracefulShutdown::new();
     tokio::pin!(shutdown);

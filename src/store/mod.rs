@@ -44,6 +44,10 @@ pub struct StoredRecord {
     pub original_tokens: u64,
     /// Rough token estimate of the replacement.
     pub replacement_tokens: u64,
+    /// Which replacement rows carry a summary; absent in records stored
+    /// before it was kept (then every row may).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub summary_rows: Option<Vec<usize>>,
 }
 
 impl StoredRecord {

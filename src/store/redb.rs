@@ -528,6 +528,7 @@ mod tests {
             replacement: vec![text.to_owned()],
             original_tokens: 100,
             replacement_tokens: 10,
+            summary_rows: None,
         }
     }
 

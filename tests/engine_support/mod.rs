@@ -158,6 +158,14 @@ pub fn msg(role: &str, content: &str) -> Value {
     json!({"role": role, "content": content})
 }
 
+/// A row that is compactor's own summary, declared as the proxy declares
+/// the summary rows of a compaction record (text alone does not make one).
+pub fn summary_msg(role: &str, content: &str) -> Value {
+    let mut m = msg(role, content);
+    compactor::compaction::markers::declare_summary(&mut m);
+    m
+}
+
 /// `[{"role": "user" if i % 2 == 0 else "assistant", "content": f"msg {i}"} for i in range(n)]`
 pub fn alternating(n: usize, prefix: &str) -> Vec<Value> {
     (0..n)

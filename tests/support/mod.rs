@@ -76,6 +76,9 @@ pub enum Reply {
     Broken { first: Vec<Bytes> },
     /// Never sends a response head.
     Hang,
+    /// Sends no response head until [`Release::release`], then answers as
+    /// `then`.
+    AfterRelease { release: Release, then: Box<Reply> },
     /// Replies `{"len":N,"xxh3":"…"}` about the request body it consumed.
     BodyDigest,
 }
@@ -286,6 +289,13 @@ async fn serve(
     let Some(reply) = reply else {
         return Ok(respond(404, &[], full(Bytes::from_static(b"no route"))));
     };
+    let reply = match reply {
+        Reply::AfterRelease { release, then } => {
+            release.0.notified().await;
+            *then
+        }
+        other => other,
+    };
     Ok(match reply {
         Reply::Full {
             status,
@@ -377,7 +387,7 @@ async fn serve(
             });
             respond(200, &[("content-type", "text/event-stream".into())], body)
         }
-        Reply::Hang => {
+        Reply::Hang | Reply::AfterRelease { .. } => {
             std::future::pending::<()>().await;
             unreachable!()
         }
