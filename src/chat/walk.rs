@@ -119,15 +119,17 @@ pub async fn handle_api(
 
     // Prepared in a task of its own: a client leaving mid-compaction does
     // not cancel the compaction (its record serves the next turn).
-    let job = |creq, overflow| worker::Job {
-        chat: Arc::clone(chat),
-        upstream: Arc::clone(upstream),
-        entry: Arc::clone(&entry),
-        client_headers: parts.headers.clone(),
-        creq,
-        key: (key, cred),
-        overflow,
-        body_len: bytes.len(),
+    let job = |creq, overflow| {
+        Box::new(worker::Job {
+            chat: Arc::clone(chat),
+            upstream: Arc::clone(upstream),
+            entry: Arc::clone(&entry),
+            client_headers: parts.headers.clone(),
+            creq,
+            key: (key, cred),
+            overflow,
+            body_len: bytes.len(),
+        })
     };
     let mut prepared = match worker::run(job(creq, None)).await {
         Ok(p) => p,

@@ -46,8 +46,9 @@ pub(super) struct Job {
 }
 
 /// Runs `job` detached and waits for it. Dropping the returned future
-/// (the client left) leaves the job running to completion.
-pub(super) async fn run(job: Job) -> Result<Prepared, ProxyError> {
+/// (the client left) leaves the job running to completion. The job is
+/// boxed for the same reason its preparation is (see [`run_job`]).
+pub(super) async fn run(job: Box<Job>) -> Result<Prepared, ProxyError> {
     let handle = if job.body_len >= LARGE_BODY_BYTES {
         let rt = tokio::runtime::Handle::current();
         let heavy = Arc::clone(&job.chat.heavy);
@@ -79,8 +80,11 @@ pub(super) async fn run(job: Job) -> Result<Prepared, ProxyError> {
     }
 }
 
-async fn run_job(job: Job) -> Prepared {
-    prepare(
+async fn run_job(job: Box<Job>) -> Prepared {
+    // Boxed: the preparation's state machine (compaction, summary calls)
+    // is kilobytes, and a task moves its future by value as it is spawned
+    // and stored; on the heap every such move is a pointer's.
+    Box::pin(prepare(
         &job.chat,
         &job.upstream,
         &job.entry,
@@ -88,7 +92,7 @@ async fn run_job(job: Job) -> Prepared {
         job.creq,
         job.key,
         job.overflow,
-    )
+    ))
     .await
 }
 
