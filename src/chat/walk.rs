@@ -14,7 +14,7 @@ use std::sync::Arc;
 
 use bytes::Bytes;
 use http::request::Parts;
-use http::{header, HeaderValue, Request, Response};
+use http::{header, HeaderMap, HeaderValue, Request, Response};
 use http_body_util::BodyExt;
 use hyper::body::Incoming;
 
@@ -91,7 +91,7 @@ pub async fn handle_api(
     upstream: &Arc<Upstream>,
     req: Request<ProxyReqBody>,
 ) -> Response<ProxyBody> {
-    let (parts, body) = req.into_parts();
+    let (mut parts, body) = req.into_parts();
     // A compressed body cannot be read without decoding it: forward untouched.
     if parts.headers.contains_key(header::CONTENT_ENCODING) {
         return upstream.forward(Request::from_parts(parts, body)).await;
@@ -116,6 +116,8 @@ pub async fn handle_api(
     let (key, _source, cred) = chat.keyer.derive_hints(&parts.headers, &parts.uri, &hints);
     let cred = cred.as_u128();
     let entry = chat.sessions.get_or_create(key, Conversation::default);
+    // Shared with the detached preparations rather than copied for each.
+    let client_headers = Arc::new(std::mem::take(&mut parts.headers));
 
     // Prepared in a task of its own: a client leaving mid-compaction does
     // not cancel the compaction (its record serves the next turn).
@@ -124,7 +126,7 @@ pub async fn handle_api(
             chat: Arc::clone(chat),
             upstream: Arc::clone(upstream),
             entry: Arc::clone(&entry),
-            client_headers: parts.headers.clone(),
+            client_headers: Arc::clone(&client_headers),
             creq,
             key: (key, cred),
             overflow,
@@ -137,7 +139,7 @@ pub async fn handle_api(
     };
     let mut retried = false;
     loop {
-        let resp = match send(upstream, &parts, prepared.body.clone()).await {
+        let resp = match send(upstream, &parts, &client_headers, prepared.body.clone()).await {
             Ok(r) => r,
             Err(e) => return upstream.error_reply(&e),
         };
@@ -180,9 +182,10 @@ pub async fn handle_api(
 async fn send(
     upstream: &Upstream,
     parts: &Parts,
+    client_headers: &HeaderMap,
     body: Bytes,
 ) -> Result<Response<Incoming>, ProxyError> {
-    let mut parts = clone_parts(parts);
+    let mut parts = clone_parts(parts, client_headers);
     parts.headers.remove(header::TRANSFER_ENCODING);
     // The usage tap and hider read the response: a compressed body would
     // hide the usage from calibration and leave the forced usage chunk in
@@ -219,12 +222,12 @@ async fn send_plain(upstream: &Upstream, parts: Parts, bytes: Bytes) -> Response
     }
 }
 
-fn clone_parts(parts: &Parts) -> Parts {
+fn clone_parts(parts: &Parts, headers: &HeaderMap) -> Parts {
     let mut req = Request::new(());
     *req.method_mut() = parts.method.clone();
     *req.uri_mut() = parts.uri.clone();
     *req.version_mut() = parts.version;
-    *req.headers_mut() = parts.headers.clone();
+    *req.headers_mut() = headers.clone();
     let (mut p, ()) = req.into_parts();
     // Request stats travel in the extensions (upstream wait accounting).
     if let Some(stats) = parts.extensions.get::<Arc<RequestStats>>() {

@@ -37,7 +37,7 @@ pub(super) struct Job {
     pub chat: Arc<ChatState>,
     pub upstream: Arc<Upstream>,
     pub entry: Arc<Entry<Conversation>>,
-    pub client_headers: HeaderMap,
+    pub client_headers: Arc<HeaderMap>,
     pub creq: ApiRequest,
     pub key: (SessionKey, u128),
     pub overflow: Option<Overflow>,
