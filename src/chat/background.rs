@@ -117,6 +117,13 @@ fn continues(hashes: &[u128], len: usize, hash: u128) -> bool {
     len >= 1 && hashes.len() >= len && hashes[len - 1] == hash
 }
 
+/// Whether this turn's estimate is past the soft threshold
+/// (`background_threshold_percent` of the trigger).
+fn past_soft_threshold(chat: &ChatState, due: &Due) -> bool {
+    let soft = due.threshold as f64 * chat.compaction.background_threshold_percent / 100.0;
+    due.est_rough as f64 >= soft
+}
+
 /// Starts a pre-compaction when this turn is past the soft threshold and
 /// none is running for the conversation (and a global slot is free).
 pub(super) fn maybe_start(
@@ -127,8 +134,7 @@ pub(super) fn maybe_start(
     due: &Due,
     base: &Base<'_>,
 ) {
-    let soft = due.threshold as f64 * chat.compaction.background_threshold_percent / 100.0;
-    if (due.est_rough as f64) < soft {
+    if !past_soft_threshold(chat, due) {
         return;
     }
     if conv.pending.as_ref().is_some_and(|p| p.micro) {
@@ -151,8 +157,7 @@ pub(super) fn maybe_start_micro(
     due: &Due,
     base: &Base<'_>,
 ) {
-    let soft = due.threshold as f64 * chat.compaction.background_threshold_percent / 100.0;
-    if chat.compaction.strategy != Strategy::Micro || (due.est_rough as f64) >= soft {
+    if chat.compaction.strategy != Strategy::Micro || past_soft_threshold(chat, due) {
         return;
     }
     if conv.pending.as_ref().is_some_and(|p| !p.micro) {

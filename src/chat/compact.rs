@@ -334,17 +334,15 @@ async fn background_turn(
             c.tokens_after,
         );
     }
-    tracing::info!(
-        session = %t.key,
-        messages_before = t.outgoing.len(),
-        messages_after = send.len(),
-        tokens_before = c.tokens_before,
-        tokens_after = c.tokens_after,
-        "compaction from a pre-compaction"
-    );
-    let rec = chat.commit_record(t.cred, c.record);
-    conv.set_record(Some(&rec));
-    Some(Booked::Compacted(send, Some(rec)))
+    Some(commit_pending(
+        chat,
+        conv,
+        t,
+        (c.tokens_before, c.tokens_after),
+        c.record,
+        send,
+        "batch",
+    ))
 }
 
 /// A micro turn served by the pending micro pass: committed when it
@@ -400,17 +398,40 @@ async fn micro_from_pending(
     if let Some(comp) = conv.compressor.as_mut() {
         comp.micro = cut.state;
     }
+    Some(commit_pending(
+        chat,
+        conv,
+        t,
+        (c.tokens_before, c.tokens_after),
+        c.record,
+        send,
+        "micro",
+    ))
+}
+
+/// Commits a pending pre-compaction a turn is served by: one log line,
+/// the record stored, the conversation pointed at it.
+fn commit_pending(
+    chat: &ChatState,
+    conv: &mut Conversation,
+    t: &Turn<'_>,
+    (tokens_before, tokens_after): (u64, u64),
+    record: Record,
+    send: Vec<Box<RawValue>>,
+    strategy: &'static str,
+) -> Booked {
     tracing::info!(
         session = %t.key,
+        strategy,
         messages_before = t.outgoing.len(),
         messages_after = send.len(),
-        tokens_before = c.tokens_before,
-        tokens_after = c.tokens_after,
-        "micro compaction from a pre-compaction"
+        tokens_before,
+        tokens_after,
+        "compaction from a pre-compaction"
     );
-    let rec = chat.commit_record(t.cred, c.record);
+    let rec = chat.commit_record(t.cred, record);
     conv.set_record(Some(&rec));
-    Some(Booked::Compacted(send, Some(rec)))
+    Booked::Compacted(send, Some(rec))
 }
 
 /// Books a finished engine pass: conversation stats, metrics and the log
