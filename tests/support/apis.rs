@@ -24,8 +24,6 @@ use http::{HeaderMap, Request, Response, StatusCode};
 use http_body_util::combinators::UnsyncBoxBody;
 use http_body_util::{BodyExt, Full};
 use hyper::body::Incoming;
-use hyper::service::service_fn;
-use hyper_util::rt::TokioIo;
 use serde_json::{json, Value};
 use tokio::net::TcpListener;
 
@@ -107,21 +105,7 @@ impl ApiMock {
             settings: Mutex::new(settings),
             seen: Mutex::default(),
         });
-        let sh = Arc::clone(&shared);
-        let task = tokio::spawn(async move {
-            loop {
-                let Ok((stream, _)) = listener.accept().await else {
-                    continue;
-                };
-                let sh = Arc::clone(&sh);
-                tokio::spawn(async move {
-                    let svc = service_fn(move |req| serve(Arc::clone(&sh), req));
-                    let _ = hyper::server::conn::http1::Builder::new()
-                        .serve_connection(TokioIo::new(stream), svc)
-                        .await;
-                });
-            }
-        });
+        let task = super::serve_mock(listener, Arc::clone(&shared), serve);
         ApiMock { addr, shared, task }
     }
 

@@ -456,6 +456,37 @@ fn respond(status: u16, headers: &[(&'static str, String)], body: TestBody) -> R
 
 // ---------------------------------------------------------------- compactor
 
+/// Accepts HTTP/1 connections on `listener` for a mock upstream, each
+/// request answered by `serve(state, request)`, until the task is aborted.
+pub fn serve_mock<S, F, Fut, B>(
+    listener: TcpListener,
+    state: Arc<S>,
+    serve: F,
+) -> tokio::task::JoinHandle<()>
+where
+    S: Send + Sync + 'static,
+    F: Fn(Arc<S>, Request<Incoming>) -> Fut + Copy + Send + Sync + 'static,
+    Fut: std::future::Future<Output = Result<Response<B>, Infallible>> + Send + 'static,
+    B: hyper::body::Body + Send + 'static,
+    B::Data: Send,
+    B::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
+{
+    tokio::spawn(async move {
+        loop {
+            let Ok((stream, _)) = listener.accept().await else {
+                continue;
+            };
+            let state = Arc::clone(&state);
+            tokio::spawn(async move {
+                let svc = service_fn(move |req| serve(Arc::clone(&state), req));
+                let _ = hyper::server::conn::http1::Builder::new()
+                    .serve_connection(TokioIo::new(stream), svc)
+                    .await;
+            });
+        }
+    })
+}
+
 /// Starts compactor in-process in front of `upstream` with extra TOML.
 pub async fn start_proxy(upstream: &str, extra_toml: &str) -> compactor::server::RunningServer {
     let text = format!("listen = \"127.0.0.1:0\"\nupstream = \"{upstream}\"\n{extra_toml}");
