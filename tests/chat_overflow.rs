@@ -135,6 +135,59 @@ async fn overflow_compaction_cannot_fix_passes_the_upstream_error() {
     }
 }
 
+/// An upstream whose template renders the tool schemas in a few tokens
+/// (the mock counts the messages alone) while the estimate counts them in
+/// full: by the estimate even the last resort cannot make the request fit,
+/// yet the upstream's refusal proves the original does not. The retry cuts
+/// the rows as far as they go and the upstream judges: here it answers.
+#[tokio::test]
+async fn overflow_retry_cuts_as_far_as_it_goes_when_the_estimate_says_nothing_fits() {
+    let mock = ChatMock::start(Settings {
+        window: Some(2048),
+        ..Settings::default()
+    })
+    .await;
+    let proxy = start_proxy(&mock.url(), &unknown_window()).await;
+    let schema = json!({"type": "object", "properties": {"path": {"type": "string", "description": "d ".repeat(3000)}}});
+    let tools = json!([{"type": "function", "function": {"name": "read_file", "description": "Read a file", "parameters": schema}}]);
+    let log: String = (1..400)
+        .map(|i| format!("{i:03} shard {} ok\n", i % 17))
+        .collect();
+    let ask = format!("Here is the log:\n{log}\nWhat failed?");
+    let messages = vec![
+        json!({"role": "system", "content": "You are a careful agent. ".repeat(160)}),
+        json!({"role": "user", "content": ask}),
+    ];
+    let body = json!({"model": "m", "messages": messages, "tools": tools});
+    let (status, headers, reply) =
+        post_chat(&proxy.url(), serde_json::to_vec(&body).unwrap(), &[AUTH]).await;
+    assert_eq!(status, 200, "{}", String::from_utf8_lossy(&reply));
+    assert_eq!(action(&headers), "retried");
+    let chats = mock.chats();
+    assert_eq!(chats.len(), 2, "the refused original, then the cut retry");
+    assert!(chats[0].overflowed && !chats[1].overflowed);
+    let sent = chats[1].messages();
+    assert_eq!(sent[0], messages[0], "the system prompt is never cut");
+    let cut = sent[1]["content"].as_str().unwrap();
+    assert!(
+        cut.contains("chars cut from the middle to fit the context window"),
+        "{cut}"
+    );
+    assert!(
+        cut.ends_with("What failed?"),
+        "the ask at the end of the message is kept: {cut}"
+    );
+    assert_eq!(
+        chats[1].json()["tools"],
+        tools,
+        "tools are sent as they came"
+    );
+    assert!(
+        mock.summaries().is_empty(),
+        "nothing to summarise in [system, user]"
+    );
+}
+
 #[tokio::test]
 async fn discovered_window_makes_compaction_proactive() {
     let mock = ChatMock::start(Settings {

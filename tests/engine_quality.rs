@@ -10,6 +10,7 @@ mod engine_support;
 use std::sync::Mutex;
 
 use compactor::compaction::compressor::{CompressOptions, Outcome};
+use compactor::compaction::last_resort::Fit;
 use compactor::compaction::summariser::{Summariser, SummaryError, SummaryReply, SummaryRequest};
 use compactor::compaction::truncated::CUT_MARKER;
 use compactor::compaction::view;
@@ -246,4 +247,34 @@ fn nothing_to_compact_shrinks_the_largest_message_as_a_last_resort() {
     ));
     assert_ne!(res.outcome, Outcome::Compacted);
     assert_eq!(res.messages, msgs);
+}
+
+#[test]
+fn an_upstream_refusal_makes_the_last_resort_cut_even_an_out_of_reach_budget() {
+    let msgs = overflowing();
+    // The budget is below the system prompt: by the estimate nothing can
+    // fit, but after the upstream refused the request the rows are cut as
+    // far as they go and sent.
+    let mut c = compressor_with("test", 2_048, |_| {});
+    let res = block_on(c.compress(
+        &msgs,
+        &Stub::ok("s"),
+        CompressOptions {
+            fit_tokens: Some(100),
+            fit: Fit::Insist,
+            ..Default::default()
+        },
+    ));
+    assert_eq!(res.outcome, Outcome::Compacted);
+    assert_eq!(res.telemetry.last_resort_rows, 1, "the tool output");
+    assert_eq!(res.messages[0], msgs[0], "system prompt kept");
+    assert_eq!(res.messages[1], msgs[1], "the short ask kept");
+    let tool = view::text(&res.messages[3]);
+    assert!(tool.starts_with("HEAD") && tool.ends_with("TAIL") && tool.contains("chars cut"));
+    assert!(
+        tool.chars().count() < 400,
+        "cut to the floor: {} chars",
+        tool.chars().count()
+    );
+    assert!(res.tokens_after < res.tokens_before);
 }

@@ -12,7 +12,7 @@ use tokio::time::Instant;
 
 use crate::codec::Api;
 use crate::compaction::config::{CompactionConfig, Strategy};
-use crate::compaction::last_resort;
+use crate::compaction::last_resort::{self, Fit};
 use crate::compaction::markers;
 use crate::compaction::micro::MicroOutcome;
 use crate::compaction::trigger::Trigger;
@@ -241,7 +241,13 @@ async fn compact_now(
         comp.trigger.summariser_budgets().into(),
     )
     .speaking(t.api);
-    let fit_rough = fit_budget(&values, t);
+    // After an overflow the upstream's refusal is proof the messages do
+    // not fit, whatever the estimate says the last resort can reach.
+    let fit = if t.overflow {
+        Fit::Insist
+    } else {
+        Fit::IfReachable
+    };
     let started = Instant::now();
     let mut result = run_engine(
         comp,
@@ -249,7 +255,7 @@ async fn compact_now(
         &summariser,
         (d.micro_pass, d.force),
         est_rough,
-        Some(fit_rough),
+        Some((fit_budget(&values, t), fit)),
     )
     .await;
     drop(values);
@@ -599,7 +605,7 @@ pub(super) async fn run_engine(
     summariser: &HttpSummariser<'_>,
     (micro_pass, force): (bool, bool),
     current_tokens: u64,
-    fit_tokens: Option<u64>,
+    fit: Option<(u64, Fit)>,
 ) -> CompactionDone {
     let r = if micro_pass {
         comp.micro_compact(values, summariser).await
@@ -611,7 +617,8 @@ pub(super) async fn run_engine(
                 force,
                 current_tokens: Some(current_tokens),
                 bypass_cooldown: force,
-                fit_tokens,
+                fit_tokens: fit.map(|(tokens, _)| tokens),
+                fit: fit.map(|(_, f)| f).unwrap_or_default(),
                 ..CompressOptions::default()
             },
         )

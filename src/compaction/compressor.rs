@@ -16,6 +16,7 @@ use serde_json::Value;
 use super::assemble;
 use super::config::CompactionConfig;
 use super::fallback::{build_fallback_body_capped, build_fallback_summary};
+use super::last_resort::Fit;
 use super::markers::{self, Handoff};
 use super::micro::{MicroPass, MicroState};
 use super::prune::{self, PruneParams};
@@ -72,6 +73,8 @@ pub struct CompressOptions {
     /// (nothing to compact, or not enough), the largest messages are
     /// shortened as a last resort ([`super::last_resort`]).
     pub fit_tokens: Option<u64>,
+    /// How firmly the last resort aims at `fit_tokens`.
+    pub fit: Fit,
 }
 
 /// Why a compaction was abandoned with the input unchanged.
@@ -620,6 +623,8 @@ struct Pass {
     keep_state: Option<SummaryState>,
     /// [`CompressOptions::fit_tokens`].
     fit_tokens: Option<u64>,
+    /// [`CompressOptions::fit`].
+    fit: Fit,
 }
 
 /// How a compress call ends.
@@ -976,6 +981,7 @@ impl Compressor {
             fallback_used: false,
             keep_state: None,
             fit_tokens: opts.fit_tokens,
+            fit: opts.fit,
         };
         let cut = match self.cut(messages, &mut pass.tel) {
             Ok(cut) => cut,
@@ -1346,7 +1352,7 @@ fn last_resort(messages: &[Value], ending: Ending, pass: &mut Pass) -> Ending {
         } if *tokens_after > fit => (out.as_slice(), *summary_index, *dropped_count),
         _ => return ending,
     };
-    let Some(shrunk) = super::last_resort::shrink_to_fit(base, fit) else {
+    let Some(shrunk) = super::last_resort::shrink_to_fit(base, fit, pass.fit) else {
         return ending;
     };
     tracing::warn!(

@@ -6,8 +6,11 @@
 //! No row is removed, so tool-call pairing is kept as it was. The system
 //! prompt (or developer message) leading the list is never shortened; the
 //! newest user message and the running summary only when nothing else is
-//! left to shorten. When even that cannot make the messages fit, nothing is
-//! changed (the upstream answers the request as it is).
+//! left to shorten. When even that cannot make the messages fit by the
+//! estimate, nothing is changed (the upstream answers the request as it
+//! is), unless the upstream has already refused them as too long
+//! ([`Fit::Insist`]): then they are cut as far as they go and sent, since
+//! the estimate, not the upstream, may be wrong about how they tokenize.
 
 use serde_json::Value;
 
@@ -78,10 +81,26 @@ pub struct Shrunk {
     pub rows: usize,
 }
 
+/// How firmly [`shrink_to_fit`] aims at its budget.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Fit {
+    /// Shorten only when the estimate says the budget can be met.
+    #[default]
+    IfReachable,
+    /// The upstream refused these messages as too long: its count proves
+    /// they do not fit, while the estimate is char-based and can be far off
+    /// in either part (a dense log tokenizes at 2.5 characters a token,
+    /// prose at 4.5; a template may render the tool schemas in a handful of
+    /// tokens). Shorten as far as the rows go even when the estimate says
+    /// the budget cannot be met; the upstream judges the result.
+    Insist,
+}
+
 /// `messages` with their largest messages shortened until the rough
-/// estimate is at most `budget` tokens; `None` when they fit already or
-/// cannot be made to fit.
-pub fn shrink_to_fit(messages: &[Value], budget: u64) -> Option<Shrunk> {
+/// estimate is at most `budget` tokens; `None` when they fit already, or
+/// cannot be made to fit and `fit` does not insist (or nothing could be
+/// shortened).
+pub fn shrink_to_fit(messages: &[Value], budget: u64, fit: Fit) -> Option<Shrunk> {
     let mut out = messages.to_vec();
     if tokens::estimate_messages_tokens_rough(&out) <= budget {
         return None;
@@ -125,7 +144,11 @@ pub fn shrink_to_fit(messages: &[Value], budget: u64) -> Option<Shrunk> {
             shrunk[i] = true;
         }
     }
-    None
+    let rows = shrunk.iter().filter(|s| **s).count();
+    (fit == Fit::Insist && rows > 0).then_some(Shrunk {
+        messages: out,
+        rows,
+    })
 }
 
 /// What [`fit_budget`] works from.
@@ -184,7 +207,7 @@ mod tests {
         let m = msgs();
         let before = tokens::estimate_messages_tokens_rough(&m);
         let budget = before - 1_000;
-        let s = shrink_to_fit(&m, budget).expect("fits after shrinking");
+        let s = shrink_to_fit(&m, budget, Fit::IfReachable).expect("fits after shrinking");
         assert!(tokens::estimate_messages_tokens_rough(&s.messages) <= budget);
         assert_eq!(s.rows, 1);
         assert_eq!(s.messages[0], m[0], "system prompt untouched");
@@ -228,15 +251,37 @@ mod tests {
         let m = msgs();
         let system_only = tokens::estimate_messages_tokens_rough(&m[..1]);
         // Room for the system prompt and little else: the ask is cut too.
-        let s = shrink_to_fit(&m, system_only + 250).expect("fits");
+        let s = shrink_to_fit(&m, system_only + 250, Fit::IfReachable).expect("fits");
         assert!(s.messages[4]["content"]
             .as_str()
             .unwrap()
             .contains("chars cut"));
         assert_eq!(s.messages[0], m[0]);
         // Not even the system prompt fits: nothing to do.
-        assert_eq!(shrink_to_fit(&m, system_only / 2), None);
-        // Already fits: nothing to do.
-        assert_eq!(shrink_to_fit(&m, u64::MAX), None);
+        assert_eq!(shrink_to_fit(&m, system_only / 2, Fit::IfReachable), None);
+        // Already fits: nothing to do, insisting or not.
+        assert_eq!(shrink_to_fit(&m, u64::MAX, Fit::IfReachable), None);
+        assert_eq!(shrink_to_fit(&m, u64::MAX, Fit::Insist), None);
+    }
+
+    #[test]
+    fn insisting_cuts_every_row_as_far_as_it_goes_when_the_budget_is_out_of_reach() {
+        let m = msgs();
+        let system_only = tokens::estimate_messages_tokens_rough(&m[..1]);
+        let s = shrink_to_fit(&m, system_only / 2, Fit::Insist).expect("cut anyway");
+        assert_eq!(s.rows, 2, "the tool output and the newest ask");
+        assert_eq!(s.messages[0], m[0], "system prompt untouched");
+        assert_eq!(s.messages[1], m[1], "rows at or under the floor untouched");
+        for i in [3, 4] {
+            let text = s.messages[i]["content"].as_str().unwrap();
+            assert!(text.contains("chars cut"), "row {i} cut");
+            let floor = LAST_RESORT_MIN_CHARS + marker(text.chars().count()).chars().count();
+            assert!(text.chars().count() <= floor + 8, "row {i} at the floor");
+        }
+        assert_eq!(s.messages.len(), m.len(), "no row removed: pairing kept");
+        assert_eq!(s.messages[3]["tool_call_id"], "c1");
+        // Nothing but the system prompt and short rows: nothing to cut.
+        let short = vec![m[0].clone(), m[1].clone()];
+        assert_eq!(shrink_to_fit(&short, system_only / 2, Fit::Insist), None);
     }
 }
