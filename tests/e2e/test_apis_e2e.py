@@ -3,8 +3,7 @@ llama.cpp server (n_ctx 2048), with the official ``anthropic`` and ``openai``
 SDKs.
 
 llama.cpp serves both APIs natively (``/v1/messages``, ``/v1/responses``). The
-270M model cannot produce tool calls in its template's format (a request that
-defines ``tools`` fails with HTTP 500 there), so the tool-use rounds are
+270M model never writes a tool call of its own, so the tool-use rounds are
 histories the client sends: ``tool_use``/``tool_result`` blocks and
 ``function_call``/``function_call_output`` items, without tool definitions.
 

@@ -1,9 +1,7 @@
 """hermes-agent's request shape at n_ctx 2048, direct and through compactor.
 
-Not hermes-agent itself (see ``tests/e2e/README.md``: its pinned ``openai``
-conflicts with this suite's, it refuses windows under 64K unless told
-otherwise, and the 270M test model cannot produce the tool-call format
-llama.cpp parses when tools are sent). This replays what it sends, from
+hermes-agent itself runs in ``test_hermes_agent.py``; the 270M model never
+calls a tool there, so its run has no tool round. This replays one, from
 ``fixtures/hermes_agent_request.json``: its real system prompt and the
 schemas of its ``file`` toolset (about 1.5k tokens before any turn), then its
 second request, after a ``read_file`` call whose output the window cannot
@@ -59,8 +57,8 @@ def _second(h: dict, output_chars: int) -> list[dict]:
 
 
 def _create(client: openai.OpenAI, h: dict, messages: list[dict]):
-    # tool_choice "none": the tools are part of the prompt, but the 270M
-    # model's free text is not parsed as a tool call.
+    # tool_choice "none": the tools are part of the prompt, the round is
+    # scripted and the model's free text is never searched for a call.
     return client.chat.completions.with_raw_response.create(
         model="m", messages=messages, tools=h["tools"], tool_choice="none",
         max_tokens=MAX_TOKENS, temperature=0, seed=7,
