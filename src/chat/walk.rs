@@ -119,8 +119,9 @@ pub async fn handle_api(
     // Shared with the detached preparations rather than copied for each.
     let client_headers = Arc::new(std::mem::take(&mut parts.headers));
 
-    // Prepared in a task of its own: a client leaving mid-compaction does
-    // not cancel the compaction (its record serves the next turn).
+    // A preparation that waits goes on in a task of its own: a client
+    // leaving mid-compaction does not cancel the compaction (its record
+    // serves the next turn).
     let job = |creq, overflow| {
         Box::new(worker::Job {
             chat: Arc::clone(chat),
