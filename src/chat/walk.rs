@@ -23,7 +23,7 @@ use crate::error::{ProxyBody, ProxyError};
 use crate::session::key::{SessionHints, SessionKey};
 use crate::upstream::body::ProxyReqBody;
 use crate::upstream::body::TapBody;
-use crate::upstream::{body_read_error, headers, RequestStats, Upstream};
+use crate::upstream::{body_read_error, headers, Upstream};
 use crate::usage::hide::HideUsageBody;
 use crate::usage::peek::{peek_start, HoldBack};
 use crate::usage::{BodyKind, StreamStart, TapOutcome, UsageObserver};
@@ -179,26 +179,29 @@ pub async fn handle_api(
     }
 }
 
-/// Sends `body` upstream with the client's headers (Content-Length fixed).
+/// Sends `body` upstream with the client's headers (Content-Length fixed);
+/// `parts` gives the method, URI and extensions.
 async fn send(
     upstream: &Upstream,
     parts: &Parts,
     client_headers: &HeaderMap,
     body: Bytes,
 ) -> Result<Response<Incoming>, ProxyError> {
-    let mut parts = clone_parts(parts, client_headers);
-    parts.headers.remove(header::TRANSFER_ENCODING);
-    // The usage tap and hider read the response: a compressed body would
-    // hide the usage from calibration and leave the forced usage chunk in
-    // front of a client that never asked for it (SDKs send gzip by default).
-    parts.headers.insert(
-        header::ACCEPT_ENCODING,
-        HeaderValue::from_static("identity"),
-    );
-    parts
-        .headers
-        .insert(header::CONTENT_LENGTH, HeaderValue::from(body.len()));
-    upstream.send_bytes(&parts, body).await
+    let len = HeaderValue::from(body.len());
+    let headers = || {
+        let mut headers = client_headers.clone();
+        headers.remove(header::TRANSFER_ENCODING);
+        // The usage tap and hider read the response: a compressed body would
+        // hide the usage from calibration and leave the forced usage chunk in
+        // front of a client that never asked for it (SDKs send gzip by default).
+        headers.insert(
+            header::ACCEPT_ENCODING,
+            HeaderValue::from_static("identity"),
+        );
+        headers.insert(header::CONTENT_LENGTH, len.clone());
+        headers
+    };
+    upstream.send_bytes_with(parts, headers, body).await
 }
 
 /// An overflow error without numbers still bounds the window: what was just
@@ -221,20 +224,6 @@ async fn send_plain(upstream: &Upstream, parts: Parts, bytes: Bytes) -> Response
         Ok(resp) => upstream.stream_response(resp),
         Err(e) => upstream.error_reply(&e),
     }
-}
-
-fn clone_parts(parts: &Parts, headers: &HeaderMap) -> Parts {
-    let mut req = Request::new(());
-    *req.method_mut() = parts.method.clone();
-    *req.uri_mut() = parts.uri.clone();
-    *req.version_mut() = parts.version;
-    *req.headers_mut() = headers.clone();
-    let (mut p, ()) = req.into_parts();
-    // Request stats travel in the extensions (upstream wait accounting).
-    if let Some(stats) = parts.extensions.get::<Arc<RequestStats>>() {
-        p.extensions.insert(Arc::clone(stats));
-    }
-    p
 }
 
 /// How long a response start may be held back from now: the idle timeout
