@@ -14,7 +14,7 @@ use std::sync::Arc;
 
 use bytes::Bytes;
 use http::request::Parts;
-use http::{header, HeaderMap, HeaderValue, Request, Response};
+use http::{header, HeaderMap, HeaderName, HeaderValue, Request, Response};
 use http_body_util::BodyExt;
 use hyper::body::Incoming;
 
@@ -40,6 +40,11 @@ pub const SESSION_HEADER: &str = "x-compactor-session";
 /// Response header: how many leading client messages were sent as their
 /// recorded compacted replacement (absent when none).
 pub const REPLACED_HEADER: &str = "x-compactor-replaced";
+
+// Names checked once: a name given as a string is validated on every insert.
+static ACTION_NAME: HeaderName = HeaderName::from_static(ACTION_HEADER);
+static SESSION_NAME: HeaderName = HeaderName::from_static(SESSION_HEADER);
+static REPLACED_NAME: HeaderName = HeaderName::from_static(REPLACED_HEADER);
 
 /// Error bodies up to this size are read to look for an overflow.
 const MAX_ERROR_PEEK: usize = 256 << 10;
@@ -318,16 +323,16 @@ fn finish(
     };
     if chat.expose_headers {
         parts.headers.insert(
-            ACTION_HEADER,
+            ACTION_NAME.clone(),
             HeaderValue::from_static(prepared.action.as_str()),
         );
-        if let Ok(v) = HeaderValue::from_str(&key.to_string()) {
-            parts.headers.insert(SESSION_HEADER, v);
+        if let Ok(v) = HeaderValue::from_bytes(&key.hex()) {
+            parts.headers.insert(SESSION_NAME.clone(), v);
         }
         if prepared.replaced > 0 {
             parts
                 .headers
-                .insert(REPLACED_HEADER, HeaderValue::from(prepared.replaced));
+                .insert(REPLACED_NAME.clone(), HeaderValue::from(prepared.replaced));
         }
     }
     Response::from_parts(parts, body)
