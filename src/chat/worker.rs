@@ -103,15 +103,27 @@ fn joined(result: Result<Prepared, JoinError>) -> Result<Prepared, ProxyError> {
     })
 }
 
-async fn preparation(job: Box<Job>) -> Prepared {
+async fn preparation(mut job: Box<Job>) -> Prepared {
+    // Borrowed from the job, not moved into the preparation's state: every
+    // byte of that state is copied as the state is boxed.
+    let Job {
+        chat,
+        upstream,
+        entry,
+        client_headers,
+        creq,
+        key,
+        overflow,
+        ..
+    } = &mut *job;
     prepare(
-        &job.chat,
-        &job.upstream,
-        &job.entry,
-        &job.client_headers,
-        job.creq,
-        job.key,
-        job.overflow,
+        chat,
+        upstream,
+        entry,
+        client_headers,
+        creq,
+        *key,
+        overflow.as_ref(),
     )
     .await
 }
