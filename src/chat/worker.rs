@@ -57,8 +57,9 @@ pub(super) async fn run(job: Box<Job>) -> Result<Prepared, ProxyError> {
     if job.body_len >= LARGE_BODY_BYTES {
         return run_large(job).await;
     }
-    // Boxed: the preparation's state machine (compaction, summary calls)
-    // is kilobytes; on the heap, handing it to a task moves a pointer.
+    // Boxed: once polled, the preparation may not move (a lock's waiter is
+    // queued inside it), yet a pending one still goes to a task; on the
+    // heap, handing it over moves a pointer.
     let mut prep = Box::pin(preparation(job));
     // Most preparations (lock free, state in memory, nothing due) finish
     // on their first poll: a task for them would cost a spawn and a wake
