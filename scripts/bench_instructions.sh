@@ -35,8 +35,17 @@ COMPACTOR_BIN="${COMPACTOR_BIN:-$BIN/compactor}"
 . scripts/bench_bodies.sh
 write_bodies "$OUT"
 
+# The binary's default store is a redb file under the state directory: one
+# shared with other runs holds their records, and looking them up (on the
+# blocking pool) would be counted here. Each run starts from an empty one.
+STATE=$(mktemp -d)
+export XDG_STATE_HOME="$STATE"
+
 PIDS=()
-cleanup() { for p in "${PIDS[@]}"; do kill "$p" 2>/dev/null || true; done; }
+cleanup() {
+  for p in "${PIDS[@]}"; do kill "$p" 2>/dev/null || true; done
+  rm -rf "$STATE"
+}
 trap cleanup EXIT
 
 # wait_addr LOG: the address of the `listening on <addr>` line in LOG.

@@ -132,10 +132,15 @@ pub(super) async fn compact_if_due(
         t.overflow,
         micro_due,
     );
+    // The awaits below are boxed: a claim and an engine pass run on few
+    // turns, a background turn only when configured. Inline, their state
+    // would be part of every request's preparation, which is boxed whole:
+    // each byte copied, and kilobytes are past the allocator's fast path.
+    //
     // Across replicas: before a batch compaction (inline or committing a
     // pre-compaction), another replica's record may already cover this.
     let held = if d.wanted {
-        match shared::claim(chat, t).await {
+        match Box::pin(shared::claim(chat, t)).await {
             shared::Claim::Found(rec) => return substitute_peer(conv, t, rec),
             shared::Claim::Owned(held) => Some(held),
             shared::Claim::Alone => None,
@@ -152,13 +157,23 @@ pub(super) async fn compact_if_due(
             engine_window,
             max_out_rough: t.max_out.map(|m| scale.to_rough(m)),
         };
-        booked = background_turn(chat, upstream, conv, t, &d, &bg).await;
+        booked = Box::pin(background_turn(chat, upstream, conv, t, &d, &bg)).await;
         due = Some(bg);
     }
     let booked = match booked {
         Some(b) => b,
         None if !(d.wanted || d.micro_pass) => Booked::Nothing,
-        None => compact_now(chat, upstream, conv, t, &d, (engine_window, est_rough)).await,
+        None => {
+            Box::pin(compact_now(
+                chat,
+                upstream,
+                conv,
+                t,
+                &d,
+                (engine_window, est_rough),
+            ))
+            .await
+        }
     };
     if let Some(held) = held {
         let record = match &booked {

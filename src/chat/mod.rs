@@ -13,8 +13,9 @@
 //! - [`record`]: compaction records, the stable prefixes.
 //! - `durable`: records through the [`crate::store`] (find, commit).
 //! - [`summarise`]: the summariser as a JSON POST through the upstream.
-//! - `worker`: where `prepare` runs (a task of its own that a leaving
-//!   client does not cancel; large bodies on the blocking pool).
+//! - `worker`: where `prepare` runs (once it has to wait, a task of its
+//!   own that a leaving client does not cancel; large bodies on the
+//!   blocking pool).
 //!
 //! It takes what it needs, [`ChatState`] and the [`Upstream`], never the
 //! whole server.

@@ -64,9 +64,9 @@ pub(super) async fn prepare(
     upstream: &Arc<Upstream>,
     entry: &Arc<Entry<Conversation>>,
     client_headers: &HeaderMap,
-    mut creq: ApiRequest,
+    creq: &mut ApiRequest,
     (key, cred): (SessionKey, u128),
-    overflow: Option<Overflow>,
+    overflow: Option<&Overflow>,
 ) -> Prepared {
     let model = creq.model().unwrap_or_default();
     let mut guard = entry.lock().await;
@@ -75,7 +75,7 @@ pub(super) async fn prepare(
     conv.drain_inbox();
     conv.note_model(&model);
     conv.stats.requests += u64::from(overflow.is_none());
-    let window = resolve_window(chat, upstream, client_headers, &model, overflow.as_ref()).await;
+    let window = resolve_window(chat, upstream, client_headers, &model, overflow).await;
 
     // Moved out, not copied: the history is the bulk of the body, and the
     // original bytes still go upstream unless `with_messages` runs below.
@@ -104,9 +104,7 @@ pub(super) async fn prepare(
         window,
         tools_tokens: real_tools_tokens(conv, overhead),
         overflow: overflow.is_some(),
-        overflow_counted: overflow
-            .as_ref()
-            .and_then(|o| o.prompt_tokens.or(o.requested)),
+        overflow_counted: overflow.and_then(|o| o.prompt_tokens.or(o.requested)),
     };
     match compact_if_due(chat, upstream, conv, &turn).await {
         Booked::Compacted(messages, record) => {
@@ -237,7 +235,7 @@ fn estimate(conv: &mut Conversation, out: &Outgoing<'_>, overhead: u64) -> Estim
 /// Step 5: the body to send; re-serialised only when the messages changed
 /// (the usage plan may still add `stream_options`).
 fn build(
-    mut creq: ApiRequest,
+    creq: &mut ApiRequest,
     conv: &Conversation,
     out: Outgoing<'_>,
     est: Estimate,

@@ -14,7 +14,7 @@ use std::sync::Arc;
 
 use bytes::Bytes;
 use http::request::Parts;
-use http::{header, HeaderMap, HeaderValue, Request, Response};
+use http::{header, HeaderMap, HeaderName, HeaderValue, Request, Response};
 use http_body_util::BodyExt;
 use hyper::body::Incoming;
 
@@ -23,7 +23,7 @@ use crate::error::{ProxyBody, ProxyError};
 use crate::session::key::{SessionHints, SessionKey};
 use crate::upstream::body::ProxyReqBody;
 use crate::upstream::body::TapBody;
-use crate::upstream::{body_read_error, headers, RequestStats, Upstream};
+use crate::upstream::{body_read_error, headers, Upstream};
 use crate::usage::hide::HideUsageBody;
 use crate::usage::peek::{peek_start, HoldBack};
 use crate::usage::{BodyKind, StreamStart, TapOutcome, UsageObserver};
@@ -40,6 +40,11 @@ pub const SESSION_HEADER: &str = "x-compactor-session";
 /// Response header: how many leading client messages were sent as their
 /// recorded compacted replacement (absent when none).
 pub const REPLACED_HEADER: &str = "x-compactor-replaced";
+
+// Names checked once: a name given as a string is validated on every insert.
+static ACTION_NAME: HeaderName = HeaderName::from_static(ACTION_HEADER);
+static SESSION_NAME: HeaderName = HeaderName::from_static(SESSION_HEADER);
+static REPLACED_NAME: HeaderName = HeaderName::from_static(REPLACED_HEADER);
 
 /// Error bodies up to this size are read to look for an overflow.
 const MAX_ERROR_PEEK: usize = 256 << 10;
@@ -119,8 +124,9 @@ pub async fn handle_api(
     // Shared with the detached preparations rather than copied for each.
     let client_headers = Arc::new(std::mem::take(&mut parts.headers));
 
-    // Prepared in a task of its own: a client leaving mid-compaction does
-    // not cancel the compaction (its record serves the next turn).
+    // A preparation that waits goes on in a task of its own: a client
+    // leaving mid-compaction does not cancel the compaction (its record
+    // serves the next turn).
     let job = |creq, overflow| {
         Box::new(worker::Job {
             chat: Arc::clone(chat),
@@ -178,26 +184,29 @@ pub async fn handle_api(
     }
 }
 
-/// Sends `body` upstream with the client's headers (Content-Length fixed).
+/// Sends `body` upstream with the client's headers (Content-Length fixed);
+/// `parts` gives the method, URI and extensions.
 async fn send(
     upstream: &Upstream,
     parts: &Parts,
     client_headers: &HeaderMap,
     body: Bytes,
 ) -> Result<Response<Incoming>, ProxyError> {
-    let mut parts = clone_parts(parts, client_headers);
-    parts.headers.remove(header::TRANSFER_ENCODING);
-    // The usage tap and hider read the response: a compressed body would
-    // hide the usage from calibration and leave the forced usage chunk in
-    // front of a client that never asked for it (SDKs send gzip by default).
-    parts.headers.insert(
-        header::ACCEPT_ENCODING,
-        HeaderValue::from_static("identity"),
-    );
-    parts
-        .headers
-        .insert(header::CONTENT_LENGTH, HeaderValue::from(body.len()));
-    upstream.send_bytes(&parts, body).await
+    let len = HeaderValue::from(body.len());
+    let headers = || {
+        let mut headers = client_headers.clone();
+        headers.remove(header::TRANSFER_ENCODING);
+        // The usage tap and hider read the response: a compressed body would
+        // hide the usage from calibration and leave the forced usage chunk in
+        // front of a client that never asked for it (SDKs send gzip by default).
+        headers.insert(
+            header::ACCEPT_ENCODING,
+            HeaderValue::from_static("identity"),
+        );
+        headers.insert(header::CONTENT_LENGTH, len.clone());
+        headers
+    };
+    upstream.send_bytes_with(parts, headers, body).await
 }
 
 /// An overflow error without numbers still bounds the window: what was just
@@ -220,20 +229,6 @@ async fn send_plain(upstream: &Upstream, parts: Parts, bytes: Bytes) -> Response
         Ok(resp) => upstream.stream_response(resp),
         Err(e) => upstream.error_reply(&e),
     }
-}
-
-fn clone_parts(parts: &Parts, headers: &HeaderMap) -> Parts {
-    let mut req = Request::new(());
-    *req.method_mut() = parts.method.clone();
-    *req.uri_mut() = parts.uri.clone();
-    *req.version_mut() = parts.version;
-    *req.headers_mut() = headers.clone();
-    let (mut p, ()) = req.into_parts();
-    // Request stats travel in the extensions (upstream wait accounting).
-    if let Some(stats) = parts.extensions.get::<Arc<RequestStats>>() {
-        p.extensions.insert(Arc::clone(stats));
-    }
-    p
 }
 
 /// How long a response start may be held back from now: the idle timeout
@@ -328,16 +323,16 @@ fn finish(
     };
     if chat.expose_headers {
         parts.headers.insert(
-            ACTION_HEADER,
+            ACTION_NAME.clone(),
             HeaderValue::from_static(prepared.action.as_str()),
         );
-        if let Ok(v) = HeaderValue::from_str(&key.to_string()) {
-            parts.headers.insert(SESSION_HEADER, v);
+        if let Ok(v) = HeaderValue::from_bytes(&key.hex()) {
+            parts.headers.insert(SESSION_NAME.clone(), v);
         }
         if prepared.replaced > 0 {
             parts
                 .headers
-                .insert(REPLACED_HEADER, HeaderValue::from(prepared.replaced));
+                .insert(REPLACED_NAME.clone(), HeaderValue::from(prepared.replaced));
         }
     }
     Response::from_parts(parts, body)

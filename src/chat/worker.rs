@@ -1,9 +1,10 @@
 //! Where a request's preparation (and so its compaction) runs.
 //!
-//! `prepare` runs in a task of its own, and the client's request future
-//! only awaits its handle: a client that goes away mid-compaction no
-//! longer cancels it, so the summary it paid for is still committed as a
-//! record and the next turn substitutes it instead of summarising again.
+//! `prepare` is polled once in the request's own task; one that has to
+//! wait then runs in a task of its own, and the client's request future
+//! only awaits its handle: a client that goes away mid-compaction does not
+//! cancel it, so the summary it paid for is still committed as a record
+//! and the next turn substitutes it instead of summarising again.
 //!
 //! A large body (≥ [`LARGE_BODY_BYTES`]) is prepared on the blocking pool,
 //! never on the async workers: parsing, hashing, estimating and the
@@ -13,10 +14,13 @@
 //! bounds the memory they hold together, and the allocator gives the freed
 //! memory back to the system after each one ([`trim`]).
 
+use std::future::{poll_fn, Future};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
+use std::task::Poll;
 
 use http::HeaderMap;
+use tokio::task::JoinError;
 
 use crate::codec::ApiRequest;
 use crate::error::ProxyError;
@@ -45,54 +49,83 @@ pub(super) struct Job {
     pub body_len: usize,
 }
 
-/// Runs `job` detached and waits for it. Dropping the returned future
-/// (the client left) leaves the job running to completion. The job is
-/// boxed for the same reason its preparation is (see [`run_job`]).
+/// Runs `job` and waits for it. Once the preparation has to wait (the
+/// session lock, the store, a summary call), it goes on in a task of its
+/// own: dropping the returned future (the client left) leaves it running
+/// to completion.
 pub(super) async fn run(job: Box<Job>) -> Result<Prepared, ProxyError> {
-    let handle = if job.body_len >= LARGE_BODY_BYTES {
-        let rt = tokio::runtime::Handle::current();
-        let heavy = Arc::clone(&job.chat.heavy);
-        tokio::spawn(async move {
-            // Queued large preparations wait here, holding only their
-            // parsed request, not a blocking thread.
-            let permit = heavy.acquire_owned().await.ok();
-            let prepared = tokio::task::spawn_blocking(move || {
-                let prepared = rt.block_on(run_job(job));
-                trim();
-                // What the response still holds (the body sent, the
-                // client's bytes) is freed later: the next sweep trims again.
-                TRIM_DUE.store(true, Ordering::Relaxed);
-                prepared
-            })
-            .await;
-            drop(permit);
-            prepared
-        })
-    } else {
-        tokio::spawn(async move { Ok(run_job(job).await) })
-    };
-    match handle.await {
-        Ok(Ok(prepared)) => Ok(prepared),
-        Ok(Err(e)) | Err(e) => match e.try_into_panic() {
-            Ok(panic) => std::panic::resume_unwind(panic),
-            Err(_) => Err(ProxyError::Internal("request preparation cancelled".into())),
-        },
+    if job.body_len >= LARGE_BODY_BYTES {
+        return run_large(job).await;
     }
+    // Boxed: once polled, the preparation may not move (a lock's waiter is
+    // queued inside it), yet a pending one still goes to a task; on the
+    // heap, handing it over moves a pointer.
+    let mut prep = Box::pin(preparation(job));
+    // Most preparations (lock free, state in memory, nothing due) finish
+    // on their first poll: a task for them would cost a spawn and a wake
+    // per request, and one that finished has nothing left to cancel.
+    if let Poll::Ready(prepared) = poll_fn(|cx| Poll::Ready(prep.as_mut().poll(cx))).await {
+        return Ok(prepared);
+    }
+    // The task's first poll registers its own wakers; the request's, left
+    // from the poll above, only wake it once for nothing.
+    joined(tokio::spawn(prep).await)
 }
 
-async fn run_job(job: Box<Job>) -> Prepared {
-    // Boxed: the preparation's state machine (compaction, summary calls)
-    // is kilobytes, and a task moves its future by value as it is spawned
-    // and stored; on the heap every such move is a pointer's.
-    Box::pin(prepare(
-        &job.chat,
-        &job.upstream,
-        &job.entry,
-        &job.client_headers,
-        job.creq,
-        job.key,
-        job.overflow,
-    ))
+/// [`run`] for a large body: on the blocking pool, after a permit.
+async fn run_large(job: Box<Job>) -> Result<Prepared, ProxyError> {
+    let rt = tokio::runtime::Handle::current();
+    let heavy = Arc::clone(&job.chat.heavy);
+    let handle = tokio::spawn(async move {
+        // Queued large preparations wait here, holding only their
+        // parsed request, not a blocking thread.
+        let permit = heavy.acquire_owned().await.ok();
+        let prepared = tokio::task::spawn_blocking(move || {
+            let prepared = rt.block_on(preparation(job));
+            trim();
+            // What the response still holds (the body sent, the
+            // client's bytes) is freed later: the next sweep trims again.
+            TRIM_DUE.store(true, Ordering::Relaxed);
+            prepared
+        })
+        .await;
+        drop(permit);
+        prepared
+    });
+    joined(handle.await.and_then(|inner| inner))
+}
+
+/// The outcome of a detached preparation: its panic resumed here, a
+/// cancelled one (runtime shutting down) an internal error.
+fn joined(result: Result<Prepared, JoinError>) -> Result<Prepared, ProxyError> {
+    result.map_err(|e| match e.try_into_panic() {
+        Ok(panic) => std::panic::resume_unwind(panic),
+        Err(_) => ProxyError::Internal("request preparation cancelled".into()),
+    })
+}
+
+async fn preparation(mut job: Box<Job>) -> Prepared {
+    // Borrowed from the job, not moved into the preparation's state: every
+    // byte of that state is copied as the state is boxed.
+    let Job {
+        chat,
+        upstream,
+        entry,
+        client_headers,
+        creq,
+        key,
+        overflow,
+        ..
+    } = &mut *job;
+    prepare(
+        chat,
+        upstream,
+        entry,
+        client_headers,
+        creq,
+        *key,
+        overflow.as_ref(),
+    )
     .await
 }
 

@@ -125,6 +125,18 @@ impl SessionKey {
         }
         u128::from_str_radix(s, 16).ok().map(Self)
     }
+
+    /// The 32-hex-digit form as ASCII: what [`fmt::Display`] prints, without
+    /// the formatting machinery (a response header on every request).
+    pub fn hex(self) -> [u8; 32] {
+        const DIGITS: &[u8; 16] = b"0123456789abcdef";
+        let mut out = [0u8; 32];
+        for (i, b) in out.iter_mut().enumerate() {
+            let nibble = (self.0 >> (124 - 4 * i)) & 0xf;
+            *b = DIGITS[nibble as usize];
+        }
+        out
+    }
 }
 
 impl fmt::Display for SessionKey {
@@ -851,6 +863,14 @@ mod tests {
         assert!(!hex.contains("sk-") && !hex.contains('A'));
         assert_eq!(SessionKey::parse_hex(&hex), Some(a));
         assert_eq!(SessionKey::parse_hex("xyz"), None);
+    }
+
+    #[test]
+    fn hex_is_the_display_form() {
+        for v in [0, 1, 0xabc, u128::MAX, u128::MAX / 3, 1 << 127] {
+            let k = SessionKey::from_u128(v);
+            assert_eq!(k.hex().as_slice(), k.to_string().as_bytes(), "{v:x}");
+        }
     }
 
     #[test]

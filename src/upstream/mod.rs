@@ -192,7 +192,7 @@ impl Upstream {
         parts: &Parts,
         body: ProxyReqBody,
     ) -> Result<Response<Incoming>, ProxyError> {
-        self.attempt(parts, body)
+        self.attempt(parts, parts.headers.clone(), body)
             .await
             .map_err(|e| self.attempt_error(e))
     }
@@ -206,19 +206,41 @@ impl Upstream {
         parts: &Parts,
         body: Bytes,
     ) -> Result<Response<Incoming>, ProxyError> {
-        match self.attempt(parts, boxed(Full::new(body.clone()))).await {
+        self.send_bytes_with(parts, || parts.headers.clone(), body)
+            .await
+    }
+
+    /// [`Upstream::send_bytes`] with the client's headers made by `headers`
+    /// for each attempt instead of cloned from `parts` (whose method, URI
+    /// and extensions are used): a caller that edits the client's headers
+    /// makes them once per attempt rather than copying its copy.
+    pub async fn send_bytes_with(
+        &self,
+        parts: &Parts,
+        headers: impl Fn() -> HeaderMap,
+        body: Bytes,
+    ) -> Result<Response<Incoming>, ProxyError> {
+        match self
+            .attempt(parts, headers(), boxed(Full::new(body.clone())))
+            .await
+        {
             Err(Attempt::Client(e)) if unsent(&e) => {
                 self.metrics.record_upstream_retry();
                 tracing::debug!(error = %error_chain(&e), "upstream closed the connection before answering; retrying once");
-                self.send(parts, boxed(Full::new(body))).await
+                self.attempt(parts, headers(), boxed(Full::new(body)))
+                    .await
+                    .map_err(|e| self.attempt_error(e))
             }
             r => r.map_err(|e| self.attempt_error(e)),
         }
     }
 
+    /// One request upstream: `parts`' method and URI with `headers` (the
+    /// client's, hop-by-hop and Host replaced here).
     async fn attempt(
         &self,
         parts: &Parts,
+        mut headers: HeaderMap,
         body: ProxyReqBody,
     ) -> Result<Response<Incoming>, Attempt> {
         let uri = join_uri(&self.base, &parts.uri).map_err(|e| {
@@ -226,7 +248,6 @@ impl Upstream {
                 "cannot build upstream URI: {e}"
             )))
         })?;
-        let mut headers = parts.headers.clone();
         headers::prepare_request_headers(&mut headers);
         // hyper already answered any `Expect: 100-continue` on our side.
         headers.remove(header::EXPECT);
