@@ -46,7 +46,16 @@ cargo build --profile perf --bin compactor --example mock_upstream --example ttf
 BIN=target/perf
 
 PIDS=()
-cleanup() { for p in "${PIDS[@]}"; do kill "$p" 2>/dev/null || true; done; }
+# The binary's default store is a redb file under the state directory: one
+# shared with other runs holds their records, and looking them up would be
+# part of what is measured. Each run starts from an empty one.
+STATE=$(mktemp -d)
+export XDG_STATE_HOME="$STATE"
+
+cleanup() {
+  for p in "${PIDS[@]}"; do kill "$p" 2>/dev/null || true; done
+  rm -rf "$STATE"
+}
 trap cleanup EXIT
 
 # start VAR LOG CPUS CMD...: starts CMD on CPUS (or anywhere if empty) in
