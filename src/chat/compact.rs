@@ -325,14 +325,7 @@ async fn background_turn(
         return None;
     }
     let c = background::take(chat, conv, t).await?;
-    let k = c.record.k;
-    let send: Vec<Box<RawValue>> = c
-        .record
-        .replacement
-        .iter()
-        .chain(t.original.get(k..).unwrap_or(&[]))
-        .cloned()
-        .collect();
+    let send = c.record.applied_to(t.original);
     if !background::fits(&send, d.threshold) {
         chat.metrics.chat.precompaction("discarded");
         return None;
@@ -401,14 +394,7 @@ async fn micro_from_pending(
         chat.metrics.chat.precompaction("discarded");
         return None;
     };
-    let k = c.record.k;
-    let send: Vec<Box<RawValue>> = c
-        .record
-        .replacement
-        .iter()
-        .chain(t.original.get(k..).unwrap_or(&[]))
-        .cloned()
-        .collect();
+    let send = c.record.applied_to(t.original);
     let saved = c.tokens_before.saturating_sub(c.tokens_after);
     conv.stats.compactions += 1;
     conv.stats.tokens_saved += saved;

@@ -201,13 +201,7 @@ async fn substitute<'a>(
         conv.stats.substituted += 1;
     }
     let messages = match &record {
-        Some(r) => Cow::Owned(
-            r.replacement
-                .iter()
-                .chain(&original[r.k..])
-                .cloned()
-                .collect(),
-        ),
+        Some(r) => Cow::Owned(r.applied_to(original)),
         None => Cow::Borrowed(original),
     };
     Outgoing {

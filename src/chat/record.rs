@@ -102,6 +102,17 @@ impl Record {
         self.summary_rows.as_deref()
     }
 
+    /// What is sent for a client history the record matches: the
+    /// replacement, then the client's messages after the first `k` as they
+    /// came.
+    pub fn applied_to(&self, original: &[Box<RawValue>]) -> Vec<Box<RawValue>> {
+        self.replacement
+            .iter()
+            .chain(original.get(self.k..).unwrap_or(&[]))
+            .cloned()
+            .collect()
+    }
+
     /// Total bytes held by the replacement's JSON text.
     pub fn bytes(&self) -> usize {
         self.replacement.iter().map(|m| m.get().len()).sum()

@@ -110,16 +110,14 @@ pub fn shrink_to_fit(messages: &[Value], budget: u64, fit: Fit) -> Option<Shrunk
         .is_some_and(|m| view::is_role(m, "system") || view::is_role(m, "developer"));
     let newest_user = out.iter().rposition(view::is_real_user);
     let mut shrunk = vec![false; out.len()];
+    let mut fits = false;
     // First everything but the newest ask and the summary; then those too.
-    for last_pass in [false, true] {
+    'passes: for last_pass in [false, true] {
         loop {
             let total = tokens::estimate_messages_tokens_rough(&out);
             if total <= budget {
-                let rows = shrunk.iter().filter(|s| **s).count();
-                return Some(Shrunk {
-                    messages: out,
-                    rows,
-                });
+                fits = true;
+                break 'passes;
             }
             let candidate = (usize::from(system)..out.len())
                 .filter(|&i| last_pass || (Some(i) != newest_user && !view::is_summary(&out[i])))
@@ -145,7 +143,7 @@ pub fn shrink_to_fit(messages: &[Value], budget: u64, fit: Fit) -> Option<Shrunk
         }
     }
     let rows = shrunk.iter().filter(|s| **s).count();
-    (fit == Fit::Insist && rows > 0).then_some(Shrunk {
+    (fits || (fit == Fit::Insist && rows > 0)).then_some(Shrunk {
         messages: out,
         rows,
     })
