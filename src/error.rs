@@ -1,5 +1,7 @@
 //! Errors compactor itself produces, and the single place that turns them
-//! into OpenAI-shaped responses (`{"error":{"message","type","code"}}`).
+//! into responses in the client's API's error shape: OpenAI's
+//! (`{"error":{"message","type","code"}}`) or, on Anthropic's Messages
+//! route, Anthropic's (`{"type":"error","error":{"type","message"}}`).
 //!
 //! Upstream error responses are never built here: they pass through untouched.
 
@@ -62,6 +64,17 @@ pub enum ProxyError {
     Internal(String),
 }
 
+/// Which API's error body a client reads.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum ErrorShape {
+    /// `{"error": {"message", "type", "code"}}` (chat completions,
+    /// Responses, every other route).
+    #[default]
+    OpenAi,
+    /// `{"type": "error", "error": {"type", "message"}}` (Messages).
+    Anthropic,
+}
+
 impl ProxyError {
     /// HTTP status sent to the client.
     pub fn status(&self) -> StatusCode {
@@ -116,14 +129,36 @@ impl ProxyError {
         }
     }
 
+    /// Anthropic's `error.type` for this error's status.
+    pub fn anthropic_type(&self) -> &'static str {
+        match self.status().as_u16() {
+            413 => "request_too_large",
+            503 => "overloaded_error",
+            504 => "timeout_error",
+            400..=499 => "invalid_request_error",
+            _ => "api_error",
+        }
+    }
+
     /// The OpenAI-shaped error response for this error.
     pub fn to_response(&self) -> Response<ProxyBody> {
-        let mut resp = error_response(
-            self.status(),
-            &self.to_string(),
-            self.error_type(),
-            self.code(),
-        );
+        self.to_response_in(ErrorShape::OpenAi)
+    }
+
+    /// The error response for this error, in `shape`.
+    pub fn to_response_in(&self, shape: ErrorShape) -> Response<ProxyBody> {
+        let mut resp = match shape {
+            ErrorShape::OpenAi => error_response(
+                self.status(),
+                &self.to_string(),
+                self.error_type(),
+                self.code(),
+            ),
+            ErrorShape::Anthropic => json_response(
+                self.status(),
+                &anthropic_error(self.anthropic_type(), &self.to_string()),
+            ),
+        };
         if matches!(self, ProxyError::Overloaded(_)) {
             resp.headers_mut().insert(
                 header::RETRY_AFTER,
@@ -145,7 +180,20 @@ pub fn error_response(
         "error": { "message": message, "type": error_type, "code": code }
     })
     .to_string();
-    let mut resp = Response::new(full_body(Bytes::from(body)));
+    json_response(status, &body)
+}
+
+/// Anthropic's error body.
+fn anthropic_error(error_type: &str, message: &str) -> String {
+    serde_json::json!({
+        "type": "error",
+        "error": { "type": error_type, "message": message }
+    })
+    .to_string()
+}
+
+fn json_response(status: StatusCode, body: &str) -> Response<ProxyBody> {
+    let mut resp = Response::new(full_body(Bytes::from(body.to_owned())));
     *resp.status_mut() = status;
     resp.headers_mut().insert(
         header::CONTENT_TYPE,
@@ -199,6 +247,38 @@ mod tests {
             assert_eq!(v["error"]["code"], code);
             assert_eq!(v["error"]["message"], err.to_string());
             assert!(v["error"]["type"].is_string());
+        }
+    }
+
+    #[tokio::test]
+    async fn anthropic_shape() {
+        let cases = [
+            (
+                ProxyError::BodyTooLarge { limit: 3 },
+                413,
+                "request_too_large",
+            ),
+            (
+                ProxyError::BadRequest("x".into()),
+                400,
+                "invalid_request_error",
+            ),
+            (ProxyError::FirstByteTimeout(2), 504, "timeout_error"),
+            (
+                ProxyError::UpstreamUnreachable("r".into()),
+                502,
+                "api_error",
+            ),
+            (ProxyError::Overloaded("b".into()), 503, "overloaded_error"),
+        ];
+        for (err, status, kind) in cases {
+            let resp = err.to_response_in(ErrorShape::Anthropic);
+            assert_eq!(resp.status().as_u16(), status);
+            let v = json_of(resp).await;
+            assert_eq!(v["type"], "error");
+            assert_eq!(v["error"]["type"], kind);
+            assert_eq!(v["error"]["message"], err.to_string());
+            assert!(v["error"].get("code").is_none());
         }
     }
 }

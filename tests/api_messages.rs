@@ -394,3 +394,131 @@ async fn claude_code_session_ids_key_conversations() {
     .await;
     assert_ne!(other, a);
 }
+
+/// Claude Code's environment block: a system message inside `messages`,
+/// right after the first user message.
+const ENV_BLOCK: &str = "# Environment (env-block-7731)\nWorking directory: /home/user/project\nPlatform: linux\nToday's date: 2026-12-02";
+
+fn with_env_block(mut msgs: Vec<Value>) -> Vec<Value> {
+    msgs.insert(1, json!({"role": "system", "content": ENV_BLOCK}));
+    msgs
+}
+
+/// Claude Code's system message inside `messages` is accepted: the
+/// conversation is compacted, and every request the upstream gets carries
+/// the block verbatim, after the first message (or next to the summary
+/// that replaced it), never in the summary. The top-level `system` keeps
+/// its bytes.
+#[tokio::test]
+async fn claude_code_system_message_in_messages_is_kept_where_it_stands() {
+    let mock = ApiMock::start(ApiSettings::default()).await;
+    let proxy = start_proxy(&mock.url(), &config("")).await;
+    let env_row = serde_json::to_string(&json!({"role": "system", "content": ENV_BLOCK})).unwrap();
+    let mut conv = Conv::new();
+    let mut compacted = 0;
+    let mut reused = 0;
+    for turn in 0..24 {
+        let sent = body(&with_env_block(conv.ask()), false);
+        let (status, headers, resp) = post_path(
+            &proxy.url(),
+            "/v1/messages",
+            sent.clone(),
+            &[KEY, VERSION, SESSION],
+        )
+        .await;
+        conv.answer();
+        assert_eq!(status, 200, "{}", String::from_utf8_lossy(&resp));
+        let seen = mock.last();
+        assert_eq!(top_level(&seen.body), top_level(&sent), "turn {turn}");
+        let got = seen.json();
+        let msgs = got["messages"].as_array().unwrap();
+        let env: Vec<usize> = (0..msgs.len())
+            .filter(|&i| msgs[i]["role"] == "system")
+            .collect();
+        assert_eq!(env.len(), 1, "turn {turn}: one system message in {got}");
+        // Where it stood: after the first message, or, once that message is
+        // in the summary, next to the summary; never after a kept turn.
+        assert!(
+            env[0] <= 1,
+            "turn {turn}: the environment block moved: {}",
+            serde_json::to_string_pretty(&got["messages"]).unwrap()
+        );
+        assert!(seen.text().contains(&env_row), "turn {turn}: its bytes");
+        match action(&headers) {
+            "compacted" => {
+                compacted += 1;
+                // The compaction turn says so; the header counts records
+                // substituted from earlier turns.
+                assert_eq!(replaced(&headers), 0);
+            }
+            "passthrough" if replaced(&headers) > 0 => {
+                reused += 1;
+                let client: Value = serde_json::from_slice(&sent).unwrap();
+                assert!(replaced(&headers) < client["messages"].as_array().unwrap().len());
+            }
+            _ => {}
+        }
+        for s in mock.summaries() {
+            let t = s.text();
+            assert!(!t.contains("env-block-7731"), "env block summarised: {t}");
+        }
+    }
+    assert!(compacted >= 1, "never compacted");
+    assert!(reused >= 1, "no later turn reused a record");
+}
+
+/// compactor's own errors on the Messages route are in Anthropic's shape.
+#[tokio::test]
+async fn compactor_errors_on_messages_are_in_anthropic_shape() {
+    let mock = ApiMock::start(ApiSettings::default()).await;
+    let proxy = start_proxy(
+        &mock.url(),
+        &format!("max_body_bytes = 2000\n{}", config("")),
+    )
+    .await;
+    let big = body(
+        &[json!({"role": "user", "content": "x".repeat(4000)})],
+        false,
+    );
+    let (status, _, resp) = post_path(&proxy.url(), "/v1/messages", big.clone(), &[KEY]).await;
+    assert_eq!(status, 413);
+    let v: Value = serde_json::from_slice(&resp).unwrap();
+    assert_eq!(v["type"], "error", "{v}");
+    assert_eq!(v["error"]["type"], "request_too_large");
+    assert!(v["error"]["message"].is_string());
+    // The chat route keeps OpenAI's shape.
+    let (status, _, resp) = post_path(&proxy.url(), "/v1/chat/completions", big, &[]).await;
+    assert_eq!(status, 413);
+    let v: Value = serde_json::from_slice(&resp).unwrap();
+    assert_eq!(v["error"]["code"], "request_too_large", "{v}");
+    // An unreachable upstream, the same.
+    let dead = start_proxy("http://127.0.0.1:9", &config("")).await;
+    let small = body(&Conv::new().ask(), false);
+    let (status, _, resp) = post_path(&dead.url(), "/v1/messages", small, &[KEY]).await;
+    assert_eq!(status, 502);
+    let v: Value = serde_json::from_slice(&resp).unwrap();
+    assert_eq!(
+        (v["type"].as_str(), v["error"]["type"].as_str()),
+        (Some("error"), Some("api_error"))
+    );
+}
+
+/// A request the codec cannot map is forwarded as its bytes, and counted
+/// by member and role (never by what the client wrote there).
+#[tokio::test]
+async fn an_unmapped_request_is_forwarded_and_counted() {
+    let mock = ApiMock::start(ApiSettings::default()).await;
+    let proxy = start_proxy(&mock.url(), &config("")).await;
+    let mut msgs = Conv::new().ask();
+    msgs.push(json!({"role": "secret-role-text", "content": "x"}));
+    let sent = body(&msgs, false);
+    let (status, headers, _) = post_path(&proxy.url(), "/v1/messages", sent.clone(), &[KEY]).await;
+    assert_eq!(status, 200);
+    assert_eq!(mock.last().body.as_ref(), sent.as_slice());
+    assert!(headers.get("x-compactor-action").is_none());
+    let series = "compactor_unmapped_requests_total{api=\"messages\",reason=\"unsupported_role\",member=\"messages\",role=\"other\"}";
+    assert_eq!(metric(&proxy.url(), series).await, 1.0);
+    let (_, _, text) =
+        support::chat::get_with(&format!("{}/_compactor/metrics", proxy.url()), &[]).await;
+    assert!(!String::from_utf8_lossy(&text).contains("secret-role-text"));
+}

@@ -283,3 +283,80 @@ async fn server_side_state_passes_through_untouched() {
     .await;
     assert_eq!(action(&headers), "compacted");
 }
+
+/// Codex 0.169 sends no `instructions`: its base prompt and its
+/// permissions block are `developer` items at the head of `input`, and a
+/// permissions change arrives as another one mid-session. Every request the
+/// upstream gets carries each of them verbatim, in order; none reaches a
+/// summary call; later turns reuse the record.
+#[tokio::test]
+async fn codex_developer_items_are_instructions_never_history() {
+    let mock = ApiMock::start(ApiSettings::default()).await;
+    let proxy = start_proxy(&mock.url(), &config("")).await;
+    let dev = |tag: &str| json!({"type":"message","role":"developer","content":[{"type":"input_text","text":format!("<{tag}> rule set {tag}: never push to main.")}]});
+    let mut conv = Conv::new();
+    conv.items = vec![
+        dev("base-prompt-1"),
+        dev("permissions-2"),
+        json!({"type":"message","role":"user","content":[{"type":"input_text","text":"<environment_context>cwd=/w</environment_context>"}]}),
+    ];
+    let (mut compacted, mut reused) = (0, 0);
+    for turn in 0..24 {
+        if turn == 5 {
+            conv.items.push(dev("permissions-update-3"));
+        }
+        let sent = body(&conv.ask(), false).into_iter().collect::<Vec<u8>>();
+        // No `instructions` member, as Codex sends it.
+        let sent: Vec<u8> = {
+            let mut v: indexmap::IndexMap<String, Value> = serde_json::from_slice(&sent).unwrap();
+            v.shift_remove("instructions");
+            serde_json::to_vec(&v).unwrap()
+        };
+        let (status, headers, resp) = post_path(
+            &proxy.url(),
+            "/v1/responses",
+            sent.clone(),
+            &[AUTH, SESSION],
+        )
+        .await;
+        conv.answer();
+        assert_eq!(status, 200, "{}", String::from_utf8_lossy(&resp));
+        let got = mock.last().json();
+        assert_valid(&got);
+        let devs: Vec<&Value> = got["input"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .filter(|i| i["role"] == "developer")
+            .collect();
+        let expected: Vec<Value> = conv
+            .items
+            .iter()
+            .filter(|i| i["role"] == "developer")
+            .cloned()
+            .collect();
+        assert_eq!(
+            devs.into_iter().cloned().collect::<Vec<_>>(),
+            expected,
+            "turn {turn}"
+        );
+        // The head stays the head.
+        assert_eq!(got["input"][0], conv.items[0]);
+        assert_eq!(got["input"][1], conv.items[1]);
+        match action(&headers) {
+            "compacted" => compacted += 1,
+            "passthrough" if support::chat::replaced(&headers) > 0 => reused += 1,
+            _ => {}
+        }
+        for s in mock.summaries() {
+            assert!(
+                !s.text().contains("never push to main"),
+                "instructions summarised"
+            );
+        }
+    }
+    assert!(
+        compacted >= 1 && reused >= 1,
+        "compacted {compacted}, reused {reused}"
+    );
+}

@@ -377,7 +377,9 @@ async fn resumed_long_history_with_a_known_window_is_compacted_up_front() {
         // The second time the record made the first time is substituted.
         let expected = if stream { "passthrough" } else { "compacted" };
         assert_eq!(action(&headers), expected);
-        assert!(replaced(&headers) > 0);
+        // `x-compactor-replaced` counts an earlier turn's record, not the
+        // compaction this turn made.
+        assert_eq!(replaced(&headers) > 0, stream);
         let chats = mock.chats()[before..].to_vec();
         assert_eq!(chats.len(), 1);
         assert!(!chats[0].overflowed);

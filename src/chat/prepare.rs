@@ -235,11 +235,14 @@ fn build(
     est: Estimate,
     action: Action,
 ) -> Prepared {
+    // An earlier compaction's record sent in place of the client's
+    // messages, counted in the client's own messages; a turn that
+    // compacts says so in its action instead.
     let replaced = out
         .record
         .as_ref()
-        .filter(|_| out.changed)
-        .map_or(0, |r| r.k);
+        .filter(|_| out.changed && action != Action::Compacted)
+        .map_or(0, |r| creq.wire_count(r.k));
     if out.changed {
         creq.with_messages(out.messages.into_owned());
     }

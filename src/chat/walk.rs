@@ -19,7 +19,7 @@ use http_body_util::BodyExt;
 use hyper::body::Incoming;
 
 use crate::codec::{Api, ApiRequest};
-use crate::error::{ProxyBody, ProxyError};
+use crate::error::{ErrorShape, ProxyBody, ProxyError};
 use crate::session::key::{SessionHints, SessionKey};
 use crate::upstream::body::ProxyReqBody;
 use crate::upstream::body::TapBody;
@@ -79,6 +79,14 @@ impl Action {
     }
 }
 
+/// The error shape of `api`'s clients.
+pub fn error_shape(api: Api) -> ErrorShape {
+    match api {
+        Api::Messages => ErrorShape::Anthropic,
+        Api::Chat | Api::Responses => ErrorShape::OpenAi,
+    }
+}
+
 /// Handles one chat completion request.
 pub async fn handle(
     chat: &Arc<ChatState>,
@@ -103,12 +111,11 @@ pub async fn handle_api(
     }
     let bytes = match body.collect().await {
         Ok(c) => c.to_bytes(),
-        Err(e) => return upstream.error_reply(&body_read_error(&e)),
+        Err(e) => return upstream.error_reply_in(error_shape(api), &body_read_error(&e)),
     };
-    let Ok(creq) = ApiRequest::parse(api, bytes.clone()) else {
-        // Not a request we understand (or one that depends on state the
-        // upstream keeps): the upstream answers it.
-        return send_plain(upstream, parts, bytes).await;
+    let creq = match ApiRequest::parse(api, bytes.clone()) {
+        Ok(creq) => creq,
+        Err(e) => return unmapped(chat, upstream, api, (parts, bytes), &e).await,
     };
     let (session_id, cache_key) = (creq.session_id(), creq.prompt_cache_key());
     let model = creq.model();
@@ -141,13 +148,13 @@ pub async fn handle_api(
     };
     let mut prepared = match worker::run(job(creq, None)).await {
         Ok(p) => p,
-        Err(e) => return upstream.error_reply(&e),
+        Err(e) => return upstream.error_reply_in(error_shape(api), &e),
     };
     let mut retried = false;
     loop {
         let resp = match send(upstream, &parts, &client_headers, prepared.body.clone()).await {
             Ok(r) => r,
-            Err(e) => return upstream.error_reply(&e),
+            Err(e) => return upstream.error_reply_in(error_shape(api), &e),
         };
         let (resp, overflow) = inspect(resp, prepared.plan.stream, hold_back(upstream)).await;
         match overflow {
@@ -166,7 +173,7 @@ pub async fn handle_api(
                 };
                 let retry = match worker::run(job(creq, Some(of))).await {
                     Ok(p) => p,
-                    Err(e) => return upstream.error_reply(&e),
+                    Err(e) => return upstream.error_reply_in(error_shape(api), &e),
                 };
                 if !retry.fresh_compaction {
                     // Compaction could not help (a recorded substitution
@@ -182,6 +189,30 @@ pub async fn handle_api(
             _ => return finish(chat, upstream, resp, &prepared, key),
         }
     }
+}
+
+/// A request its codec cannot map (or one that depends on state the
+/// upstream keeps): the upstream answers it, and the operator can see why
+/// it was not compacted (logged content-free, and counted).
+async fn unmapped(
+    chat: &ChatState,
+    upstream: &Upstream,
+    api: Api,
+    (parts, bytes): (Parts, Bytes),
+    e: &crate::codec::DecodeError,
+) -> Response<ProxyBody> {
+    let (reason, member, role) = e.labels();
+    chat.metrics
+        .chat
+        .unmapped((api.label(), reason, member, role));
+    tracing::info!(
+        api = api.label(),
+        reason,
+        member,
+        role,
+        "request forwarded untouched: its codec cannot map it (no compaction)"
+    );
+    send_plain(upstream, api, parts, bytes).await
 }
 
 /// Sends `body` upstream with the client's headers (Content-Length fixed);
@@ -224,10 +255,15 @@ fn bound_window(of: &mut Overflow, sent_estimate: u64) {
 }
 
 /// Forwards bytes we could not parse exactly as received.
-async fn send_plain(upstream: &Upstream, parts: Parts, bytes: Bytes) -> Response<ProxyBody> {
+async fn send_plain(
+    upstream: &Upstream,
+    api: Api,
+    parts: Parts,
+    bytes: Bytes,
+) -> Response<ProxyBody> {
     match upstream.send_bytes(&parts, bytes).await {
         Ok(resp) => upstream.stream_response(resp),
-        Err(e) => upstream.error_reply(&e),
+        Err(e) => upstream.error_reply_in(error_shape(api), &e),
     }
 }
 

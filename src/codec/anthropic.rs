@@ -69,7 +69,19 @@ fn decode_message(v: Value, i: usize, map: &mut WireMap) -> Result<Vec<Value>, D
     };
     let role = match o.get("role").and_then(Value::as_str) {
         Some(r @ ("user" | "assistant")) => r.to_owned(),
-        _ => return Err(DecodeError::Unsupported("role")),
+        // Claude Code sends its environment block as a system message
+        // inside `messages`: instructions, kept as they are where they
+        // stand (the engine never summarises or shortens them).
+        Some(r @ ("system" | "developer")) => {
+            let role = r.to_owned();
+            return instructions_row(role, o.remove("content"));
+        }
+        r => {
+            return Err(DecodeError::UnsupportedRole {
+                member: "messages",
+                role: super::role_label(r),
+            })
+        }
     };
     let content = o.remove("content").unwrap_or(Value::Null);
     let blocks = match content {
@@ -133,6 +145,16 @@ fn decode_message(v: Value, i: usize, map: &mut WireMap) -> Result<Vec<Value>, D
         m["tool_calls"] = Value::Array(calls);
     }
     Ok(vec![m])
+}
+
+/// A system message inside `messages`, as the engine's instruction row.
+fn instructions_row(role: String, content: Option<Value>) -> Result<Vec<Value>, DecodeError> {
+    match content {
+        Some(c @ (Value::String(_) | Value::Array(_))) => {
+            Ok(vec![json!({"role": role, "content": c})])
+        }
+        _ => Err(DecodeError::Unsupported("content")),
+    }
 }
 
 /// Encodes what is to be sent: the new `system` member when the engine
@@ -229,7 +251,9 @@ fn merge_same_role(rows: Vec<Row<'_>>) -> Vec<Row<'_>> {
     let mut last_role = String::new();
     for row in rows {
         let role = row.role();
-        if role != last_role || out.is_empty() {
+        // Instructions stand where the client put them, each as it was.
+        let instructions = matches!(role.as_str(), "system" | "developer");
+        if role != last_role || out.is_empty() || instructions {
             last_role = role;
             out.push(row);
             continue;

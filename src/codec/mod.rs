@@ -77,6 +77,14 @@ pub enum DecodeError {
     /// A message or item this codec does not know how to map.
     #[error("unsupported {0} shape")]
     Unsupported(&'static str),
+    /// A message whose role this codec does not know how to map (the role
+    /// as one of the names [`role_label`] knows, so a log line never
+    /// carries what a client wrote there).
+    #[error("unsupported role {role:?} in {member}")]
+    UnsupportedRole {
+        member: &'static str,
+        role: &'static str,
+    },
     /// The request depends on state the upstream keeps
     /// (`previous_response_id`, stored item references): compacting what
     /// compactor sees would not shorten what the upstream sees.
@@ -207,6 +215,34 @@ pub struct ApiRequest {
     map: WireMap,
 }
 
+impl DecodeError {
+    /// Content-free labels for the log line and the metric:
+    /// `(reason, member, role)`.
+    pub fn labels(&self) -> (&'static str, &'static str, &'static str) {
+        match self {
+            DecodeError::Parse(_) => ("parse", "body", ""),
+            DecodeError::Unsupported(member) => ("unsupported", member, ""),
+            DecodeError::UnsupportedRole { member, role } => ("unsupported_role", member, role),
+            DecodeError::ServerState => ("server_state", "body", ""),
+        }
+    }
+}
+
+/// A role as a fixed label: the roles any of the APIs know, else `other`
+/// (or `missing`).
+pub fn role_label(role: Option<&str>) -> &'static str {
+    match role {
+        None => "missing",
+        Some("system") => "system",
+        Some("developer") => "developer",
+        Some("user") => "user",
+        Some("assistant") => "assistant",
+        Some("tool") => "tool",
+        Some("function") => "function",
+        Some(_) => "other",
+    }
+}
+
 impl ApiRequest {
     /// Parses and decodes one request body.
     pub fn parse(api: Api, bytes: impl Into<Bytes>) -> Result<Self, DecodeError> {
@@ -307,6 +343,21 @@ impl ApiRequest {
             self.creq.set_member(key, raw);
         }
         self.creq.with_messages(wire);
+    }
+
+    /// How many of the client's wire messages the first `k` engine
+    /// messages of its conversation stand for (a system member is not a
+    /// wire message).
+    pub fn wire_count(&self, k: usize) -> usize {
+        if self.api == Api::Chat {
+            return k;
+        }
+        self.map
+            .groups
+            .iter()
+            .take_while(|g| g.engine.end <= k)
+            .last()
+            .map_or(0, |g| g.wire.end)
     }
 
     /// The body to send.

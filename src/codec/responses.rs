@@ -136,7 +136,12 @@ fn str_field<'a>(v: &'a Value, k: &str) -> &'a str {
 fn message_to_engine(v: &Value) -> Result<Value, DecodeError> {
     let role = match v.get("role").and_then(Value::as_str) {
         Some(r @ ("user" | "assistant" | "system" | "developer")) => r,
-        _ => return Err(DecodeError::Unsupported("role")),
+        r => {
+            return Err(DecodeError::UnsupportedRole {
+                member: "input",
+                role: super::role_label(r),
+            })
+        }
     };
     let content = match v.get("content") {
         Some(Value::String(s)) => Value::String(s.clone()),

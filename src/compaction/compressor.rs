@@ -16,6 +16,7 @@ use serde_json::Value;
 use super::assemble;
 use super::config::CompactionConfig;
 use super::fallback::{build_fallback_body_capped, build_fallback_summary};
+use super::instructions::is_instructions;
 use super::last_resort::Fit;
 use super::markers::{self, Handoff};
 use super::micro::{MicroPass, MicroState};
@@ -361,12 +362,6 @@ pub struct FailureInfo {
 
 fn lower_contains_any(hay: &str, needles: &[&str]) -> bool {
     needles.iter().any(|n| hay.contains(n))
-}
-
-/// The leading instructions row: `system`, or `developer` (its successor
-/// for OpenAI reasoning models; assembly already treats it as system).
-fn is_instructions(m: &Value) -> bool {
-    view::is_role(m, "system") || view::is_role(m, "developer")
 }
 
 /// Access/quota test: a rate limit is transient; auth
@@ -960,8 +955,25 @@ impl Compressor {
 
     /// Runs one compaction of `messages`: cut, summarise (or fall back),
     /// assemble, check the candidate is smaller. State is committed once,
-    /// at the end, according to the outcome.
+    /// at the end, according to the outcome. Instruction rows are never
+    /// part of it ([`super::instructions`]).
     pub async fn compress(
+        &mut self,
+        messages: &[Value],
+        s: &dyn Summariser,
+        mut opts: CompressOptions,
+    ) -> CompressResult {
+        let Some((history, pinned)) = super::instructions::pin(messages) else {
+            return self.compress_history(messages, s, opts).await;
+        };
+        opts.fit_tokens = opts.fit_tokens.map(|f| f.saturating_sub(pinned.tokens()));
+        let r = self.compress_history(&history, s, opts).await;
+        pinned.restore(messages, r)
+    }
+
+    /// [`Compressor::compress`] of a conversation whose only instruction
+    /// row, if any, is the first.
+    async fn compress_history(
         &mut self,
         messages: &[Value],
         s: &dyn Summariser,
@@ -1760,7 +1772,7 @@ pub fn fallback_body_cap(target_tokens: u64, window: u64) -> Option<usize> {
 
 /// The smallest head: the system prompt, if first.
 pub fn minimal_head_size(msgs: &[Value]) -> usize {
-    usize::from(msgs.first().is_some_and(|m| view::is_role(m, "system")))
+    usize::from(msgs.first().is_some_and(is_instructions))
 }
 
 /// True for the row that carries the newest user ask: a real user row, or a

@@ -317,7 +317,24 @@ impl Compressor {
         messages: &[Value],
         s: &dyn Summariser,
     ) -> CompressResult {
-        self.micro_pass(messages, s, false).await
+        self.micro_pinned(messages, s, false).await
+    }
+
+    /// A micro pass over the conversation without its instruction rows
+    /// ([`super::instructions`]), put back together.
+    async fn micro_pinned(
+        &mut self,
+        messages: &[Value],
+        s: &dyn Summariser,
+        ahead: bool,
+    ) -> CompressResult {
+        match super::instructions::pin(messages) {
+            None => self.micro_pass(messages, s, ahead).await,
+            Some((history, pinned)) => {
+                let r = self.micro_pass(&history, s, ahead).await;
+                pinned.restore(messages, r)
+            }
+        }
     }
 
     /// A micro pass that absorbs the next exchange even while it is still in
@@ -330,13 +347,25 @@ impl Compressor {
         messages: &[Value],
         s: &dyn Summariser,
     ) -> CompressResult {
-        self.micro_pass(messages, s, true).await
+        self.micro_pinned(messages, s, true).await
     }
 
     /// The exchange (`start..end` of `messages`) a micro pass would absorb
     /// now, without summarising anything; `ahead` ignores the protected
     /// tail (see [`Compressor::micro_compact_ahead`]).
+    /// The rows are those of `messages`, instructions included.
     pub fn micro_cut(&mut self, messages: &[Value], ahead: bool) -> Option<(usize, usize)> {
+        let Some((history, pinned)) = super::instructions::pin(messages) else {
+            return self.micro_cut_history(messages, ahead);
+        };
+        let (start, end) = self.micro_cut_history(&history, ahead)?;
+        // The exchange ends after its last row, before any instruction
+        // that follows it.
+        let last = pinned.to_original(end.checked_sub(1)?);
+        Some((pinned.to_original(start), last + 1))
+    }
+
+    fn micro_cut_history(&mut self, messages: &[Value], ahead: bool) -> Option<(usize, usize)> {
         let (head_end, tail_start) = self.micro_bounds(messages, ahead)?;
         let cursor = self.resume_cursor(messages, head_end, tail_start);
         next_exchange(messages, cursor, tail_start)

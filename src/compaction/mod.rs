@@ -27,6 +27,7 @@ pub mod budget;
 pub mod compressor;
 pub mod config;
 pub mod fallback;
+pub mod instructions;
 pub mod last_resort;
 pub mod markers;
 pub mod micro;

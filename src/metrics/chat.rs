@@ -31,7 +31,13 @@ pub mod names {
     pub const PRECOMPACTIONS_TOTAL: &str = "compactor_precompactions_total";
     /// Time a compaction turn waited for its pre-compaction.
     pub const PRECOMPACTION_WAIT_SECONDS: &str = "compactor_precompaction_wait_seconds";
+    /// Conversation requests the API's codec could not map (forwarded
+    /// untouched), by API, reason, member and role.
+    pub const UNMAPPED_TOTAL: &str = "compactor_unmapped_requests_total";
 }
+
+/// Labels of one unmapped request: API, reason, member, role.
+type UnmappedKey = (&'static str, &'static str, &'static str, &'static str);
 
 /// Chat-path metrics registry.
 #[derive(Debug)]
@@ -46,6 +52,7 @@ pub struct ChatMetrics {
     precompactions: Mutex<BTreeMap<&'static str, u64>>,
     /// Time compaction turns waited for a pre-compaction.
     pub precompaction_wait: Histogram,
+    unmapped: Mutex<BTreeMap<UnmappedKey, u64>>,
 }
 
 impl Default for ChatMetrics {
@@ -59,6 +66,7 @@ impl Default for ChatMetrics {
             summariser: Histogram::new(UPSTREAM_BUCKETS),
             precompactions: Mutex::default(),
             precompaction_wait: Histogram::new(UPSTREAM_BUCKETS),
+            unmapped: Mutex::default(),
         }
     }
 }
@@ -97,6 +105,17 @@ impl ChatMetrics {
         bump(&self.actions, action);
     }
 
+    /// One conversation request forwarded untouched because its codec
+    /// could not map it.
+    pub fn unmapped(&self, key: UnmappedKey) {
+        *crate::sync::lock(&self.unmapped).entry(key).or_default() += 1;
+    }
+
+    /// Unmapped requests so far, all labels.
+    pub fn unmapped_total(&self) -> u64 {
+        crate::sync::lock(&self.unmapped).values().sum()
+    }
+
     /// One overflow retry.
     pub fn overflow_retry(&self) {
         self.overflow_retries.fetch_add(1, Ordering::Relaxed);
@@ -110,6 +129,24 @@ impl ChatMetrics {
     /// Compactions with `outcome` so far.
     pub fn compactions(&self, outcome: &str) -> u64 {
         read(&self.compactions).get(outcome).copied().unwrap_or(0)
+    }
+
+    fn render_unmapped(&self, out: &mut String) {
+        let unmapped = crate::sync::lock(&self.unmapped).clone();
+        if !unmapped.is_empty() {
+            let name = names::UNMAPPED_TOTAL;
+            let _ = writeln!(
+                out,
+                "# HELP {name} Conversation requests forwarded untouched: their codec could not map them."
+            );
+            let _ = writeln!(out, "# TYPE {name} counter");
+            for ((api, reason, member, role), v) in unmapped {
+                let _ = writeln!(
+                    out,
+                    "{name}{{api=\"{api}\",reason=\"{reason}\",member=\"{member}\",role=\"{role}\"}} {v}"
+                );
+            }
+        }
     }
 
     /// Prometheus text, with the live gauges passed in.
@@ -142,6 +179,7 @@ impl ChatMetrics {
                 let _ = writeln!(out, "{name}{{event=\"{k}\"}} {v}");
             }
         }
+        self.render_unmapped(&mut out);
         for (name, help, v) in [
             (
                 names::TOKENS_SAVED_TOTAL,

@@ -143,7 +143,10 @@ pub async fn handle_on(
         ),
         Route::Chat | Route::Messages | Route::Responses | Route::Passthrough => {
             match (limit_request(&state, req, &stats, route), route.api()) {
-                (Err(e), _) => upstream.error_reply(&e),
+                (Err(e), api) => upstream.error_reply_in(
+                    api.map(crate::chat::walk::error_shape).unwrap_or_default(),
+                    &e,
+                ),
                 (Ok(req), Some(api)) => {
                     crate::chat::walk::handle_api(api, &state.chat, upstream, req).await
                 }

@@ -382,17 +382,17 @@ impl SessionKeyer {
             let Some(v) = headers.get(&rule.name).filter(|v| !v.is_empty()) else {
                 continue;
             };
-            let mut id = v.as_bytes().to_vec();
-            if let Some(extra) = rule
+            // Two parts, each length-prefixed by `key`: session `s:a` alone
+            // and session `s` with agent `a` are two conversations.
+            let extra = rule
                 .combine_with
                 .as_ref()
                 .and_then(|c| headers.get(c))
-                .filter(|v| !v.is_empty())
-            {
-                id.push(b':');
-                id.extend_from_slice(extra.as_bytes());
-            }
-            let key = self.key(cred, TAG_EXPLICIT, &[&id]);
+                .filter(|v| !v.is_empty());
+            let key = match extra {
+                Some(extra) => self.key(cred, TAG_EXPLICIT, &[v.as_bytes(), extra.as_bytes()]),
+                None => self.key(cred, TAG_EXPLICIT, &[v.as_bytes()]),
+            };
             return (key, SessionSource::Header(rule.label()));
         }
         if let Some(id) = body_session_id.filter(|s| !s.is_empty()) {
@@ -659,6 +659,15 @@ mod tests {
         assert_ne!(kp, ka);
         assert_ne!(ka, kb);
         assert_eq!(ka, k.derive(&sub_a, &req(CONV_LATER)).0);
+        // A session id that contains the separator of a joined pair is
+        // another conversation than that pair.
+        let joined = headers(&[("x-claude-code-session-id", "u1:a")]);
+        assert_ne!(k.derive(&joined, &r).0, ka);
+        let split = headers(&[
+            ("x-claude-code-session-id", "u1:"),
+            ("x-claude-code-agent-id", "a"),
+        ]);
+        assert_ne!(k.derive(&split, &r).0, ka);
     }
 
     #[test]

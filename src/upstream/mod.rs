@@ -25,7 +25,7 @@ use serde_json::Value;
 use tokio::time::Instant;
 
 use crate::config::{Config, Timeouts, UpstreamBase};
-use crate::error::{BoxError, ErrorSource, ProxyBody, ProxyError};
+use crate::error::{BoxError, ErrorShape, ErrorSource, ProxyBody, ProxyError};
 use crate::metrics::Metrics;
 use body::{
     boxed, BodyBudgetExceeded, BodyLimitExceeded, BodyReadTimeout, IdleTimeoutBody, ProxyReqBody,
@@ -307,6 +307,11 @@ impl Upstream {
 
     /// Builds the error response for `e`, counting and logging it.
     pub fn error_reply(&self, e: &ProxyError) -> Response<ProxyBody> {
+        self.error_reply_in(ErrorShape::OpenAi, e)
+    }
+
+    /// [`Upstream::error_reply`] in the client's API's error shape.
+    pub fn error_reply_in(&self, shape: ErrorShape, e: &ProxyError) -> Response<ProxyBody> {
         self.metrics.record_error(e.code());
         match e {
             ProxyError::BodyReadTimeout(_) => self.metrics.record_body_read_timeout(),
@@ -324,7 +329,7 @@ impl Upstream {
                 tracing::error!(code = e.code(), error = %e, "internal error")
             }
         }
-        e.to_response()
+        e.to_response_in(shape)
     }
 
     /// GETs `path` (relative to the upstream base, may carry a query) with
