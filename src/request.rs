@@ -50,6 +50,25 @@ struct Member {
     changed: bool,
 }
 
+/// Whether a raw message is an instruction row (`role` `system` or
+/// `developer`). Most messages do not contain either word and are
+/// rejected by a byte search; the rest are parsed for their role.
+pub fn is_instruction_message(m: &RawValue) -> bool {
+    #[derive(serde::Deserialize)]
+    struct RoleOnly<'a> {
+        #[serde(default, borrow)]
+        role: Option<std::borrow::Cow<'a, str>>,
+    }
+    let s = m.get().as_bytes();
+    let maybe = memchr::memmem::find(s, b"\"system\"").is_some()
+        || memchr::memmem::find(s, b"\"developer\"").is_some();
+    maybe
+        && serde_json::from_str::<RoleOnly<'_>>(m.get())
+            .ok()
+            .and_then(|r| r.role)
+            .is_some_and(|r| r == "system" || r == "developer")
+}
+
 /// A parsed chat request body (see the module docs).
 #[derive(Debug)]
 pub struct ChatRequest {

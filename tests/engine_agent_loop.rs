@@ -208,11 +208,19 @@ fn summaries_are_bounded_by_the_window_and_use_the_compact_prefix() {
                 !text.contains(SUMMARY_PREFIX),
                 "{window} {kind:?}: full prefix"
             );
-            let body = markers::summary_body(&text);
+            // The summary is bounded by its cap; the user's own messages
+            // kept beside it by a budget of their own.
+            let (body, said) =
+                compactor::compaction::user_messages::split(&markers::summary_body(&text));
             assert!(
                 body.chars().count() as u64 <= cap,
                 "{window} {kind:?}: body {} chars > cap {cap}",
                 body.chars().count()
+            );
+            let said_tokens = compactor::compaction::user_messages::tokens(&said);
+            assert!(
+                said_tokens <= c.trigger.user_messages_budget(),
+                "{window} {kind:?}: user messages take {said_tokens}"
             );
         }
     }

@@ -63,6 +63,8 @@ pub(super) struct Turn<'a> {
     /// Estimate of the request's `tools` (part of the fixed cost), real
     /// tokens once the conversation is calibrated.
     pub tools_tokens: u64,
+    /// The same, rough (the engine's units).
+    pub tools_rough: u64,
     /// This is the retry after an upstream overflow.
     pub overflow: bool,
     /// The prompt size the upstream counted in that overflow, if it said.
@@ -114,6 +116,7 @@ pub(super) async fn compact_if_due(
     let est_rough = scale.to_rough(t.est_tokens);
     let micro_due = cfg.strategy == Strategy::Micro
         && conv_turn_due(conv.stats.requests, cfg.micro_every_n_turns);
+    let noted = conv.no_room_noted;
     let comp = conv.compressor(
         &cfg,
         t.model,
@@ -121,6 +124,7 @@ pub(super) async fn compact_if_due(
         engine_window,
         t.max_out.map(|m| scale.to_rough(m)),
     );
+    let no_room = measure_fixed_part(&mut comp.trigger, t, est_rough, noted);
     let d = decide(
         &mut comp.trigger,
         Sizes {
@@ -132,6 +136,7 @@ pub(super) async fn compact_if_due(
         t.overflow,
         micro_due,
     );
+    conv.no_room_noted |= no_room;
     // The awaits below are boxed: a claim and an engine pass run on few
     // turns, a background turn only when configured. Inline, their state
     // would be part of every request's preparation, which is boxed whole:
@@ -186,6 +191,38 @@ pub(super) async fn compact_if_due(
         start_after_micro(chat, upstream, conv, t, due, &booked);
     }
     booked
+}
+
+/// Measures the request's fixed part when the estimate is near the
+/// trigger (it moves the trigger and sizes what a compaction leaves; far
+/// below the trigger nothing depends on it). Returns whether it leaves no
+/// room, warning once per conversation (`noted`: already warned).
+fn measure_fixed_part(trigger: &mut Trigger, t: &Turn<'_>, est_rough: u64, noted: bool) -> bool {
+    if est_rough < trigger.threshold_tokens() / 2 {
+        return false;
+    }
+    trigger.set_fixed_tokens(fixed_part(t));
+    let no_room = trigger.no_room();
+    if no_room && !noted {
+        tracing::warn!(
+            session = %t.key,
+            fixed_tokens = trigger.fixed_tokens(),
+            threshold = trigger.threshold_tokens(),
+            window = t.window,
+            "the instructions and tools leave no room under the trigger: compaction can only cut"
+        );
+    }
+    no_room
+}
+
+/// The request's fixed part in rough tokens: its tools and every
+/// instruction row (never compacted, so never made smaller).
+fn fixed_part(t: &Turn<'_>) -> u64 {
+    t.outgoing
+        .iter()
+        .filter(|m| crate::request::is_instruction_message(m))
+        .map(|m| rough_message_tokens(m))
+        .fold(t.tools_rough, u64::saturating_add)
 }
 
 /// Sends another replica's record in place of a compaction here.
@@ -263,6 +300,11 @@ async fn compact_now(
     } else {
         Fit::IfReachable
     };
+    let last_resort = LastResort {
+        window: fit_budget(&values, t),
+        fit,
+        settle: settle_mark(&mut comp.trigger, t.tools_rough),
+    };
     let started = Instant::now();
     let mut result = run_engine(
         comp,
@@ -270,7 +312,7 @@ async fn compact_now(
         &summariser,
         (d.micro_pass, d.force),
         est_rough,
-        Some((fit_budget(&values, t), fit)),
+        Some(last_resort),
     )
     .await;
     drop(values);
@@ -534,6 +576,21 @@ fn fit_budget(values: &[Value], t: &Turn<'_>) -> u64 {
     )
 }
 
+/// Where a compaction's messages should settle: halfway between its
+/// target (the fixed part plus the history target) and the trigger, less
+/// the tools. A result over the trigger would be compacted again on the
+/// next turn; one just under it, on the turn after. `None` until the fixed
+/// part is known.
+fn settle_mark(trigger: &mut Trigger, tools_rough: u64) -> Option<u64> {
+    let fixed = trigger.fixed_tokens();
+    if fixed == 0 {
+        return None;
+    }
+    let target = fixed.saturating_add(trigger.history_target());
+    let mark = target / 2 + trigger.threshold_tokens() / 2;
+    Some(mark.saturating_sub(tools_rough))
+}
+
 /// Whether request number `requests` (1-based) is a micro-compaction turn.
 fn conv_turn_due(requests: u64, every_n: u32) -> bool {
     requests % u64::from(every_n.max(1)) == 0
@@ -598,6 +655,17 @@ fn decide(trigger: &mut Trigger, s: Sizes, overflow: bool, micro_due: bool) -> D
     }
 }
 
+/// What the engine's last resort aims at in a pass that must be sent.
+#[derive(Clone, Copy)]
+pub(super) struct LastResort {
+    /// Rough tokens the messages must fit for the request to fit the window.
+    window: u64,
+    /// How firmly.
+    fit: Fit,
+    /// Rough tokens a compacted result's messages should settle under.
+    settle: Option<u64>,
+}
+
 /// One engine pass over `values`: a micro pass (one exchange absorbed) or
 /// a batch compaction, reported in one shape.
 pub(super) async fn run_engine(
@@ -606,7 +674,7 @@ pub(super) async fn run_engine(
     summariser: &HttpSummariser<'_>,
     (micro_pass, force): (bool, bool),
     current_tokens: u64,
-    fit: Option<(u64, Fit)>,
+    fit: Option<LastResort>,
 ) -> CompactionDone {
     let r = if micro_pass {
         comp.micro_compact(values, summariser).await
@@ -618,8 +686,9 @@ pub(super) async fn run_engine(
                 force,
                 current_tokens: Some(current_tokens),
                 bypass_cooldown: force,
-                fit_tokens: fit.map(|(tokens, _)| tokens),
-                fit: fit.map(|(_, f)| f).unwrap_or_default(),
+                fit_tokens: fit.map(|f| f.window),
+                fit: fit.map(|f| f.fit).unwrap_or_default(),
+                settle_tokens: fit.and_then(|f| f.settle),
                 ..CompressOptions::default()
             },
         )

@@ -73,6 +73,9 @@ pub struct Conversation {
     pub(crate) state_written: Option<(Option<TriggerSnapshot>, Option<i64>)>,
     /// Stored trigger state waiting for the engine to be created.
     pub(crate) restored_trigger: Option<TriggerSnapshot>,
+    /// The "no room under the trigger" warning was logged (once per
+    /// conversation).
+    pub(crate) no_room_noted: bool,
 }
 
 impl Default for Conversation {
@@ -92,6 +95,7 @@ impl Default for Conversation {
             state_loaded: false,
             state_written: None,
             restored_trigger: None,
+            no_room_noted: false,
         }
     }
 }

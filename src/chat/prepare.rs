@@ -103,6 +103,7 @@ pub(super) async fn prepare(
         max_out,
         window,
         tools_tokens: real_tools_tokens(conv, overhead),
+        tools_rough: overhead,
         overflow: overflow.is_some(),
         overflow_counted: overflow.and_then(|o| o.prompt_tokens.or(o.requested)),
     };

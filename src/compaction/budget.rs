@@ -93,6 +93,62 @@ pub fn compute_threshold_tokens(
     }
 }
 
+/// The usable input: the window less the reply reservation (the whole
+/// window when the reservation leaves nothing).
+pub fn usable_window(window: u64, max_tokens: Option<u64>) -> u64 {
+    let window = window.max(1);
+    match max_tokens {
+        Some(r) if r < window => window - r,
+        _ => window,
+    }
+}
+
+/// The trigger once the fixed part of a request is known (its instructions
+/// and tools, which no compaction makes smaller): the classic trigger `t0`
+/// keeps its share of the room *above* the fixed part. With nothing fixed
+/// it is `t0`; Codex's ~6,300 tokens of instructions and tools in an 8,192
+/// window move it from 6,963 to 7,908, so a compaction has room to make
+/// rather than cutting at a trigger the fixed part alone nearly reaches.
+/// Always below `usable`.
+pub fn threshold_over_fixed(t0: u64, usable: u64, fixed: u64) -> u64 {
+    if fixed == 0 || usable <= 1 || t0 >= usable {
+        return t0;
+    }
+    let share = t0 as f64 / usable as f64;
+    let raised = t0 as f64 + fixed.min(usable) as f64 * (1.0 - share);
+    (raised.floor() as u64).clamp(t0, usable - 1)
+}
+
+/// What the history (everything but the fixed part) may take after a
+/// compaction: `ratio` of the room between the fixed part and the trigger.
+pub fn history_target(threshold: u64, fixed: u64, ratio: f64) -> u64 {
+    let ratio = if ratio.is_finite() {
+        ratio.clamp(0.05, 0.95)
+    } else {
+        super::config::DEFAULT_TARGET_RATIO
+    };
+    floor_mul(threshold.saturating_sub(fixed), ratio)
+}
+
+/// A history target under this leaves no room to compact into: the fixed
+/// part fills the window, and compaction can only cut.
+pub const NO_ROOM_TOKENS: u64 = 64;
+
+/// Share of the window the user's own messages may take next to a summary.
+pub const USER_MESSAGES_WINDOW_RATIO: f64 = 0.04;
+/// Floor and ceiling of that budget.
+pub const USER_MESSAGES_MIN: u64 = 32;
+/// Ceiling of the user messages' budget.
+pub const USER_MESSAGES_MAX: u64 = 4_000;
+
+/// Tokens the user's own messages may take next to a summary: 4% of the
+/// window (32 to 4,000), at most a fifth of the history target.
+pub fn user_messages_budget(window: u64, history_target: u64) -> u64 {
+    floor_mul(window, USER_MESSAGES_WINDOW_RATIO)
+        .clamp(USER_MESSAGES_MIN, USER_MESSAGES_MAX)
+        .min(history_target / 5)
+}
+
 /// Threshold percent for `model` at `window`: the longest `model_thresholds`
 /// key contained in the model name overrides the configured percent, then
 /// windows below 512k raise it to at least 0.75 (a higher value wins).

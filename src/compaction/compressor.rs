@@ -32,6 +32,7 @@ use super::tail::{self, TailParams};
 use super::tokens;
 use super::trigger::{truncate_error_text, FailureClass, Trigger};
 use super::truncated;
+use super::user_messages;
 use super::view;
 
 /// Rows after the head a conversation needs before it is worth compacting.
@@ -76,6 +77,12 @@ pub struct CompressOptions {
     pub fit_tokens: Option<u64>,
     /// How firmly the last resort aims at `fit_tokens`.
     pub fit: Fit,
+    /// Rough tokens a compacted result's messages should settle under (the
+    /// caller's mark between the compaction target and the trigger): a
+    /// result above it would be compacted again on the next turn, so its
+    /// largest messages are shortened in the same pass when that reaches
+    /// it ([`super::last_resort`]).
+    pub settle_tokens: Option<u64>,
 }
 
 /// Why a compaction was abandoned with the input unchanged.
@@ -516,6 +523,9 @@ pub struct Compressor {
 struct SummaryState {
     previous: Option<String>,
     has_user_turn: bool,
+    /// The summary lands in the conversation: it carries the user's own
+    /// messages ([`user_messages`]). A summary made on its own does not.
+    keep_said: bool,
 }
 
 /// The rows one compaction works on, decided before any summary call.
@@ -618,6 +628,8 @@ struct Pass {
     keep_state: Option<SummaryState>,
     /// [`CompressOptions::fit_tokens`].
     fit_tokens: Option<u64>,
+    /// [`CompressOptions::settle_tokens`].
+    settle_tokens: Option<u64>,
     /// [`CompressOptions::fit`].
     fit: Fit,
 }
@@ -819,6 +831,30 @@ impl Compressor {
         (!lines.is_empty()).then(|| format!("Recent user focus:\n{}", lines.join("\n")))
     }
 
+    /// The running summary without its section of the user's own words,
+    /// and what of them the new summary keeps: the section's and those of
+    /// `turns` compete for their own budget (the summary's is not touched),
+    /// oldest first. Nothing when `state` does not keep them.
+    fn user_messages(
+        &mut self,
+        state: &SummaryState,
+        turns: &[Value],
+    ) -> (Option<String>, Vec<String>) {
+        let (previous, mut said) = match state.previous.as_deref() {
+            Some(p) => {
+                let (body, kept) = user_messages::split(p);
+                (Some(body).filter(|b| !b.trim().is_empty()), kept)
+            }
+            None => (None, Vec::new()),
+        };
+        if !state.keep_said {
+            return (state.previous.clone(), Vec::new());
+        }
+        said.extend(user_messages::of_turns(turns));
+        let budget = self.trigger.user_messages_budget();
+        (previous, user_messages::select(&said, budget))
+    }
+
     /// Applies what a summary attempt taught: the model switch, the
     /// cooldown and the standing failure, or the success that clears them.
     fn apply_attempt(&mut self, a: &SummaryAttempt) {
@@ -856,6 +892,7 @@ impl Compressor {
         let state = SummaryState {
             previous: self.previous_summary.clone(),
             has_user_turn: self.summary_has_user_turn,
+            keep_said: false,
         };
         let a = self
             .attempt_summary(s, turns, &state, focus_topic, false, None)
@@ -893,9 +930,13 @@ impl Compressor {
             .map(str::to_owned)
             .or_else(|| Self::auto_focus(turns));
         let no_user_turns = !turns.iter().any(view::is_real_user) && !state.has_user_turn;
+        // The user's own words are kept verbatim beside the summary, in a
+        // budget of their own: the summariser never sees the section, only
+        // the summary it belongs to.
+        let (previous, said) = self.user_messages(state, turns);
         let (chunks, prev_cap) = plan_chunks(
             turns,
-            state.previous.as_deref(),
+            previous.as_deref(),
             focus.as_deref(),
             s.prompt_budget_chars(),
         );
@@ -907,7 +948,7 @@ impl Compressor {
             None
         };
         let mut fallen_back = self.summary_model_fallen_back;
-        let mut running = state.previous.clone();
+        let mut running = previous;
         let n = chunks.len();
         for (i, text) in chunks.iter().enumerate() {
             let prev = running
@@ -945,6 +986,7 @@ impl Compressor {
         };
         let window = self.trigger.context_length();
         let body = clip_summary_for_window(ground(&body, turns, no_user_turns), target, window);
+        let body = user_messages::render(&body, &said);
         out.summary = Some(markers::normalize_summary_prefix_with(
             markers::summary_prefix_for(window),
             &body,
@@ -967,6 +1009,9 @@ impl Compressor {
             return self.compress_history(messages, s, opts).await;
         };
         opts.fit_tokens = opts.fit_tokens.map(|f| f.saturating_sub(pinned.tokens()));
+        opts.settle_tokens = opts
+            .settle_tokens
+            .map(|f| f.saturating_sub(pinned.tokens()));
         let r = self.compress_history(&history, s, opts).await;
         pinned.restore(messages, r)
     }
@@ -993,6 +1038,7 @@ impl Compressor {
             fallback_used: false,
             keep_state: None,
             fit_tokens: opts.fit_tokens,
+            settle_tokens: opts.settle_tokens,
             fit: opts.fit,
         };
         let cut = match self.cut(messages, &mut pass.tel) {
@@ -1023,6 +1069,7 @@ impl Compressor {
             pass.keep_state = Some(SummaryState {
                 previous: Some(summary.1),
                 has_user_turn: state.has_user_turn,
+                keep_said: true,
             });
         }
         self.finish(messages, pass, ending)
@@ -1125,6 +1172,7 @@ impl Compressor {
         SummaryState {
             previous,
             has_user_turn,
+            keep_said: self.cfg.keep_user_messages,
         }
     }
 
@@ -1217,7 +1265,8 @@ impl Compressor {
         let window = self.trigger.context_length();
         let target =
             super::budget::summary_budget(middle_tokens, self.trigger.max_summary_tokens());
-        let prev = state.previous.as_deref();
+        let (previous, said) = self.user_messages(state, middle);
+        let prev = previous.as_deref();
         let fb = match fallback_body_cap(target, window) {
             Some(cap) => format!(
                 "{}\n{}",
@@ -1226,14 +1275,14 @@ impl Compressor {
             ),
             None => build_fallback_summary(middle, prev, why),
         };
-        let body = markers::summary_body(&fb);
+        let body = user_messages::render(&markers::summary_body(&fb), &said);
         if body.trim().is_empty() {
             pass.tel.failure_class = Some("deterministic_fallback_invalid");
             return Err(AbortReason::FallbackInvalid);
         }
         pass.fallback_used = true;
         let summary =
-            markers::normalize_summary_prefix_with(markers::summary_prefix_for(window), &fb);
+            markers::normalize_summary_prefix_with(markers::summary_prefix_for(window), &body);
         Ok((summary, body))
     }
 
@@ -1351,6 +1400,55 @@ impl Compressor {
 /// largest messages are shortened ([`super::last_resort::shrink_to_fit`]).
 /// An abort stays an abort; a request that cannot fit stays as it was.
 fn last_resort(messages: &[Value], ending: Ending, pass: &mut Pass) -> Ending {
+    let ending = fit_window(messages, ending, pass);
+    settle(ending, pass)
+}
+
+/// A compacted result still above `pass.settle_tokens` would be compacted
+/// again on the next turn: its largest messages are shortened now, when
+/// that reaches the mark.
+fn settle(ending: Ending, pass: &mut Pass) -> Ending {
+    let (
+        Some(mark),
+        Ending::Compacted {
+            messages: out,
+            tokens_after,
+            ..
+        },
+    ) = (pass.settle_tokens, &ending)
+    else {
+        return ending;
+    };
+    if *tokens_after <= mark {
+        return ending;
+    }
+    let Some(shrunk) = super::last_resort::shrink_to_fit(out, mark, Fit::IfReachable) else {
+        return ending;
+    };
+    tracing::info!(
+        rows = shrunk.rows,
+        settle_tokens = mark,
+        "compacted result over its mark; largest messages shortened in the same pass"
+    );
+    pass.tel.last_resort_rows += shrunk.rows;
+    let Ending::Compacted {
+        summary_index,
+        dropped_count,
+        ..
+    } = ending
+    else {
+        return ending;
+    };
+    Ending::Compacted {
+        tokens_after: tokens::estimate_messages_tokens_rough(&shrunk.messages),
+        messages: shrunk.messages,
+        summary_index,
+        dropped_count,
+    }
+}
+
+/// The window step of [`last_resort`].
+fn fit_window(messages: &[Value], ending: Ending, pass: &mut Pass) -> Ending {
     let Some(fit) = pass.fit_tokens else {
         return ending;
     };

@@ -23,6 +23,10 @@ pub const MIN_SUMMARY_TARGET_RATIO: f64 = 0.10;
 pub const MAX_SUMMARY_TARGET_RATIO: f64 = 0.80;
 /// Default hard ceiling of a summary call.
 pub const DEFAULT_SUMMARY_TIMEOUT_SECS: u64 = 600;
+/// Default share of the room between the fixed part (instructions, tools)
+/// and the trigger that a compaction leaves the history: half, so the
+/// conversation can grow for several turns before the next compaction.
+pub const DEFAULT_TARGET_RATIO: f64 = 0.5;
 
 /// The first bad setting of a `[compaction]` table. The engine is a leaf and
 /// cannot name `crate::config::InvalidSetting`, the one configuration error a
@@ -112,6 +116,13 @@ pub struct CompactionConfig {
     pub background_threshold_percent: f64,
     /// Background summaries running at once, across all conversations.
     pub background_max_concurrent: usize,
+    /// Where a compaction aims: the fixed part (instructions and tools)
+    /// plus this share of the room between it and the trigger.
+    pub target_ratio: f64,
+    /// Keep the user's own messages of the replaced part verbatim next to
+    /// the summary (within a budget sized to the window): a summary, above
+    /// all a small model's, loses or paraphrases what the user said.
+    pub keep_user_messages: bool,
 }
 
 impl std::fmt::Debug for CompactionConfig {
@@ -168,6 +179,8 @@ impl Default for CompactionConfig {
             background: false,
             background_threshold_percent: 80.0,
             background_max_concurrent: 2,
+            target_ratio: DEFAULT_TARGET_RATIO,
+            keep_user_messages: true,
         }
     }
 }
@@ -239,6 +252,13 @@ impl CompactionConfig {
             return Err(InvalidSetting::new(
                 "background_max_concurrent",
                 "must be at least 1",
+            ));
+        }
+        let t = self.target_ratio;
+        if !(t.is_finite() && t > 0.0 && t < 1.0) {
+            return Err(InvalidSetting::new(
+                "target_ratio",
+                format!("must be in (0, 1) (share of the room under the trigger); got {t}"),
             ));
         }
         if self.micro_every_n_turns == 0 {

@@ -42,6 +42,7 @@ pub mod tokens;
 pub mod tool_summary;
 pub mod trigger;
 pub mod truncated;
+pub mod user_messages;
 pub mod view;
 
 pub use compressor::{

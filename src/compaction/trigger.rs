@@ -197,6 +197,13 @@ pub struct TriggerStatus {
     pub awaiting_real_usage: bool,
     /// The upstream's last response had no usage.
     pub provider_omits_usage: bool,
+    /// The request's fixed part (instructions and tools), engine units.
+    pub fixed_tokens: u64,
+    /// What the history may take after a compaction, if computed.
+    pub history_target: Option<u64>,
+    /// The fixed part leaves no room to compact into: compaction can only
+    /// cut.
+    pub no_room: bool,
 }
 
 /// Per-conversation trigger, calibration and breaker state.
@@ -214,6 +221,8 @@ pub struct Trigger {
     tail_budget: Option<u64>,
     max_summary: Option<u64>,
     window_resolutions: u32,
+    /// The request's fixed part (instructions and tools), engine units.
+    fixed: u64,
 
     /// Last prompt tokens for the trigger: 0 = no real usage yet, −1 = just compacted.
     pub last_prompt_tokens: i64,
@@ -284,6 +293,7 @@ impl Trigger {
             tail_budget: None,
             max_summary: None,
             window_resolutions: 0,
+            fixed: 0,
             last_prompt_tokens: 0,
             last_completion_tokens: 0,
             last_total_tokens: 0,
@@ -439,17 +449,70 @@ impl Trigger {
         p
     }
 
-    /// Compaction trigger in tokens.
+    /// Sets the request's fixed part: what no compaction makes smaller (its
+    /// instruction rows and tools), in engine units. The trigger and the
+    /// budgets of what a compaction leaves follow it
+    /// ([`budget::threshold_over_fixed`], [`Trigger::history_target`]).
+    pub fn set_fixed_tokens(&mut self, fixed: u64) {
+        if fixed == self.fixed {
+            return;
+        }
+        self.fixed = fixed;
+        self.threshold = None;
+        self.tail_budget = None;
+        self.max_summary = None;
+    }
+
+    /// The fixed part last set (0 = unknown or none).
+    pub fn fixed_tokens(&self) -> u64 {
+        self.fixed
+    }
+
+    /// Compaction trigger in tokens. With a fixed part it keeps the
+    /// classic trigger's share of the room above it; an absolute
+    /// `threshold_tokens` cap is the operator's word and stays as set.
     pub fn threshold_tokens(&mut self) -> u64 {
         if let Some(t) = self.threshold {
             return t;
         }
         let w = self.context_length();
         let p = self.threshold_percent();
-        let t =
-            budget::compute_threshold_tokens(w, self.max_tokens, p, self.threshold_tokens_cap());
+        let cap = self.threshold_tokens_cap();
+        let t0 = budget::compute_threshold_tokens(w, self.max_tokens, p, cap);
+        let t = match cap {
+            Some(_) => t0,
+            None => budget::threshold_over_fixed(
+                t0,
+                budget::usable_window(w, self.max_tokens),
+                self.fixed,
+            ),
+        };
         self.threshold = Some(t);
         t
+    }
+
+    /// What the history (all but the fixed part) may take after a
+    /// compaction: `target_ratio` of the room between the fixed part and
+    /// the trigger.
+    pub fn history_target(&mut self) -> u64 {
+        let t = self.threshold_tokens();
+        budget::history_target(t, self.fixed, self.cfg.target_ratio)
+    }
+
+    /// The fixed part leaves no room to compact into: compaction can only
+    /// cut.
+    pub fn no_room(&mut self) -> bool {
+        self.fixed > 0 && self.history_target() < budget::NO_ROOM_TOKENS
+    }
+
+    /// Tokens the user's own messages may take next to a summary (0 when
+    /// `keep_user_messages` is off).
+    pub fn user_messages_budget(&mut self) -> u64 {
+        if !self.cfg.keep_user_messages {
+            return 0;
+        }
+        let h = self.history_target();
+        budget::user_messages_budget(self.context_length(), h)
     }
 
     /// The threshold if already computed or pinned; never resolves the window.
@@ -469,7 +532,13 @@ impl Trigger {
         }
         let threshold = self.threshold_tokens();
         let w = self.context_length();
-        let t = budget::tail_token_budget(threshold, w, self.cfg.effective_summary_target_ratio());
+        let mut t =
+            budget::tail_token_budget(threshold, w, self.cfg.effective_summary_target_ratio());
+        if self.fixed > 0 {
+            // Half the history target: the summary and the user's messages
+            // take the rest.
+            t = t.min((self.history_target() / 2).max(1));
+        }
         self.tail_budget = Some(t);
         t
     }
@@ -485,7 +554,12 @@ impl Trigger {
             return m;
         }
         let threshold = self.threshold_tokens();
-        let m = budget::max_summary_tokens_for(self.context_length(), threshold);
+        let mut m = budget::max_summary_tokens_for(self.context_length(), threshold);
+        if self.fixed > 0 {
+            // A summary target is up to twice this (the budget's floor):
+            // about 30% of the history target.
+            m = m.min((self.history_target() * 15 / 100).max(16));
+        }
         self.max_summary = Some(m);
         m
     }
@@ -897,6 +971,9 @@ impl Trigger {
     /// Content-free status from cached values (never resolves the window).
     pub fn status(&self) -> TriggerStatus {
         let now = Instant::now();
+        let target = self
+            .threshold
+            .map(|t| budget::history_target(t, self.fixed, self.cfg.target_ratio));
         TriggerStatus {
             model: self.model.clone(),
             window: self.window.filter(|_| self.window_resolutions > 0),
@@ -915,6 +992,9 @@ impl Trigger {
                 .map(|d| ceil_secs(d.saturating_duration_since(now))),
             awaiting_real_usage: self.awaiting_real_usage_after_compression,
             provider_omits_usage: self.provider_omits_usage,
+            fixed_tokens: self.fixed,
+            history_target: target,
+            no_room: self.fixed > 0 && target.is_some_and(|h| h < budget::NO_ROOM_TOKENS),
         }
     }
 
