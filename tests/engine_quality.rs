@@ -80,7 +80,7 @@ fn without_room_for_the_firmer_prompt_the_cut_summary_is_kept_without_retry() {
     let msgs = alternating(12, "m");
     let mut c = compressor(2, 2);
     // A prompt budget that holds the prompt but not the extra instruction.
-    let probe = Stub::ok("x");
+    let probe = Stub::ok("x").with_budget(20_000);
     block_on(compressor(2, 2).compress(&msgs, &probe, CompressOptions::default()));
     let len = probe.request(0).prompt.chars().count();
     let s = Stub::reply(cut_reply(CUT)).with_budget(len + 10);

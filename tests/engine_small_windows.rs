@@ -124,7 +124,7 @@ fn long_middle_is_summarised_in_rolling_chunks_within_budget() {
         msgs.push(msg("user", &format!("question {i} {}", "q".repeat(900))));
         msgs.push(msg("assistant", &format!("answer {i} {}", "a".repeat(900))));
     }
-    let budget = prompt_overhead_chars(None) + 12_000;
+    let budget = prompt_overhead_chars(None, false) + 12_000;
     let s = Stub::seq(
         (0..40)
             .map(|k| Ok(SummaryReply::text(format!("RUNNING-{k}"))))
@@ -197,7 +197,7 @@ fn large_previous_summary_is_bounded_to_the_summariser_budget() {
         ),
     ];
     msgs.extend(alternating(12, "turn "));
-    let budget = prompt_overhead_chars(None) + 6_000;
+    let budget = prompt_overhead_chars(None, false) + 6_000;
     let s = Stub::ok("sum").with_budget(budget);
     let res = block_on(c.compress(
         &msgs,

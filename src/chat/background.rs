@@ -243,6 +243,7 @@ fn spawn(
         upstream: Arc::clone(upstream),
         endpoint: chat.summary_endpoint.clone(),
         label: chat.upstream_label.clone(),
+        firm_retries: Arc::clone(&chat.firm_retries),
     };
     let handle = tokio::spawn(async move {
         let candidate = job.run(snap).await;
@@ -306,6 +307,7 @@ struct Job {
     upstream: Arc<Upstream>,
     endpoint: Option<crate::config::UpstreamBase>,
     label: String,
+    firm_retries: Arc<super::summarise::FirmRetries>,
 }
 
 impl Job {
@@ -358,7 +360,8 @@ impl Job {
             &s.headers,
             comp.trigger.summariser_budgets().into(),
         )
-        .speaking(s.api);
+        .speaking(s.api)
+        .learning(&self.firm_retries);
         let mut result = if micro {
             micro_ahead(&mut comp, &values, &summariser).await
         } else {

@@ -292,7 +292,8 @@ async fn compact_now(
         t.client_headers,
         comp.trigger.summariser_budgets().into(),
     )
-    .speaking(t.api);
+    .speaking(t.api)
+    .learning(&chat.firm_retries);
     // After an overflow the upstream's refusal is proof the messages do
     // not fit, whatever the estimate says the last resort can reach.
     let fit = if t.overflow {

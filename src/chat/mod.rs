@@ -80,6 +80,8 @@ pub struct ChatState {
     pub heavy: Arc<tokio::sync::Semaphore>,
     /// Permits for background pre-compactions (`background_max_concurrent`).
     pub background: Arc<tokio::sync::Semaphore>,
+    /// What firmer-length summary retries gave, per model.
+    pub firm_retries: Arc<summarise::FirmRetries>,
 }
 
 impl ChatState {
@@ -134,6 +136,7 @@ impl ChatState {
             background: Arc::new(tokio::sync::Semaphore::new(
                 cfg.compaction.background_max_concurrent.max(1),
             )),
+            firm_retries: Arc::default(),
         })
     }
 

@@ -12,6 +12,7 @@
 //! completion, `StreamClosed` for a cut-off body.
 
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::Bytes;
@@ -94,6 +95,52 @@ pub struct HttpSummariser<'a> {
     to_upstream: bool,
     /// The configured summary key, for APIs that take it in another header.
     api_key: Option<String>,
+    /// What firmer retries gave for this summariser's models.
+    firm_retries: Option<Arc<FirmRetries>>,
+}
+
+/// Per (summary target, model): whether the firmer-length retry of a
+/// summary cut at its reply cap ever comes back within the cap. Against a
+/// model that ignores length instructions every summary is cut, every
+/// retry is cut again, and the retries double the summary calls; after
+/// [`FirmRetries::GIVE_UP_AFTER`] such retries and none within the cap,
+/// that model's cut summaries are kept at their last complete line without
+/// one.
+#[derive(Debug, Default)]
+pub struct FirmRetries {
+    seen: dashmap::DashMap<String, (u32, u32)>,
+}
+
+impl FirmRetries {
+    /// Retries cut again, with none within the cap, before giving up.
+    pub const GIVE_UP_AFTER: u32 = 2;
+
+    fn key(base: &str, model: &str) -> String {
+        format!("{base}\u{0}{model}")
+    }
+
+    /// Whether a retry is still worth a call for `model` at `base`.
+    pub fn useful(&self, base: &str, model: &str) -> bool {
+        self.seen
+            .get(&Self::key(base, model))
+            .is_none_or(|e| e.1 > 0 || e.0 < Self::GIVE_UP_AFTER)
+    }
+
+    /// One retry's result.
+    pub fn note(&self, base: &str, model: &str, within_cap: bool) {
+        let mut e = self.seen.entry(Self::key(base, model)).or_default();
+        if within_cap {
+            e.1 += 1;
+        } else {
+            e.0 += 1;
+            if e.0 == Self::GIVE_UP_AFTER && e.1 == 0 {
+                tracing::info!(
+                    retries = e.0,
+                    "summaries of this model stay cut at their reply cap: no more firmer-length retries for it"
+                );
+            }
+        }
+    }
 }
 
 impl<'a> HttpSummariser<'a> {
@@ -134,7 +181,15 @@ impl<'a> HttpSummariser<'a> {
             prompt_budget_chars,
             max_reply_tokens,
             calls: AtomicU64::new(0),
+            firm_retries: None,
         }
+    }
+
+    /// Learns (and follows) whether firmer-length retries help this
+    /// target's models.
+    pub fn learning(mut self, firm_retries: &Arc<FirmRetries>) -> Self {
+        self.firm_retries = Some(Arc::clone(firm_retries));
+        self
     }
 
     /// Asks summaries in the conversation's `api` when they go to the
@@ -255,6 +310,18 @@ impl Summariser for HttpSummariser<'_> {
 
     fn prompt_budget_chars(&self) -> usize {
         self.prompt_budget_chars
+    }
+
+    fn firm_retry_useful(&self) -> bool {
+        self.firm_retries
+            .as_ref()
+            .is_none_or(|f| f.useful(&self.base.to_string(), &self.main_model))
+    }
+
+    fn note_firm_retry(&self, within_cap: bool) {
+        if let Some(f) = &self.firm_retries {
+            f.note(&self.base.to_string(), &self.main_model, within_cap);
+        }
     }
 }
 
@@ -417,6 +484,25 @@ pub fn parse_responses_reply(body: &[u8]) -> Result<SummaryReply, SummaryError> 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn firmer_retries_stop_per_model_after_two_cut_again() {
+        let f = FirmRetries::default();
+        assert!(f.useful("http://u", "small"));
+        f.note("http://u", "small", false);
+        assert!(f.useful("http://u", "small"), "one is not enough");
+        f.note("http://u", "small", false);
+        assert!(!f.useful("http://u", "small"));
+        // Per model and per target.
+        assert!(f.useful("http://u", "large"));
+        assert!(f.useful("http://other", "small"));
+        // A model whose retry once came back within the cap keeps them.
+        f.note("http://u", "large", true);
+        for _ in 0..5 {
+            f.note("http://u", "large", false);
+        }
+        assert!(f.useful("http://u", "large"));
+    }
 
     #[test]
     fn parses_an_anthropic_message() {

@@ -427,6 +427,36 @@ mod tests {
         assert!(summariser_budgets(8192, t, 0.4).reply_tokens > at(8192).reply_tokens);
     }
 
+    /// The trigger keeps its share of the room above the fixed part.
+    #[test]
+    fn the_trigger_follows_the_fixed_part() {
+        let t0 = compute_threshold_tokens(8_192, None, 0.75, None);
+        assert_eq!(t0, 6_963);
+        assert_eq!(threshold_over_fixed(t0, 8_192, 0), t0);
+        // Codex: ~6,300 tokens of instructions and tools.
+        let t = threshold_over_fixed(t0, 8_192, 6_300);
+        assert_eq!(t, 7_908);
+        // Half the room above the fixed part is the history target: at
+        // 500 tokens a turn, two turns pass before the next compaction.
+        let h = history_target(t, 6_300, 0.5);
+        assert_eq!(h, 804);
+        assert!(6_300 + h + 500 < t && 6_300 + h + 1_000 >= t);
+        // A fixed part past the window: just under it, never at or over.
+        assert_eq!(threshold_over_fixed(t0, 8_192, 20_000), 8_191);
+        // Small fixed parts barely move it.
+        assert!(threshold_over_fixed(t0, 8_192, 400) < t0 + 100);
+    }
+
+    #[test]
+    fn the_user_messages_budget_follows_the_window() {
+        assert_eq!(user_messages_budget(2_048, 10_000), 81);
+        assert_eq!(user_messages_budget(8_192, 10_000), 327);
+        assert_eq!(user_messages_budget(32_768, 100_000), 1_310);
+        assert_eq!(user_messages_budget(1_000_000, 1_000_000), 4_000);
+        // Never more than a fifth of what the history may take.
+        assert_eq!(user_messages_budget(8_192, 800), 160);
+    }
+
     #[test]
     fn worked_examples_from_notes() {
         assert_eq!(

@@ -516,6 +516,31 @@ pub struct Compressor {
     pub terminal_failure: Option<SummaryFailureKind>,
     /// Micro-compaction state.
     pub micro: MicroState,
+    /// The rows whose summary was last rejected as not smaller: asking for
+    /// the same summary again (on the overflow retry, or a turn or two
+    /// later) would be rejected again, at the price of the summary calls.
+    rejected: Option<RejectedRows>,
+}
+
+/// Rows a summary was rejected for, and how many more passes remember it.
+#[derive(Clone, Copy, Debug)]
+struct RejectedRows {
+    hash: u64,
+    passes_left: u8,
+}
+
+/// Passes (the overflow retry, the next turns) that skip the summary of
+/// rows it was rejected for.
+const REJECTED_ROWS_PASSES: u8 = 3;
+
+/// A hash of the rows to summarise.
+fn rows_hash(rows: &[Value]) -> u64 {
+    let mut h = xxhash_rust::xxh3::Xxh3::new();
+    for r in rows {
+        h.update(r.to_string().as_bytes());
+        h.update(&[0]);
+    }
+    h.digest()
 }
 
 /// The running summary a compaction works from and keeps if it commits.
@@ -630,6 +655,8 @@ struct Pass {
     fit_tokens: Option<u64>,
     /// [`CompressOptions::settle_tokens`].
     settle_tokens: Option<u64>,
+    /// The summary was skipped: it was rejected for the same rows before.
+    repeated_rejection: bool,
     /// [`CompressOptions::fit`].
     fit: Fit,
 }
@@ -713,6 +740,23 @@ impl Compressor {
             summary_model_fallen_back: false,
             terminal_failure: None,
             micro: MicroState::default(),
+            rejected: None,
+        }
+    }
+
+    /// Whether the summary of the rows hashed `hash` was rejected in a
+    /// recent pass (and counts this pass against the memory); any other
+    /// rows forget it.
+    fn rejected_before(&mut self, hash: u64) -> bool {
+        match &mut self.rejected {
+            Some(r) if r.hash == hash && r.passes_left > 0 => {
+                r.passes_left -= 1;
+                true
+            }
+            _ => {
+                self.rejected = None;
+                false
+            }
         }
     }
 
@@ -934,11 +978,12 @@ impl Compressor {
         // budget of their own: the summariser never sees the section, only
         // the summary it belongs to.
         let (previous, said) = self.user_messages(state, turns);
+        let compact = s.prompt_budget_chars() < serialize::COMPACT_PROMPT_BELOW_CHARS;
         let (chunks, prev_cap) = plan_chunks(
             turns,
             previous.as_deref(),
             focus.as_deref(),
-            s.prompt_budget_chars(),
+            (s.prompt_budget_chars(), compact),
         );
         out.chunks = chunks.len();
 
@@ -962,6 +1007,8 @@ impl Compressor {
                 today,
                 no_user_turns,
                 chunk: (n > 1).then_some((i, n)),
+                compact,
+                user_messages_kept: !said.is_empty(),
             });
             let call = SummaryCall {
                 prompt,
@@ -1039,6 +1086,7 @@ impl Compressor {
             keep_state: None,
             fit_tokens: opts.fit_tokens,
             settle_tokens: opts.settle_tokens,
+            repeated_rejection: false,
             fit: opts.fit,
         };
         let cut = match self.cut(messages, &mut pass.tel) {
@@ -1054,6 +1102,14 @@ impl Compressor {
             let ending = Ending::Unchanged(Outcome::NoOp(NoOpReason::EmptyPostHandoffWindow));
             return self.finish(messages, pass, ending);
         }
+        let rows = rows_hash(&middle);
+        if self.rejected_before(rows) {
+            // Straight to what a rejection leads to (the last resort when
+            // the request must fit), without the calls or another strike.
+            pass.repeated_rejection = true;
+            pass.tel.failure_class = Some("rejected_before");
+            return self.finish(messages, pass, Ending::Unchanged(Outcome::Rejected));
+        }
         let summary = match self
             .summarise_middle(s, &middle, &state, &opts, &mut pass)
             .await
@@ -1065,6 +1121,12 @@ impl Compressor {
         };
         let ending =
             self.assemble_candidate(messages, &cut, &summary.0, tokens_before, &mut pass.tel);
+        if matches!(ending, Ending::Unchanged(Outcome::Rejected)) {
+            self.rejected = Some(RejectedRows {
+                hash: rows,
+                passes_left: REJECTED_ROWS_PASSES,
+            });
+        }
         if matches!(ending, Ending::Compacted { .. }) {
             pass.keep_state = Some(SummaryState {
                 previous: Some(summary.1),
@@ -1380,7 +1442,10 @@ impl Compressor {
                 self.trigger.set_structural_backoff();
                 self.commit_state(pass.keep_state.take());
             }
-            Ending::Unchanged(Outcome::Rejected) => self.trigger.record_rejected_compaction(),
+            Ending::Unchanged(Outcome::Rejected) if !pass.repeated_rejection => {
+                self.trigger.record_rejected_compaction()
+            }
+            Ending::Unchanged(Outcome::Rejected) => {}
             // The chat path logs the one line per compaction, outcome included.
             Ending::Unchanged(Outcome::Aborted(_) | Outcome::Compacted) => {}
         }
@@ -1546,6 +1611,11 @@ impl SummaryCall {
         if !first.cut && !too_long(&first) {
             return Ok(first.body);
         }
+        if !s.firm_retry_useful() {
+            // This model's retries never came back within the cap: the cut
+            // summary is kept at its last complete line.
+            return Ok(first.body);
+        }
         let Some(firm) =
             truncated::firm_prompt(&self.prompt, self.target_tokens, self.budget_chars)
         else {
@@ -1555,7 +1625,11 @@ impl SummaryCall {
             cut = first.cut,
             "summary over its length; retrying once with a firmer length instruction"
         );
-        match self.send(&firm, s, model, fallen_back, out).await {
+        let second = self.send(&firm, s, model, fallen_back, out).await;
+        if let Ok(c) = &second {
+            s.note_firm_retry(!c.cut && !too_long(c));
+        }
+        match second {
             // A complete retry wins; of two cut ones, the one that kept more.
             Ok(second) if !second.cut || (first.cut && second.body.len() >= first.body.len()) => {
                 Ok(second.body)
@@ -1647,10 +1721,11 @@ fn plan_chunks(
     turns: &[Value],
     previous: Option<&str>,
     focus: Option<&str>,
-    budget: usize,
+    (budget, compact): (usize, bool),
 ) -> (Vec<String>, usize) {
-    let overhead = serialize::prompt_overhead_chars(focus);
-    let serialized = serialize_for_summary(turns);
+    let overhead = serialize::prompt_overhead_chars(focus, compact);
+    let each = serialize::serialize_each(turns);
+    let serialized = serialize::join_serialized(&each);
     let prev_len = previous.map_or(0, |p| p.chars().count().min(SUMMARY_INPUT_MAX_CHARS));
     let turns_len = serialized.chars().count().min(SUMMARY_INPUT_MAX_CHARS);
     if overhead + prev_len + turns_len <= budget {
@@ -1662,6 +1737,14 @@ fn plan_chunks(
     // chunks get the rest.
     let prev_cap = prev_len.clamp(room / 3, room * 2 / 3).max(500);
     let per_chunk = room.saturating_sub(prev_cap).max(500);
+    // A small summariser is one call per compaction while every message
+    // keeps a useful excerpt: each summary call of a small local model
+    // costs seconds to minutes and holds its only slot.
+    if compact {
+        if let Some(one) = condensed(&each, per_chunk) {
+            return (vec![one], prev_cap);
+        }
+    }
     let mut parts: Vec<String> = chunk_for_budget(turns, per_chunk)
         .iter()
         .map(|c| bound_summary_input(&serialize_for_summary(c), per_chunk))
@@ -1677,6 +1760,37 @@ fn plan_chunks(
         parts.extend(keep_tail);
     }
     (parts, prev_cap)
+}
+
+/// No message is condensed below this many characters for a single call.
+const CONDENSED_MIN_CHARS: usize = 400;
+
+/// The serialized messages joined within `room` characters by bounding
+/// each to one cap (the largest that fits; short messages stay whole), or
+/// `None` when that cap would be under [`CONDENSED_MIN_CHARS`].
+fn condensed(each: &[String], room: usize) -> Option<String> {
+    let sep = 2 * each.len().saturating_sub(1);
+    let room = room.checked_sub(sep)?;
+    let mut lens: Vec<usize> = each.iter().map(|m| m.chars().count()).collect();
+    lens.sort_unstable();
+    // The largest cap c with sum(min(len, c)) <= room.
+    let (mut used, mut cap) = (0usize, None);
+    for (i, &len) in lens.iter().enumerate() {
+        let rest = lens.len() - i;
+        if used + len * rest > room {
+            cap = Some((room - used) / rest);
+            break;
+        }
+        used += len;
+    }
+    let parts: Vec<String> = match cap {
+        None => each.to_vec(),
+        Some(c) if c >= CONDENSED_MIN_CHARS => {
+            each.iter().map(|m| bound_summary_input(m, c)).collect()
+        }
+        Some(_) => return None,
+    };
+    Some(serialize::join_serialized(&parts))
 }
 
 /// Pruned tool rows outside `middle` (they stay in the request) get the

@@ -26,6 +26,18 @@ pub trait Summariser: Send + Sync {
     fn prompt_budget_chars(&self) -> usize {
         DEFAULT_PROMPT_BUDGET_CHARS
     }
+
+    /// Whether a summary cut at its reply cap is worth one more call with a
+    /// firmer length instruction. A model that does not follow length
+    /// instructions is cut again and the retry doubles the calls; a
+    /// summariser that learns this per model answers `false` for it.
+    fn firm_retry_useful(&self) -> bool {
+        true
+    }
+
+    /// What a firmer retry gave: a summary within the cap (`true`) or one
+    /// cut again.
+    fn note_firm_retry(&self, _within_cap: bool) {}
 }
 
 /// One summary call.

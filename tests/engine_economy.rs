@@ -1,0 +1,255 @@
+//! Fewer, cheaper summary calls, and what the user said survives:
+//! - a summary rejected as not smaller is not asked again for the same
+//!   rows, and a pass that must fit falls through to the last resort;
+//! - a summariser whose model never keeps to the firmer length instruction
+//!   gets no such retries;
+//! - a small summariser gets the lean prompt, and one call while every
+//!   message keeps a useful excerpt;
+//! - a fixed part (instructions, tools) moves the trigger and sizes what a
+//!   compaction leaves;
+//! - the user's own messages are kept verbatim beside the summary, across
+//!   compactions.
+
+// Test code: a failed unwrap is a failed test (the helpers too).
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+mod engine_support;
+
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+
+use compactor::compaction::compressor::CompressOptions;
+use compactor::compaction::last_resort::Fit;
+use compactor::compaction::summariser::{Summariser, SummaryError, SummaryReply, SummaryRequest};
+use compactor::compaction::{tokens, user_messages, Outcome};
+use engine_support::*;
+use serde_json::{json, Value};
+
+fn tool_round(i: usize, out_chars: usize) -> Vec<Value> {
+    let id = format!("c{i}");
+    vec![
+        msg("user", &format!("step {i}: read file_{i}.rs")),
+        json!({"role": "assistant", "content": null, "tool_calls": [{"id": id, "type": "function", "function": {"name": "read", "arguments": format!("{{\"path\":\"file_{i}.rs\"}}")}}]}),
+        json!({"role": "tool", "tool_call_id": id, "content": format!("fn f{i}() {{}}\n").repeat(out_chars / 12)}),
+        msg("assistant", &format!("file_{i}.rs defines f{i}.")),
+    ]
+}
+
+fn agent(rounds: usize, out_chars: usize) -> Vec<Value> {
+    let mut m = vec![msg("system", "You are an agent.")];
+    for i in 0..rounds {
+        m.extend(tool_round(i, out_chars));
+    }
+    m.push(msg("user", "what next?"));
+    m
+}
+
+/// A summary longer than the rows it replaces is rejected; the same rows
+/// are not summarised again on the retry, which goes to the last resort.
+#[test]
+fn a_summary_rejected_for_the_same_rows_is_not_asked_again() {
+    let mut c = compressor_with("m", 8_192, |c| c.protect_first_n = 0);
+    // A system prompt near the trigger and short rows: any summary is
+    // longer than the rows it would replace.
+    let mut msgs = vec![msg("system", &"rule ".repeat(5_600))];
+    msgs.extend(alternating(24, "r"));
+    msgs.push(msg(
+        "user",
+        &format!("now read this log {}", "line\n".repeat(400)),
+    ));
+    let huge = "x ".repeat(20_000);
+    let s = Stub::ok(&huge);
+    let first = block_on(c.compress(&msgs, &s, CompressOptions::default()));
+    assert_eq!(first.outcome, Outcome::Rejected);
+    let calls = s.calls();
+    assert!(calls >= 1);
+    // The overflow retry: same rows, forced, must fit. No summary call; the
+    // last resort cuts instead.
+    let rough = tokens::estimate_messages_tokens_rough(&msgs);
+    let retry = block_on(c.compress(
+        &msgs,
+        &s,
+        CompressOptions {
+            force: true,
+            bypass_cooldown: true,
+            fit_tokens: Some(rough * 2 / 3),
+            fit: Fit::Insist,
+            ..CompressOptions::default()
+        },
+    ));
+    assert_eq!(s.calls(), calls, "the rejected summary was asked again");
+    assert_eq!(retry.outcome, Outcome::Compacted, "no last resort");
+    assert!(retry.tokens_after < rough);
+    // Other rows are summarised as usual.
+    let mut more = msgs.clone();
+    more.splice(1..1, alternating(6, "earlier "));
+    let forced = CompressOptions {
+        force: true,
+        ..CompressOptions::default()
+    };
+    block_on(c.compress(&more, &s, forced));
+    assert!(s.calls() > calls);
+}
+
+/// A summariser that replies cut at the cap and says whether firmer
+/// retries are still worth it.
+struct Cut {
+    useful: AtomicBool,
+    calls: AtomicUsize,
+    noted: AtomicUsize,
+}
+
+#[async_trait::async_trait]
+impl Summariser for Cut {
+    async fn summarise(&self, _req: SummaryRequest) -> Result<SummaryReply, SummaryError> {
+        self.calls.fetch_add(1, Ordering::SeqCst);
+        Ok(SummaryReply {
+            content: Some(json!("## Historical Task Snapshot\nread the files\n## Completed Actions\n1. read file_0.rs\n2. rea")),
+            finish_reason: Some("length".into()),
+            refusal: None,
+            reasoning: None,
+        })
+    }
+    fn prompt_budget_chars(&self) -> usize {
+        100_000
+    }
+    fn firm_retry_useful(&self) -> bool {
+        self.useful.load(Ordering::SeqCst)
+    }
+    fn note_firm_retry(&self, within_cap: bool) {
+        assert!(!within_cap);
+        self.noted.fetch_add(1, Ordering::SeqCst);
+    }
+}
+
+#[test]
+fn no_firmer_retry_for_a_model_that_never_keeps_to_it() {
+    for useful in [true, false] {
+        let mut c = compressor_with("m", 8_192, |c| c.protect_first_n = 0);
+        let s = Cut {
+            useful: AtomicBool::new(useful),
+            calls: AtomicUsize::new(0),
+            noted: AtomicUsize::new(0),
+        };
+        let r = block_on(c.compress(&agent(8, 400), &s, CompressOptions::default()));
+        assert_eq!(r.outcome, Outcome::Compacted);
+        let (calls, noted) = (s.calls.into_inner(), s.noted.into_inner());
+        if useful {
+            assert_eq!((calls, noted), (2, 1), "one call and one firmer retry");
+        } else {
+            assert_eq!((calls, noted), (1, 0), "the cut summary is kept");
+        }
+    }
+}
+
+/// At a 2k window the full prompt's scaffolding (~4,000 chars) left ~900
+/// chars of a 4,908-char budget for the turns: six calls for one
+/// compaction. The lean prompt and excerpts of long outputs make it one.
+#[test]
+fn a_small_summariser_gets_the_lean_prompt_and_one_call() {
+    let mut c = compressor_with("m", 2_048, |c| c.protect_first_n = 0);
+    let msgs = agent(6, 1_600);
+    let s = Stub::ok(
+        "## Historical Task Snapshot\nwhat next?\n## Completed Actions\n1. read the files",
+    )
+    .with_budget(4_908);
+    let r = block_on(c.compress(&msgs, &s, CompressOptions::default()));
+    assert_eq!(r.outcome, Outcome::Compacted);
+    assert_eq!(s.calls(), 1, "one summary call");
+    let p = s.request(0).prompt;
+    assert!(p.chars().count() <= 4_908, "{} chars", p.chars().count());
+    assert!(p.contains("## Active State") && !p.contains("## Governing User Outcome"));
+    // Every summarised round is in the one prompt, long outputs excerpted.
+    for i in 0..3 {
+        assert!(
+            p.contains(&format!("read file_{i}.rs")),
+            "round {i} missing"
+        );
+    }
+    // A large summariser keeps the full prompt.
+    let mut big = compressor_with("m", 200_000, |c| c.protect_first_n = 0);
+    let s = Stub::ok("summary");
+    let mut long = agent(60, 4_000);
+    long.push(msg("user", "and now?"));
+    let r = block_on(big.compress(
+        &long,
+        &s,
+        CompressOptions {
+            force: true,
+            ..Default::default()
+        },
+    ));
+    assert_eq!(r.outcome, Outcome::Compacted);
+    assert!(s
+        .last_request()
+        .prompt
+        .contains("## Governing User Outcome"));
+}
+
+/// With a fixed part of 75% of the window the trigger moves toward the
+/// window, and the compaction leaves the history at most its target.
+#[test]
+fn a_large_fixed_part_moves_the_trigger_and_sizes_the_result() {
+    let mut c = compressor_with("m", 8_192, |c| c.protect_first_n = 0);
+    let classic = c.trigger.threshold_tokens();
+    let system = msg("system", &"rule. ".repeat(4_100));
+    let fixed = tokens::estimate_messages_tokens_rough(std::slice::from_ref(&system));
+    c.trigger.set_fixed_tokens(fixed);
+    let t = c.trigger.threshold_tokens();
+    assert!(t > classic, "{t} vs {classic}");
+    let target = fixed + c.trigger.history_target();
+    assert!(target < t);
+    let mut msgs = vec![system];
+    msgs.extend(agent(12, 400).into_iter().skip(1));
+    let s = Stub::ok(
+        "## Historical Task Snapshot\nwhat next?\n## Completed Actions\n1. read the files",
+    );
+    let r = block_on(c.compress(&msgs, &s, CompressOptions::default()));
+    assert_eq!(r.outcome, Outcome::Compacted);
+    assert_eq!(r.messages[0], msgs[0], "instructions kept");
+    assert!(r.tokens_after < t, "{} >= trigger {t}", r.tokens_after);
+}
+
+/// Facts the user stated in the first turns are in every later request:
+/// verbatim in the summary's section, across two compactions.
+#[test]
+fn the_user_s_own_words_survive_two_compactions() {
+    let mut c = compressor_with("m", 4_096, |c| c.protect_first_n = 0);
+    let mut msgs = vec![
+        msg("system", "You are an agent."),
+        msg("user", "My vault is at /srv/vault-7."),
+        msg("assistant", "Noted."),
+        msg("user", "Use port 8443 for the service."),
+        msg("assistant", "Noted."),
+        msg("user", "The access code is K-19-ALPHA."),
+        msg("assistant", "Noted."),
+    ];
+    let s = Stub::ok("## Historical Task Snapshot\nthe task\n## Completed Actions\n1. read files");
+    for round in 0..2 {
+        for i in 0..8 {
+            msgs.extend(tool_round(round * 10 + i, 800));
+        }
+        msgs.push(msg("user", "continue"));
+        let r = block_on(c.compress(
+            &msgs,
+            &s,
+            CompressOptions {
+                force: true,
+                ..Default::default()
+            },
+        ));
+        assert_eq!(r.outcome, Outcome::Compacted, "round {round}");
+        let si = r.summary_index.unwrap();
+        let (_, said) = user_messages::split(&compactor::compaction::markers::summary_body(
+            &content_str(&r.messages[si]),
+        ));
+        for fact in ["/srv/vault-7", "port 8443", "K-19-ALPHA"] {
+            assert!(
+                said.iter().any(|m| m.contains(fact)),
+                "round {round}: {fact} lost: {said:?}"
+            );
+        }
+        // The summariser never saw the section.
+        assert!(!s.last_request().prompt.contains(user_messages::HEADING));
+        msgs = r.messages;
+    }
+}
