@@ -367,6 +367,28 @@ impl ChatRequest {
         }
     }
 
+    /// Undoes [`Self::with_messages`], [`Self::set_member`] and
+    /// [`Self::force_include_usage`]: the body is the client's again (the
+    /// messages stay taken). Lets one parse serve a second preparation (the
+    /// retry after an overflow error) as if it were fresh.
+    pub fn rewind(&mut self) {
+        if !self.is_modified() {
+            return;
+        }
+        self.messages = Vec::new();
+        self.messages_replaced = false;
+        // Added members go; replaced ones get their original bytes back.
+        self.top.retain(|_, m| m.span.is_some());
+        for m in self.top.values_mut().filter(|m| m.changed) {
+            m.raw = m
+                .span
+                .clone()
+                .and_then(|s| std::str::from_utf8(&self.original[s]).ok())
+                .and_then(|s| RawValue::from_string(s.to_owned()).ok());
+            m.changed = false;
+        }
+    }
+
     /// Whether [`Self::to_bytes`] would differ from the original body.
     pub fn is_modified(&self) -> bool {
         self.messages_replaced || self.top.values().any(|m| m.changed)
@@ -514,15 +536,27 @@ pub fn message_hashes(messages: &[Box<RawValue>]) -> Vec<u128> {
 /// messages that precede `more`), so a caller that already hashed a prefix
 /// only pays for the new messages.
 pub fn extend_message_hashes(chain: &mut Vec<u128>, more: &[Box<RawValue>]) {
+    extend_hashes(chain, more, false);
+}
+
+/// [`extend_message_hashes`]; `canonical` says that every message of
+/// `more` is canonical JSON already ([`write_canonical`]'s form), so its
+/// bytes are hashed as they are, without a parse.
+fn extend_hashes(chain: &mut Vec<u128>, more: &[Box<RawValue>], canonical: bool) {
     let mut prev: u128 = chain.last().copied().unwrap_or(0);
     let mut buf = Vec::new();
     let mut hasher = Xxh3::new();
     for m in more {
-        canonical_bytes(m, &mut buf);
+        let bytes = if canonical {
+            m.get().as_bytes()
+        } else {
+            canonical_bytes(m, &mut buf);
+            &buf
+        };
         hasher.reset();
         hasher.update(&prev.to_le_bytes());
-        hasher.update(&(buf.len() as u64).to_le_bytes());
-        hasher.update(&buf);
+        hasher.update(&(bytes.len() as u64).to_le_bytes());
+        hasher.update(bytes);
         prev = hasher.digest128();
         chain.push(prev);
     }
@@ -546,6 +580,12 @@ impl ChainCache {
     /// The chain of `messages` (equal to [`message_hashes`]), reusing the
     /// prefix that is byte-identical to the previous call.
     pub fn chain(&mut self, messages: &[Box<RawValue>]) -> &[u128] {
+        self.chain_as(messages, false)
+    }
+
+    /// [`Self::chain`]; `canonical` says the messages are canonical JSON
+    /// (a codec's decoding), hashed as they are.
+    pub fn chain_as(&mut self, messages: &[Box<RawValue>], canonical: bool) -> &[u128] {
         let raw: Vec<u64> = messages
             .iter()
             .map(|m| xxhash_rust::xxh3::xxh3_64(m.get().as_bytes()))
@@ -556,7 +596,7 @@ impl ChainCache {
             .take_while(|(a, b)| a == b)
             .count();
         self.chain.truncate(same);
-        extend_message_hashes(&mut self.chain, &messages[same..]);
+        extend_hashes(&mut self.chain, &messages[same..], canonical);
         self.raw = raw;
         &self.chain
     }
@@ -676,6 +716,32 @@ mod tests {
         assert_eq!(
             String::from_utf8(r.to_bytes().to_vec()).unwrap(),
             "{ \"messages\" : [1,2] ,\n \"stream\": true ,\"stream_options\":{\"include_usage\":true}}"
+        );
+    }
+
+    #[test]
+    fn rewind_gives_back_the_clients_body_and_the_same_plan() {
+        let body = r#"{"stream":true,"stream_options":{"include_usage":false},"messages":[{"role":"user"}],"model":"m"}"#;
+        let mut r = ChatRequest::parse(body.as_bytes().to_vec()).unwrap();
+        let taken = r.take_messages();
+        r.with_messages(vec![raw("1")]);
+        assert!(r.force_include_usage());
+        r.set_member("added", raw("2"));
+        assert_ne!(r.to_bytes(), body.as_bytes());
+        r.rewind();
+        assert!(!r.is_modified());
+        assert_eq!(r.to_bytes(), body.as_bytes());
+        assert!(
+            !r.client_wants_usage(),
+            "stream_options is the client's again"
+        );
+        assert!(r.get_raw("added").is_none());
+        // A second preparation decides as the first did.
+        r.with_messages(taken);
+        assert!(r.force_include_usage());
+        assert_eq!(
+            String::from_utf8(r.to_bytes().to_vec()).unwrap(),
+            r#"{"stream":true,"stream_options":{"include_usage":true},"messages":[{"role":"user"}],"model":"m"}"#
         );
     }
 

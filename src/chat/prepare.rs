@@ -68,6 +68,8 @@ pub(super) async fn prepare(
     (key, cred): (SessionKey, u128),
     overflow: Option<&Overflow>,
 ) -> Prepared {
+    // A retry prepares the request the first preparation edited.
+    creq.rewind();
     let model = creq.model().unwrap_or_default();
     let mut guard = entry.lock().await;
     let conv: &mut Conversation = &mut guard;
@@ -79,8 +81,9 @@ pub(super) async fn prepare(
 
     // Moved out, not copied: the history is the bulk of the body, and the
     // original bytes still go upstream unless `with_messages` runs below.
+    // Put back once the body is built, for a retry.
     let original: Vec<Box<RawValue>> = creq.take_messages();
-    let mut out = substitute(chat, conv, cred, &original).await;
+    let mut out = substitute(chat, conv, cred, &original, creq.canonical()).await;
     let max_out = creq.max_output_tokens();
     let overhead = conv.tools_overhead(creq.get_raw("tools"));
     let mut est = estimate(conv, &out, overhead);
@@ -149,7 +152,9 @@ pub(super) async fn prepare(
         window,
         "chat request prepared"
     );
-    build(creq, conv, out, est, action)
+    let prepared = build(creq, conv, out, est, action);
+    creq.restore_messages(original);
+    prepared
 }
 
 /// The tools' rough estimate in the upstream's tokens, by the conversation's
@@ -192,8 +197,9 @@ async fn substitute<'a>(
     conv: &mut Conversation,
     cred: u128,
     original: &'a [Box<RawValue>],
+    canonical: bool,
 ) -> Outgoing<'a> {
-    let client_hashes = conv.client_chain.chain(original).to_vec();
+    let client_hashes = conv.client_chain.chain_as(original, canonical).to_vec();
     let hint = conv.record();
     let record = chat.find_record(cred, &client_hashes, hint.as_ref()).await;
     conv.set_record(record.as_ref());

@@ -31,6 +31,26 @@ pub mod names {
     pub const PRECOMPACTIONS_TOTAL: &str = "compactor_precompactions_total";
     /// Time a compaction turn waited for its pre-compaction.
     pub const PRECOMPACTION_WAIT_SECONDS: &str = "compactor_precompaction_wait_seconds";
+    /// Conversation bodies parsed and decoded, by where the work ran.
+    pub const DECODES_TOTAL: &str = "compactor_request_decodes_total";
+}
+
+/// Where a request body was parsed and decoded.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum DecodePool {
+    /// In the request's own task, on an async worker (small bodies).
+    Inline,
+    /// On the blocking pool (large bodies): the async workers stay free.
+    Blocking,
+}
+
+impl DecodePool {
+    fn label(self) -> &'static str {
+        match self {
+            DecodePool::Inline => "inline",
+            DecodePool::Blocking => "blocking",
+        }
+    }
 }
 
 /// Chat-path metrics registry.
@@ -41,6 +61,8 @@ pub struct ChatMetrics {
     tokens_saved: AtomicU64,
     overflow_retries: AtomicU64,
     prompt_tokens: AtomicU64,
+    /// Decodes inline and on the blocking pool.
+    decodes: [AtomicU64; 2],
     /// Duration of compaction attempts that called the summariser.
     pub summariser: Histogram,
     precompactions: Mutex<BTreeMap<&'static str, u64>>,
@@ -56,6 +78,7 @@ impl Default for ChatMetrics {
             tokens_saved: AtomicU64::new(0),
             overflow_retries: AtomicU64::new(0),
             prompt_tokens: AtomicU64::new(0),
+            decodes: Default::default(),
             summariser: Histogram::new(UPSTREAM_BUCKETS),
             precompactions: Mutex::default(),
             precompaction_wait: Histogram::new(UPSTREAM_BUCKETS),
@@ -102,6 +125,16 @@ impl ChatMetrics {
         self.overflow_retries.fetch_add(1, Ordering::Relaxed);
     }
 
+    /// One request body parsed and decoded, in `pool`.
+    pub fn decoded(&self, pool: DecodePool) {
+        self.decodes[pool as usize].fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// Bodies decoded in `pool` so far.
+    pub fn decodes(&self, pool: DecodePool) -> u64 {
+        self.decodes[pool as usize].load(Ordering::Relaxed)
+    }
+
     /// Real prompt tokens reported by the upstream.
     pub fn prompt_tokens(&self, n: u64) {
         self.prompt_tokens.fetch_add(n, Ordering::Relaxed);
@@ -110,6 +143,22 @@ impl ChatMetrics {
     /// Compactions with `outcome` so far.
     pub fn compactions(&self, outcome: &str) -> u64 {
         read(&self.compactions).get(outcome).copied().unwrap_or(0)
+    }
+
+    fn render_decodes(&self, out: &mut String) {
+        let name = names::DECODES_TOTAL;
+        let _ = writeln!(
+            out,
+            "# HELP {name} Conversation request bodies parsed and decoded, by where.\n# TYPE {name} counter"
+        );
+        for pool in [DecodePool::Inline, DecodePool::Blocking] {
+            let _ = writeln!(
+                out,
+                "{name}{{pool=\"{}\"}} {}",
+                pool.label(),
+                self.decodes(pool)
+            );
+        }
     }
 
     /// Prometheus text, with the live gauges passed in.
@@ -165,6 +214,7 @@ impl ChatMetrics {
                 v.load(Ordering::Relaxed)
             );
         }
+        self.render_decodes(&mut out);
         for (name, help, v) in [
             (names::SESSIONS, "Live sessions.", sessions),
             (names::RECORDS, "Live compaction records.", records),
