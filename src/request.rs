@@ -50,11 +50,53 @@ struct Member {
     changed: bool,
 }
 
+/// The top-level members in body order (keys are unique: the parse
+/// refuses duplicates). A body has a handful: a scan costs less than
+/// hashing the key for each lookup, and a request looks up a dozen.
+#[derive(Debug)]
+struct Members(Vec<(String, Member)>);
+
+impl Members {
+    fn get(&self, key: &str) -> Option<&Member> {
+        self.0.iter().find(|(k, _)| k == key).map(|(_, m)| m)
+    }
+
+    fn get_mut(&mut self, key: &str) -> Option<&mut Member> {
+        self.0.iter_mut().find(|(k, _)| k == key).map(|(_, m)| m)
+    }
+
+    /// Appends `key`, which must not be present.
+    fn insert(&mut self, key: String, m: Member) {
+        self.0.push((key, m));
+    }
+
+    fn iter(&self) -> impl Iterator<Item = (&String, &Member)> {
+        self.0.iter().map(|(k, m)| (k, m))
+    }
+
+    #[cfg(test)]
+    fn keys(&self) -> impl Iterator<Item = &String> {
+        self.0.iter().map(|(k, _)| k)
+    }
+
+    fn values(&self) -> impl Iterator<Item = &Member> {
+        self.0.iter().map(|(_, m)| m)
+    }
+
+    fn values_mut(&mut self) -> impl Iterator<Item = &mut Member> {
+        self.0.iter_mut().map(|(_, m)| m)
+    }
+
+    fn len(&self) -> usize {
+        self.0.len()
+    }
+}
+
 /// A parsed chat request body (see the module docs).
 #[derive(Debug)]
 pub struct ChatRequest {
     original: Bytes,
-    top: IndexMap<String, Member>,
+    top: Members,
     messages: Vec<Box<RawValue>>,
     /// Set when `messages` was replaced through [`ChatRequest::with_messages`].
     messages_replaced: bool,
@@ -207,7 +249,7 @@ impl ChatRequest {
                 ParseError::NotObject(e)
             }
         })?;
-        let mut top = IndexMap::with_capacity(borrowed.0.len());
+        let mut top = Members(Vec::with_capacity(borrowed.0.len()));
         let mut messages = None;
         for (k, v) in borrowed.0 {
             let (raw, span) = match v {
@@ -378,7 +420,7 @@ impl ChatRequest {
         self.messages = Vec::new();
         self.messages_replaced = false;
         // Added members go; replaced ones get their original bytes back.
-        self.top.retain(|_, m| m.span.is_some());
+        self.top.0.retain(|(_, m)| m.span.is_some());
         for m in self.top.values_mut().filter(|m| m.changed) {
             m.raw = m
                 .span
@@ -407,7 +449,7 @@ impl ChatRequest {
         let mut appended: Vec<(&str, &RawValue)> = Vec::new();
         // Members that came from the body are in body order, so their spans
         // increase monotonically; splice replacements in order.
-        for (k, m) in &self.top {
+        for (k, m) in self.top.iter() {
             let replaced_messages = k == self.list_key && self.messages_replaced;
             let Some(orig) = m.span.clone() else {
                 if let Some(raw) = m.raw.as_deref() {
@@ -754,7 +796,7 @@ mod tests {
             r#"{"messages":[1],"b":{"messages":[2,3]}}"#,
         ] {
             let r = ChatRequest::parse(body.as_bytes().to_vec()).unwrap();
-            let span = r.top["messages"].span.clone().unwrap();
+            let span = r.top.get("messages").unwrap().span.clone().unwrap();
             assert_eq!(
                 Some(&span),
                 raw_messages_span(body.as_bytes()).as_ref(),
