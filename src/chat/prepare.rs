@@ -86,7 +86,7 @@ pub(super) async fn prepare(
     let mut out = substitute(chat, conv, cred, &original, creq.canonical()).await;
     let max_out = creq.max_output_tokens();
     let overhead = conv.tools_overhead(creq.get_raw("tools"));
-    let mut est = estimate(conv, &out, overhead);
+    let mut est = estimate(conv, &out, overhead, creq.rough());
 
     // A recorded prefix is a substitution, not a compaction: the action
     // stays `passthrough` and `x-compactor-replaced` says how many of the
@@ -219,17 +219,28 @@ async fn substitute<'a>(
 }
 
 /// Step 2: estimates what would be sent (calibrated by real usage).
-fn estimate(conv: &mut Conversation, out: &Outgoing<'_>, overhead: u64) -> Estimate {
-    let sent_hashes = match &out.messages {
+/// `decoded` holds the decode's own estimate of each client message, when
+/// the codec made them.
+fn estimate(
+    conv: &mut Conversation,
+    out: &Outgoing<'_>,
+    overhead: u64,
+    decoded: Option<&[u64]>,
+) -> Estimate {
+    let (sent_hashes, decoded) = match &out.messages {
         // Sending the client's own history: its chain is already computed.
         Cow::Borrowed(_) => {
             conv.sent_chain = conv.client_chain.clone();
-            out.client_hashes.clone()
+            (out.client_hashes.clone(), decoded)
         }
-        Cow::Owned(o) => conv.sent_chain.chain(o).to_vec(),
+        Cow::Owned(o) => (conv.sent_chain.chain(o).to_vec(), None),
+    };
+    let rough = |i: usize, m: &RawValue| match decoded.and_then(|d| d.get(i)) {
+        Some(&r) => r,
+        None => rough_message_tokens(m),
     };
     conv.calibration
-        .estimate(&out.messages, &sent_hashes, overhead, rough_message_tokens)
+        .estimate_indexed(&out.messages, &sent_hashes, overhead, rough)
 }
 
 /// Step 5: the body to send; re-serialised only when the messages changed

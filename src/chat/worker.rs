@@ -32,7 +32,7 @@ use crate::session::store::Entry;
 use crate::upstream::Upstream;
 use crate::window::overflow::Overflow;
 
-use super::conversation::Conversation;
+use super::conversation::{rough_value_tokens, Conversation};
 use super::prepare::{prepare, Prepared};
 use super::ChatState;
 
@@ -64,13 +64,13 @@ pub(super) async fn decode(
 ) -> Result<ApiRequest, DecodeError> {
     if bytes.len() < LARGE_BODY_BYTES {
         chat.metrics.chat.decoded(DecodePool::Inline);
-        return ApiRequest::parse(api, bytes);
+        return ApiRequest::parse_with(api, bytes, Some(rough_value_tokens));
     }
     let permit = Arc::clone(&chat.heavy).acquire_owned().await.ok();
     let metrics = Arc::clone(&chat.metrics);
     let decoded = tokio::task::spawn_blocking(move || {
         metrics.chat.decoded(DecodePool::Blocking);
-        ApiRequest::parse(api, bytes)
+        ApiRequest::parse_with(api, bytes, Some(rough_value_tokens))
     })
     .await;
     drop(permit);

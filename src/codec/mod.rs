@@ -111,7 +111,14 @@ pub struct WireMap {
     results: HashMap<String, (usize, Option<usize>)>,
     /// `cache_control` markers in the client's own system member.
     system_cc: usize,
+    /// The caller's rough token estimator, and its estimate of each engine
+    /// message, made from the value the decode holds anyway.
+    rough_fn: Option<Rough>,
+    rough: Vec<u64>,
 }
+
+/// A rough token estimate of one engine message.
+pub type Rough = fn(&Value) -> u64;
 
 impl WireMap {
     /// Records that `wire` became the engine messages `engine` (appended to
@@ -121,6 +128,9 @@ impl WireMap {
         for v in engine {
             if let Some((raw, h)) = engine_raw(&v) {
                 self.engine_hashes.push(h);
+                if let Some(f) = self.rough_fn {
+                    self.rough.push(f(&v));
+                }
                 out.push(raw);
             }
         }
@@ -142,6 +152,9 @@ impl WireMap {
     /// member, not a list element).
     fn push_system(&mut self, out: &mut Vec<Box<RawValue>>, system: Value) {
         if let Some((raw, h)) = engine_raw(&system) {
+            if let Some(f) = self.rough_fn {
+                self.rough.push(f(&system));
+            }
             self.system_hash = Some(h);
             self.engine_hashes.push(h);
             out.push(raw);
@@ -251,13 +264,28 @@ pub fn decodes() -> u64 {
 impl ApiRequest {
     /// Parses and decodes one request body.
     pub fn parse(api: Api, bytes: impl Into<Bytes>) -> Result<Self, DecodeError> {
+        Self::parse_with(api, bytes, None)
+    }
+
+    /// [`Self::parse`], estimating each decoded engine message with `rough`
+    /// from the value the decode holds ([`Self::rough`]): a caller that
+    /// estimates every message would otherwise parse each one again.
+    pub fn parse_with(
+        api: Api,
+        bytes: impl Into<Bytes>,
+        rough: Option<Rough>,
+    ) -> Result<Self, DecodeError> {
         DECODES.fetch_add(1, Ordering::Relaxed);
         let mut creq = ChatRequest::parse_list(bytes, api.list_key())?;
         let wire = creq.take_messages();
+        let map = WireMap {
+            rough_fn: rough,
+            ..WireMap::default()
+        };
         let (engine, map) = match api {
             Api::Chat => (wire, WireMap::default()),
-            Api::Messages => anthropic::decode(&creq, wire)?,
-            Api::Responses => responses::decode(&creq, wire)?,
+            Api::Messages => anthropic::decode(&creq, wire, map)?,
+            Api::Responses => responses::decode(&creq, wire, map)?,
         };
         Ok(Self {
             api,
@@ -275,6 +303,14 @@ impl ApiRequest {
     /// The engine's messages (empty after [`Self::take_messages`]).
     pub fn messages(&self) -> &[Box<RawValue>] {
         &self.engine
+    }
+
+    /// The rough estimate of each engine message, in order, when
+    /// [`Self::parse_with`] made them (decoded APIs only).
+    pub fn rough(&self) -> Option<&[u64]> {
+        let complete =
+            self.map.rough_fn.is_some() && self.map.rough.len() == self.map.engine_hashes.len();
+        complete.then_some(self.map.rough.as_slice())
     }
 
     /// Whether the engine's messages are canonical JSON (decoded by a

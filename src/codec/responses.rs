@@ -49,6 +49,7 @@ fn is_set(raw: Option<&RawValue>) -> bool {
 pub(super) fn decode(
     creq: &ChatRequest,
     wire: Vec<Box<RawValue>>,
+    mut map: WireMap,
 ) -> Result<(Vec<Box<RawValue>>, WireMap), DecodeError> {
     if is_set(creq.get_raw("previous_response_id")) || is_set(creq.get_raw("conversation")) {
         return Err(DecodeError::ServerState);
@@ -62,7 +63,6 @@ pub(super) fn decode(
         return Err(DecodeError::ServerState);
     }
     let mut out = Vec::with_capacity(wire.len() + 1);
-    let mut map = WireMap::default();
     if let Some(Value::String(s)) = creq
         .get_raw("instructions")
         .and_then(|r| serde_json::from_str::<Value>(r.get()).ok())
