@@ -12,7 +12,8 @@
 # Builds with --profile perf, starts the fast mock upstream
 # (examples/mock_upstream.rs), the naive proxy (examples/naive_proxy.rs:
 # hyper server + pooled client and nothing else, the yardstick for the price
-# of one hop), nginx (1 worker, proxy_buffering off, upstream keep-alive: the
+# of one hop), nginx (1 worker, proxy_buffering and proxy_request_buffering
+# off, upstream keep-alive: the
 # reverse proxy an operator already runs; installed from the distribution's
 # packages when missing) and compactor, all on loopback. For each target wrk reports
 # p50/p99 at concurrency 1 and requests/s at concurrency 64, for
@@ -49,8 +50,10 @@ if [ "$LAYOUT" != shared ] && [ "$(nproc)" -lt 2 ]; then
   echo "LAYOUT=$LAYOUT needs 2 CPUs" >&2; exit 1
 fi
 
-cargo build --profile perf --bin compactor --example mock_upstream --example ttfb --example naive_proxy
-BIN=target/perf
+# NO_BUILD=1: use the binaries already in BIN (default target/perf).
+[ -n "${NO_BUILD:-}" ] || cargo build --profile perf --bin compactor --example mock_upstream --example ttfb --example naive_proxy
+BIN="${BIN:-target/perf}"
+COMPACTOR_BIN="${COMPACTOR_BIN:-$BIN/compactor}"
 
 PIDS=()
 # The binary's default store is a redb file under the state directory: one
@@ -119,6 +122,9 @@ http {
       proxy_http_version 1.1;
       proxy_set_header Connection "";
       proxy_buffering off;
+      # Buffered, nginx sends a request of a few KB upstream in two writes
+      # and waits out the delayed ACK: 44 ms a request for the 20 KB bodies.
+      proxy_request_buffering off;
     }
   }
 }
@@ -183,7 +189,7 @@ bench_layout() {
   start NAIVE "$OUT/naive.log" "$proxy_cpus" "$BIN/examples/naive_proxy" 127.0.0.1:0 "$MOCK"
   start_nginx "$OUT/nginx_$LAYOUT_NOW.log" "$proxy_cpus"
   COMPACTOR_LISTEN=127.0.0.1:0 COMPACTOR_UPSTREAM="http://$MOCK" NO_COLOR=1 \
-    start PROXY "$OUT/compactor_$LAYOUT_NOW.log" "$proxy_cpus" "$BIN/compactor" --config /dev/null
+    start PROXY "$OUT/compactor_$LAYOUT_NOW.log" "$proxy_cpus" "$COMPACTOR_BIN" --config /dev/null
 
   echo
   echo "== layout: $LAYOUT_NOW   mock upstream $MOCK (delay ${DELAY} ms)   ${DUR}s per run   $(nproc) cores"
