@@ -22,7 +22,7 @@ command -v wrk >/dev/null || apt-get install -y wrk >/dev/null
 if [ -z "${COMPACTOR_BIN:-}" ]; then
   cargo build --profile perf --bin compactor --example mock_upstream
 fi
-BIN=target/perf
+BIN="${BIN:-target/perf}"
 COMPACTOR_BIN="${COMPACTOR_BIN:-$BIN/compactor}"
 
 . scripts/bench_bodies.sh
@@ -58,6 +58,7 @@ wait_addr() {
 PIDS+=($!)
 MOCK=$(wait_addr "$OUT/mock.log")
 COMPACTOR_LISTEN=127.0.0.1:0 COMPACTOR_UPSTREAM="http://$MOCK" NO_COLOR=1 \
+  COMPACTOR_DEFAULT_CONTEXT_LENGTH=1000000 \
   "$COMPACTOR_BIN" --config "$OUT/proxy.toml" >"$OUT/compactor.log" 2>&1 &
 PID=$!
 PIDS+=("$PID")
