@@ -38,3 +38,43 @@ write_bodies() {
   wrk_script "$dir/json_agent.lua" \
     "{\"model\":\"bench\",\"messages\":[{\"role\":\"system\",\"content\":\"$rules\"}$(bench_messages 40)]}"
 }
+
+# big_body API BLOCKS FILE [PER_MESSAGE]: one huge conversation of BLOCKS
+# short text blocks (PER_MESSAGE to a message, default 10), alternating
+# user and assistant, in API's wire shape (chat: content parts; messages:
+# Anthropic text blocks and a `system` member; responses: `input` message
+# items of input_text/output_text parts and `instructions`). The same
+# conversation in each API, so their costs compare block for block.
+# About 35 bytes a block (Responses: 40): 880,000 Messages blocks are
+# ~31 MB, 300,000 Responses items ~12 MB.
+big_body() {
+  python3 - "$@" <<'PY'
+import json, sys
+api, blocks, path = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+per = int(sys.argv[4]) if len(sys.argv) > 4 else 10
+system = "You are a helpful assistant."
+msgs = []
+for m in range((blocks + per - 1) // per):
+    role = "user" if m % 2 == 0 else "assistant"
+    n = min(per, blocks - m * per)
+    texts = [f"b{m * per + b}" for b in range(n)]
+    if api == "chat":
+        parts = [{"type": "text", "text": t} for t in texts]
+        msgs.append({"role": role, "content": parts})
+    elif api == "messages":
+        parts = [{"type": "text", "text": t} for t in texts]
+        msgs.append({"role": role, "content": parts})
+    else:
+        kind = "input_text" if role == "user" else "output_text"
+        parts = [{"type": kind, "text": t} for t in texts]
+        msgs.append({"type": "message", "role": role, "content": parts})
+if api == "chat":
+    body = {"model": "bench", "messages": [{"role": "system", "content": system}] + msgs}
+elif api == "messages":
+    body = {"model": "bench", "max_tokens": 64, "system": system, "messages": msgs}
+else:
+    body = {"model": "bench", "instructions": system, "input": msgs}
+with open(path, "w") as f:
+    json.dump(body, f, separators=(",", ":"))
+PY
+}

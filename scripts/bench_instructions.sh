@@ -28,8 +28,9 @@ mkdir -p "$OUT"
 command -v wrk >/dev/null || apt-get install -y wrk >/dev/null
 command -v valgrind >/dev/null || apt-get install -y valgrind >/dev/null
 
-cargo build --profile perf --bin compactor --example mock_upstream --example naive_proxy
-BIN=target/perf
+# NO_BUILD=1: use the binaries already in target/perf (an A/B while a build runs).
+[ -n "${NO_BUILD:-}" ] || cargo build --profile perf --bin compactor --example mock_upstream --example naive_proxy
+BIN="${BIN:-target/perf}"
 COMPACTOR_BIN="${COMPACTOR_BIN:-$BIN/compactor}"
 
 . scripts/bench_bodies.sh

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Load benchmark: what compactor adds over talking to the upstream directly,
-# next to what the cheapest possible proxy hop adds on the same machine.
+# next to what the cheapest possible proxy hop and nginx add on the same
+# machine.
 #
 #   scripts/bench_load.sh                      # shared layout, 5 s per run
 #   LAYOUT=pinned scripts/bench_load.sh        # wrk+mock on CPU 0, proxy on CPU 1
@@ -11,14 +12,18 @@
 # Builds with --profile perf, starts the fast mock upstream
 # (examples/mock_upstream.rs), the naive proxy (examples/naive_proxy.rs:
 # hyper server + pooled client and nothing else, the yardstick for the price
-# of one hop) and compactor, all on loopback. For each target wrk reports
+# of one hop), nginx (1 worker, proxy_buffering and proxy_request_buffering
+# off, upstream keep-alive: the
+# reverse proxy an operator already runs; installed from the distribution's
+# packages when missing) and compactor, all on loopback. For each target wrk reports
 # p50/p99 at concurrency 1 and requests/s at concurrency 64, for
 # non-streaming (json; json_big: a long chat of 61 messages, 20 KB;
 # json_agent: a 12 KB system prompt and 40 messages, 25 KB),
 # streaming (sse: 22 events written back to back) and paced streaming
 # (sse_paced: 1 ms between events, like a fast model) requests; the proxies'
-# CPU per request is read from /proc. Then time to
-# first SSE byte (examples/ttfb.rs).
+# CPU per request (utime+stime / requests) is read from /proc/PID/stat (for
+# nginx, its worker's). A summary then sets compactor against nginx (the
+# issue 25 targets). Then time to first SSE byte (examples/ttfb.rs).
 #
 # Layouts:
 #   shared  everything shares both cores (what a laptop does; a proxy hop
@@ -38,12 +43,17 @@ OUT="${OUT:-target/bench_load}"
 mkdir -p "$OUT"
 
 command -v wrk >/dev/null || apt-get install -y wrk >/dev/null
+command -v nginx >/dev/null || [ -x /usr/sbin/nginx ] || apt-get install -y nginx-light >/dev/null \
+  || apt-get install -y nginx >/dev/null
+NGINX=$(command -v nginx || echo /usr/sbin/nginx)
 if [ "$LAYOUT" != shared ] && [ "$(nproc)" -lt 2 ]; then
   echo "LAYOUT=$LAYOUT needs 2 CPUs" >&2; exit 1
 fi
 
-cargo build --profile perf --bin compactor --example mock_upstream --example ttfb --example naive_proxy
-BIN=target/perf
+# NO_BUILD=1: use the binaries already in BIN (default target/perf).
+[ -n "${NO_BUILD:-}" ] || cargo build --profile perf --bin compactor --example mock_upstream --example ttfb --example naive_proxy
+BIN="${BIN:-target/perf}"
+COMPACTOR_BIN="${COMPACTOR_BIN:-$BIN/compactor}"
 
 PIDS=()
 # The binary's default store is a redb file under the state directory: one
@@ -79,6 +89,62 @@ start() {
     sleep 0.1
   done
   echo "process did not start: $log" >&2; cat "$log" >&2; exit 1
+}
+
+# start_nginx LOG CPUS: nginx as a reverse proxy to $MOCK (1 worker, no
+# response buffering, a keep-alive upstream pool, no access log); sets NGINX
+# to its address and NGINX_PID to its worker's pid.
+start_nginx() {
+  local dir="$OUT/nginx" port cpus="$2"
+  mkdir -p "$dir"
+  port=$(python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
+  cat >"$dir/nginx.conf" <<CONF
+worker_processes 1;
+daemon off;
+pid $PWD/$dir/nginx.pid;
+error_log $PWD/$1 warn;
+events { worker_connections 4096; }
+http {
+  access_log off;
+  client_body_temp_path $PWD/$dir/body;
+  proxy_temp_path $PWD/$dir/proxy;
+  fastcgi_temp_path $PWD/$dir/fastcgi;
+  uwsgi_temp_path $PWD/$dir/uwsgi;
+  scgi_temp_path $PWD/$dir/scgi;
+  upstream mock {
+    server $MOCK;
+    keepalive 128;
+  }
+  server {
+    listen 127.0.0.1:$port;
+    location / {
+      proxy_pass http://mock;
+      proxy_http_version 1.1;
+      proxy_set_header Connection "";
+      proxy_buffering off;
+      # Buffered, nginx sends a request of a few KB upstream in two writes
+      # and waits out the delayed ACK: 44 ms a request for the 20 KB bodies.
+      proxy_request_buffering off;
+    }
+  }
+}
+CONF
+  if [ -n "$cpus" ]; then
+    taskset -c "$cpus" "$NGINX" -c "$PWD/$dir/nginx.conf" -p "$PWD/$dir" >"$1.out" 2>&1 &
+  else
+    "$NGINX" -c "$PWD/$dir/nginx.conf" -p "$PWD/$dir" >"$1.out" 2>&1 &
+  fi
+  local master=$!
+  PIDS+=("$master")
+  NGINX_ADDR="127.0.0.1:$port"
+  for _ in $(seq 1 100); do
+    NGINX_PID=$(pgrep -P "$master" | head -1 || true)
+    if [ -n "$NGINX_PID" ] && curl -s -o /dev/null "http://$NGINX_ADDR/json"; then
+      return
+    fi
+    sleep 0.1
+  done
+  echo "nginx did not start" >&2; cat "$1" "$1.out" >&2; exit 1
 }
 
 # Request bodies as wrk scripts: $OUT/{json,json_big,json_agent,sse}.lua
@@ -121,32 +187,43 @@ bench_layout() {
   fi
   start MOCK "$OUT/mock.log" "$load_cpus" "$BIN/examples/mock_upstream" 127.0.0.1:0 "$DELAY"
   start NAIVE "$OUT/naive.log" "$proxy_cpus" "$BIN/examples/naive_proxy" 127.0.0.1:0 "$MOCK"
+  start_nginx "$OUT/nginx_$LAYOUT_NOW.log" "$proxy_cpus"
   COMPACTOR_LISTEN=127.0.0.1:0 COMPACTOR_UPSTREAM="http://$MOCK" NO_COLOR=1 \
-    start PROXY "$OUT/compactor_$LAYOUT_NOW.log" "$proxy_cpus" "$BIN/compactor" --config /dev/null
+    start PROXY "$OUT/compactor_$LAYOUT_NOW.log" "$proxy_cpus" "$COMPACTOR_BIN" --config /dev/null
 
   echo
   echo "== layout: $LAYOUT_NOW   mock upstream $MOCK (delay ${DELAY} ms)   ${DUR}s per run   $(nproc) cores"
-  echo "   p50/p99 in µs; rps = requests/s; cpu = proxy CPU µs per request; % = of direct rps"
-  printf "%-9s %-3s | %7s %7s %7s | %7s %7s %7s %5s %6s | %7s %7s %7s %5s %6s\n" \
-    mode conc "dir p50" "dir p99" "dir rps" "nv p50" "nv p99" "nv rps" "nv %" "nv cpu" \
-    "cmp p50" "cmp p99" "cmp rps" "cmp %" "cmpcpu"
+  echo "   p50/p99 in µs; rps = requests/s; cpu = proxy CPU µs per request; load average $(cut -d' ' -f1-3 /proc/loadavg)"
+  echo "   dir = direct to the mock, hop = bare hyper hop (naive_proxy), ngx = nginx, cmp = compactor"
+  printf "%-9s %-3s | %6s %6s %6s | %6s %6s %6s %6s | %6s %6s %6s %6s | %6s %6s %6s %6s\n" \
+    mode conc "dirp50" "dirp99" "dirrps" "hopp50" "hopp99" "hoprps" "hopcpu" \
+    "ngxp50" "ngxp99" "ngxrps" "ngxcpu" "cmpp50" "cmpp99" "cmprps" "cmpcpu"
+  : >"$OUT/summary_$LAYOUT_NOW.txt"
   for mode in ${MODES:-json json_big json_agent sse sse_paced}; do
     for conc in 1 64; do
       read -r d50 d99 drps _ < <(run "$MOCK" "" "$mode" "$conc")
       read -r n50 n99 nrps ncpu < <(run "$NAIVE" "$NAIVE_PID" "$mode" "$conc")
+      read -r g50 g99 grps gcpu < <(run "$NGINX_ADDR" "$NGINX_PID" "$mode" "$conc")
       read -r p50 p99 prps pcpu < <(run "$PROXY" "$PROXY_PID" "$mode" "$conc")
-      awk -v m="$mode" -v c="$conc" -v d50="$d50" -v d99="$d99" -v dr="$drps" \
-          -v n50="$n50" -v n99="$n99" -v nr="$nrps" -v nc="$ncpu" \
-          -v p50="$p50" -v p99="$p99" -v pr="$prps" -v pc="$pcpu" 'BEGIN{
-        printf "%-9s %-3s | %7.0f %7.0f %7.0f | %7.0f %7.0f %7.0f %4.0f%% %6.1f | %7.0f %7.0f %7.0f %4.0f%% %6.1f\n",
-          m, c, d50, d99, dr, n50, n99, nr, 100*nr/dr, nc, p50, p99, pr, 100*pr/dr, pc }'
+      printf "%-9s %-3s | %6.0f %6.0f %6.0f | %6.0f %6.0f %6.0f %6.1f | %6.0f %6.0f %6.0f %6.1f | %6.0f %6.0f %6.0f %6.1f\n" \
+        "$mode" "$conc" "$d50" "$d99" "$drps" "$n50" "$n99" "$nrps" "$ncpu" \
+        "$g50" "$g99" "$grps" "$gcpu" "$p50" "$p99" "$prps" "$pcpu"
+      echo "$mode $conc $d50 $d99 $g50 $g99 $gcpu $p50 $p99 $pcpu" >>"$OUT/summary_$LAYOUT_NOW.txt"
     done
   done
+  echo
+  echo "compactor against nginx (targets: cpu at c=64 <= 1.0x, json_agent <= 1.5x; added p50 at c=1 <= 1.2x; p99 at c=1 <= nginx + 200 µs):"
+  awk '{
+    if ($2 == 1) printf "  %-9s c=1   added p50: nginx %5.0f µs, compactor %5.0f µs (%.2fx)   p99: nginx %5.0f, compactor %5.0f (%+.0f µs)   cpu/req %.1f vs %.1f µs (%.2fx)\n",
+      $1, $5 - $3, $8 - $3, ($5 > $3 ? ($8 - $3) / ($5 - $3) : 0), $6, $9, $9 - $6, $10, $7, ($7 > 0 ? $10 / $7 : 0);
+    else printf "  %-9s c=64  cpu/req: nginx %5.1f µs, compactor %5.1f µs (%.2fx)\n", $1, $7, $10, ($7 > 0 ? $10 / $7 : 0)
+  }' "$OUT/summary_$LAYOUT_NOW.txt"
 
   echo
   echo "time to first SSE byte (sequential, ${TTFB_N} requests, 1 ms between upstream events):"
   echo "  direct:    $($LOADGEN "$BIN/examples/ttfb" "http://$MOCK/v1/chat/completions?gap_ms=1" "$TTFB_N")"
   echo "  naive:     $($LOADGEN "$BIN/examples/ttfb" "http://$NAIVE/v1/chat/completions?gap_ms=1" "$TTFB_N")"
+  echo "  nginx:     $($LOADGEN "$BIN/examples/ttfb" "http://$NGINX_ADDR/v1/chat/completions?gap_ms=1" "$TTFB_N")"
   echo "  compactor: $($LOADGEN "$BIN/examples/ttfb" "http://$PROXY/v1/chat/completions?gap_ms=1" "$TTFB_N")"
   echo
   echo "compactor overhead histogram (total minus upstream wait):"

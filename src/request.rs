@@ -69,11 +69,53 @@ pub fn is_instruction_message(m: &RawValue) -> bool {
             .is_some_and(|r| r == "system" || r == "developer")
 }
 
+/// The top-level members in body order (keys are unique: the parse
+/// refuses duplicates). A body has a handful: a scan costs less than
+/// hashing the key for each lookup, and a request looks up a dozen.
+#[derive(Debug)]
+struct Members(Vec<(String, Member)>);
+
+impl Members {
+    fn get(&self, key: &str) -> Option<&Member> {
+        self.0.iter().find(|(k, _)| k == key).map(|(_, m)| m)
+    }
+
+    fn get_mut(&mut self, key: &str) -> Option<&mut Member> {
+        self.0.iter_mut().find(|(k, _)| k == key).map(|(_, m)| m)
+    }
+
+    /// Appends `key`, which must not be present.
+    fn insert(&mut self, key: String, m: Member) {
+        self.0.push((key, m));
+    }
+
+    fn iter(&self) -> impl Iterator<Item = (&String, &Member)> {
+        self.0.iter().map(|(k, m)| (k, m))
+    }
+
+    #[cfg(test)]
+    fn keys(&self) -> impl Iterator<Item = &String> {
+        self.0.iter().map(|(k, _)| k)
+    }
+
+    fn values(&self) -> impl Iterator<Item = &Member> {
+        self.0.iter().map(|(_, m)| m)
+    }
+
+    fn values_mut(&mut self) -> impl Iterator<Item = &mut Member> {
+        self.0.iter_mut().map(|(_, m)| m)
+    }
+
+    fn len(&self) -> usize {
+        self.0.len()
+    }
+}
+
 /// A parsed chat request body (see the module docs).
 #[derive(Debug)]
 pub struct ChatRequest {
     original: Bytes,
-    top: IndexMap<String, Member>,
+    top: Members,
     messages: Vec<Box<RawValue>>,
     /// Set when `messages` was replaced through [`ChatRequest::with_messages`].
     messages_replaced: bool,
@@ -226,7 +268,7 @@ impl ChatRequest {
                 ParseError::NotObject(e)
             }
         })?;
-        let mut top = IndexMap::with_capacity(borrowed.0.len());
+        let mut top = Members(Vec::with_capacity(borrowed.0.len()));
         let mut messages = None;
         for (k, v) in borrowed.0 {
             let (raw, span) = match v {
@@ -386,6 +428,28 @@ impl ChatRequest {
         }
     }
 
+    /// Undoes [`Self::with_messages`], [`Self::set_member`] and
+    /// [`Self::force_include_usage`]: the body is the client's again (the
+    /// messages stay taken). Lets one parse serve a second preparation (the
+    /// retry after an overflow error) as if it were fresh.
+    pub fn rewind(&mut self) {
+        if !self.is_modified() {
+            return;
+        }
+        self.messages = Vec::new();
+        self.messages_replaced = false;
+        // Added members go; replaced ones get their original bytes back.
+        self.top.0.retain(|(_, m)| m.span.is_some());
+        for m in self.top.values_mut().filter(|m| m.changed) {
+            m.raw = m
+                .span
+                .clone()
+                .and_then(|s| std::str::from_utf8(&self.original[s]).ok())
+                .and_then(|s| RawValue::from_string(s.to_owned()).ok());
+            m.changed = false;
+        }
+    }
+
     /// Whether [`Self::to_bytes`] would differ from the original body.
     pub fn is_modified(&self) -> bool {
         self.messages_replaced || self.top.values().any(|m| m.changed)
@@ -404,7 +468,7 @@ impl ChatRequest {
         let mut appended: Vec<(&str, &RawValue)> = Vec::new();
         // Members that came from the body are in body order, so their spans
         // increase monotonically; splice replacements in order.
-        for (k, m) in &self.top {
+        for (k, m) in self.top.iter() {
             let replaced_messages = k == self.list_key && self.messages_replaced;
             let Some(orig) = m.span.clone() else {
                 if let Some(raw) = m.raw.as_deref() {
@@ -533,15 +597,27 @@ pub fn message_hashes(messages: &[Box<RawValue>]) -> Vec<u128> {
 /// messages that precede `more`), so a caller that already hashed a prefix
 /// only pays for the new messages.
 pub fn extend_message_hashes(chain: &mut Vec<u128>, more: &[Box<RawValue>]) {
+    extend_hashes(chain, more, false);
+}
+
+/// [`extend_message_hashes`]; `canonical` says that every message of
+/// `more` is canonical JSON already ([`write_canonical`]'s form), so its
+/// bytes are hashed as they are, without a parse.
+fn extend_hashes(chain: &mut Vec<u128>, more: &[Box<RawValue>], canonical: bool) {
     let mut prev: u128 = chain.last().copied().unwrap_or(0);
     let mut buf = Vec::new();
     let mut hasher = Xxh3::new();
     for m in more {
-        canonical_bytes(m, &mut buf);
+        let bytes = if canonical {
+            m.get().as_bytes()
+        } else {
+            canonical_bytes(m, &mut buf);
+            &buf
+        };
         hasher.reset();
         hasher.update(&prev.to_le_bytes());
-        hasher.update(&(buf.len() as u64).to_le_bytes());
-        hasher.update(&buf);
+        hasher.update(&(bytes.len() as u64).to_le_bytes());
+        hasher.update(bytes);
         prev = hasher.digest128();
         chain.push(prev);
     }
@@ -565,6 +641,12 @@ impl ChainCache {
     /// The chain of `messages` (equal to [`message_hashes`]), reusing the
     /// prefix that is byte-identical to the previous call.
     pub fn chain(&mut self, messages: &[Box<RawValue>]) -> &[u128] {
+        self.chain_as(messages, false)
+    }
+
+    /// [`Self::chain`]; `canonical` says the messages are canonical JSON
+    /// (a codec's decoding), hashed as they are.
+    pub fn chain_as(&mut self, messages: &[Box<RawValue>], canonical: bool) -> &[u128] {
         let raw: Vec<u64> = messages
             .iter()
             .map(|m| xxhash_rust::xxh3::xxh3_64(m.get().as_bytes()))
@@ -575,7 +657,7 @@ impl ChainCache {
             .take_while(|(a, b)| a == b)
             .count();
         self.chain.truncate(same);
-        extend_message_hashes(&mut self.chain, &messages[same..]);
+        extend_hashes(&mut self.chain, &messages[same..], canonical);
         self.raw = raw;
         &self.chain
     }
@@ -699,6 +781,32 @@ mod tests {
     }
 
     #[test]
+    fn rewind_gives_back_the_clients_body_and_the_same_plan() {
+        let body = r#"{"stream":true,"stream_options":{"include_usage":false},"messages":[{"role":"user"}],"model":"m"}"#;
+        let mut r = ChatRequest::parse(body.as_bytes().to_vec()).unwrap();
+        let taken = r.take_messages();
+        r.with_messages(vec![raw("1")]);
+        assert!(r.force_include_usage());
+        r.set_member("added", raw("2"));
+        assert_ne!(r.to_bytes(), body.as_bytes());
+        r.rewind();
+        assert!(!r.is_modified());
+        assert_eq!(r.to_bytes(), body.as_bytes());
+        assert!(
+            !r.client_wants_usage(),
+            "stream_options is the client's again"
+        );
+        assert!(r.get_raw("added").is_none());
+        // A second preparation decides as the first did.
+        r.with_messages(taken);
+        assert!(r.force_include_usage());
+        assert_eq!(
+            String::from_utf8(r.to_bytes().to_vec()).unwrap(),
+            r#"{"stream":true,"stream_options":{"include_usage":true},"messages":[{"role":"user"}],"model":"m"}"#
+        );
+    }
+
+    #[test]
     fn messages_span_is_the_whole_array_however_it_is_spaced() {
         for body in [
             r#"{"messages":[]}"#,
@@ -707,7 +815,7 @@ mod tests {
             r#"{"messages":[1],"b":{"messages":[2,3]}}"#,
         ] {
             let r = ChatRequest::parse(body.as_bytes().to_vec()).unwrap();
-            let span = r.top["messages"].span.clone().unwrap();
+            let span = r.top.get("messages").unwrap().span.clone().unwrap();
             assert_eq!(
                 Some(&span),
                 raw_messages_span(body.as_bytes()).as_ref(),

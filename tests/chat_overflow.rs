@@ -26,9 +26,11 @@ async fn retry_on_overflow(style: OverflowStyle, stream: bool) {
     let url = proxy.url();
     let mut conv = Conversation::new(600);
     let mut retried = false;
+    let mut posts = 0.0;
     for _ in 0..25 {
         let before = mock.chats().len();
         let sent = conv.ask();
+        posts += 1.0;
         let (status, headers, body) = post_chat(&url, chat_body("m", &sent, stream), &[AUTH]).await;
         conv.answer();
         assert_eq!(status, 200, "{style:?}: {}", String::from_utf8_lossy(&body));
@@ -47,6 +49,13 @@ async fn retry_on_overflow(style: OverflowStyle, stream: bool) {
                 assert!(!text.contains("error"), "client saw the overflow: {text}");
                 if stream {
                     assert!(text.ends_with("data: [DONE]\n\n"), "{text}");
+                    // The retry prepares the request the first attempt
+                    // edited: it still asks for usage, and still hides it.
+                    assert!(chats[1].body_text().contains("\"include_usage\":true"));
+                    assert!(
+                        !text.contains("prompt_tokens"),
+                        "usage reached the client: {text}"
+                    );
                 }
             }
             other => {
@@ -78,6 +87,11 @@ async fn retry_on_overflow(style: OverflowStyle, stream: bool) {
     assert_eq!(
         metric(&url, "compactor_chat_requests_total{action=\"retried\"}").await,
         1.0
+    );
+    // One decode per request: the retry prepares the same decoded request.
+    assert_eq!(
+        metric(&url, "compactor_request_decodes_total{pool=\"inline\"}").await,
+        posts
     );
 }
 

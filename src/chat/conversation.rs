@@ -203,13 +203,51 @@ impl Conversation {
 /// let the trigger fire on a history the tail then judges small).
 pub fn rough_message_tokens(m: &RawValue) -> u64 {
     match serde_json::from_str::<serde_json::Value>(m.get()) {
-        Ok(v) => tokens::estimate_msg_budget_tokens(&v, true),
+        Ok(v) => rough_value_tokens(&v),
         Err(_) => tokens::estimate_text_tokens(m.get()),
     }
 }
 
+/// [`rough_message_tokens`] of a parsed message (a codec's decode hands
+/// it the values it holds: `ApiRequest::parse_with`).
+pub fn rough_value_tokens(v: &serde_json::Value) -> u64 {
+    tokens::estimate_msg_budget_tokens(v, true)
+}
+
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn the_decodes_estimates_are_the_estimates_of_its_messages() {
+        use crate::codec::{Api, ApiRequest};
+        let messages = r#"{"model":"m","system":[{"type":"text","text":"Be brief."}],"messages":[
+          {"role":"user","content":[{"type":"text","text":"read a.rs"}]},
+          {"role":"assistant","content":[{"type":"thinking","thinking":"t","signature":"s"},{"type":"tool_use","id":"a","name":"Read","input":{"p":1.5}}]},
+          {"role":"user","content":[{"type":"tool_result","tool_use_id":"a","content":"fn a() {}"}]}]}"#;
+        let responses = r#"{"model":"m","instructions":"Be brief.","input":[
+          {"role":"user","content":[{"type":"input_text","text":"read a.rs"}]},
+          {"type":"function_call","call_id":"c","name":"f","arguments":"{}"},
+          {"type":"function_call_output","call_id":"c","output":"fn a() {}"}]}"#;
+        for (api, body) in [(Api::Messages, messages), (Api::Responses, responses)] {
+            let r = ApiRequest::parse_with(
+                api,
+                body.as_bytes().to_vec(),
+                Some(super::rough_value_tokens),
+            )
+            .unwrap();
+            let rough = r.rough().unwrap();
+            let again: Vec<u64> = r
+                .messages()
+                .iter()
+                .map(|m| super::rough_message_tokens(m))
+                .collect();
+            assert_eq!(rough, again.as_slice(), "{api:?}");
+            assert!(ApiRequest::parse(api, body.as_bytes().to_vec())
+                .unwrap()
+                .rough()
+                .is_none());
+        }
+    }
+
     #[test]
     fn the_conversation_does_not_keep_an_evicted_record_alive() {
         use std::time::Duration;

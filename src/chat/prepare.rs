@@ -68,6 +68,8 @@ pub(super) async fn prepare(
     (key, cred): (SessionKey, u128),
     overflow: Option<&Overflow>,
 ) -> Prepared {
+    // A retry prepares the request the first preparation edited.
+    creq.rewind();
     let model = creq.model().unwrap_or_default();
     let mut guard = entry.lock().await;
     let conv: &mut Conversation = &mut guard;
@@ -79,11 +81,12 @@ pub(super) async fn prepare(
 
     // Moved out, not copied: the history is the bulk of the body, and the
     // original bytes still go upstream unless `with_messages` runs below.
+    // Put back once the body is built, for a retry.
     let original: Vec<Box<RawValue>> = creq.take_messages();
-    let mut out = substitute(chat, conv, cred, &original).await;
+    let mut out = substitute(chat, conv, cred, &original, creq.canonical()).await;
     let max_out = creq.max_output_tokens();
     let overhead = conv.tools_overhead(creq.get_raw("tools"));
-    let mut est = estimate(conv, &out, overhead);
+    let mut est = estimate(conv, &out, overhead, creq.rough());
 
     // A recorded prefix is a substitution, not a compaction: the action
     // stays `passthrough` and `x-compactor-replaced` says how many of the
@@ -115,25 +118,13 @@ pub(super) async fn prepare(
             out.messages = Cow::Owned(messages);
             out.changed = true;
             action = Action::Compacted;
-            let sent_hashes = conv.sent_chain.chain(&out.messages).to_vec();
-            est = conv.calibration.estimate(
-                &out.messages,
-                &sent_hashes,
-                overhead,
-                rough_message_tokens,
-            );
+            est = reestimate(conv, &out.messages, overhead);
         }
         Booked::Substituted(messages, record) => {
             out.record = Some(record);
             out.messages = Cow::Owned(messages);
             out.changed = true;
-            let sent_hashes = conv.sent_chain.chain(&out.messages).to_vec();
-            est = conv.calibration.estimate(
-                &out.messages,
-                &sent_hashes,
-                overhead,
-                rough_message_tokens,
-            );
+            est = reestimate(conv, &out.messages, overhead);
         }
         Booked::Aborted => action = Action::Aborted,
         Booked::Nothing => {}
@@ -150,7 +141,16 @@ pub(super) async fn prepare(
         window,
         "chat request prepared"
     );
-    build(creq, conv, out, est, action)
+    let prepared = build(creq, conv, out, est, action);
+    creq.restore_messages(original);
+    prepared
+}
+
+/// The estimate of messages the preparation changed.
+fn reestimate(conv: &mut Conversation, messages: &[Box<RawValue>], overhead: u64) -> Estimate {
+    let sent_hashes = conv.sent_chain.chain(messages).to_vec();
+    conv.calibration
+        .estimate(messages, &sent_hashes, overhead, rough_message_tokens)
 }
 
 /// The tools' rough estimate in the upstream's tokens, by the conversation's
@@ -193,8 +193,9 @@ async fn substitute<'a>(
     conv: &mut Conversation,
     cred: u128,
     original: &'a [Box<RawValue>],
+    canonical: bool,
 ) -> Outgoing<'a> {
-    let client_hashes = conv.client_chain.chain(original).to_vec();
+    let client_hashes = conv.client_chain.chain_as(original, canonical).to_vec();
     let hint = conv.record();
     let record = chat.find_record(cred, &client_hashes, hint.as_ref()).await;
     conv.set_record(record.as_ref());
@@ -214,17 +215,28 @@ async fn substitute<'a>(
 }
 
 /// Step 2: estimates what would be sent (calibrated by real usage).
-fn estimate(conv: &mut Conversation, out: &Outgoing<'_>, overhead: u64) -> Estimate {
-    let sent_hashes = match &out.messages {
+/// `decoded` holds the decode's own estimate of each client message, when
+/// the codec made them.
+fn estimate(
+    conv: &mut Conversation,
+    out: &Outgoing<'_>,
+    overhead: u64,
+    decoded: Option<&[u64]>,
+) -> Estimate {
+    let (sent_hashes, decoded) = match &out.messages {
         // Sending the client's own history: its chain is already computed.
         Cow::Borrowed(_) => {
             conv.sent_chain = conv.client_chain.clone();
-            out.client_hashes.clone()
+            (out.client_hashes.clone(), decoded)
         }
-        Cow::Owned(o) => conv.sent_chain.chain(o).to_vec(),
+        Cow::Owned(o) => (conv.sent_chain.chain(o).to_vec(), None),
+    };
+    let rough = |i: usize, m: &RawValue| match decoded.and_then(|d| d.get(i)) {
+        Some(&r) => r,
+        None => rough_message_tokens(m),
     };
     conv.calibration
-        .estimate(&out.messages, &sent_hashes, overhead, rough_message_tokens)
+        .estimate_indexed(&out.messages, &sent_hashes, overhead, rough)
 }
 
 /// Step 5: the body to send; re-serialised only when the messages changed

@@ -18,7 +18,7 @@ use http::{header, HeaderMap, HeaderName, HeaderValue, Request, Response};
 use http_body_util::BodyExt;
 use hyper::body::Incoming;
 
-use crate::codec::{Api, ApiRequest};
+use crate::codec::Api;
 use crate::error::{ErrorShape, ProxyBody, ProxyError};
 use crate::session::key::{SessionHints, SessionKey};
 use crate::upstream::body::ProxyReqBody;
@@ -113,7 +113,8 @@ pub async fn handle_api(
         Ok(c) => c.to_bytes(),
         Err(e) => return upstream.error_reply_in(error_shape(api), &body_read_error(&e)),
     };
-    let creq = match ApiRequest::parse(api, bytes.clone()) {
+    // Once per request: a retry prepares the same decoded request again.
+    let creq = match worker::decode(chat, api, bytes.clone()).await {
         Ok(creq) => creq,
         Err(e) => return unmapped(chat, upstream, api, (parts, bytes), &e).await,
     };
@@ -134,20 +135,18 @@ pub async fn handle_api(
     // A preparation that waits goes on in a task of its own: a client
     // leaving mid-compaction does not cancel the compaction (its record
     // serves the next turn).
-    let job = |creq, overflow| {
-        Box::new(worker::Job {
-            chat: Arc::clone(chat),
-            upstream: Arc::clone(upstream),
-            entry: Arc::clone(&entry),
-            client_headers: Arc::clone(&client_headers),
-            creq,
-            key: (key, cred),
-            overflow,
-            body_len: bytes.len(),
-        })
-    };
-    let mut prepared = match worker::run(job(creq, None)).await {
-        Ok(p) => p,
+    let job = Box::new(worker::Job {
+        chat: Arc::clone(chat),
+        upstream: Arc::clone(upstream),
+        entry,
+        client_headers: Arc::clone(&client_headers),
+        creq,
+        key: (key, cred),
+        overflow: None,
+        body_len: bytes.len(),
+    });
+    let (mut prepared, mut job) = match worker::run(job).await {
+        Ok(done) => done,
         Err(e) => return upstream.error_reply_in(error_shape(api), &e),
     };
     let mut retried = false;
@@ -168,17 +167,17 @@ pub async fn handle_api(
                     requested = of.requested,
                     "upstream context overflow; compacting and retrying"
                 );
-                let Ok(creq) = ApiRequest::parse(api, bytes.clone()) else {
-                    return finish(chat, upstream, resp, &prepared, key);
-                };
-                let retry = match worker::run(job(creq, Some(of))).await {
-                    Ok(p) => p,
+                job.overflow = Some(of);
+                let retry;
+                (retry, job) = match worker::run(job).await {
+                    Ok(done) => done,
                     Err(e) => return upstream.error_reply_in(error_shape(api), &e),
                 };
                 if !retry.fresh_compaction {
                     // Compaction could not help (a recorded substitution
                     // alone would resend the same overflowing request): the
                     // client gets the upstream's own error.
+                    worker::release(job);
                     return finish(chat, upstream, resp, &prepared, key);
                 }
                 prepared = Prepared {
@@ -186,7 +185,12 @@ pub async fn handle_api(
                     ..retry
                 };
             }
-            _ => return finish(chat, upstream, resp, &prepared, key),
+            _ => {
+                // No retry from here on: the decoded request goes before
+                // the response streams.
+                worker::release(job);
+                return finish(chat, upstream, resp, &prepared, key);
+            }
         }
     }
 }

@@ -22,14 +22,17 @@ use std::task::Poll;
 use http::HeaderMap;
 use tokio::task::JoinError;
 
-use crate::codec::ApiRequest;
+use bytes::Bytes;
+
+use crate::codec::{Api, ApiRequest, DecodeError};
 use crate::error::ProxyError;
+use crate::metrics::chat::DecodePool;
 use crate::session::key::SessionKey;
 use crate::session::store::Entry;
 use crate::upstream::Upstream;
 use crate::window::overflow::Overflow;
 
-use super::conversation::Conversation;
+use super::conversation::{rough_value_tokens, Conversation};
 use super::prepare::{prepare, Prepared};
 use super::ChatState;
 
@@ -49,11 +52,48 @@ pub(super) struct Job {
     pub body_len: usize,
 }
 
+/// Parses and decodes a request body, once per request: a large one
+/// (≥ [`LARGE_BODY_BYTES`]) on the blocking pool after a
+/// [`ChatState::heavy`] permit, like its preparation. Decoding a Messages or
+/// Responses body of 100,000s of blocks takes seconds of CPU; on an async
+/// worker it would stall every connection that worker serves.
+pub(super) async fn decode(
+    chat: &ChatState,
+    api: Api,
+    bytes: Bytes,
+) -> Result<ApiRequest, DecodeError> {
+    if bytes.len() < LARGE_BODY_BYTES {
+        chat.metrics.chat.decoded(DecodePool::Inline);
+        return ApiRequest::parse_with(api, bytes, Some(rough_value_tokens));
+    }
+    let permit = Arc::clone(&chat.heavy).acquire_owned().await.ok();
+    let metrics = Arc::clone(&chat.metrics);
+    let decoded = tokio::task::spawn_blocking(move || {
+        metrics.chat.decoded(DecodePool::Blocking);
+        ApiRequest::parse_with(api, bytes, Some(rough_value_tokens))
+    })
+    .await;
+    drop(permit);
+    joined(decoded).unwrap_or(Err(DecodeError::Unsupported("request")))
+}
+
+/// Lets go of a job: a large body's decoded request (millions of small
+/// allocations) is freed on the blocking pool, not on an async worker.
+pub(super) fn release(job: Box<Job>) {
+    if job.body_len >= LARGE_BODY_BYTES {
+        tokio::task::spawn_blocking(move || drop(job));
+    }
+}
+
+/// What a preparation gives back: the body to send, and its job, whose
+/// request (parsed and decoded once) a retry prepares again.
+pub(super) type Done = (Prepared, Box<Job>);
+
 /// Runs `job` and waits for it. Once the preparation has to wait (the
 /// session lock, the store, a summary call), it goes on in a task of its
 /// own: dropping the returned future (the client left) leaves it running
 /// to completion.
-pub(super) async fn run(job: Box<Job>) -> Result<Prepared, ProxyError> {
+pub(super) async fn run(job: Box<Job>) -> Result<Done, ProxyError> {
     if job.body_len >= LARGE_BODY_BYTES {
         return run_large(job).await;
     }
@@ -73,7 +113,7 @@ pub(super) async fn run(job: Box<Job>) -> Result<Prepared, ProxyError> {
 }
 
 /// [`run`] for a large body: on the blocking pool, after a permit.
-async fn run_large(job: Box<Job>) -> Result<Prepared, ProxyError> {
+async fn run_large(job: Box<Job>) -> Result<Done, ProxyError> {
     let rt = tokio::runtime::Handle::current();
     let heavy = Arc::clone(&job.chat.heavy);
     let handle = tokio::spawn(async move {
@@ -97,14 +137,14 @@ async fn run_large(job: Box<Job>) -> Result<Prepared, ProxyError> {
 
 /// The outcome of a detached preparation: its panic resumed here, a
 /// cancelled one (runtime shutting down) an internal error.
-fn joined(result: Result<Prepared, JoinError>) -> Result<Prepared, ProxyError> {
+fn joined<T>(result: Result<T, JoinError>) -> Result<T, ProxyError> {
     result.map_err(|e| match e.try_into_panic() {
         Ok(panic) => std::panic::resume_unwind(panic),
         Err(_) => ProxyError::Internal("request preparation cancelled".into()),
     })
 }
 
-async fn preparation(mut job: Box<Job>) -> Prepared {
+async fn preparation(mut job: Box<Job>) -> Done {
     // Borrowed from the job, not moved into the preparation's state: every
     // byte of that state is copied as the state is boxed.
     let Job {
@@ -117,7 +157,7 @@ async fn preparation(mut job: Box<Job>) -> Prepared {
         overflow,
         ..
     } = &mut *job;
-    prepare(
+    let prepared = prepare(
         chat,
         upstream,
         entry,
@@ -126,7 +166,8 @@ async fn preparation(mut job: Box<Job>) -> Prepared {
         *key,
         overflow.as_ref(),
     )
-    .await
+    .await;
+    (prepared, job)
 }
 
 /// A large preparation ran since the last [`trim_if_due`].

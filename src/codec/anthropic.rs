@@ -32,9 +32,9 @@ pub const MAX_CACHE_CONTROL: usize = 4;
 pub(super) fn decode(
     creq: &ChatRequest,
     wire: Vec<Box<RawValue>>,
+    mut map: WireMap,
 ) -> Result<(Vec<Box<RawValue>>, WireMap), DecodeError> {
     let mut out = Vec::with_capacity(wire.len() + 1);
-    let mut map = WireMap::default();
     if let Some(sys) = creq.get_raw("system") {
         let v: Value =
             serde_json::from_str(sys.get()).map_err(|_| DecodeError::Unsupported("system"))?;

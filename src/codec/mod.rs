@@ -22,12 +22,14 @@ pub mod responses;
 
 use std::collections::HashMap;
 use std::ops::Range;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::OnceLock;
 
 use bytes::Bytes;
 use serde_json::value::RawValue;
 use serde_json::Value;
 
-use crate::request::{message_hash, ChatRequest, ParseError};
+use crate::request::{message_hash, write_canonical, ChatRequest, ParseError};
 
 /// Which API a request speaks.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -117,7 +119,14 @@ pub struct WireMap {
     results: HashMap<String, (usize, Option<usize>)>,
     /// `cache_control` markers in the client's own system member.
     system_cc: usize,
+    /// The caller's rough token estimator, and its estimate of each engine
+    /// message, made from the value the decode holds anyway.
+    rough_fn: Option<Rough>,
+    rough: Vec<u64>,
 }
+
+/// A rough token estimate of one engine message.
+pub type Rough = fn(&Value) -> u64;
 
 impl WireMap {
     /// Records that `wire` became the engine messages `engine` (appended to
@@ -125,8 +134,11 @@ impl WireMap {
     fn push(&mut self, out: &mut Vec<Box<RawValue>>, wire: Range<usize>, engine: Vec<Value>) {
         let start = out.len();
         for v in engine {
-            if let Ok(raw) = serde_json::value::to_raw_value(&v) {
-                self.engine_hashes.push(message_hash(&raw));
+            if let Some((raw, h)) = engine_raw(&v) {
+                self.engine_hashes.push(h);
+                if let Some(f) = self.rough_fn {
+                    self.rough.push(f(&v));
+                }
                 out.push(raw);
             }
         }
@@ -147,8 +159,10 @@ impl WireMap {
     /// The system message, kept out of the groups (its wire form is a body
     /// member, not a list element).
     fn push_system(&mut self, out: &mut Vec<Box<RawValue>>, system: Value) {
-        if let Ok(raw) = serde_json::value::to_raw_value(&system) {
-            let h = message_hash(&raw);
+        if let Some((raw, h)) = engine_raw(&system) {
+            if let Some(f) = self.rough_fn {
+                self.rough.push(f(&system));
+            }
             self.system_hash = Some(h);
             self.engine_hashes.push(h);
             out.push(raw);
@@ -193,6 +207,37 @@ impl WireMap {
         }
         out
     }
+}
+
+/// A decoded engine message as the engine reads it, in canonical JSON
+/// (`request::write_canonical`: keys sorted, no whitespace), and its
+/// [`message_hash`]. Canonical, the message hashes from its own bytes: the
+/// decode and the request's hash chain ([`ApiRequest::canonical`]) need no
+/// second parse of what the decode just wrote.
+fn engine_raw(v: &Value) -> Option<(Box<RawValue>, u128)> {
+    let raw = if maps_sorted() {
+        // serde_json writes a sorted map as canonical JSON already.
+        serde_json::value::to_raw_value(v).ok()?
+    } else {
+        let mut buf = Vec::new();
+        write_canonical(v, &mut buf);
+        RawValue::from_string(String::from_utf8(buf).ok()?).ok()?
+    };
+    let h = xxhash_rust::xxh3::xxh3_128(raw.get().as_bytes());
+    Some((raw, h))
+}
+
+/// Whether `serde_json::Map` keeps its keys sorted (no `preserve_order`
+/// feature anywhere in the build): then serialising a value writes
+/// canonical JSON.
+fn maps_sorted() -> bool {
+    static SORTED: OnceLock<bool> = OnceLock::new();
+    *SORTED.get_or_init(|| {
+        let mut m = serde_json::Map::new();
+        m.insert("b".to_owned(), Value::Null);
+        m.insert("a".to_owned(), Value::Null);
+        m.keys().next().is_some_and(|k| k == "a")
+    })
 }
 
 /// One element of what is sent, before the codec renders it.
@@ -243,15 +288,40 @@ pub fn role_label(role: Option<&str>) -> &'static str {
     }
 }
 
+/// Bodies [`ApiRequest::parse`] has decoded in this process.
+static DECODES: AtomicU64 = AtomicU64::new(0);
+
+/// How many request bodies [`ApiRequest::parse`] decoded in this process:
+/// tests show with it that a request is decoded once, its retry included.
+pub fn decodes() -> u64 {
+    DECODES.load(Ordering::Relaxed)
+}
+
 impl ApiRequest {
     /// Parses and decodes one request body.
     pub fn parse(api: Api, bytes: impl Into<Bytes>) -> Result<Self, DecodeError> {
+        Self::parse_with(api, bytes, None)
+    }
+
+    /// [`Self::parse`], estimating each decoded engine message with `rough`
+    /// from the value the decode holds ([`Self::rough`]): a caller that
+    /// estimates every message would otherwise parse each one again.
+    pub fn parse_with(
+        api: Api,
+        bytes: impl Into<Bytes>,
+        rough: Option<Rough>,
+    ) -> Result<Self, DecodeError> {
+        DECODES.fetch_add(1, Ordering::Relaxed);
         let mut creq = ChatRequest::parse_list(bytes, api.list_key())?;
         let wire = creq.take_messages();
+        let map = WireMap {
+            rough_fn: rough,
+            ..WireMap::default()
+        };
         let (engine, map) = match api {
             Api::Chat => (wire, WireMap::default()),
-            Api::Messages => anthropic::decode(&creq, wire)?,
-            Api::Responses => responses::decode(&creq, wire)?,
+            Api::Messages => anthropic::decode(&creq, wire, map)?,
+            Api::Responses => responses::decode(&creq, wire, map)?,
         };
         Ok(Self {
             api,
@@ -271,10 +341,39 @@ impl ApiRequest {
         &self.engine
     }
 
+    /// The rough estimate of each engine message, in order, when
+    /// [`Self::parse_with`] made them (decoded APIs only).
+    pub fn rough(&self) -> Option<&[u64]> {
+        let complete =
+            self.map.rough_fn.is_some() && self.map.rough.len() == self.map.engine_hashes.len();
+        complete.then_some(self.map.rough.as_slice())
+    }
+
+    /// Whether the engine's messages are canonical JSON (decoded by a
+    /// codec, not the client's own chat messages): their hash chain then
+    /// hashes their bytes as they are (`ChainCache::chain_as`).
+    pub fn canonical(&self) -> bool {
+        self.api != Api::Chat
+    }
+
     /// Moves the engine's messages out; the body stays unchanged until
     /// [`Self::with_messages`].
     pub fn take_messages(&mut self) -> Vec<Box<RawValue>> {
         std::mem::take(&mut self.engine)
+    }
+
+    /// Puts back the engine's messages [`Self::take_messages`] took.
+    pub fn restore_messages(&mut self, engine: Vec<Box<RawValue>>) {
+        self.engine = engine;
+    }
+
+    /// The body as the client sent it again (undoes [`Self::with_messages`]
+    /// and the usage plan's edit): with [`Self::restore_messages`], the
+    /// request is as parsed, ready for another preparation (the retry after
+    /// an overflow error) without a second parse and decode. Free when
+    /// nothing was edited.
+    pub fn rewind(&mut self) {
+        self.creq.rewind();
     }
 
     /// Raw top-level member.

@@ -49,11 +49,12 @@ fn is_set(raw: Option<&RawValue>) -> bool {
 pub(super) fn decode(
     creq: &ChatRequest,
     wire: Vec<Box<RawValue>>,
+    mut map: WireMap,
 ) -> Result<(Vec<Box<RawValue>>, WireMap), DecodeError> {
     if is_set(creq.get_raw("previous_response_id")) || is_set(creq.get_raw("conversation")) {
         return Err(DecodeError::ServerState);
     }
-    let items: Vec<Value> = wire
+    let mut items: Vec<Value> = wire
         .iter()
         .map(|w| serde_json::from_str(w.get()))
         .collect::<Result<_, _>>()
@@ -62,7 +63,6 @@ pub(super) fn decode(
         return Err(DecodeError::ServerState);
     }
     let mut out = Vec::with_capacity(wire.len() + 1);
-    let mut map = WireMap::default();
     if let Some(Value::String(s)) = creq
         .get_raw("instructions")
         .and_then(|r| serde_json::from_str::<Value>(r.get()).ok())
@@ -77,9 +77,11 @@ pub(super) fn decode(
         let v = &items[i];
         let start = pending.unwrap_or(i);
         if is_output(v) {
-            let id = str_field(v, "call_id").to_owned();
+            // Taken, not cloned: an item is read once.
+            let mut v = std::mem::take(&mut items[i]);
+            let id = str_field(&v, "call_id").to_owned();
             map.results.insert(id.clone(), (i, None));
-            let content = output_content(v.get("output"));
+            let content = output_content(v.get_mut("output").map(Value::take));
             map.push(
                 &mut out,
                 start..i + 1,
@@ -97,7 +99,7 @@ pub(super) fn decode(
             continue;
         }
         let mut m = if message {
-            message_to_engine(v)?
+            message_to_engine(std::mem::take(&mut items[i]))?
         } else {
             json!({"role": "assistant", "content": null})
         };
@@ -133,9 +135,9 @@ fn str_field<'a>(v: &'a Value, k: &str) -> &'a str {
     v.get(k).and_then(Value::as_str).unwrap_or_default()
 }
 
-fn message_to_engine(v: &Value) -> Result<Value, DecodeError> {
+fn message_to_engine(mut v: Value) -> Result<Value, DecodeError> {
     let role = match v.get("role").and_then(Value::as_str) {
-        Some(r @ ("user" | "assistant" | "system" | "developer")) => r,
+        Some(r @ ("user" | "assistant" | "system" | "developer")) => r.to_owned(),
         r => {
             return Err(DecodeError::UnsupportedRole {
                 member: "input",
@@ -143,25 +145,36 @@ fn message_to_engine(v: &Value) -> Result<Value, DecodeError> {
             })
         }
     };
-    let content = match v.get("content") {
-        Some(Value::String(s)) => Value::String(s.clone()),
-        Some(Value::Array(parts)) => Value::Array(parts.iter().map(part_to_engine).collect()),
+    let content = match v.get_mut("content").map(Value::take) {
+        Some(s @ Value::String(_)) => s,
+        Some(Value::Array(parts)) => Value::Array(parts.into_iter().map(part_to_engine).collect()),
         _ => return Err(DecodeError::Unsupported("content")),
     };
     Ok(json!({"role": role, "content": content}))
 }
 
-fn part_to_engine(p: &Value) -> Value {
-    match (item_type(p), p.get("text")) {
-        ("input_text" | "output_text", Some(t)) => json!({"type": "text", "text": t}),
-        _ => p.clone(),
+/// An `input_text` / `output_text` part as the engine's
+/// `{"type":"text","text":…}`; others as they are. Rewritten in place: a
+/// body of 100,000s of parts would otherwise allocate each one twice.
+fn part_to_engine(mut p: Value) -> Value {
+    if !matches!(item_type(&p), "input_text" | "output_text") {
+        return p;
     }
+    if let Value::Object(o) = &mut p {
+        if o.contains_key("text") {
+            o.retain(|k, _| k == "type" || k == "text");
+            if let Some(t) = o.get_mut("type") {
+                *t = Value::String("text".to_owned());
+            }
+        }
+    }
+    p
 }
 
-fn output_content(output: Option<&Value>) -> Value {
+fn output_content(output: Option<Value>) -> Value {
     match output {
-        Some(Value::String(s)) => Value::String(s.clone()),
-        Some(Value::Array(parts)) => Value::Array(parts.iter().map(part_to_engine).collect()),
+        Some(s @ Value::String(_)) => s,
+        Some(Value::Array(parts)) => Value::Array(parts.into_iter().map(part_to_engine).collect()),
         Some(other) => Value::String(other.to_string()),
         None => Value::String(String::new()),
     }

@@ -217,3 +217,36 @@ fn responses_with_server_state_are_not_decoded() {
         r#"{"model":"m","previous_response_id":null,"input":[{"role":"user","content":"hi"}]}"#;
     assert!(ApiRequest::parse(Api::Responses, ok.as_bytes().to_vec()).is_ok());
 }
+
+#[test]
+fn decoded_messages_are_canonical_and_chain_as_the_client_chain_would() {
+    let responses = r#"{"model":"m","instructions":"S","input":[
+     {"role":"user","content":[{"type":"input_text","text":"hi \u00e9 \"q\""}]},
+     {"type":"reasoning","id":"r","summary":[]},
+     {"type":"function_call","call_id":"c","name":"f","arguments":"{\"z\":1,\"a\":2.50}"},
+     {"type":"function_call_output","call_id":"c","output":"out"}]}"#;
+    for (api, body) in [(Api::Messages, MESSAGES), (Api::Responses, responses)] {
+        let r = ApiRequest::parse(api, body.as_bytes().to_vec()).unwrap();
+        assert!(r.canonical());
+        for (m, h) in r.messages().iter().zip(&r.map.engine_hashes) {
+            let mut canonical = Vec::new();
+            crate::request::write_canonical(
+                &serde_json::from_str(m.get()).unwrap(),
+                &mut canonical,
+            );
+            assert_eq!(m.get().as_bytes(), canonical.as_slice(), "{api:?}");
+            assert_eq!(*h, message_hash(m));
+        }
+        // Hashed as they are, the chain is the one a parse would give.
+        let mut cache = crate::request::ChainCache::new();
+        assert_eq!(
+            cache.chain_as(r.messages(), true),
+            crate::request::message_hashes(r.messages()).as_slice()
+        );
+    }
+    assert!(
+        !ApiRequest::parse(Api::Chat, br#"{"messages":[]}"#.to_vec())
+            .unwrap()
+            .canonical()
+    );
+}

@@ -34,6 +34,26 @@ pub mod names {
     /// Conversation requests the API's codec could not map (forwarded
     /// untouched), by API, reason, member and role.
     pub const UNMAPPED_TOTAL: &str = "compactor_unmapped_requests_total";
+    /// Conversation bodies parsed and decoded, by where the work ran.
+    pub const DECODES_TOTAL: &str = "compactor_request_decodes_total";
+}
+
+/// Where a request body was parsed and decoded.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum DecodePool {
+    /// In the request's own task, on an async worker (small bodies).
+    Inline,
+    /// On the blocking pool (large bodies): the async workers stay free.
+    Blocking,
+}
+
+impl DecodePool {
+    fn label(self) -> &'static str {
+        match self {
+            DecodePool::Inline => "inline",
+            DecodePool::Blocking => "blocking",
+        }
+    }
 }
 
 /// Labels of one unmapped request: API, reason, member, role.
@@ -47,6 +67,8 @@ pub struct ChatMetrics {
     tokens_saved: AtomicU64,
     overflow_retries: AtomicU64,
     prompt_tokens: AtomicU64,
+    /// Decodes inline and on the blocking pool.
+    decodes: [AtomicU64; 2],
     /// Duration of compaction attempts that called the summariser.
     pub summariser: Histogram,
     precompactions: Mutex<BTreeMap<&'static str, u64>>,
@@ -63,6 +85,7 @@ impl Default for ChatMetrics {
             tokens_saved: AtomicU64::new(0),
             overflow_retries: AtomicU64::new(0),
             prompt_tokens: AtomicU64::new(0),
+            decodes: Default::default(),
             summariser: Histogram::new(UPSTREAM_BUCKETS),
             precompactions: Mutex::default(),
             precompaction_wait: Histogram::new(UPSTREAM_BUCKETS),
@@ -121,6 +144,16 @@ impl ChatMetrics {
         self.overflow_retries.fetch_add(1, Ordering::Relaxed);
     }
 
+    /// One request body parsed and decoded, in `pool`.
+    pub fn decoded(&self, pool: DecodePool) {
+        self.decodes[pool as usize].fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// Bodies decoded in `pool` so far.
+    pub fn decodes(&self, pool: DecodePool) -> u64 {
+        self.decodes[pool as usize].load(Ordering::Relaxed)
+    }
+
     /// Real prompt tokens reported by the upstream.
     pub fn prompt_tokens(&self, n: u64) {
         self.prompt_tokens.fetch_add(n, Ordering::Relaxed);
@@ -146,6 +179,22 @@ impl ChatMetrics {
                     "{name}{{api=\"{api}\",reason=\"{reason}\",member=\"{member}\",role=\"{role}\"}} {v}"
                 );
             }
+        }
+    }
+
+    fn render_decodes(&self, out: &mut String) {
+        let name = names::DECODES_TOTAL;
+        let _ = writeln!(
+            out,
+            "# HELP {name} Conversation request bodies parsed and decoded, by where.\n# TYPE {name} counter"
+        );
+        for pool in [DecodePool::Inline, DecodePool::Blocking] {
+            let _ = writeln!(
+                out,
+                "{name}{{pool=\"{}\"}} {}",
+                pool.label(),
+                self.decodes(pool)
+            );
         }
     }
 
@@ -203,6 +252,7 @@ impl ChatMetrics {
                 v.load(Ordering::Relaxed)
             );
         }
+        self.render_decodes(&mut out);
         for (name, help, v) in [
             (names::SESSIONS, "Live sessions.", sessions),
             (names::RECORDS, "Live compaction records.", records),

@@ -207,6 +207,21 @@ impl Calibration {
     where
         F: Fn(&RawValue) -> u64,
     {
+        self.estimate_indexed(messages, hashes, overhead, |_, m| rough(m))
+    }
+
+    /// [`Self::estimate`]; `rough` is also told the index of the message
+    /// in `messages` (for estimates made beforehand).
+    pub fn estimate_indexed<F>(
+        &mut self,
+        messages: &[Box<RawValue>],
+        hashes: &[u128],
+        overhead: u64,
+        rough: F,
+    ) -> Estimate
+    where
+        F: Fn(usize, &RawValue) -> u64,
+    {
         let n = messages.len().min(hashes.len());
         // Reuse per-message estimates from whichever remembered request
         // shares the longer prefix.
@@ -225,8 +240,8 @@ impl Calibration {
             per_msg.extend_from_slice(&src.rough[..l]);
         }
         let newly_estimated = n - per_msg.len();
-        for m in &messages[per_msg.len()..n] {
-            per_msg.push(rough(m));
+        for (i, m) in messages.iter().enumerate().take(n).skip(per_msg.len()) {
+            per_msg.push(rough(i, m));
         }
         let mut sent = SentRequest {
             hashes: hashes[..n].to_vec(),
