@@ -291,7 +291,9 @@ def _pi_argv(s: Session, turn: int, prompt: str) -> list[str]:
 
 # ---------------------------------------------------------------- hermes-agent
 
-HERMES_MAX_TOKENS = 256
+# Small: every reply of the 270M model runs to it (it calls no tool and never ends), and
+# hermes asks it to continue; a short reply keeps a turn quick on 2 cores.
+HERMES_MAX_TOKENS = 64
 
 
 def _hermes_setup(s: Session) -> None:
