@@ -192,7 +192,7 @@ def llama(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LlamaServer]:
 # 270M model never ends a turn and Claude Code treats a reply cut at
 # max_tokens as an error.
 AGENT_N_CTX = 8192
-AGENT_N_PREDICT = 48
+AGENT_N_PREDICT = 24
 AGENT_GRAMMAR = HERE / "agents" / "short_reply.gbnf"
 
 
