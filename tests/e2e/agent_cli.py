@@ -264,9 +264,12 @@ def _pi_setup(s: Session) -> None:
         "models": [{"id": MODEL}],
     }
     (agent_dir / "models.json").write_text(json.dumps({"providers": {"compactor": provider}}, indent=2))
-    # No agent-level retry: a failure is never hidden by a retry.
+    # No agent-level retry (a failure is never hidden by a retry), and its own compaction off
+    # (it would otherwise summarise and retry on an overflow error: what keeps the
+    # conversation inside the window must be compactor).
     (agent_dir / "settings.json").write_text(json.dumps({
         "enableInstallTelemetry": False,
+        "compaction": {"enabled": False},
         "retry": {"enabled": False, "provider": {"maxRetries": 0, "timeoutMs": int(TURN_TIMEOUT_S * 1000)}},
     }, indent=2))
 
