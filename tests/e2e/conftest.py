@@ -117,16 +117,17 @@ def slot_n_ctx(url: str) -> int:
     return int(json.loads(body)["default_generation_settings"]["n_ctx"])
 
 
-def _start_llama(log_path: Path) -> LlamaServer:
+def _start_llama(log_path: Path, n_ctx: int = LLAMA_N_CTX, extra: list[str] | None = None) -> LlamaServer:
     cmd = [
         sys.executable,
         str(LLAMA_SCRIPT),
         "--host", "127.0.0.1",
         "--port", "0",
-        "--n-ctx", str(LLAMA_N_CTX),
+        "--n-ctx", str(n_ctx),
         "--slots", "1",
         "--threads", "2",
         "--exit-with-parent",
+        *(extra or []),
     ]
     with log_path.open("wb") as log:
         proc = subprocess.Popen(
@@ -173,6 +174,40 @@ def llama(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LlamaServer]:
         yield LlamaServer(url=url, n_ctx=slot_n_ctx(url))
         return
     server = _start_llama(tmp_path_factory.mktemp("llama") / "llama.log")
+    try:
+        yield server
+    finally:
+        if server.proc is not None:
+            _stop(server.proc)
+
+
+# The real-agent tests' server (test_real_agents.py), started only when one of
+# them runs. Why a second server: Codex's own instructions (its base prompt and
+# permissions, ~6k tokens with its one remaining tool) do not fit the suite's
+# 2,048-token window at all, so an 8,192-token window is the smallest in which
+# its instructions are kept and a conversation still has room; Claude Code
+# (~2.5k tokens of its own) and pi run in it too. Its replies end: a
+# server-default grammar (one short line, then end of turn) for requests
+# without tools, and a cap on generated tokens for the rest, because the
+# 270M model never ends a turn and Claude Code treats a reply cut at
+# max_tokens as an error.
+AGENT_N_CTX = 8192
+AGENT_N_PREDICT = 24
+AGENT_GRAMMAR = HERE / "agents" / "short_reply.gbnf"
+
+
+@pytest.fixture(scope="session")
+def llama_agents(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LlamaServer]:
+    external = os.environ.get("E2E_LLAMA_AGENTS_URL")
+    if external:
+        url = external.rstrip("/")
+        yield LlamaServer(url=url, n_ctx=slot_n_ctx(url))
+        return
+    server = _start_llama(
+        tmp_path_factory.mktemp("llama-agents") / "llama.log",
+        n_ctx=AGENT_N_CTX,
+        extra=["--grammar", str(AGENT_GRAMMAR), "--n-predict", str(AGENT_N_PREDICT)],
+    )
     try:
         yield server
     finally:

@@ -17,11 +17,13 @@ from __future__ import annotations
 import http.client
 import json
 import threading
+import time
 import urllib.parse
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
+CONVERSATION_PATHS = ("/chat/completions", "/v1/messages", "/v1/responses")
 HOP_BY_HOP = {
     "connection", "keep-alive", "proxy-connection", "te", "trailer", "transfer-encoding", "upgrade",
 }
@@ -43,20 +45,45 @@ class Exchange:
     error_type: str | None = None
     n_ctx: int | None = None
     done: bool = False
+    # The request body and the response headers (lower-case names), for the
+    # real-agent tests that check what crossed and what compactor said.
+    body: bytes = b""
+    started: float = field(default_factory=time.monotonic)
+    response_headers: dict[str, str] = field(default_factory=dict)
+    error_message: str | None = None
+
+    def json(self) -> Any:
+        try:
+            return json.loads(self.body) if self.body else None
+        except ValueError:
+            return None
 
 
 def _usage_from_json(body: dict[str, Any], ex: Exchange) -> None:
     err = body.get("error")
     if isinstance(err, dict):
         ex.error_type = err.get("type")
+        ex.error_message = err.get("message")
         ex.n_ctx = err.get("n_ctx")
         if err.get("n_prompt_tokens") is not None:
             ex.prompt_tokens = err["n_prompt_tokens"]
         return
+    # Anthropic's message_start and Responses' response.* events nest theirs.
+    for key in ("message", "response"):
+        inner = body.get(key)
+        if isinstance(inner, dict) and (inner.get("usage") or inner.get("timings")):
+            _usage_from_json(inner, ex)
     usage = body.get("usage") or {}
     timings = body.get("timings") or {}
     if usage.get("prompt_tokens") is not None:
         ex.prompt_tokens = usage["prompt_tokens"]
+    elif usage.get("input_tokens") is not None:
+        # Anthropic splits the prompt into fresh and cached parts.
+        ex.prompt_tokens = (
+            usage["input_tokens"]
+            + (usage.get("cache_read_input_tokens") or 0)
+            + (usage.get("cache_creation_input_tokens") or 0)
+        )
     elif "prompt_n" in timings:
         ex.prompt_tokens = timings["prompt_n"] + timings.get("cache_n", 0)
     if "cache_n" in timings:
@@ -103,6 +130,13 @@ class UpstreamTap:
             self.lock.wait_for(lambda: all(e.done for e in self.exchanges), timeout=timeout_s)
             return [e for e in self.exchanges if e.path.split("?")[0].endswith("/chat/completions")]
 
+    def conversations(self, timeout_s: float = 30.0) -> list[Exchange]:
+        """Like :meth:`chat`, over the three conversation APIs (chat completions,
+        Anthropic Messages, Responses)."""
+        with self.lock:
+            self.lock.wait_for(lambda: all(e.done for e in self.exchanges), timeout=timeout_s)
+            return [e for e in self.exchanges if e.path.split("?")[0].endswith(CONVERSATION_PATHS)]
+
     def clear(self) -> None:
         with self.lock:
             self.exchanges.clear()
@@ -141,7 +175,9 @@ def _handler(tap: UpstreamTap):
                     req = json.loads(body)
                 except ValueError:
                     req = {}
-            msgs = req.get("messages") if isinstance(req, dict) else None
+            msgs = None
+            if isinstance(req, dict):
+                msgs = req.get("messages") if "messages" in req else req.get("input")
             ex = Exchange(
                 method=self.command,
                 path=self.path,
@@ -149,7 +185,10 @@ def _handler(tap: UpstreamTap):
                 request_bytes=len(body),
                 messages=len(msgs) if isinstance(msgs, list) else None,
                 stream=bool(isinstance(req, dict) and req.get("stream")),
-                max_tokens=(req.get("max_tokens") or req.get("max_completion_tokens")) if isinstance(req, dict) else None,
+                max_tokens=(
+                    req.get("max_tokens") or req.get("max_completion_tokens") or req.get("max_output_tokens")
+                ) if isinstance(req, dict) else None,
+                body=body,
             )
             with tap.lock:
                 tap.exchanges.append(ex)
@@ -179,6 +218,7 @@ def _handler(tap: UpstreamTap):
             conn.request(self.command, up.path.rstrip("/") + self.path, body=body or None, headers=headers)
             resp = conn.getresponse()
             ex.status = resp.status
+            ex.response_headers = {k.lower(): v for k, v in resp.getheaders()}
             length = resp.getheader("Content-Length")
             self.send_response_only(resp.status, resp.reason)
             for k, v in resp.getheaders():

@@ -63,6 +63,8 @@ pub enum ApiKind {
 #[derive(Debug, Clone)]
 pub struct ApiSeen {
     pub path: String,
+    /// The query string, if any (Claude Code sends `?beta=true`).
+    pub query: Option<String>,
     pub headers: HeaderMap,
     pub body: Bytes,
     pub kind: ApiKind,
@@ -173,6 +175,7 @@ async fn serve(
     let record = |kind, prompt_tokens, overflowed| {
         shared.seen.lock().unwrap().push(ApiSeen {
             path: path.clone(),
+            query: parts.uri.query().map(str::to_owned),
             headers: parts.headers.clone(),
             body: body.clone(),
             kind,
