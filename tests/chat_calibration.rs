@@ -126,3 +126,45 @@ async fn model_switch_resets_calibration() {
     let ratio = view["calibration_ratio"].as_f64().unwrap();
     assert!((0.9..1.1).contains(&ratio), "{view}");
 }
+
+/// A first request near the window, whose text tokenizes denser than
+/// chars/4: with the upstream's tokenizer it is counted before it is sent
+/// and compacted up front; without, it overflows once and is retried.
+#[tokio::test]
+async fn a_first_request_is_counted_by_the_upstream_tokenizer() {
+    for tokenizer in [false, true] {
+        let mock = ChatMock::start(Settings {
+            window: Some(4096),
+            bytes_per_token: 2.5,
+            tokenizer,
+            ..Settings::default()
+        })
+        .await;
+        let proxy = start_proxy(&mock.url(), "[models.\"m\"]\ncontext_length = 4096\n").await;
+        // Under the trigger by chars/4 (about 3,000 of 4,096), over the
+        // window by the upstream's count (2.5 bytes a token: about 4,800).
+        let mut conv = Conversation::new(600);
+        let mut sent = conv.ask();
+        while prompt_tokens_of(&serde_json::json!({ "messages": sent })) < 2_900 {
+            conv.answer();
+            sent = conv.ask();
+        }
+        let (st, h, body) = post_chat(&proxy.url(), chat_body("m", &sent, false), &[AUTH]).await;
+        assert_eq!(st, 200, "{}", String::from_utf8_lossy(&body));
+        let chats = mock.chats();
+        let asked = |path: &str| mock.seen().iter().filter(|s| s.path == path).count();
+        assert_eq!(asked("/apply-template"), 1, "the tokenizer was looked for");
+        if tokenizer {
+            assert_eq!(action(&h), "compacted");
+            assert_eq!(chats.len(), 1, "sent once, inside the window");
+            assert!(!chats[0].overflowed);
+        } else {
+            assert_eq!(action(&h), "retried", "uncounted, it overflowed first");
+            assert_eq!(chats.len(), 2);
+            // An upstream without a tokenizer is not asked again.
+            let other = Conversation::new(700).ask();
+            post_chat(&proxy.url(), chat_body("m", &other, false), &[AUTH]).await;
+            assert_eq!((asked("/apply-template"), asked("/tokenize")), (1, 1));
+        }
+    }
+}

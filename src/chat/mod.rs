@@ -23,6 +23,7 @@
 mod background;
 mod compact;
 pub mod conversation;
+mod count;
 mod durable;
 mod persist;
 mod prepare;
@@ -82,6 +83,8 @@ pub struct ChatState {
     pub background: Arc<tokio::sync::Semaphore>,
     /// What firmer-length summary retries gave, per model.
     pub firm_retries: Arc<summarise::FirmRetries>,
+    /// The upstream's tokenizer endpoint, once found (or found absent).
+    pub tokenizer: count::Tokenizer,
 }
 
 impl ChatState {
@@ -137,6 +140,7 @@ impl ChatState {
                 cfg.compaction.background_max_concurrent.max(1),
             )),
             firm_retries: Arc::default(),
+            tokenizer: count::Tokenizer::default(),
         })
     }
 

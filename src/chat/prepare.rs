@@ -10,7 +10,7 @@ use http::HeaderMap;
 use serde_json::value::RawValue;
 
 use crate::codec::ApiRequest;
-use crate::session::calibration::{Estimate, SentRequest};
+use crate::session::calibration::{Basis, Estimate, SentRequest};
 use crate::session::key::SessionKey;
 use crate::session::store::Entry;
 use crate::upstream::Upstream;
@@ -86,7 +86,9 @@ pub(super) async fn prepare(
     let mut out = substitute(chat, conv, cred, &original, creq.canonical()).await;
     let max_out = creq.max_output_tokens();
     let overhead = conv.tools_overhead(creq.get_raw("tools"));
-    let mut est = estimate(conv, &out, overhead, creq.rough());
+    let est = estimate(conv, &out, overhead, creq.rough());
+    let counting = (overhead, est, window);
+    let mut est = count_first(chat, upstream, client_headers, conv, creq, &out, counting).await;
 
     // A recorded prefix is a substitution, not a compaction: the action
     // stays `passthrough` and `x-compactor-replaced` says how many of the
@@ -144,6 +146,47 @@ pub(super) async fn prepare(
     let prepared = build(creq, conv, out, est, action);
     creq.restore_messages(original);
     prepared
+}
+
+/// The estimate of a first request near the window calibrated by the
+/// upstream's own count of it, when the upstream can count (else `est` as
+/// it was).
+async fn count_first(
+    chat: &ChatState,
+    upstream: &Upstream,
+    client_headers: &HeaderMap,
+    conv: &mut Conversation,
+    creq: &ApiRequest,
+    out: &Outgoing<'_>,
+    (overhead, est, window): (u64, Estimate, u64),
+) -> Estimate {
+    if !first_count_due(&est, window) {
+        return est;
+    }
+    let model = creq.model().unwrap_or_default();
+    let tools = creq.get_raw("tools");
+    let tokenizer = &chat.tokenizer;
+    let counted = super::count::count(
+        tokenizer,
+        upstream,
+        client_headers,
+        &model,
+        &out.messages,
+        tools,
+    )
+    .await;
+    let Some(real) = counted else {
+        return est;
+    };
+    conv.calibration.observe(Arc::clone(&est.sent), real);
+    estimate(conv, out, overhead, creq.rough())
+}
+
+/// A conversation's first request (nothing calibrates it yet) whose rough
+/// estimate is at least half the window: near enough to the trigger that
+/// chars/4 may decide wrong, so the upstream's tokenizer is asked.
+fn first_count_due(est: &Estimate, window: u64) -> bool {
+    est.basis == Basis::Uncalibrated && est.tokens.saturating_mul(2) >= window
 }
 
 /// The estimate of messages the preparation changed.

@@ -99,6 +99,9 @@ pub struct Settings {
     /// Split SSE bodies into frames of this many bytes (events cut across
     /// frames); whole events per frame when None.
     pub frame_bytes: Option<usize>,
+    /// Serve llama.cpp's `/apply-template` and `/tokenize`, counting as the
+    /// chat completions do.
+    pub tokenizer: bool,
 }
 
 impl Default for Settings {
@@ -115,6 +118,7 @@ impl Default for Settings {
             bytes_per_token: 4.0,
             deltas: vec!["Hel".into(), "lo".into(), " there".into()],
             frame_bytes: None,
+            tokenizer: false,
         }
     }
 }
@@ -412,6 +416,20 @@ async fn serve(
                 format!("{{\"default_generation_settings\":{{\"n_ctx\":{n}}},\"total_slots\":1}}"),
             ),
             None => json_reply(404, "{\"error\":{\"code\":404,\"message\":\"File Not Found\",\"type\":\"not_found_error\"}}".into()),
+        });
+    }
+    if settings.tokenizer && (path == "/apply-template" || path == "/tokenize") {
+        record(Kind::Other, 0, false);
+        let v: Value = serde_json::from_slice(&body).unwrap_or(Value::Null);
+        return Ok(if path == "/apply-template" {
+            // The "template" is the messages' JSON: /tokenize then counts
+            // what a chat completion of them would report.
+            let prompt = serde_json::to_string(&v["messages"]).unwrap_or_default();
+            json_reply(200, json!({ "prompt": prompt }).to_string())
+        } else {
+            let len = v["content"].as_str().map_or(0, str::len);
+            let n = (len as f64 / settings.bytes_per_token) as usize;
+            json_reply(200, json!({ "tokens": vec![0; n] }).to_string())
         });
     }
     if path != "/v1/chat/completions" {
