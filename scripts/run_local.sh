@@ -13,7 +13,7 @@ llama_port="${LLAMA_PORT:-8080}"
 llama_url="http://127.0.0.1:${llama_port}"
 py="$repo/.venv/bin/python"
 
-bash scripts/setup_e2e.sh
+bash scripts/setup_e2e.sh --serve-only
 
 healthy() {
     "$py" - "$1" <<'PY'

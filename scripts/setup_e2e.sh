@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
 # Prepare the end-to-end environment; safe to run any number of times.
+# `--serve-only`: only .venv and the model (what scripts/run_local.sh needs to run llama.cpp).
 #   - .venv at the repo root with requirements-e2e.txt (reinstalled only when that file changes)
 #   - .venv-hermes with requirements-hermes.txt: hermes-agent pins an openai SDK the suite's
 #     own venv cannot share (same rule: reinstalled only when that file changes)
@@ -46,6 +47,19 @@ make_venv() {
 }
 
 make_venv "$venv" "$req"
+
+prepare_model() {
+    local model
+    model="$("$py" "$repo/scripts/llama_server.py" --prepare-only)"
+    log "model ready: $model ($(du -h "$model" | cut -f1))"
+}
+
+# `--serve-only` (scripts/run_local.sh): what running llama.cpp needs, not the test agents.
+if [[ "${1:-}" == "--serve-only" ]]; then
+    prepare_model
+    exit 0
+fi
+
 make_venv "$repo/.venv-hermes" "$repo/requirements-hermes.txt"
 
 # The agent CLIs: npm packages whose native binaries (Claude Code, Codex) come from their npm
@@ -65,5 +79,4 @@ else
     log "npm not found: the real-agent e2e tests (test_real_agents.py) cannot run"
 fi
 
-model="$("$py" "$repo/scripts/llama_server.py" --prepare-only)"
-log "model ready: $model ($(du -h "$model" | cut -f1))"
+prepare_model
