@@ -440,3 +440,62 @@ async fn default_headers_keep_claude_code_subagents_apart() {
     assert_ne!(session_of(&hp), session_of(&hb));
     assert_eq!(session_of(&ha), session_of(&ha2));
 }
+
+#[tokio::test]
+async fn admin_view_answers_while_a_compaction_holds_the_conversation() {
+    let mock = ChatMock::start(Settings::default()).await;
+    let proxy = start_proxy(&mock.url(), &config()).await;
+    let url = proxy.url();
+    let headers = [("authorization", "Bearer k"), ("x-session-id", "held")];
+    let mut conv = Conversation::new(600);
+    let mut key = String::new();
+    // Up to the turn before the first compaction (found on a probe proxy).
+    let probe = start_proxy(&mock.url(), &config()).await;
+    let mut n_before = 0;
+    {
+        let mut c = Conversation::new(600);
+        for i in 0..20 {
+            let sent = c.ask();
+            let (_, h, _) = post_chat(&probe.url(), chat_body("m", &sent, false), &headers).await;
+            c.answer();
+            if action(&h) == "compacted" {
+                n_before = i;
+                break;
+            }
+        }
+    }
+    assert!(n_before > 0);
+    for _ in 0..n_before {
+        let sent = conv.ask();
+        let (_, h, _) = post_chat(&url, chat_body("m", &sent, false), &headers).await;
+        conv.answer();
+        key = session_of(&h);
+    }
+    let (st, before) = admin_view(&url, TOKEN, &key).await;
+    assert_eq!(st, 200);
+    assert_eq!(before["busy"], json!(false), "{before}");
+    // The compacting turn's summary call now hangs far longer than the view may wait.
+    mock.update(|s| s.summary_delay = Duration::from_secs(60));
+    let summaries_before = mock.summaries().len();
+    let sent = conv.ask();
+    let compacting = tokio::spawn({
+        let url = url.clone();
+        async move { post_chat(&url, chat_body("m", &sent, false), &headers).await }
+    });
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
+    while mock.summaries().len() == summaries_before {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "no summary call started"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let (st, during) = tokio::time::timeout(Duration::from_secs(10), admin_view(&url, TOKEN, &key))
+        .await
+        .expect("the view waited for the compaction");
+    assert_eq!(st, 200);
+    assert_eq!(during["busy"], json!(true), "{during}");
+    // The last view rendered before, not an empty one.
+    assert_eq!(during["stats"], before["stats"], "{during}");
+    compacting.abort();
+}

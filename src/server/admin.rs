@@ -7,12 +7,17 @@ use bytes::Bytes;
 use http::{header, HeaderValue, Request, Response, StatusCode};
 use serde_json::json;
 
+use crate::chat::conversation::Conversation;
 use crate::chat::ChatState;
 use crate::error::{error_response, full_body, ProxyBody};
 use crate::session::key::SessionKey;
 
 /// Path prefix of the session view.
 pub const SESSIONS_PREFIX: &str = "/_compactor/sessions/";
+
+/// How long the view waits for a conversation's lock before it answers
+/// from the last view it rendered.
+const LOCK_WAIT: std::time::Duration = std::time::Duration::from_millis(100);
 
 /// Serves the session view; `path` starts with [`SESSIONS_PREFIX`].
 pub async fn session_view<B>(
@@ -48,7 +53,36 @@ pub async fn session_view<B>(
     let Some(entry) = chat.sessions.peek(&key) else {
         return not_found();
     };
-    let mut conv = entry.lock().await;
+    // A compaction holds the lock through its summary calls (seconds to
+    // minutes on a small server): past a short wait, which covers a request's
+    // ordinary preparation, answer from the last view, marked busy.
+    let body = match tokio::time::timeout(LOCK_WAIT, entry.lock()).await {
+        Ok(mut conv) => {
+            let view = render(&key, &mut conv);
+            entry.set_snapshot(view.clone());
+            with_busy(view, false)
+        }
+        Err(_) => with_busy(
+            entry
+                .snapshot()
+                .unwrap_or_else(|| json!({ "session": key.to_string() })),
+            true,
+        ),
+    };
+    json_response(StatusCode::OK, body.to_string())
+}
+
+/// `view` with `busy`: whether the conversation was locked (compacting)
+/// and the view is the last one rendered before, possibly only its key.
+fn with_busy(mut view: serde_json::Value, busy: bool) -> serde_json::Value {
+    if let Some(o) = view.as_object_mut() {
+        o.insert("busy".to_owned(), serde_json::Value::Bool(busy));
+    }
+    view
+}
+
+/// The content-free view of one conversation.
+fn render(key: &SessionKey, conv: &mut Conversation) -> serde_json::Value {
     conv.drain_inbox();
     let trigger = conv.compressor.as_ref().map(|c| c.trigger.status());
     // The engine works in rough units; show real tokens at the top level.
@@ -67,7 +101,7 @@ pub async fn session_view<B>(
             "replacement_tokens": r.replacement_tokens,
         })
     });
-    let body = json!({
+    json!({
         "session": key.to_string(),
         "window": conv.real_window.or(trigger.as_ref().and_then(|t| t.window)),
         "threshold_tokens": threshold,
@@ -80,8 +114,7 @@ pub async fn session_view<B>(
         "stats": conv.stats,
         "record": record,
         "trigger": trigger,
-    });
-    json_response(StatusCode::OK, body.to_string())
+    })
 }
 
 /// A JSON response compactor writes itself.

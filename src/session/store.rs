@@ -180,6 +180,10 @@ pub struct Entry<T> {
     state: tokio::sync::Mutex<T>,
     /// Milliseconds since the store's epoch, and the recency index's slot.
     slot: LruSlot,
+    /// The last view a reader rendered of `state`: what a reader that must
+    /// not wait (the admin view while a compaction holds the lock for its
+    /// summary calls) answers with instead.
+    snapshot: Mutex<Option<serde_json::Value>>,
 }
 
 impl<T> Entry<T> {
@@ -187,7 +191,18 @@ impl<T> Entry<T> {
         Self {
             state: tokio::sync::Mutex::new(state),
             slot,
+            snapshot: Mutex::new(None),
         }
+    }
+
+    /// The last view stored by [`Entry::set_snapshot`].
+    pub fn snapshot(&self) -> Option<serde_json::Value> {
+        crate::sync::lock(&self.snapshot).clone()
+    }
+
+    /// Keeps `view` for readers that find the state locked.
+    pub fn set_snapshot(&self, view: serde_json::Value) {
+        *crate::sync::lock(&self.snapshot) = Some(view);
     }
 
     /// The per-session lock.
