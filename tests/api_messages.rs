@@ -522,3 +522,34 @@ async fn an_unmapped_request_is_forwarded_and_counted() {
         support::chat::get_with(&format!("{}/_compactor/metrics", proxy.url()), &[]).await;
     assert!(!String::from_utf8_lossy(&text).contains("secret-role-text"));
 }
+
+/// The turn of a conversation's first compaction with `max_tokens` set to `cap`.
+async fn first_compaction_with_cap(cap: u64) -> usize {
+    let mock = ApiMock::start(ApiSettings::default()).await;
+    let proxy = start_proxy(&mock.url(), &config("")).await;
+    let mut conv = Conv::new();
+    for turn in 1..=20 {
+        let sent = String::from_utf8(body(&conv.ask(), false))
+            .unwrap()
+            .replace("\"max_tokens\":64", &format!("\"max_tokens\":{cap}"))
+            .into_bytes();
+        let (status, headers, resp) =
+            post_path(&proxy.url(), "/v1/messages", sent, &[KEY, VERSION, SESSION]).await;
+        conv.answer();
+        assert_eq!(status, 200, "{}", String::from_utf8_lossy(&resp));
+        if action(&headers) == "compacted" {
+            return turn;
+        }
+    }
+    panic!("no compaction in 20 turns");
+}
+
+/// Claude Code asks for 32,000 output tokens whatever the window; an
+/// upstream that answers it (llama.cpp caps the reply at what is left)
+/// reserves nothing, so the cap must not make every request "not fit".
+#[tokio::test]
+async fn a_reply_cap_larger_than_the_window_reserves_nothing() {
+    let small = first_compaction_with_cap(64).await;
+    assert!(small > 2, "compacted at turn {small}");
+    assert_eq!(first_compaction_with_cap(32_000).await, small);
+}

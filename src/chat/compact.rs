@@ -18,6 +18,7 @@ use crate::compaction::micro::MicroOutcome;
 use crate::compaction::trigger::Trigger;
 use crate::compaction::{CompressOptions, Compressor, Outcome};
 use crate::request::message_hashes;
+use crate::session::calibration::{Basis, Estimate};
 use crate::session::key::SessionKey;
 use crate::upstream::Upstream;
 
@@ -28,8 +29,32 @@ use super::shared;
 use super::summarise::{HttpSummariser, SummaryTarget};
 use super::ChatState;
 
-/// "Fits the window" needs the estimate plus 1/10 of it (see [`decide`]).
+/// "Fits the window" needs the estimate plus 1/10 of it (see [`decide`]),
+/// unless the upstream counted all but the newest messages (see
+/// [`estimate_margin`]).
 const ESTIMATE_MARGIN_DIVISOR: u64 = 10;
+
+/// How far the estimate of a request may be short of the real count. An
+/// estimate that extends a request the upstream counted is that real count
+/// plus the calibrated estimate of what was added: only the added part is
+/// uncertain, so a third of it is margin (the added part is priced by the
+/// conversation's own marginal ratio; a misjudged one costs an overflow
+/// retry, not a lost request), and at least 1% of the whole. Anything else keeps a tenth of the whole: at an 8k window with a
+/// 6k fixed part the tenth alone took ~750 tokens, more than a turn, and
+/// every turn compacted again because the last one "did not fit".
+pub(super) fn estimate_margin(est: &Estimate, last_real: Option<u64>) -> u64 {
+    margin(est.tokens, est.basis, last_real)
+}
+
+fn margin(tokens: u64, basis: Basis, last_real: Option<u64>) -> u64 {
+    let whole = tokens / ESTIMATE_MARGIN_DIVISOR;
+    match (basis, last_real) {
+        (Basis::Incremental { .. }, Some(real)) if real <= tokens => {
+            ((tokens - real) / 3).max(tokens / 100).min(whole)
+        }
+        _ => whole,
+    }
+}
 
 /// A bounded engine pass keeps this many rows beyond the protected head at
 /// the start, and at least this many beyond twice `protect_last_n` at the
@@ -69,6 +94,8 @@ pub(super) struct Turn<'a> {
     pub overflow: bool,
     /// The prompt size the upstream counted in that overflow, if it said.
     pub overflow_counted: Option<u64>,
+    /// How far `est_tokens` may be short ([`estimate_margin`]).
+    pub est_margin: u64,
 }
 
 /// How an engine pass went, for [`book_pass`].
@@ -129,6 +156,7 @@ pub(super) async fn compact_if_due(
         &mut comp.trigger,
         Sizes {
             est_real: t.est_tokens,
+            margin: t.est_margin,
             est_rough,
             max_out: t.max_out,
             window: t.window,
@@ -601,6 +629,8 @@ fn conv_turn_due(requests: u64, every_n: u32) -> bool {
 struct Sizes {
     /// Calibrated prompt estimate, real tokens.
     est_real: u64,
+    /// How far it may be short, real tokens.
+    margin: u64,
     /// The same in the engine's rough units.
     est_rough: u64,
     /// The request's output cap, real tokens.
@@ -628,8 +658,7 @@ fn decide(trigger: &mut Trigger, s: Sizes, overflow: bool, micro_due: bool) -> D
     // file listings tokenizes denser than prose. Near the window's edge a
     // few percent decide between an answer and an overflow round trip, so
     // "fits" keeps a margin.
-    let fits_window =
-        s.est_real + s.est_real / ESTIMATE_MARGIN_DIVISOR + s.max_out.unwrap_or(0) < s.window;
+    let fits_window = s.est_real + s.margin + s.max_out.unwrap_or(0) < s.window;
     // Right after a compaction the rough figure is not trusted until the
     // upstream reports real usage (the engine's deferral), unless the request
     // would not even fit the window.
@@ -966,6 +995,7 @@ mod tests {
     fn sizes(est: u64) -> Sizes {
         Sizes {
             est_real: est,
+            margin: est / ESTIMATE_MARGIN_DIVISOR,
             est_rough: est,
             max_out: None,
             window: WINDOW,
@@ -1049,6 +1079,20 @@ mod tests {
         let (_, values) = engine_input(&cfg, &out, Some(&record), WINDOW).expect("input");
         let declared: Vec<bool> = values.iter().map(markers::is_declared_summary).collect();
         assert_eq!(declared, [false, true, false, false]);
+    }
+
+    #[test]
+    fn only_what_the_upstream_did_not_count_is_uncertain() {
+        let inc = Basis::Incremental { reused: 10 };
+        // 7,400 counted, 550 added: a third of the addition.
+        assert_eq!(margin(7_950, inc, Some(7_400)), 183);
+        // Never under 1% of the whole, never over the tenth.
+        assert_eq!(margin(8_000, inc, Some(7_990)), 80);
+        assert_eq!(margin(8_000, inc, Some(100)), 800);
+        // Not extending a counted request: the tenth.
+        assert_eq!(margin(7_950, Basis::Ratio, Some(7_400)), 795);
+        assert_eq!(margin(7_950, Basis::Uncalibrated, None), 795);
+        assert_eq!(margin(7_950, inc, None), 795);
     }
 
     #[test]

@@ -84,7 +84,11 @@ pub(super) async fn prepare(
     // Put back once the body is built, for a retry.
     let original: Vec<Box<RawValue>> = creq.take_messages();
     let mut out = substitute(chat, conv, cred, &original, creq.canonical()).await;
-    let max_out = creq.max_output_tokens();
+    // A reply cap the window cannot hold is no reservation the upstream
+    // makes: no request with it could be answered otherwise (Claude Code
+    // asks for 32,000 in front of an 8k llama.cpp, which caps the reply at
+    // what is left). Counted, it made every request "not fit" and compact.
+    let max_out = creq.max_output_tokens().filter(|&m| m < window);
     let overhead = conv.tools_overhead(creq.get_raw("tools"));
     let est = estimate(conv, &out, overhead, creq.rough());
     let counting = (overhead, est, window);
@@ -111,6 +115,7 @@ pub(super) async fn prepare(
         tools_rough: overhead,
         overflow: overflow.is_some(),
         overflow_counted: overflow.and_then(|o| o.prompt_tokens.or(o.requested)),
+        est_margin: super::compact::estimate_margin(&est, conv.calibration.last_real_prompt()),
     };
     match compact_if_due(chat, upstream, conv, &turn).await {
         Booked::Compacted(messages, record) => {

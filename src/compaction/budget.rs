@@ -106,16 +106,25 @@ pub fn usable_window(window: u64, max_tokens: Option<u64>) -> u64 {
 /// The trigger once the fixed part of a request is known (its instructions
 /// and tools, which no compaction makes smaller): the classic trigger `t0`
 /// keeps its share of the room *above* the fixed part. With nothing fixed
-/// it is `t0`; Codex's ~6,300 tokens of instructions and tools in an 8,192
-/// window move it from 6,963 to 7,908, so a compaction has room to make
-/// rather than cutting at a trigger the fixed part alone nearly reaches.
+/// it is `t0`; the larger the fixed part, the larger that share (up to the
+/// whole room as the fixed part nears the window): Codex's ~6,300 tokens
+/// of instructions and tools in an 8,192 window move it from 6,963 to
+/// 8,126, so a compaction has room to make rather than cutting at a
+/// trigger the fixed part alone nearly reaches.
 /// Always below `usable`.
 pub fn threshold_over_fixed(t0: u64, usable: u64, fixed: u64) -> u64 {
     if fixed == 0 || usable <= 1 || t0 >= usable {
         return t0;
     }
+    let fixed = fixed.min(usable);
+    // The larger the fixed part, the closer the trigger comes to the
+    // window: a request under the trigger is sent as it is, so the room
+    // above it only makes compactions come sooner, and with instructions
+    // taking most of the window that room is most of what a compaction
+    // could make (issue: Codex at 8k compacted on every turn).
     let share = t0 as f64 / usable as f64;
-    let raised = t0 as f64 + fixed.min(usable) as f64 * (1.0 - share);
+    let share = share + (1.0 - share) * (fixed as f64 / usable as f64);
+    let raised = fixed as f64 + (usable - fixed) as f64 * share;
     (raised.floor() as u64).clamp(t0, usable - 1)
 }
 
@@ -435,16 +444,16 @@ mod tests {
         assert_eq!(threshold_over_fixed(t0, 8_192, 0), t0);
         // Codex: ~6,300 tokens of instructions and tools.
         let t = threshold_over_fixed(t0, 8_192, 6_300);
-        assert_eq!(t, 7_908);
+        assert_eq!(t, 8_126);
         // Half the room above the fixed part is the history target: at
         // 500 tokens a turn, two turns pass before the next compaction.
         let h = history_target(t, 6_300, 0.5);
-        assert_eq!(h, 804);
+        assert_eq!(h, 913);
         assert!(6_300 + h + 500 < t && 6_300 + h + 1_000 >= t);
         // A fixed part past the window: just under it, never at or over.
         assert_eq!(threshold_over_fixed(t0, 8_192, 20_000), 8_191);
         // Small fixed parts barely move it.
-        assert!(threshold_over_fixed(t0, 8_192, 400) < t0 + 100);
+        assert!(threshold_over_fixed(t0, 8_192, 400) < t0 + 150);
     }
 
     #[test]

@@ -82,8 +82,12 @@ pub fn of_turns(turns: &[Value]) -> Vec<String> {
 }
 
 /// The messages to keep of `candidates` (oldest first) within `budget`
-/// rough tokens, oldest first: whole short messages newest first, then
-/// excerpts of long ones newest first, in what is left.
+/// rough tokens, oldest first: the first short messages the user wrote (the
+/// task and its constraints as first stated) in up to half the budget, then
+/// whole short messages newest first, then excerpts of long ones newest
+/// first, in what is left. Newest first alone let every compaction push the
+/// oldest out: a section carried through ten compactions held only the last
+/// ten asks, never the vault path the user gave in turn one.
 pub fn select(candidates: &[String], budget: u64) -> Vec<String> {
     if budget == 0 {
         return Vec::new();
@@ -96,8 +100,25 @@ pub fn select(candidates: &[String], budget: u64) -> Vec<String> {
         .rev()
         .filter(|&i| seen.insert(candidates[i].as_str()))
         .collect();
+    let mut first_share = left / 2;
+    for &i in fresh.iter().rev() {
+        let cost = item_tokens(&candidates[i]);
+        if cost > cap {
+            continue;
+        }
+        if cost > first_share {
+            break;
+        }
+        first_share -= cost;
+        left -= cost;
+        chosen.push((i, candidates[i].clone()));
+    }
+    let first = chosen.len();
     for long in [false, true] {
         for &i in &fresh {
+            if chosen[..first].iter().any(|(j, _)| *j == i) {
+                continue;
+            }
             let text = &candidates[i];
             let cost = item_tokens(text);
             if (cost > cap) != long {
@@ -263,13 +284,41 @@ mod tests {
     }
 
     #[test]
-    fn newest_first_when_the_budget_is_short() {
+    fn the_first_and_the_newest_when_the_budget_is_short() {
         let c: Vec<String> = (0..50)
             .map(|i| format!("fact number {i} is {}", i * 7))
             .collect();
         let kept = select(&c, 60);
+        assert!(kept
+            .first()
+            .is_some_and(|k| k.starts_with("fact number 0 ")));
         assert!(kept.last().is_some_and(|k| k.starts_with("fact number 49")));
-        assert!(!kept.iter().any(|k| k.starts_with("fact number 0 ")));
+        // The middle gives way.
+        assert!(!kept.iter().any(|k| k.starts_with("fact number 25 ")));
+        assert!(tokens(&kept) <= 60, "{}", tokens(&kept));
         assert!(select(&c, 0).is_empty());
+    }
+
+    /// Carried through many compactions (each time older than the new
+    /// messages), the first statements stay.
+    #[test]
+    fn the_first_statements_survive_being_carried() {
+        let mut kept: Vec<String> = Vec::new();
+        for round in 0..10 {
+            let mut c = kept.clone();
+            for i in 0..4 {
+                c.push(format!(
+                    "Step {}: look at src/module_{}.rs.",
+                    round * 4 + i,
+                    round * 4 + i
+                ));
+            }
+            if round == 0 {
+                c.insert(1, "Remember: the admin port is 48213.".to_owned());
+            }
+            kept = select(&c, 100);
+        }
+        assert!(kept.iter().any(|k| k.contains("48213")), "{kept:?}");
+        assert!(kept.iter().any(|k| k.contains("Step 39")), "{kept:?}");
     }
 }
