@@ -1185,6 +1185,15 @@ impl Compressor {
             return Err(NoOpReason::NoCompressibleWindow);
         }
         let (start, end, split_ask) = choose_cut(&working, start, &tp, small);
+        tracing::debug!(
+            rows = n,
+            head = head_size,
+            relax_head,
+            start,
+            end,
+            split = split_ask.is_some(),
+            "cut"
+        );
         if start >= end {
             return Err(NoOpReason::NoCompressibleWindow);
         }
@@ -1399,6 +1408,13 @@ impl Compressor {
         let n = messages.len();
         let threshold = self.trigger.threshold_tokens();
         let mut tokens_after = tokens::estimate_messages_tokens_rough(&out);
+        tracing::debug!(
+            tokens_before,
+            tokens_after,
+            rows_before = n,
+            rows_after = out.len(),
+            "candidate"
+        );
         if !is_progress(tokens_before, tokens_after, n, out.len(), threshold) {
             salvage(&mut out, summary_index);
             tokens_after = tokens::estimate_messages_tokens_rough(&out);
