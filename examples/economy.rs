@@ -291,6 +291,13 @@ async fn run(upstream: &str, window: u64, share: f64, turns: usize) -> Row {
     }
     row.seconds = started.elapsed().as_secs_f64();
     let sent = std::mem::take(&mut *compactor::sync::lock(&tap.sent));
+    tally(&mut row, &sent);
+    drop(proxy);
+    row
+}
+
+/// The row's figures from what compactor sent upstream.
+fn tally(row: &mut Row, sent: &[Sent]) {
     let chats: Vec<&Sent> = sent.iter().filter(|s| !s.summary).collect();
     row.summary_calls = sent.iter().filter(|s| s.summary).count();
     row.refused = chats.iter().filter(|s| s.status == 400).count();
@@ -312,31 +319,7 @@ async fn run(upstream: &str, window: u64, share: f64, turns: usize) -> Row {
         .last()
         .map(|s| Value::Array(s.messages.clone()).to_string())
         .unwrap_or_default();
-    if std::env::var_os("ECONOMY_DUMP").is_some() {
-        for m in answered
-            .last()
-            .map(|s| s.messages.as_slice())
-            .unwrap_or_default()
-        {
-            let text = m["content"].as_str().unwrap_or("");
-            eprintln!(
-                "{} {} chars: {}",
-                m["role"],
-                m.to_string().len(),
-                if std::env::var_os("ECONOMY_DUMP_FULL").is_some() {
-                    text.to_owned()
-                } else {
-                    text.chars()
-                        .take(160)
-                        .collect::<String>()
-                        .replace('\n', " | ")
-                }
-            );
-        }
-    }
     row.facts_kept = FACTS.iter().filter(|f| last.contains(*f)).count();
-    drop(proxy);
-    row
 }
 
 fn env<T: std::str::FromStr>(name: &str) -> Option<T> {
@@ -375,7 +358,7 @@ async fn main() {
             };
             let r = run(&upstream, window, share, turns).await;
             let fixed = match r.fixed_real {
-                Some(t) => format!("{:.0} % ({t} tokens at turn 1)", r.share * 100.0),
+                Some(t) => format!("{:.0} % (first request {t} tokens)", r.share * 100.0),
                 None => format!("{:.0} %", r.share * 100.0),
             };
             println!(
