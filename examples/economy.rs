@@ -11,7 +11,10 @@
 //! ECONOMY_UPSTREAM=http://127.0.0.1:8080 ECONOMY_WINDOW=4096 cargo run --release --example economy
 //! ```
 //!
-//! `ECONOMY_TURNS` (default 20), `ECONOMY_SHARES` (default `0.3,0.75`).
+//! `ECONOMY_TURNS` (default 20), `ECONOMY_SHARES` (default `0.3,0.75`),
+//! `ECONOMY_COMPACTION` (more `[compaction]` keys, `;`-separated, e.g.
+//! `keep_user_messages = false`), `ECONOMY_TRACE=1` (a line per turn),
+//! `ECONOMY_LOG=1` (compactor's log).
 //! compactor runs in-process on its defaults but for the window; a recording
 //! hop between it and the upstream sees every request it sends.
 
@@ -254,7 +257,13 @@ impl Row {
 async fn run(upstream: &str, window: u64, share: f64, turns: usize) -> Row {
     let tap = start_tap(upstream.to_owned()).await;
     let sc = harness::Scenario::standard(window, false);
-    let proxy = harness::start_proxy(&harness::proxy_toml(&tap.url, &sc)).await;
+    let mut toml = harness::proxy_toml(&tap.url, &sc);
+    // `ECONOMY_COMPACTION="keep_user_messages = false"`: more `[compaction]` keys.
+    if let Ok(extra) = std::env::var("ECONOMY_COMPACTION") {
+        toml.push_str(&extra.replace(';', "\n"));
+        toml.push('\n');
+    }
+    let proxy = harness::start_proxy(&toml).await;
     let (system, tools) = fixed_part((window as f64 * share) as u64);
     let mut messages = vec![system];
     let mut row = Row {
