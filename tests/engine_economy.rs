@@ -209,6 +209,31 @@ fn a_large_fixed_part_moves_the_trigger_and_sizes_the_result() {
     assert!(r.tokens_after < t, "{} >= trigger {t}", r.tokens_after);
 }
 
+/// With a fixed part the summary call's reply cap follows the room above
+/// it: a cap from the window alone let a small model write 1,600 tokens of
+/// a summary that could keep ~150.
+#[test]
+fn a_large_fixed_part_caps_the_summary_reply_by_its_room() {
+    let mut c = compressor_with("m", 8_192, |_| {});
+    let by_window = c.trigger.summariser_budgets().reply_tokens.expect("a cap");
+    c.trigger.set_fixed_tokens(6_300);
+    let room = c.trigger.history_target();
+    let reply = c.trigger.summariser_budgets().reply_tokens.expect("a cap");
+    let most = c.trigger.max_summary_tokens();
+    assert!(
+        u64::from(reply) < room,
+        "reply cap {reply} over the history target {room}"
+    );
+    assert!(
+        u64::from(reply) >= most,
+        "{reply} under the summary's own budget {most}"
+    );
+    assert!(
+        reply < by_window / 4,
+        "{reply} vs {by_window} by the window"
+    );
+}
+
 /// Facts the user stated in the first turns are in every later request:
 /// verbatim in the summary's section, across two compactions.
 #[test]

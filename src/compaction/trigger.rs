@@ -568,11 +568,21 @@ impl Trigger {
     /// [`budget::summariser_budgets`]).
     pub fn summariser_budgets(&mut self) -> budget::SummariserBudgets {
         let threshold = self.threshold_tokens();
-        budget::summariser_budgets(
+        let mut b = budget::summariser_budgets(
             self.context_length(),
             threshold,
             self.cfg.effective_summary_target_ratio(),
-        )
+        );
+        if self.fixed > 0 {
+            // With a fixed part the summary is sized by the room above it, not
+            // by the window: a cap from the window let a small model write
+            // 1,600 tokens (30 s on two cores) of a summary that could keep
+            // at most ~150. 1.25 × the largest summary asked for, as above.
+            let largest = budget::summary_budget(u64::MAX / 8, self.max_summary_tokens());
+            let cap = u32::try_from(largest + largest / 4).unwrap_or(u32::MAX);
+            b.reply_tokens = b.reply_tokens.map(|r| r.min(cap.max(1)));
+        }
+        b
     }
 
     /// Pin the summary cap (runtime correction or test).
