@@ -20,6 +20,23 @@ fn history() -> Vec<serde_json::Value> {
     ]
 }
 
+/// How many turns of [`Conversation::new(600)`] pass before the first
+/// compaction (a dry run on a separate proxy in front of `mock`).
+async fn turns_before_compaction(mock: &ChatMock, headers: &[(&str, &str)]) -> usize {
+    let probe = start_proxy(&mock.url(), &config()).await;
+    let mut c = Conversation::new(600);
+    for i in 0..20 {
+        let sent = c.ask();
+        let (_, h, _) = post_chat(&probe.url(), chat_body("m", &sent, false), headers).await;
+        c.answer();
+        if action(&h) == "compacted" {
+            assert!(i > 0, "compacted on the first turn");
+            return i;
+        }
+    }
+    panic!("no compaction in 20 turns");
+}
+
 #[tokio::test]
 async fn credentials_never_share_a_session() {
     let mock = ChatMock::start(Settings::default()).await;
@@ -140,23 +157,8 @@ async fn concurrent_requests_compact_once() {
     let url = proxy.url();
     let headers = [("authorization", "Bearer k"), ("x-session-id", "busy")];
     let mut conv = Conversation::new(600);
-    // Grow to just below the threshold: the next turn compacts (found by a
-    // dry run on a separate proxy with the same history).
-    let probe = start_proxy(&mock.url(), &config()).await;
-    let mut n_before = 0;
-    {
-        let mut c = Conversation::new(600);
-        for i in 0..20 {
-            let sent = c.ask();
-            let (_, h, _) = post_chat(&probe.url(), chat_body("m", &sent, false), &headers).await;
-            c.answer();
-            if action(&h) == "compacted" {
-                n_before = i;
-                break;
-            }
-        }
-    }
-    assert!(n_before > 0);
+    // Grow to just below the threshold: the next turn compacts.
+    let n_before = turns_before_compaction(&mock, &headers).await;
     for _ in 0..n_before {
         let sent = conv.ask();
         let (_, h, _) = post_chat(&url, chat_body("m", &sent, false), &headers).await;
@@ -449,22 +451,8 @@ async fn admin_view_answers_while_a_compaction_holds_the_conversation() {
     let headers = [("authorization", "Bearer k"), ("x-session-id", "held")];
     let mut conv = Conversation::new(600);
     let mut key = String::new();
-    // Up to the turn before the first compaction (found on a probe proxy).
-    let probe = start_proxy(&mock.url(), &config()).await;
-    let mut n_before = 0;
-    {
-        let mut c = Conversation::new(600);
-        for i in 0..20 {
-            let sent = c.ask();
-            let (_, h, _) = post_chat(&probe.url(), chat_body("m", &sent, false), &headers).await;
-            c.answer();
-            if action(&h) == "compacted" {
-                n_before = i;
-                break;
-            }
-        }
-    }
-    assert!(n_before > 0);
+    // Up to the turn before the first compaction.
+    let n_before = turns_before_compaction(&mock, &headers).await;
     for _ in 0..n_before {
         let sent = conv.ask();
         let (_, h, _) = post_chat(&url, chat_body("m", &sent, false), &headers).await;
