@@ -168,3 +168,64 @@ async fn a_first_request_is_counted_by_the_upstream_tokenizer() {
         }
     }
 }
+
+/// A calibrated conversation whose instructions fill most of the window:
+/// once a request comes within a tenth of the window's edge, where the
+/// estimate's margin decides whether it fits, the upstream's tokenizer
+/// counts it; an upstream without one is asked once and never again.
+#[tokio::test]
+async fn a_request_near_the_window_edge_is_counted_by_the_upstream_tokenizer() {
+    for tokenizer in [true, false] {
+        let mock = ChatMock::start(Settings {
+            window: Some(4096),
+            tokenizer,
+            ..Settings::default()
+        })
+        .await;
+        let proxy = start_proxy(&mock.url(), "[models.\"m\"]\ncontext_length = 4096\n").await;
+        let counted = || mock.seen().iter().filter(|s| s.path == "/tokenize").count();
+        let system =
+            serde_json::json!({"role": "system", "content": "Keep to the rules. ".repeat(560)});
+        let mut history = vec![system];
+        let mut near_edge = 0;
+        for i in 0..14 {
+            history.push(serde_json::json!({"role": "user", "content": format!("step {i}: {}", "check the next file. ".repeat(24))}));
+            let tokens = prompt_tokens_of(&serde_json::json!({ "messages": history }));
+            let before = counted();
+            let (st, _, body) =
+                post_chat(&proxy.url(), chat_body("m", &history, false), &[AUTH]).await;
+            assert_eq!(st, 200, "{}", String::from_utf8_lossy(&body));
+            // Clearly near the edge (within 7%) or clearly far (under 80%);
+            // between the two the estimate's own error decides.
+            if i > 0 && tokens * 100 >= 4096 * 93 && tokens < 4096 {
+                near_edge += 1;
+                if tokenizer {
+                    assert_eq!(
+                        counted(),
+                        before + 1,
+                        "turn {i} ({tokens} tokens) not counted"
+                    );
+                }
+            } else if i > 0 && tokens * 10 < 4096 * 8 {
+                assert_eq!(
+                    counted(),
+                    before,
+                    "turn {i} ({tokens} tokens) counted far from the edge"
+                );
+            }
+            history.push(serde_json::json!({"role": "assistant", "content": "Checked."}));
+        }
+        assert!(near_edge > 0, "the conversation never came near the edge");
+        assert!(
+            mock.chats().iter().all(|c| !c.overflowed),
+            "a request overflowed"
+        );
+        if !tokenizer {
+            assert_eq!(
+                counted(),
+                1,
+                "an upstream without a tokenizer is asked once"
+            );
+        }
+    }
+}

@@ -90,9 +90,8 @@ pub(super) async fn prepare(
     // what is left). Counted, it made every request "not fit" and compact.
     let max_out = creq.max_output_tokens().filter(|&m| m < window);
     let overhead = conv.tools_overhead(creq.get_raw("tools"));
-    let est = estimate(conv, &out, overhead, creq.rough());
-    let counting = (overhead, est, window);
-    let mut est = count_first(chat, upstream, client_headers, conv, creq, &out, counting).await;
+    let sizing = (overhead, window, max_out);
+    let (mut est, margin) = size_up(chat, upstream, client_headers, conv, creq, &out, sizing).await;
 
     // A recorded prefix is a substitution, not a compaction: the action
     // stays `passthrough` and `x-compactor-replaced` says how many of the
@@ -115,7 +114,7 @@ pub(super) async fn prepare(
         tools_rough: overhead,
         overflow: overflow.is_some(),
         overflow_counted: overflow.and_then(|o| o.prompt_tokens.or(o.requested)),
-        est_margin: super::compact::estimate_margin(&est, conv.calibration.last_real_prompt()),
+        est_margin: margin,
     };
     match compact_if_due(chat, upstream, conv, &turn).await {
         Booked::Compacted(messages, record) => {
@@ -153,6 +152,40 @@ pub(super) async fn prepare(
     prepared
 }
 
+/// The request's estimate and how far it may be short: calibrated, a
+/// conversation's first request near the window counted by the upstream's
+/// tokenizer, and so is any request within a tenth of the window's edge,
+/// where the margin alone would decide whether it fits.
+async fn size_up(
+    chat: &ChatState,
+    upstream: &Upstream,
+    client_headers: &HeaderMap,
+    conv: &mut Conversation,
+    creq: &ApiRequest,
+    out: &Outgoing<'_>,
+    (overhead, window, max_out): (u64, u64, Option<u64>),
+) -> (Estimate, u64) {
+    let est = estimate(conv, out, overhead, creq.rough());
+    let counting = (overhead, est, window);
+    let mut est = count_first(chat, upstream, client_headers, conv, creq, out, counting).await;
+    let mut margin = super::compact::estimate_margin(
+        &est,
+        conv.calibration.last_real_prompt(),
+        added_digits(&out.messages, est.basis),
+    );
+    let reply = max_out.unwrap_or(0);
+    if est.tokens + reply < window && est.tokens + est.tokens / 10 + reply >= window {
+        let counting = (overhead, est.clone());
+        if let Some(counted) =
+            count_now(chat, upstream, client_headers, conv, creq, out, counting).await
+        {
+            est = counted;
+            margin = est.tokens / 100;
+        }
+    }
+    (est, margin)
+}
+
 /// The estimate of a first request near the window calibrated by the
 /// upstream's own count of it, when the upstream can count (else `est` as
 /// it was).
@@ -168,6 +201,32 @@ async fn count_first(
     if !first_count_due(&est, window) {
         return est;
     }
+    let fallback = est.clone();
+    count_now(
+        chat,
+        upstream,
+        client_headers,
+        conv,
+        creq,
+        out,
+        (overhead, est),
+    )
+    .await
+    .unwrap_or(fallback)
+}
+
+/// The request counted by the upstream's tokenizer, when it has one: the
+/// count calibrates the conversation and the estimate is made again (now
+/// the real count itself).
+async fn count_now(
+    chat: &ChatState,
+    upstream: &Upstream,
+    client_headers: &HeaderMap,
+    conv: &mut Conversation,
+    creq: &ApiRequest,
+    out: &Outgoing<'_>,
+    (overhead, est): (u64, Estimate),
+) -> Option<Estimate> {
     let model = creq.model().unwrap_or_default();
     let tools = creq.get_raw("tools");
     let tokenizer = &chat.tokenizer;
@@ -180,11 +239,9 @@ async fn count_first(
         tools,
     )
     .await;
-    let Some(real) = counted else {
-        return est;
-    };
+    let real = counted?;
     conv.calibration.observe(Arc::clone(&est.sent), real);
-    estimate(conv, out, overhead, creq.rough())
+    Some(estimate(conv, out, overhead, creq.rough()))
 }
 
 /// A conversation's first request (nothing calibrates it yet) whose rough
@@ -192,6 +249,21 @@ async fn count_first(
 /// chars/4 may decide wrong, so the upstream's tokenizer is asked.
 fn first_count_due(est: &Estimate, window: u64) -> bool {
     est.basis == Basis::Uncalibrated && est.tokens.saturating_mul(2) >= window
+}
+
+/// Digits in the messages an incremental estimate added to the upstream's
+/// last count (see [`super::compact::estimate_margin`]); only those bytes are
+/// read.
+fn added_digits(messages: &[Box<RawValue>], basis: Basis) -> u64 {
+    let Basis::Incremental { reused } = basis else {
+        return 0;
+    };
+    messages
+        .get(reused..)
+        .unwrap_or_default()
+        .iter()
+        .map(|m| m.get().bytes().filter(u8::is_ascii_digit).count() as u64)
+        .sum()
 }
 
 /// The estimate of messages the preparation changed.
