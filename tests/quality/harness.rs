@@ -259,6 +259,7 @@ async fn serve(
     window: u64,
     req: Request<Incoming>,
 ) -> Result<Response<Body>, Infallible> {
+    let path = req.uri().path().to_owned();
     let body = req
         .into_body()
         .collect()
@@ -268,6 +269,20 @@ async fn serve(
     let Ok(v) = serde_json::from_slice::<Value>(&body) else {
         return Ok(reply(404, "{\"error\":{\"message\":\"not found\"}}".into()));
     };
+    // `HARNESS_TOKENIZER=1`: llama.cpp's tokenizer endpoints, counting as
+    // the chat answers do.
+    if std::env::var_os("HARNESS_TOKENIZER").is_some() {
+        if path == "/apply-template" {
+            let messages = serde_json::to_string(&v["messages"]).unwrap_or_default();
+            let tools = v.get("tools").map(Value::to_string).unwrap_or_default();
+            let prompt = format!("{messages}{tools}");
+            return Ok(reply(200, json!({ "prompt": prompt }).to_string()));
+        }
+        if path == "/tokenize" {
+            let n = v["content"].as_str().map_or(0, str::len) / 4;
+            return Ok(reply(200, json!({ "tokens": vec![0; n] }).to_string()));
+        }
+    }
     let messages = v["messages"].as_array().cloned().unwrap_or_default();
     let prompt = (serde_json::to_string(&messages).map_or(0, |s| s.len()) / 4) as u64
         + (v.get("tools").map_or(0, |t| t.to_string().len()) / 4) as u64;
