@@ -37,26 +37,24 @@ const ESTIMATE_MARGIN_DIVISOR: u64 = 10;
 /// How far the estimate of a request may be short of the real count. An
 /// estimate that extends a request the upstream counted is that real count
 /// plus the calibrated estimate of what was added: only the added part is
-/// uncertain, so the margin is a third of it (the added part is priced by
-/// the conversation's own marginal ratio), plus three quarters of a token
-/// for each digit it holds (`added_digits`: tokenizers such as Gemma's and
-/// Llama 2's give every digit a token of its own where chars/4 counts a
-/// quarter; a pasted log tokenized at 1.7 chars a token and overflowed an
-/// 8k window by 93 tokens under a plain third), at least 1% of the whole,
-/// at most the tenth that anything else keeps: at an 8k window with a 6k
-/// fixed part the tenth alone took ~750 tokens, more than a turn, and every
-/// turn compacted again because the last one "did not fit".
-pub(super) fn estimate_margin(est: &Estimate, last_real: Option<u64>, added_digits: u64) -> u64 {
-    margin(est.tokens, est.basis, last_real, added_digits)
+/// uncertain, so a third of it is margin (the added part is priced by the
+/// conversation's own marginal ratio; a misjudged one costs an overflow
+/// retry, not a lost request), and at least 1% of the whole, at most the
+/// tenth that anything else keeps: at an 8k window with a 6k fixed part the
+/// tenth alone took ~750 tokens, more than a turn, and every turn compacted
+/// again because the last one "did not fit". Near the window's edge the
+/// upstream's tokenizer, when it has one, settles it instead
+/// (`prepare::size_up`).
+pub(super) fn estimate_margin(est: &Estimate, last_real: Option<u64>) -> u64 {
+    margin(est.tokens, est.basis, last_real)
 }
 
-fn margin(tokens: u64, basis: Basis, last_real: Option<u64>, added_digits: u64) -> u64 {
+fn margin(tokens: u64, basis: Basis, last_real: Option<u64>) -> u64 {
     let whole = tokens / ESTIMATE_MARGIN_DIVISOR;
     match (basis, last_real) {
-        (Basis::Incremental { .. }, Some(real)) if real <= tokens => ((tokens - real) / 3
-            + added_digits * 3 / 4)
-            .max(tokens / 100)
-            .min(whole),
+        (Basis::Incremental { .. }, Some(real)) if real <= tokens => {
+            ((tokens - real) / 3).max(tokens / 100).min(whole)
+        }
         _ => whole,
     }
 }
@@ -1090,17 +1088,14 @@ mod tests {
     fn only_what_the_upstream_did_not_count_is_uncertain() {
         let inc = Basis::Incremental { reused: 10 };
         // 7,400 counted, 550 added: a third of the addition.
-        assert_eq!(margin(7_950, inc, Some(7_400), 0), 183);
-        // Each added digit may be a token of its own.
-        assert_eq!(margin(7_950, inc, Some(7_400), 400), 483);
+        assert_eq!(margin(7_950, inc, Some(7_400)), 183);
         // Never under 1% of the whole, never over the tenth.
-        assert_eq!(margin(8_000, inc, Some(7_990), 0), 80);
-        assert_eq!(margin(8_000, inc, Some(100), 0), 800);
-        assert_eq!(margin(8_000, inc, Some(7_400), 5_000), 800);
+        assert_eq!(margin(8_000, inc, Some(7_990)), 80);
+        assert_eq!(margin(8_000, inc, Some(100)), 800);
         // Not extending a counted request: the tenth.
-        assert_eq!(margin(7_950, Basis::Ratio, Some(7_400), 0), 795);
-        assert_eq!(margin(7_950, Basis::Uncalibrated, None, 0), 795);
-        assert_eq!(margin(7_950, inc, None, 0), 795);
+        assert_eq!(margin(7_950, Basis::Ratio, Some(7_400)), 795);
+        assert_eq!(margin(7_950, Basis::Uncalibrated, None), 795);
+        assert_eq!(margin(7_950, inc, None), 795);
     }
 
     #[test]

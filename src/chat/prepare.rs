@@ -168,11 +168,7 @@ async fn size_up(
     let est = estimate(conv, out, overhead, creq.rough());
     let counting = (overhead, est, window);
     let mut est = count_first(chat, upstream, client_headers, conv, creq, out, counting).await;
-    let mut margin = super::compact::estimate_margin(
-        &est,
-        conv.calibration.last_real_prompt(),
-        added_digits(&out.messages, est.basis),
-    );
+    let mut margin = super::compact::estimate_margin(&est, conv.calibration.last_real_prompt());
     let reply = max_out.unwrap_or(0);
     if est.tokens + reply < window && est.tokens + est.tokens / 10 + reply >= window {
         let counting = (overhead, est.clone());
@@ -249,21 +245,6 @@ async fn count_now(
 /// chars/4 may decide wrong, so the upstream's tokenizer is asked.
 fn first_count_due(est: &Estimate, window: u64) -> bool {
     est.basis == Basis::Uncalibrated && est.tokens.saturating_mul(2) >= window
-}
-
-/// Digits in the messages an incremental estimate added to the upstream's
-/// last count (see [`super::compact::estimate_margin`]); only those bytes are
-/// read.
-fn added_digits(messages: &[Box<RawValue>], basis: Basis) -> u64 {
-    let Basis::Incremental { reused } = basis else {
-        return 0;
-    };
-    messages
-        .get(reused..)
-        .unwrap_or_default()
-        .iter()
-        .map(|m| m.get().bytes().filter(u8::is_ascii_digit).count() as u64)
-        .sum()
 }
 
 /// The estimate of messages the preparation changed.

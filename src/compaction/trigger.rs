@@ -567,20 +567,26 @@ impl Trigger {
     /// Prompt budget and reply cap of a summary call (see
     /// [`budget::summariser_budgets`]).
     pub fn summariser_budgets(&mut self) -> budget::SummariserBudgets {
+        /// The smallest reply cap sized by the room: a summary's sections
+        /// and a few lines of each.
+        const MIN_REPLY_CAP: u32 = 128;
         let threshold = self.threshold_tokens();
         let mut b = budget::summariser_budgets(
             self.context_length(),
             threshold,
             self.cfg.effective_summary_target_ratio(),
         );
-        if self.fixed > 0 {
+        if self.fixed > 0 && !self.no_room() {
             // With a fixed part the summary is sized by the room above it, not
             // by the window: a cap from the window let a small model write
             // 1,600 tokens (30 s on two cores) of a summary that could keep
-            // at most ~150. 1.25 × the largest summary asked for, as above.
+            // at most ~150. 1.25 × the largest summary asked for, as above,
+            // never under what a usable summary takes. Without room the
+            // window's cap stays: the summary is then what makes room (a
+            // 20-token cap left hermes-agent at 2k no summary at all).
             let largest = budget::summary_budget(u64::MAX / 8, self.max_summary_tokens());
             let cap = u32::try_from(largest + largest / 4).unwrap_or(u32::MAX);
-            b.reply_tokens = b.reply_tokens.map(|r| r.min(cap.max(1)));
+            b.reply_tokens = b.reply_tokens.map(|r| r.min(cap.max(MIN_REPLY_CAP)));
         }
         b
     }
