@@ -165,9 +165,15 @@ async fn size_up(
     out: &Outgoing<'_>,
     (overhead, window, max_out): (u64, u64, Option<u64>),
 ) -> (Estimate, u64) {
-    let est = estimate(conv, out, overhead, creq.rough());
-    let counting = (overhead, est, window);
-    let mut est = count_first(chat, upstream, client_headers, conv, creq, out, counting).await;
+    let mut est = estimate(conv, out, overhead, creq.rough());
+    if first_count_due(&est, window) {
+        let counting = (overhead, est.clone());
+        if let Some(counted) =
+            count_now(chat, upstream, client_headers, conv, creq, out, counting).await
+        {
+            est = counted;
+        }
+    }
     let mut margin = super::compact::estimate_margin(&est, conv.calibration.last_real_prompt());
     let reply = max_out.unwrap_or(0);
     if est.tokens + reply < window && est.tokens + est.tokens / 10 + reply >= window {
@@ -180,35 +186,6 @@ async fn size_up(
         }
     }
     (est, margin)
-}
-
-/// The estimate of a first request near the window calibrated by the
-/// upstream's own count of it, when the upstream can count (else `est` as
-/// it was).
-async fn count_first(
-    chat: &ChatState,
-    upstream: &Upstream,
-    client_headers: &HeaderMap,
-    conv: &mut Conversation,
-    creq: &ApiRequest,
-    out: &Outgoing<'_>,
-    (overhead, est, window): (u64, Estimate, u64),
-) -> Estimate {
-    if !first_count_due(&est, window) {
-        return est;
-    }
-    let fallback = est.clone();
-    count_now(
-        chat,
-        upstream,
-        client_headers,
-        conv,
-        creq,
-        out,
-        (overhead, est),
-    )
-    .await
-    .unwrap_or(fallback)
 }
 
 /// The request counted by the upstream's tokenizer, when it has one: the
