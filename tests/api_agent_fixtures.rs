@@ -423,3 +423,59 @@ async fn hermes_compaction_keeps_its_system_prompt() {
     let failures = compaction_keeps_instructions("hermes-agent").await;
     assert!(failures.is_empty(), "{}", failures.join("\n"));
 }
+
+/// Each agent's recorded turn 3, its conversation's first request, sent
+/// through a proxy whose window it fills about three quarters of, in front of
+/// an upstream with llama.cpp's tokenizer endpoints: the request is counted
+/// by that tokenizer. llama.cpp refuses a whole `/apply-template` call on
+/// one tool that is not chat-shaped, and Codex's (Responses) and Claude
+/// Code's (Messages) tool lists were sent as they are, so their requests
+/// were never counted.
+#[tokio::test]
+async fn every_agents_first_request_is_counted_by_the_upstream_tokenizer() {
+    let mut failures = Vec::new();
+    for agent in AGENTS {
+        let f = Fixture::load(agent, TURNS);
+        let api = f.api();
+        let (url, counted): (String, Box<dyn Fn() -> usize>) = match api {
+            Api::Chat => {
+                let m = ChatMock::start(Settings {
+                    tokenizer: true,
+                    ..Settings::default()
+                })
+                .await;
+                let url = m.url();
+                let n = move || m.seen().iter().filter(|s| s.path == "/tokenize").count();
+                (url, Box::new(n))
+            }
+            _ => {
+                let m = ApiMock::start(ApiSettings {
+                    tokenizer: true,
+                    ..ApiSettings::default()
+                })
+                .await;
+                let url = m.url();
+                let n = move || m.seen().iter().filter(|s| s.path == "/tokenize").count();
+                (url, Box::new(n))
+            }
+        };
+        let window = (f.body.len() / 3) as u64;
+        let proxy = start_proxy(&url, &model_config(window)).await;
+        let (status, _, resp) = post_path(
+            &proxy.url(),
+            &f.path,
+            f.body.clone().into_bytes(),
+            &f.header_pairs(),
+        )
+        .await;
+        if status != 200 {
+            failures.push(format!(
+                "{agent}: HTTP {status}: {}",
+                String::from_utf8_lossy(&resp)
+            ));
+        } else if counted() == 0 {
+            failures.push(format!("{agent}: never counted by the tokenizer"));
+        }
+    }
+    assert!(failures.is_empty(), "{}", failures.join("\n"));
+}

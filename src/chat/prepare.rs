@@ -201,7 +201,9 @@ async fn count_now(
     (overhead, est): (u64, Estimate),
 ) -> Option<Estimate> {
     let model = creq.model().unwrap_or_default();
-    let tools = creq.get_raw("tools");
+    // Counted in the chat shape the tokenizer endpoints take: a Responses
+    // or Messages tool list as it is makes them refuse the whole count.
+    let tools = creq.chat_tools();
     let tokenizer = &chat.tokenizer;
     let counted = super::count::count(
         tokenizer,
@@ -209,7 +211,7 @@ async fn count_now(
         client_headers,
         &model,
         &out.messages,
-        tools,
+        tools.as_deref(),
     )
     .await;
     let real = counted?;

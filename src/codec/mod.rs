@@ -19,6 +19,7 @@
 
 pub mod anthropic;
 pub mod responses;
+mod tools;
 
 use std::collections::HashMap;
 use std::ops::Range;
@@ -379,6 +380,16 @@ impl ApiRequest {
     /// Raw top-level member.
     pub fn get_raw(&self, key: &str) -> Option<&RawValue> {
         self.creq.get_raw(key)
+    }
+
+    /// `tools` in chat-completions shape, for an upstream tokenizer that
+    /// counts chat requests ([`tools`]); the client's own member for chat.
+    pub fn chat_tools(&self) -> Option<std::borrow::Cow<'_, RawValue>> {
+        let raw = self.get_raw("tools")?;
+        match self.api {
+            Api::Chat => Some(std::borrow::Cow::Borrowed(raw)),
+            api => tools::chat_tools(api, raw).map(std::borrow::Cow::Owned),
+        }
     }
 
     /// `model`, when it is a string.

@@ -40,6 +40,9 @@ pub struct ApiSettings {
     pub failed_event: bool,
     /// Summary text.
     pub summary: String,
+    /// Serve llama.cpp's `/apply-template` and `/tokenize`, refusing tools
+    /// that are not chat-shaped as llama.cpp does ("Missing tool function").
+    pub tokenizer: bool,
 }
 
 impl Default for ApiSettings {
@@ -48,6 +51,7 @@ impl Default for ApiSettings {
             window: None,
             failed_event: false,
             summary: default_summary(),
+            tokenizer: false,
         }
     }
 }
@@ -143,6 +147,31 @@ impl ApiMock {
     }
 }
 
+/// llama.cpp's tokenizer endpoints: the "template" is the messages' JSON,
+/// counted at 4 bytes a token; a tool without a `function` object fails the
+/// whole call, as `common_chat_tools_parse_oaicompat` does.
+fn tokenizer_reply(path: &str, v: &Value) -> Response<MockBody> {
+    if path == "/tokenize" {
+        let n = v["content"].as_str().map_or(0, str::len) / 4;
+        return reply(
+            200,
+            "application/json",
+            json!({ "tokens": vec![0; n] }).to_string(),
+        );
+    }
+    let tools = v["tools"].as_array().map_or(&[][..], Vec::as_slice);
+    if let Some(bad) = tools.iter().find(|t| !t["function"].is_object()) {
+        let e = json!({"error":{"code":500,"message":format!("Failed to parse tools: Missing tool function: {bad}")}});
+        return reply(500, "application/json", e.to_string());
+    }
+    let prompt = serde_json::to_string(&v["messages"]).unwrap_or_default();
+    reply(
+        200,
+        "application/json",
+        json!({ "prompt": prompt }).to_string(),
+    )
+}
+
 fn json_len(v: Option<&Value>) -> usize {
     v.map_or(0, |v| serde_json::to_string(v).unwrap().len())
 }
@@ -191,6 +220,10 @@ async fn serve(
             "{\"error\":\"bad json\"}".into(),
         ));
     };
+    if settings.tokenizer && (path == "/apply-template" || path == "/tokenize") {
+        record(ApiKind::Other, 0, false);
+        return Ok(tokenizer_reply(&path, &v));
+    }
     let anthropic = path.starts_with("/v1/messages");
     let (system, list) = if anthropic {
         (v.get("system"), v.get("messages"))
