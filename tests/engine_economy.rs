@@ -90,6 +90,53 @@ fn a_summary_rejected_for_the_same_rows_is_not_asked_again() {
     assert!(s.calls() > calls);
 }
 
+/// A window whose instructions fill most of it: the summary of the
+/// earlier rounds is rejected (longer than they are) and shortening every
+/// row to its floor still leaves the request over the window, so the pass
+/// that must fit drops the oldest whole rounds instead of sending a request
+/// it estimates over the window (refused by the upstream, then failed).
+#[test]
+fn a_pass_that_must_fit_drops_the_oldest_rounds_when_shortening_is_not_enough() {
+    let mut c = compressor_with("m", 2_048, |c| c.protect_first_n = 0);
+    let mut msgs = vec![msg("system", &"rule ".repeat(1_200))];
+    for i in 0..6 {
+        msgs.extend(tool_round(i, 120));
+    }
+    msgs.push(msg("user", "step 9: read file_9.rs"));
+    let s = Stub::ok(&"x ".repeat(20_000));
+    let first = block_on(c.compress(&msgs, &s, CompressOptions::default()));
+    assert_eq!(first.outcome, Outcome::Rejected, "the summary is longer");
+    // Every row is under the last resort's floor: only dropping can fit.
+    let system = tokens::estimate_messages_tokens_rough(&msgs[..1]);
+    let fit = system + 120;
+    let r = block_on(c.compress(
+        &msgs,
+        &s,
+        CompressOptions {
+            force: true,
+            bypass_cooldown: true,
+            fit_tokens: Some(fit),
+            ..CompressOptions::default()
+        },
+    ));
+    assert_eq!(r.outcome, Outcome::Compacted, "left over the window");
+    assert!(r.tokens_after <= fit, "{} > {fit}", r.tokens_after);
+    assert!(r.telemetry.last_resort_dropped >= 4, "{:?}", r.telemetry);
+    assert_eq!(r.telemetry.last_resort_dropped % 4, 0, "whole rounds");
+    assert_eq!(r.messages[0], msgs[0], "instructions kept");
+    assert_eq!(r.messages.last(), msgs.last(), "the newest ask kept");
+    assert_eq!(
+        r.messages[1],
+        msgs[1 + r.telemetry.last_resort_dropped],
+        "oldest first"
+    );
+    for (i, m) in r.messages.iter().enumerate() {
+        if let Some(id) = m.get("tool_call_id") {
+            assert_eq!(r.messages[i - 1]["tool_calls"][0]["id"], *id, "pairing");
+        }
+    }
+}
+
 /// A summariser that replies cut at the cap and says whether firmer
 /// retries are still worth it.
 struct Cut {

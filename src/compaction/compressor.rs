@@ -161,6 +161,9 @@ pub struct CompressTelemetry {
     pub chunk_count: usize,
     /// Rows the last resort shortened to make the request fit (0 = none).
     pub last_resort_rows: usize,
+    /// Rows of the oldest exchanges the last resort dropped when even
+    /// shortening could not fit the window.
+    pub last_resort_dropped: usize,
     /// Failure class name, when the attempt did not go cleanly.
     pub failure_class: Option<&'static str>,
     /// The caller's token figure, if given.
@@ -1543,8 +1546,27 @@ fn fit_window(messages: &[Value], ending: Ending, pass: &mut Pass) -> Ending {
         } if *tokens_after > fit => (out.as_slice(), *summary_index, *dropped_count),
         _ => return ending,
     };
-    let Some(shrunk) = super::last_resort::shrink_to_fit(base, fit, pass.fit) else {
-        return ending;
+    let shrunk = match super::last_resort::shrink_to_fit(base, fit, Fit::IfReachable) {
+        Some(s) => s,
+        None => match super::last_resort::drop_oldest_exchanges(base, fit) {
+            Some(d) => {
+                tracing::warn!(
+                    dropped_rows = d.rows,
+                    rows = d.shrunk.rows,
+                    fit_tokens = fit,
+                    "not even the shortened messages fit the window; oldest exchanges dropped"
+                );
+                pass.tel.last_resort_dropped = d.rows;
+                d.shrunk
+            }
+            None if pass.fit == Fit::Insist => {
+                match super::last_resort::shrink_to_fit(base, fit, Fit::Insist) {
+                    Some(s) => s,
+                    None => return ending,
+                }
+            }
+            None => return ending,
+        },
     };
     tracing::warn!(
         rows = shrunk.rows,
@@ -1552,11 +1574,13 @@ fn fit_window(messages: &[Value], ending: Ending, pass: &mut Pass) -> Ending {
         "nothing left to compact; largest messages shortened to fit the window"
     );
     pass.tel.last_resort_rows = shrunk.rows;
+    // Rows dropped before it move the summary.
+    let summary_index = summary_index.and_then(|i| locate_summary(&shrunk.messages, i));
     Ending::Compacted {
         tokens_after: tokens::estimate_messages_tokens_rough(&shrunk.messages),
         messages: shrunk.messages,
         summary_index,
-        dropped_count,
+        dropped_count: dropped_count + pass.tel.last_resort_dropped,
     }
 }
 

@@ -7,10 +7,13 @@
 //! prompt (or developer message) leading the list is never shortened; the
 //! newest user message and the running summary only when nothing else is
 //! left to shorten. When even that cannot make the messages fit by the
-//! estimate, nothing is changed (the upstream answers the request as it
-//! is), unless the upstream has already refused them as too long
-//! ([`Fit::Insist`]): then they are cut as far as they go and sent, since
-//! the estimate, not the upstream, may be wrong about how they tokenize.
+//! estimate, the oldest whole exchanges are dropped
+//! ([`drop_oldest_exchanges`]) rather than send a request estimated over
+//! the window; when not even that fits, nothing is changed (the upstream
+//! answers the request as it is), unless the upstream has already refused
+//! them as too long ([`Fit::Insist`]): then they are cut as far as they go
+//! and sent, since the estimate, not the upstream, may be wrong about how
+//! they tokenize.
 
 use serde_json::Value;
 
@@ -110,6 +113,9 @@ pub fn shrink_to_fit(messages: &[Value], budget: u64, fit: Fit) -> Option<Shrunk
         .is_some_and(|m| view::is_role(m, "system") || view::is_role(m, "developer"));
     let newest_user = out.iter().rposition(view::is_real_user);
     let mut shrunk = vec![false; out.len()];
+    // Rows that would not get shorter (at their floor already): passed
+    // over, while smaller rows may still be cut.
+    let mut spent = vec![false; out.len()];
     let mut fits = false;
     // First everything but the newest ask and the summary; then those too.
     'passes: for last_pass in [false, true] {
@@ -120,6 +126,7 @@ pub fn shrink_to_fit(messages: &[Value], budget: u64, fit: Fit) -> Option<Shrunk
                 break 'passes;
             }
             let candidate = (usize::from(system)..out.len())
+                .filter(|&i| !spent[i])
                 .filter(|&i| last_pass || (Some(i) != newest_user && !view::is_summary(&out[i])))
                 .map(|i| (text_len(&out[i]), i))
                 .filter(|&(len, _)| len > LAST_RESORT_MIN_CHARS)
@@ -137,7 +144,8 @@ pub fn shrink_to_fit(messages: &[Value], budget: u64, fit: Fit) -> Option<Shrunk
             if text_len(&out[i]) >= len {
                 // Could not shorten it (marker longer than the cut): stop
                 // offering this row.
-                break;
+                spent[i] = true;
+                continue;
             }
             shrunk[i] = true;
         }
@@ -147,6 +155,64 @@ pub fn shrink_to_fit(messages: &[Value], budget: u64, fit: Fit) -> Option<Shrunk
         messages: out,
         rows,
     })
+}
+
+/// The window step when even shortening every row cannot fit `messages`
+/// in `budget` (a small window whose instructions fill most of it holds
+/// about one turn, and a summary of the rest would not fit either): the
+/// fewest oldest whole exchanges are dropped (each from a real user row to
+/// the next) for [`shrink_to_fit`] to reach the budget with what is left.
+/// The leading rows before the first exchange (instructions, a summary)
+/// and the newest ask with what follows it always stay; an exchange holds
+/// its tool calls with their results, so pairing is kept. `None` when even
+/// dropping every earlier exchange is not enough.
+pub fn drop_oldest_exchanges(messages: &[Value], budget: u64) -> Option<Dropped> {
+    let newest_user = messages.iter().rposition(view::is_real_user)?;
+    let starts: Vec<usize> = (0..newest_user)
+        .filter(|&i| view::is_real_user(&messages[i]))
+        .collect();
+    let first = *starts.first()?;
+    // Dropping the first k exchanges keeps messages[..first] and
+    // messages[end(k)..]; more dropped never fits worse, so the fewest that
+    // fit is found by bisection.
+    let end = |k: usize| starts.get(k).copied().unwrap_or(newest_user);
+    let attempt = |k: usize| -> Option<Shrunk> {
+        let mut rest = messages[..first].to_vec();
+        rest.extend_from_slice(&messages[end(k)..]);
+        if tokens::estimate_messages_tokens_rough(&rest) <= budget {
+            return Some(Shrunk {
+                messages: rest,
+                rows: 0,
+            });
+        }
+        shrink_to_fit(&rest, budget, Fit::IfReachable)
+    };
+    let (mut lo, mut hi) = (1, starts.len());
+    let mut best = Some(hi).zip(attempt(hi))?;
+    while lo < hi {
+        let mid = lo + (hi - lo) / 2;
+        match attempt(mid) {
+            Some(s) => {
+                best = (mid, s);
+                hi = mid;
+            }
+            None => lo = mid + 1,
+        }
+    }
+    let (k, shrunk) = best;
+    Some(Dropped {
+        shrunk,
+        rows: end(k) - first,
+    })
+}
+
+/// What [`drop_oldest_exchanges`] did.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Dropped {
+    /// The rest, shortened as far as it had to be.
+    pub shrunk: Shrunk,
+    /// Rows dropped.
+    pub rows: usize,
 }
 
 /// What [`fit_budget`] works from.
@@ -281,5 +347,56 @@ mod tests {
         // Nothing but the system prompt and short rows: nothing to cut.
         let short = vec![m[0].clone(), m[1].clone()];
         assert_eq!(shrink_to_fit(&short, system_only / 2, Fit::Insist), None);
+    }
+
+    /// Instructions filling most of the budget and three earlier exchanges
+    /// with tool calls before the newest ask and its tool round.
+    fn small_window() -> Vec<Value> {
+        let mut m = vec![json!({"role": "system", "content": "S".repeat(4_000)})];
+        for i in 0..3 {
+            m.push(json!({"role": "user", "content": format!("step {i} {}", "u".repeat(200))}));
+            m.push(json!({"role": "assistant", "content": null, "tool_calls": [{"id": format!("c{i}"), "type": "function", "function": {"name": "read", "arguments": "{}"}}]}));
+            m.push(json!({"role": "tool", "tool_call_id": format!("c{i}"), "content": "x".repeat(1_500)}));
+            m.push(json!({"role": "assistant", "content": format!("done {i}")}));
+        }
+        m.push(json!({"role": "user", "content": format!("now {}", "n".repeat(200))}));
+        m.push(json!({"role": "assistant", "content": null, "tool_calls": [{"id": "c9", "type": "function", "function": {"name": "read", "arguments": "{}"}}]}));
+        m.push(json!({"role": "tool", "tool_call_id": "c9", "content": "y".repeat(1_500)}));
+        m
+    }
+
+    #[test]
+    fn exchanges_are_dropped_oldest_first_when_shortening_cannot_fit() {
+        let m = small_window();
+        let system = tokens::estimate_messages_tokens_rough(&m[..1]);
+        let budget = system + 400;
+        assert_eq!(
+            shrink_to_fit(&m, budget, Fit::IfReachable),
+            None,
+            "shortening alone"
+        );
+        let d = drop_oldest_exchanges(&m, budget).expect("fits without old exchanges");
+        let out = &d.shrunk.messages;
+        assert!(tokens::estimate_messages_tokens_rough(out) <= budget);
+        assert_eq!(out[0], m[0], "instructions kept");
+        assert!(d.rows > 0 && d.rows % 4 == 0, "whole exchanges: {}", d.rows);
+        assert_eq!(out.len(), m.len() - d.rows);
+        // The newest ask and its round are what is left after the kept
+        // exchanges, and every tool result still follows its call.
+        let ask = out.iter().rposition(view::is_real_user).unwrap();
+        assert!(view::text(&out[ask]).starts_with("now "));
+        assert_eq!(out[ask + 2]["tool_call_id"], "c9");
+        for (i, r) in out.iter().enumerate() {
+            if let Some(id) = r.get("tool_call_id") {
+                assert_eq!(out[i - 1]["tool_calls"][0]["id"], *id);
+            }
+        }
+        // The fewest: with one more exchange kept it would not fit.
+        let more = d.rows - 4;
+        let mut kept = m[..1].to_vec();
+        kept.extend_from_slice(&m[1 + more..]);
+        assert_eq!(shrink_to_fit(&kept, budget, Fit::IfReachable), None);
+        // Below what the newest round alone can be cut to: nothing.
+        assert_eq!(drop_oldest_exchanges(&m, system), None);
     }
 }
