@@ -140,6 +140,11 @@ pub async fn handle_api(
         upstream: Arc::clone(upstream),
         entry,
         client_headers: Arc::clone(&client_headers),
+        credential_query: parts
+            .uri
+            .query()
+            .and_then(crate::session::key::credential_query)
+            .map(Arc::from),
         creq,
         key: (key, cred),
         overflow: None,
