@@ -6,13 +6,30 @@
 //! (rebuilt at open), so [`Store::may_have`] and [`Store::touch`] are free
 //! and a sweep reads no record. redb does blocking file I/O: every call
 //! runs on tokio's blocking pool, never on an async worker.
+//!
+//! The file is bounded, not only the records: a put first drops the least
+//! recently used records until the new one fits `max_bytes` (in the same
+//! transaction), and when the file still outgrows the bound by a quarter
+//! (freed pages redb has not reused yet, fragmentation) the database is
+//! compacted on the blocking pool, with every other call held back for
+//! that long.
+//!
+//! redb panics on some damaged files (a truncated file, a zeroed page)
+//! instead of returning an error. Opening is therefore panic-safe and
+//! verified (integrity check, every table read), see [`OpenError`], and
+//! every call catches a panic: it becomes a [`StoreError`] and the store
+//! refuses further calls (the chat path degrades to memory), never a
+//! process exit. This needs `panic = "unwind"` (the default of every
+//! profile in Cargo.toml).
 
 use std::collections::{BTreeMap, HashMap};
-use std::path::Path;
-use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
+use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError, RwLock};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
-use redb::{Database, ReadableTable, TableDefinition};
+use redb::{Database, DatabaseError, ReadableTable, StorageError, TableDefinition};
 
 use super::{Store, StoreError, StoredRecord};
 
@@ -75,10 +92,55 @@ impl Index {
     }
 }
 
+/// Why a redb file could not be opened.
+#[derive(Debug, thiserror::Error)]
+pub enum OpenError {
+    /// Another process (or this one) holds the file: it must not be
+    /// touched.
+    #[error("store file in use by another process")]
+    Busy,
+    /// The file cannot be created or read (permissions, no space, I/O):
+    /// nothing says it is damaged, so it is left where it is.
+    #[error("store file unavailable: {0}")]
+    Unavailable(String),
+    /// The file is not a readable redb database (redb reported corruption
+    /// or panicked while opening or verifying it).
+    #[error("store file damaged: {0}")]
+    Damaged(String),
+}
+
+/// The file may outgrow `max_bytes` by this fraction (freed pages not
+/// reused yet) before it is compacted: the bound on disk is 1.25× plus
+/// [`COMPACT_SLACK`].
+const COMPACT_OVER: u64 = 4;
+/// redb's fixed overhead (header, region allocator state) and a record in
+/// flight, so a small bound is not compacted on every put.
+const COMPACT_SLACK: u64 = 1 << 20;
+
+/// The file size beyond which the database is compacted.
+fn compact_at(max_bytes: usize) -> u64 {
+    let b = max_bytes as u64;
+    b + b / COMPACT_OVER + COMPACT_SLACK
+}
+
+/// The database, shared by the calls (read side) and taken whole by a
+/// compaction (write side: redb needs `&mut Database` and no live
+/// transaction).
+type Db = Arc<RwLock<Database>>;
+
 /// The redb store.
 pub struct RedbStore {
-    db: Arc<Database>,
+    db: Db,
     index: Arc<Mutex<Index>>,
+    path: PathBuf,
+    /// Set when a call panicked inside redb: the file is not trusted any
+    /// more and every later call fails fast (served from memory).
+    broken: Arc<AtomicBool>,
+    /// A compaction is queued or running.
+    compacting: Arc<AtomicBool>,
+    /// Serialises the writes that change the byte count (put, sweep), so
+    /// eviction sees the bytes the previous write left.
+    writer: Arc<Mutex<()>>,
     secret: u64,
     /// Learned windows as read at open.
     windows: Vec<(String, String, u64)>,
@@ -88,6 +150,37 @@ pub struct RedbStore {
 
 fn backend(e: impl std::fmt::Display) -> StoreError {
     StoreError::Backend(e.to_string())
+}
+
+/// The text of a caught panic (redb's messages name pages and lengths,
+/// never content).
+fn panic_text(p: &(dyn std::any::Any + Send)) -> String {
+    p.downcast_ref::<&str>()
+        .map(|s| (*s).to_owned())
+        .or_else(|| p.downcast_ref::<String>().cloned())
+        .unwrap_or_else(|| "panic".to_owned())
+}
+
+fn read_db(db: &RwLock<Database>) -> std::sync::RwLockReadGuard<'_, Database> {
+    // A panic is caught inside the guard: poisoning says nothing here.
+    db.read().unwrap_or_else(PoisonError::into_inner)
+}
+
+/// What `Database::create` failed with, sorted by whether the file is to
+/// blame.
+fn classify(e: DatabaseError) -> OpenError {
+    match e {
+        DatabaseError::DatabaseAlreadyOpen => OpenError::Busy,
+        DatabaseError::Storage(StorageError::Io(io))
+            if !matches!(
+                io.kind(),
+                std::io::ErrorKind::UnexpectedEof | std::io::ErrorKind::InvalidData
+            ) =>
+        {
+            OpenError::Unavailable(io.to_string())
+        }
+        other => OpenError::Damaged(other.to_string()),
+    }
 }
 
 fn now_ms() -> u64 {
@@ -123,29 +216,29 @@ fn prepare_file(path: &Path) -> std::io::Result<()> {
 }
 
 impl RedbStore {
-    /// Opens (or creates) the file and rebuilds the index. Blocking: call
-    /// it at start-up, before serving.
-    pub fn open(path: &Path, ttl: Duration, max_bytes: usize) -> Result<Self, StoreError> {
-        prepare_file(path).map_err(backend)?;
-        let mut db = Database::builder()
-            .set_cache_size(16 << 20)
-            .create(path)
-            .map_err(backend)?;
-        let (mut index, secret) = load(&db)?;
-        let windows = load_windows(&db)?;
+    /// Opens (or creates) the file, verifies it and rebuilds the index.
+    /// Blocking: call it at start-up, before serving. Never panics: a
+    /// panic inside redb is [`OpenError::Damaged`].
+    pub fn open(path: &Path, ttl: Duration, max_bytes: usize) -> Result<Self, OpenError> {
+        prepare_file(path).map_err(|e| OpenError::Unavailable(e.to_string()))?;
+        let db = catch_unwind(|| Database::builder().set_cache_size(16 << 20).create(path))
+            .map_err(|p| OpenError::Damaged(panic_text(&*p)))?
+            .map_err(classify)?;
         let ttl_ms = u64::try_from(ttl.as_millis()).unwrap_or(u64::MAX);
         let max_bytes = max_bytes.max(1);
-        // What expired while the process was down goes now, and the file
-        // gives the space back: redb reuses freed pages but never shrinks
-        // the file by itself, and only at open does nothing else hold it.
-        let plan = plan_sweep(&mut index, now_ms(), ttl_ms, max_bytes);
-        if !(plan.gone.is_empty() && plan.states.is_empty()) {
-            write_sweep(&db, &plan)?;
-            db.compact().map_err(backend)?;
-        }
+        let opened = catch_unwind(AssertUnwindSafe(move || {
+            verified(db, path, ttl_ms, max_bytes)
+        }));
+        let (db, index, secret, windows) = opened
+            .map_err(|p| OpenError::Damaged(panic_text(&*p)))?
+            .map_err(|e| OpenError::Damaged(e.to_string()))?;
         Ok(Self {
-            db: Arc::new(db),
+            db: Arc::new(RwLock::new(db)),
             index: Arc::new(Mutex::new(index)),
+            path: path.to_owned(),
+            broken: Arc::default(),
+            compacting: Arc::default(),
+            writer: Arc::default(),
             secret,
             windows,
             ttl_ms,
@@ -168,6 +261,14 @@ impl RedbStore {
         lock(&self.index).bytes
     }
 
+    /// Size of the file on disk.
+    pub fn file_len(&self) -> u64 {
+        std::fs::metadata(&self.path).map_or(0, |m| m.len())
+    }
+
+    /// Runs `f` on the blocking pool. A panic inside it (redb on a page
+    /// damaged after open) is caught: the call fails and the store refuses
+    /// every later call, so the process keeps serving from memory.
     async fn blocking<T, F>(&self, f: F) -> Result<T, StoreError>
     where
         T: Send + 'static,
@@ -175,10 +276,108 @@ impl RedbStore {
     {
         let db = Arc::clone(&self.db);
         let index = Arc::clone(&self.index);
-        tokio::task::spawn_blocking(move || f(&db, &index))
+        let broken = Arc::clone(&self.broken);
+        tokio::task::spawn_blocking(move || guarded(&broken, || f(&read_db(&db), &index)))
             .await
             .map_err(backend)?
     }
+
+    /// Compacts the database in the background when the file has grown
+    /// past [`compact_at`] (once at a time).
+    fn compact_if_grown(&self) {
+        if self.file_len() <= compact_at(self.max_bytes)
+            || self.compacting.swap(true, Ordering::AcqRel)
+        {
+            return;
+        }
+        let (db, broken, compacting) = (
+            Arc::clone(&self.db),
+            Arc::clone(&self.broken),
+            Arc::clone(&self.compacting),
+        );
+        tokio::task::spawn_blocking(move || {
+            let started = std::time::Instant::now();
+            let result = guarded(&broken, || {
+                let mut db = db.write().unwrap_or_else(PoisonError::into_inner);
+                db.compact().map_err(backend)
+            });
+            compacting.store(false, Ordering::Release);
+            match result {
+                Ok(_) => tracing::info!(
+                    backend = "redb",
+                    millis = started.elapsed().as_millis() as u64,
+                    "store file compacted"
+                ),
+                Err(e) => tracing::warn!(backend = "redb", error = %e, "store compaction failed"),
+            }
+        });
+    }
+}
+
+/// Runs `f` unless the store is broken; a panic breaks it.
+fn guarded<T>(
+    broken: &AtomicBool,
+    f: impl FnOnce() -> Result<T, StoreError>,
+) -> Result<T, StoreError> {
+    if broken.load(Ordering::Acquire) {
+        return Err(StoreError::Backend(
+            "store disabled after a failure inside redb".into(),
+        ));
+    }
+    catch_unwind(AssertUnwindSafe(f)).unwrap_or_else(|p| {
+        broken.store(true, Ordering::Release);
+        tracing::warn!(
+            backend = "redb",
+            "store call panicked inside redb; the store is disabled until restart"
+        );
+        Err(StoreError::Backend(format!(
+            "redb panicked: {}",
+            panic_text(&*p)
+        )))
+    })
+}
+
+/// The index, secret and windows of a file that passes redb's integrity
+/// check and whose every table reads; expired records dropped and the
+/// file compacted when that freed space or it outgrew the bound.
+fn verified(
+    mut db: Database,
+    path: &Path,
+    ttl_ms: u64,
+    max_bytes: usize,
+) -> Result<(Database, Index, u64, Vec<(String, String, u64)>), StoreError> {
+    db.check_integrity().map_err(backend)?;
+    let (mut index, secret) = load(&db)?;
+    let windows = load_windows(&db)?;
+    read_all(&db)?;
+    // What expired while the process was down goes now, and the file
+    // gives the space back: redb reuses freed pages but never shrinks
+    // the file by itself, and only at open does nothing else hold it.
+    let plan = plan_sweep(&mut index, now_ms(), ttl_ms, max_bytes);
+    let swept = !(plan.gone.is_empty() && plan.states.is_empty());
+    if swept {
+        write_sweep(&db, &plan)?;
+    }
+    let len = std::fs::metadata(path).map_or(0, |m| m.len());
+    if swept || len > compact_at(max_bytes) {
+        db.compact().map_err(backend)?;
+    }
+    Ok((db, index, secret, windows))
+}
+
+/// Reads every row of the tables [`load`] does not walk whole, so a
+/// damaged page is found at open, not on a request.
+fn read_all(db: &Database) -> Result<(), StoreError> {
+    let tx = db.begin_read().map_err(backend)?;
+    let touched = tx.open_table(TOUCHED).map_err(backend)?;
+    for row in touched.iter().map_err(backend)? {
+        row.map_err(backend)?;
+    }
+    let meta = tx.open_table(META).map_err(backend)?;
+    for row in meta.iter().map_err(backend)? {
+        row.map_err(backend)?;
+    }
+    Ok(())
 }
 
 /// Rebuilds the index and reads (or makes) the keyer secret.
@@ -313,6 +512,32 @@ fn write_sweep(db: &Database, plan: &SweepPlan) -> Result<(), StoreError> {
     tx.commit().map_err(backend)
 }
 
+/// The least recently used records that go so that `size` more bytes
+/// under `key` fit `max_bytes` (`key` itself is replaced, not evicted).
+fn evictions(index: &Index, key: Key, size: usize, max_bytes: usize) -> Vec<Key> {
+    let replaced = index.meta.get(&key).map_or(0, |m| m.size);
+    let mut bytes = index.bytes - replaced.min(index.bytes);
+    if bytes + size <= max_bytes {
+        return Vec::new();
+    }
+    let mut by_age: Vec<(u64, Key)> = index
+        .meta
+        .iter()
+        .filter(|(k, _)| **k != key)
+        .map(|(k, m)| (m.touched, *k))
+        .collect();
+    by_age.sort_unstable();
+    let mut gone = Vec::new();
+    for (_, old) in by_age {
+        if bytes + size <= max_bytes {
+            break;
+        }
+        bytes = bytes.saturating_sub(index.meta[&old].size);
+        gone.push(old);
+    }
+    gone
+}
+
 /// What a sweep at `now` drops (expired first, then the least recently
 /// used while over the byte bound) and which last uses it writes.
 fn plan_sweep(index: &mut Index, now: u64, ttl_ms: u64, max_bytes: usize) -> SweepPlan {
@@ -428,28 +653,45 @@ impl Store for RedbStore {
         }
         let key = (cred, record.prefix_hash);
         let k = record.k;
-        self.blocking(move |db, index| {
-            let now = now_ms();
-            let tx = db.begin_write().map_err(backend)?;
-            {
-                let mut records = tx.open_table(RECORDS).map_err(backend)?;
-                records.insert(key, bytes.as_slice()).map_err(backend)?;
-                let mut touched = tx.open_table(TOUCHED).map_err(backend)?;
-                touched.insert(key, now).map_err(backend)?;
-            }
-            tx.commit().map_err(backend)?;
-            lock(index).add(
-                key,
-                Meta {
-                    k,
-                    size,
-                    touched: now,
-                    dirty: false,
-                },
-            );
-            Ok(())
-        })
-        .await
+        let (writer, max_bytes) = (Arc::clone(&self.writer), self.max_bytes);
+        let put = self
+            .blocking(move |db, index| {
+                let _writing = writer.lock().unwrap_or_else(PoisonError::into_inner);
+                let now = now_ms();
+                // Room first, in the same transaction: the file then holds at
+                // most the bound (plus the pages freed here, reused by the
+                // next writes) rather than growing until the next sweep.
+                let gone = evictions(&lock(index), key, size, max_bytes);
+                let tx = db.begin_write().map_err(backend)?;
+                {
+                    let mut records = tx.open_table(RECORDS).map_err(backend)?;
+                    let mut touched = tx.open_table(TOUCHED).map_err(backend)?;
+                    for old in &gone {
+                        records.remove(*old).map_err(backend)?;
+                        touched.remove(*old).map_err(backend)?;
+                    }
+                    records.insert(key, bytes.as_slice()).map_err(backend)?;
+                    touched.insert(key, now).map_err(backend)?;
+                }
+                tx.commit().map_err(backend)?;
+                let mut index = lock(index);
+                for old in &gone {
+                    index.remove(old);
+                }
+                index.add(
+                    key,
+                    Meta {
+                        k,
+                        size,
+                        touched: now,
+                        dirty: false,
+                    },
+                );
+                Ok(())
+            })
+            .await;
+        self.compact_if_grown();
+        put
     }
 
     fn windows(&self) -> Vec<(String, String, u64)> {
@@ -477,9 +719,18 @@ impl Store for RedbStore {
             self.max_bytes,
         );
         if plan.gone.is_empty() && plan.dirty.is_empty() && plan.states.is_empty() {
+            self.compact_if_grown();
             return Ok(());
         }
-        self.blocking(move |db, _| write_sweep(db, &plan)).await
+        let writer = Arc::clone(&self.writer);
+        let swept = self
+            .blocking(move |db, _| {
+                let _writing = writer.lock().unwrap_or_else(PoisonError::into_inner);
+                write_sweep(db, &plan)
+            })
+            .await;
+        self.compact_if_grown();
+        swept
     }
 
     async fn get_state(&self, session: u128) -> Result<Option<Vec<u8>>, StoreError> {
