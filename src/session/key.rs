@@ -108,6 +108,12 @@ pub fn credential_query(query: &str) -> Option<String> {
     (!pairs.is_empty()).then(|| pairs.join("&"))
 }
 
+/// [`credential_query`] of a request URI, shared by the side calls of
+/// one request.
+pub fn credential_query_of(uri: &http::Uri) -> Option<Arc<str>> {
+    uri.query().and_then(credential_query).map(Arc::from)
+}
+
 /// Only the credential headers of `h` (what window discovery presents).
 pub fn credential_headers(h: &HeaderMap) -> HeaderMap {
     let mut out = HeaderMap::new();

@@ -346,6 +346,9 @@ fn guarded<T>(
     })
 }
 
+/// An opened file: the database, its index, secret and learned windows.
+type Verified = (Database, Index, u64, Vec<(String, String, u64)>);
+
 /// The index, secret and windows of a file that passes redb's integrity
 /// check and whose every table reads; expired records dropped and the
 /// file compacted when that freed space or it outgrew the bound.
@@ -354,7 +357,7 @@ fn verified(
     path: &Path,
     ttl_ms: u64,
     max_bytes: usize,
-) -> Result<(Database, Index, u64, Vec<(String, String, u64)>), StoreError> {
+) -> Result<Verified, StoreError> {
     db.check_integrity().map_err(backend)?;
     let (mut index, secret) = load(&db)?;
     let windows = load_windows(&db)?;
