@@ -80,6 +80,7 @@ struct Snapshot {
     record: Option<Arc<Record>>,
     model: String,
     headers: HeaderMap,
+    credential_query: Option<String>,
     engine_window: u64,
     max_out_rough: Option<u64>,
     est_rough: u64,
@@ -227,7 +228,8 @@ fn spawn(
         outgoing: base.outgoing.to_vec(),
         record: base.record.cloned(),
         model: t.model.to_owned(),
-        headers: t.client_headers.clone(),
+        headers: t.client.headers.clone(),
+        credential_query: t.client.query.map(str::to_owned),
         engine_window: due.engine_window,
         max_out_rough: due.max_out_rough,
         est_rough: due.est_rough,
@@ -360,6 +362,7 @@ impl Job {
             &s.headers,
             comp.trigger.summariser_budgets().into(),
         )
+        .with_credential_query(s.credential_query.as_deref())
         .speaking(s.api)
         .learning(&self.firm_retries);
         let mut result = if micro {

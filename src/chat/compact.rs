@@ -5,7 +5,6 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use http::HeaderMap;
 use serde_json::value::RawValue;
 use serde_json::Value;
 use tokio::time::Instant;
@@ -73,8 +72,8 @@ pub(super) struct Turn<'a> {
     pub key: SessionKey,
     pub cred: u128,
     pub model: &'a str,
-    /// The client's headers (the summariser presents their credentials).
-    pub client_headers: &'a HeaderMap,
+    /// The client (the summariser presents its credentials).
+    pub client: super::Client<'a>,
     /// The client's messages and their chain.
     pub original: &'a [Box<RawValue>],
     pub client_hashes: &'a [u128],
@@ -320,9 +319,10 @@ async fn compact_now(
             upstream,
             t.model.to_owned(),
         ),
-        t.client_headers,
+        t.client.headers,
         comp.trigger.summariser_budgets().into(),
     )
+    .with_credential_query(t.client.query)
     .speaking(t.api)
     .learning(&chat.firm_retries);
     // After an overflow the upstream's refusal is proof the messages do

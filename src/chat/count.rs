@@ -68,7 +68,7 @@ enum Answer {
 pub async fn count(
     tokenizer: &Tokenizer,
     upstream: &Upstream,
-    client_headers: &HeaderMap,
+    client: super::Client<'_>,
     model: &str,
     messages: &[Box<RawValue>],
     tools: Option<&RawValue>,
@@ -76,18 +76,19 @@ pub async fn count(
     if tokenizer.absent() {
         return None;
     }
-    let headers = crate::session::key::credential_headers(client_headers);
+    let headers = crate::session::key::credential_headers(client.headers);
+    let auth = (&headers, client.query);
     let attempt = async {
         let known = tokenizer.0.load(Ordering::Relaxed);
         if known != VLLM {
-            match llama_cpp(upstream, &headers, messages, tools).await {
+            match llama_cpp(upstream, auth, messages, tools).await {
                 Answer::Count(n) => return (LLAMA_CPP, Some(n)),
                 Answer::Failed => return (known, None),
                 Answer::Missing if known == LLAMA_CPP => return (known, None),
                 Answer::Missing => {}
             }
         }
-        match vllm(upstream, &headers, model, messages, tools).await {
+        match vllm(upstream, auth, model, messages, tools).await {
             Answer::Count(n) => (VLLM, Some(n)),
             Answer::Missing if known == UNKNOWN => (NONE, None),
             _ => (known, None),
@@ -128,16 +129,20 @@ fn body(messages: &[Box<RawValue>], tools: Option<&RawValue>, extra: &str) -> By
     Bytes::from(out)
 }
 
+/// The credential headers and query parameters presented as the client.
+type Auth<'a> = (&'a HeaderMap, Option<&'a str>);
+
 async fn post(
     upstream: &Upstream,
-    headers: &HeaderMap,
+    (headers, query): Auth<'_>,
     path: &'static str,
     body: Bytes,
 ) -> Result<Value, Answer> {
     let (status, bytes) = upstream
-        .post_json(
+        .post_json_query(
             upstream.base(),
             path,
+            query,
             headers.clone(),
             body,
             MAX_ANSWER_BYTES,
@@ -155,18 +160,11 @@ async fn post(
 
 async fn llama_cpp(
     upstream: &Upstream,
-    headers: &HeaderMap,
+    auth: Auth<'_>,
     messages: &[Box<RawValue>],
     tools: Option<&RawValue>,
 ) -> Answer {
-    let prompt = match post(
-        upstream,
-        headers,
-        "/apply-template",
-        body(messages, tools, ""),
-    )
-    .await
-    {
+    let prompt = match post(upstream, auth, "/apply-template", body(messages, tools, "")).await {
         Ok(v) => match v.get("prompt").and_then(Value::as_str) {
             Some(p) => p.to_owned(),
             None => return Answer::Failed,
@@ -174,7 +172,7 @@ async fn llama_cpp(
         Err(a) => return a,
     };
     let req = serde_json::json!({"content": prompt, "add_special": true}).to_string();
-    match post(upstream, headers, "/tokenize", Bytes::from(req)).await {
+    match post(upstream, auth, "/tokenize", Bytes::from(req)).await {
         Ok(v) => v
             .get("tokens")
             .and_then(Value::as_array)
@@ -185,21 +183,14 @@ async fn llama_cpp(
 
 async fn vllm(
     upstream: &Upstream,
-    headers: &HeaderMap,
+    auth: Auth<'_>,
     model: &str,
     messages: &[Box<RawValue>],
     tools: Option<&RawValue>,
 ) -> Answer {
     let model = serde_json::to_string(model).unwrap_or_else(|_| "\"\"".into());
     let extra = format!(",\"model\":{model},\"add_generation_prompt\":true");
-    match post(
-        upstream,
-        headers,
-        "/tokenize",
-        body(messages, tools, &extra),
-    )
-    .await
-    {
+    match post(upstream, auth, "/tokenize", body(messages, tools, &extra)).await {
         Ok(v) => v
             .get("count")
             .and_then(Value::as_u64)

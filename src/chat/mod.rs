@@ -167,6 +167,19 @@ fn heavy_permits() -> usize {
 /// Largest discovery answer read.
 const MAX_PROBE_BYTES: usize = 4 << 20;
 
+/// The client as side calls made for it (summary, token count, window
+/// discovery) present it: its request headers (only the credentials and a
+/// few routing headers are copied from them) and the credential parameters
+/// of its query ([`crate::session::key::credential_query`]), each in the
+/// form the client used.
+#[derive(Debug, Clone, Copy)]
+pub struct Client<'a> {
+    /// The client's request headers.
+    pub headers: &'a HeaderMap,
+    /// `key=…` (and the like) of the client's query, as written.
+    pub query: Option<&'a str>,
+}
+
 /// Window discovery through the upstream, with the client's credentials.
 pub struct Discovery<'a> {
     /// The upstream.
@@ -175,6 +188,8 @@ pub struct Discovery<'a> {
     /// presented (some upstreams guard `/v1/models`), picked out when a
     /// probe runs, not on every request.
     pub client_headers: &'a HeaderMap,
+    /// The client's credential query parameters, presented as written.
+    pub credential_query: Option<&'a str>,
     /// Per-probe timeout.
     pub timeout: Duration,
 }
@@ -183,8 +198,13 @@ pub struct Discovery<'a> {
 impl UpstreamGet for Discovery<'_> {
     async fn get_json(&self, path: &str) -> Result<Option<Value>, GetError> {
         let headers = crate::session::key::credential_headers(self.client_headers);
+        let path = match self.credential_query {
+            Some(q) if !path.contains('?') => std::borrow::Cow::Owned(format!("{path}?{q}")),
+            Some(q) => std::borrow::Cow::Owned(format!("{path}&{q}")),
+            None => std::borrow::Cow::Borrowed(path),
+        };
         self.upstream
-            .get_json(path, headers, MAX_PROBE_BYTES, self.timeout)
+            .get_json(&path, headers, MAX_PROBE_BYTES, self.timeout)
             .await
             .map_err(|e| match e {
                 FetchError::InvalidJson => GetError::InvalidJson,

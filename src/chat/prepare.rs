@@ -6,7 +6,6 @@ use std::borrow::Cow;
 use std::sync::Arc;
 
 use bytes::Bytes;
-use http::HeaderMap;
 use serde_json::value::RawValue;
 
 use crate::codec::ApiRequest;
@@ -21,7 +20,7 @@ use super::compact::{compact_if_due, Booked, Turn};
 use super::conversation::{rough_message_tokens, Conversation, Inbox};
 use super::record::Record;
 use super::walk::Action;
-use super::{ChatState, Discovery};
+use super::{ChatState, Client, Discovery};
 
 /// Timeout of the window discovery probes.
 const DISCOVERY_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(5);
@@ -63,7 +62,7 @@ pub(super) async fn prepare(
     chat: &ChatState,
     upstream: &Arc<Upstream>,
     entry: &Arc<Entry<Conversation>>,
-    client_headers: &HeaderMap,
+    client: Client<'_>,
     creq: &mut ApiRequest,
     (key, cred): (SessionKey, u128),
     overflow: Option<&Overflow>,
@@ -77,7 +76,7 @@ pub(super) async fn prepare(
     conv.drain_inbox();
     conv.note_model(&model);
     conv.stats.requests += u64::from(overflow.is_none());
-    let window = resolve_window(chat, upstream, client_headers, &model, overflow).await;
+    let window = resolve_window(chat, upstream, client, &model, overflow).await;
 
     // Moved out, not copied: the history is the bulk of the body, and the
     // original bytes still go upstream unless `with_messages` runs below.
@@ -91,7 +90,7 @@ pub(super) async fn prepare(
     let max_out = creq.max_output_tokens().filter(|&m| m < window);
     let overhead = conv.tools_overhead(creq.get_raw("tools"));
     let sizing = (overhead, window, max_out);
-    let (mut est, margin) = size_up(chat, upstream, client_headers, conv, creq, &out, sizing).await;
+    let (mut est, margin) = size_up(chat, upstream, client, conv, creq, &out, sizing).await;
 
     // A recorded prefix is a substitution, not a compaction: the action
     // stays `passthrough` and `x-compactor-replaced` says how many of the
@@ -102,7 +101,7 @@ pub(super) async fn prepare(
         key,
         cred,
         model: &model,
-        client_headers,
+        client,
         original: &original,
         client_hashes: &out.client_hashes,
         outgoing: &out.messages,
@@ -159,7 +158,7 @@ pub(super) async fn prepare(
 async fn size_up(
     chat: &ChatState,
     upstream: &Upstream,
-    client_headers: &HeaderMap,
+    client: Client<'_>,
     conv: &mut Conversation,
     creq: &ApiRequest,
     out: &Outgoing<'_>,
@@ -168,9 +167,7 @@ async fn size_up(
     let mut est = estimate(conv, out, overhead, creq.rough());
     if first_count_due(&est, window) {
         let counting = (overhead, est.clone());
-        if let Some(counted) =
-            count_now(chat, upstream, client_headers, conv, creq, out, counting).await
-        {
+        if let Some(counted) = count_now(chat, upstream, client, conv, creq, out, counting).await {
             est = counted;
         }
     }
@@ -178,9 +175,7 @@ async fn size_up(
     let reply = max_out.unwrap_or(0);
     if est.tokens + reply < window && est.tokens + est.tokens / 10 + reply >= window {
         let counting = (overhead, est.clone());
-        if let Some(counted) =
-            count_now(chat, upstream, client_headers, conv, creq, out, counting).await
-        {
+        if let Some(counted) = count_now(chat, upstream, client, conv, creq, out, counting).await {
             est = counted;
             margin = est.tokens / 100;
         }
@@ -194,7 +189,7 @@ async fn size_up(
 async fn count_now(
     chat: &ChatState,
     upstream: &Upstream,
-    client_headers: &HeaderMap,
+    client: Client<'_>,
     conv: &mut Conversation,
     creq: &ApiRequest,
     out: &Outgoing<'_>,
@@ -208,7 +203,7 @@ async fn count_now(
     let counted = super::count::count(
         tokenizer,
         upstream,
-        client_headers,
+        client,
         &model,
         &out.messages,
         tools.as_deref(),
@@ -249,7 +244,7 @@ fn real_tools_tokens(conv: &Conversation, rough: u64) -> u64 {
 async fn resolve_window(
     chat: &ChatState,
     upstream: &Upstream,
-    client_headers: &HeaderMap,
+    client: Client<'_>,
     model: &str,
     overflow: Option<&Overflow>,
 ) -> u64 {
@@ -258,7 +253,8 @@ async fn resolve_window(
     }
     let discovery = Discovery {
         upstream,
-        client_headers,
+        client_headers: client.headers,
+        credential_query: client.query,
         timeout: DISCOVERY_TIMEOUT,
     };
     chat.windows

@@ -32,6 +32,7 @@ const FORWARDED: &[&str] = &[
     "authorization",
     "api-key",
     "x-api-key",
+    "x-goog-api-key",
     "anthropic-version",
     "anthropic-beta",
     "openai-organization",
@@ -95,6 +96,8 @@ pub struct HttpSummariser<'a> {
     to_upstream: bool,
     /// The configured summary key, for APIs that take it in another header.
     api_key: Option<String>,
+    /// The client's credential query parameters (`key=…`), as it sent them.
+    credential_query: Option<String>,
     /// What firmer retries gave for this summariser's models.
     firm_retries: Option<Arc<FirmRetries>>,
 }
@@ -162,6 +165,7 @@ impl<'a> HttpSummariser<'a> {
             headers.remove(header::AUTHORIZATION);
             headers.remove("api-key");
             headers.remove("x-api-key");
+            headers.remove("x-goog-api-key");
             if let Ok(v) = HeaderValue::from_str(&format!("Bearer {key}")) {
                 headers.insert(header::AUTHORIZATION, v);
             }
@@ -182,7 +186,19 @@ impl<'a> HttpSummariser<'a> {
             max_reply_tokens,
             calls: AtomicU64::new(0),
             firm_retries: None,
+            credential_query: None,
         }
+    }
+
+    /// Presents the client's credential query parameters (see
+    /// [`crate::session::key::credential_query`]) on the summary call, as
+    /// the client sent them: a client that authenticates by `?key=` is
+    /// summarised as itself. A configured summary key replaces them.
+    pub fn with_credential_query(mut self, query: Option<&str>) -> Self {
+        if self.api_key.is_none() {
+            self.credential_query = query.map(str::to_owned);
+        }
+        self
     }
 
     /// Learns (and follows) whether firmer-length retries help this
@@ -257,13 +273,14 @@ impl<'a> HttpSummariser<'a> {
         self.calls.fetch_add(1, Ordering::Relaxed);
         let (status, body) = self
             .upstream
-            .post_json(
+            .post_json_query(
                 self.base,
                 match self.api {
                     Api::Chat => "/v1/chat/completions",
                     Api::Messages => "/v1/messages",
                     Api::Responses => "/v1/responses",
                 },
+                self.credential_query.as_deref(),
                 self.headers.clone(),
                 bytes,
                 MAX_REPLY_BYTES,

@@ -140,6 +140,7 @@ pub async fn handle_api(
         upstream: Arc::clone(upstream),
         entry,
         client_headers: Arc::clone(&client_headers),
+        credential_query: crate::session::key::credential_query_of(&parts.uri),
         creq,
         key: (key, cred),
         overflow: None,

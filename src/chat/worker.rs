@@ -45,6 +45,8 @@ pub(super) struct Job {
     pub upstream: Arc<Upstream>,
     pub entry: Arc<Entry<Conversation>>,
     pub client_headers: Arc<HeaderMap>,
+    /// The credential parameters of the client's query, as written.
+    pub credential_query: Option<Arc<str>>,
     pub creq: ApiRequest,
     pub key: (SessionKey, u128),
     pub overflow: Option<Overflow>,
@@ -152,21 +154,17 @@ async fn preparation(mut job: Box<Job>) -> Done {
         upstream,
         entry,
         client_headers,
+        credential_query,
         creq,
         key,
         overflow,
         ..
     } = &mut *job;
-    let prepared = prepare(
-        chat,
-        upstream,
-        entry,
-        client_headers,
-        creq,
-        *key,
-        overflow.as_ref(),
-    )
-    .await;
+    let client = super::Client {
+        headers: client_headers,
+        query: credential_query.as_deref(),
+    };
+    let prepared = prepare(chat, upstream, entry, client, creq, *key, overflow.as_ref()).await;
     (prepared, job)
 }
 

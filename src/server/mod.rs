@@ -7,6 +7,7 @@
 
 pub mod admin;
 pub mod conn;
+pub mod fdlimit;
 pub mod router;
 
 use std::future::Future;
@@ -122,6 +123,8 @@ where
     tokio::pin!(shutdown);
     // Idle sessions and records are dropped by this loop, so the sweep
     // stops with the server.
+    let max_connections =
+        fdlimit::effective_max_connections(state.config.limits.max_connections) as u64;
     let mut sweep = tokio::time::interval(SWEEP_EVERY);
     sweep.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
 
@@ -139,7 +142,7 @@ where
                     }
                 };
                 let metrics = &state.metrics;
-                if metrics.connections_open() >= state.config.limits.max_connections as u64 {
+                if metrics.connections_open() >= max_connections {
                     metrics.record_connection_rejected();
                     tracing::warn!("connection refused: limits.max_connections reached");
                     tokio::spawn(conn::reject(stream));

@@ -92,6 +92,28 @@ fn credential_params(query: &str) -> impl Iterator<Item = (Cow<'_, [u8]>, &[u8])
     })
 }
 
+/// The credential parameters of a client's query (`key=…` and the like),
+/// each pair as the client wrote it, joined by `&`: what a side call made
+/// for the client (summary, token count) presents, so an upstream that
+/// authenticates by `?key=` accepts it as it accepts the client. `None`
+/// when the query carries none.
+pub fn credential_query(query: &str) -> Option<String> {
+    let pairs: Vec<&str> = query
+        .split('&')
+        .filter(|pair| {
+            let name = pair.split_once('=').map_or(*pair, |(n, _)| n);
+            CREDENTIAL_PARAMS.contains(&&*decode_param_name(name.as_bytes()))
+        })
+        .collect();
+    (!pairs.is_empty()).then(|| pairs.join("&"))
+}
+
+/// [`credential_query`] of a request URI, shared by the side calls of
+/// one request.
+pub fn credential_query_of(uri: &http::Uri) -> Option<Arc<str>> {
+    uri.query().and_then(credential_query).map(Arc::from)
+}
+
 /// Only the credential headers of `h` (what window discovery presents).
 pub fn credential_headers(h: &HeaderMap) -> HeaderMap {
     let mut out = HeaderMap::new();
@@ -541,6 +563,16 @@ impl OpeningMemo {
 mod tests {
     use super::*;
     use http::HeaderValue;
+
+    #[test]
+    fn credential_query_keeps_only_credential_pairs_as_written() {
+        assert_eq!(
+            credential_query("alt=sse&key=AIza%2Fx&k%65y=2&beta=1").as_deref(),
+            Some("key=AIza%2Fx&k%65y=2")
+        );
+        assert_eq!(credential_query("alt=sse&beta"), None);
+        assert_eq!(credential_query(""), None);
+    }
 
     #[test]
     fn credential_headers_keeps_only_credentials() {

@@ -20,6 +20,7 @@
 //! in [`StoreHealth`].
 
 pub mod config;
+pub mod recover;
 pub mod redb;
 pub mod redis;
 pub mod resp;
@@ -193,6 +194,8 @@ pub struct StoreHealth {
     pub degraded: AtomicU64,
     /// Compactions not run because another replica's record was found.
     pub peer_records: AtomicU64,
+    /// Damaged store files moved aside at open (a fresh one was started).
+    pub recoveries: AtomicU64,
 }
 
 impl StoreHealth {
@@ -233,6 +236,11 @@ impl StoreHealth {
                 "compactor_store_peer_records_total",
                 "Compactions not run here because another replica's record was found.",
                 &self.peer_records,
+            ),
+            (
+                "compactor_store_recoveries_total",
+                "Damaged store files moved aside at open (a fresh store was started).",
+                &self.recoveries,
             ),
         ] {
             out.push_str(&format!(
@@ -436,22 +444,24 @@ impl StoreHandle {
     }
 }
 
-/// Opens the configured store. A store that cannot be opened degrades to
-/// memory (logged): the proxy still serves.
+/// Opens the configured store. A damaged redb file is moved aside and a
+/// fresh one started ([`recover`]); a store that cannot be opened degrades
+/// to memory (logged): the proxy still serves.
 pub fn open(cfg: &StoreConfig) -> StoreHandle {
+    let mut recovered = false;
     let store: Arc<dyn Store> = match &cfg.backend {
         StoreBackend::Memory => Arc::new(Memory),
-        StoreBackend::Redb(path) => match redb::RedbStore::open(path, cfg.ttl, cfg.max_bytes) {
-            Ok(s) => {
-                tracing::info!(backend = "redb", path = %path.display(), "store opened");
-                Arc::new(s)
+        StoreBackend::Redb(path) => {
+            let opened = recover::open_redb(path, cfg.ttl, cfg.max_bytes);
+            recovered = opened.moved_aside.is_some();
+            match opened.store {
+                Some(s) => {
+                    tracing::info!(backend = "redb", path = %path.display(), "store opened");
+                    Arc::new(s)
+                }
+                None => Arc::new(Memory),
             }
-            Err(e) => {
-                tracing::warn!(backend = "redb", path = %path.display(), error = %e,
-                    "store cannot be opened; records are kept in memory only");
-                Arc::new(Memory)
-            }
-        },
+        }
         StoreBackend::Redis(url) => match redis::RedisStore::open(url, cfg.ttl, cfg.max_bytes) {
             Ok(s) => {
                 tracing::info!(backend = "redis", "store opened");
@@ -464,5 +474,9 @@ pub fn open(cfg: &StoreConfig) -> StoreHandle {
             }
         },
     };
-    StoreHandle::new(store, cfg.timeout)
+    let handle = StoreHandle::new(store, cfg.timeout);
+    if recovered {
+        StoreHealth::bump(&handle.health.recoveries);
+    }
+    handle
 }

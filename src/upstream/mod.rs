@@ -376,6 +376,21 @@ impl Upstream {
         &self,
         base: &UpstreamBase,
         path: &'static str,
+        headers: HeaderMap,
+        body: Bytes,
+        limit: usize,
+    ) -> Result<(StatusCode, Bytes), FetchError> {
+        self.post_json_query(base, path, None, headers, body, limit)
+            .await
+    }
+
+    /// [`Self::post_json`] with a query string (as written, without `?`):
+    /// the client's `?key=` credential on a side call made for it.
+    pub async fn post_json_query(
+        &self,
+        base: &UpstreamBase,
+        path: &'static str,
+        query: Option<&str>,
         mut headers: HeaderMap,
         body: Bytes,
         limit: usize,
@@ -385,7 +400,12 @@ impl Upstream {
             HeaderValue::from_static("application/json"),
         );
         headers.insert(header::ACCEPT, HeaderValue::from_static("application/json"));
-        let uri = Uri::from_static(path);
+        let uri = match query.filter(|q| !q.is_empty()) {
+            None => Uri::from_static(path),
+            Some(q) => format!("{path}?{q}")
+                .parse::<Uri>()
+                .map_err(|e| FetchError::Uri(e.to_string()))?,
+        };
         self.exchange(
             base,
             Method::POST,

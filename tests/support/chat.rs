@@ -102,6 +102,9 @@ pub struct Settings {
     /// Serve llama.cpp's `/apply-template` and `/tokenize`, counting as the
     /// chat completions do.
     pub tokenizer: bool,
+    /// Every request must present this key (`x-goog-api-key`, `?key=`
+    /// or a bearer token), else 401, as Google's endpoints answer.
+    pub require_key: Option<String>,
 }
 
 impl Default for Settings {
@@ -119,6 +122,7 @@ impl Default for Settings {
             deltas: vec!["Hel".into(), "lo".into(), " there".into()],
             frame_bytes: None,
             tokenizer: false,
+            require_key: None,
         }
     }
 }
@@ -134,12 +138,16 @@ pub enum Kind {
     Chat,
     Summary,
     Other,
+    /// Answered 401: no key (see [`Settings::require_key`]).
+    Rejected,
 }
 
 /// One recorded request.
 #[derive(Debug, Clone)]
 pub struct Seen {
     pub path: String,
+    /// The query string, as sent.
+    pub query: Option<String>,
     pub headers: HeaderMap,
     pub body: Bytes,
     pub kind: Kind,
@@ -382,6 +390,17 @@ impl ChatMock {
     }
 }
 
+/// Whether a request carries `key` the ways Google's endpoints take it.
+fn presents_key(parts: &http::request::Parts, key: &str) -> bool {
+    let header = |name: &str| parts.headers.get(name).and_then(|v| v.to_str().ok());
+    header("x-goog-api-key") == Some(key)
+        || header("authorization") == Some(&format!("Bearer {key}"))
+        || parts
+            .uri
+            .query()
+            .is_some_and(|q| q.split('&').any(|p| p == format!("key={key}")))
+}
+
 // One match over every scripted path and failure mode of the mock; split up it
 // would scatter the script the tests read against.
 #[allow(clippy::too_many_lines)]
@@ -397,9 +416,27 @@ async fn serve(
         .unwrap_or_default();
     let path = parts.uri.path().to_owned();
     let settings = shared.settings.lock().unwrap().clone();
+    if let Some(key) = &settings.require_key {
+        if !presents_key(&parts, key) {
+            shared.seen.lock().unwrap().push(Seen {
+                path: path.clone(),
+                query: parts.uri.query().map(str::to_owned),
+                headers: parts.headers.clone(),
+                body: body.clone(),
+                kind: Kind::Rejected,
+                prompt_tokens: 0,
+                overflowed: false,
+            });
+            return Ok(json_reply(
+                401,
+                "{\"error\":{\"code\":401,\"message\":\"API key not valid\",\"status\":\"UNAUTHENTICATED\"}}".into(),
+            ));
+        }
+    }
     let record = |kind: Kind, prompt: u64, overflowed: bool| {
         shared.seen.lock().unwrap().push(Seen {
             path: path.clone(),
+            query: parts.uri.query().map(str::to_owned),
             headers: parts.headers.clone(),
             body: body.clone(),
             kind,
