@@ -450,3 +450,92 @@ async fn content_part_arrays_survive_compaction() {
         assert!(!s.body_text().contains("iVBORw0KGgoiVBORw0KGgo"));
     }
 }
+
+/// Runs session `a` until it has compacted twice; returns every history it
+/// sent, in order.
+async fn to_second_compaction(url: &str) -> Vec<Vec<Value>> {
+    let hdr = [ALICE, ("x-session-id", "a")];
+    let mut conv = Conversation::new(600);
+    let mut sent = Vec::new();
+    let mut compactions = 0;
+    for _ in 0..60 {
+        let history = conv.ask();
+        let (st, h, _) = post_chat(url, chat_body("m", &history, false), &hdr).await;
+        assert_eq!(st, 200);
+        sent.push(history);
+        if action(&h) == "compacted" {
+            compactions += 1;
+            if compactions == 2 {
+                return sent;
+            }
+        }
+        conv.answer();
+    }
+    panic!("fewer than two compactions");
+}
+
+/// Session `b` replays `a`'s turns: every turn finds the longest record
+/// of the history (whichever session wrote it), so no summary is asked
+/// again, and the last turn gets the second compaction's record.
+async fn replay_without_summaries(url: &str, mock: &ChatMock, sent: &[Vec<Value>], longest: usize) {
+    let calls = mock.summaries().len();
+    let hdr = [ALICE, ("x-session-id", "b")];
+    let mut last_replaced = 0;
+    for history in sent {
+        let (st, h, _) = post_chat(url, chat_body("m", history, false), &hdr).await;
+        assert_eq!(st, 200);
+        assert_ne!(
+            action(&h),
+            "compacted",
+            "turn of {} messages",
+            history.len()
+        );
+        last_replaced = replaced(&h);
+    }
+    assert_eq!(mock.summaries().len(), calls, "b asked for summaries again");
+    assert_eq!(last_replaced, longest, "the longer record is substituted");
+}
+
+#[tokio::test]
+async fn a_second_session_gets_the_longest_record_of_the_history() {
+    let mock = ChatMock::start(Settings::default()).await;
+    let proxy = start_proxy(&mock.url(), &config("")).await;
+    let url = proxy.url();
+    let sent = to_second_compaction(&url).await;
+    // What `a`'s last turn replaced, asked again of `a` (a retry).
+    let (_, h, _) = post_chat(
+        &url,
+        chat_body("m", sent.last().unwrap(), false),
+        &[ALICE, ("x-session-id", "a")],
+    )
+    .await;
+    let longest = replaced(&h);
+    assert!(longest > 0);
+    replay_without_summaries(&url, &mock, &sent, longest).await;
+}
+
+#[tokio::test]
+async fn the_longest_record_is_found_in_the_store_after_a_restart() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = format!(
+        "[store]\npath = \"{}\"\n",
+        dir.path().join("state.redb").display()
+    );
+    let mock = ChatMock::start(Settings::default()).await;
+    let proxy = start_proxy(&mock.url(), &config(&store)).await;
+    let sent = to_second_compaction(&proxy.url()).await;
+    let (_, h, _) = post_chat(
+        &proxy.url(),
+        chat_body("m", sent.last().unwrap(), false),
+        &[ALICE, ("x-session-id", "a")],
+    )
+    .await;
+    let longest = replaced(&h);
+    assert!(longest > 0);
+    // Let the background writes land, then start again on the same file:
+    // memory is empty, the store holds both records.
+    tokio::time::sleep(std::time::Duration::from_millis(300)).await;
+    proxy.shutdown().await;
+    let proxy = start_proxy(&mock.url(), &config(&store)).await;
+    replay_without_summaries(&proxy.url(), &mock, &sent, longest).await;
+}

@@ -214,7 +214,9 @@ impl RecordStore {
 
     /// The longest prefix of `hashes` (element i = chained hash of messages
     /// 0..=i) that has a record for this credential. `hint` is the session's
-    /// newest record, checked first so the common case is one lookup.
+    /// newest record: only lengths longer than it are probed before it, so
+    /// the common case is one lookup, and a longer record another session
+    /// of the credential made for the same history still wins.
     pub fn lookup(
         &self,
         cred: u128,
@@ -226,18 +228,30 @@ impl RecordStore {
         if hashes.is_empty() {
             return None;
         }
+        let hint = hint.filter(|rec| {
+            rec.k > 0 && rec.k <= hashes.len() && hashes[rec.k - 1] == rec.prefix_hash
+        });
         if let Some(rec) = hint {
-            if rec.k > 0 && rec.k <= hashes.len() && hashes[rec.k - 1] == rec.prefix_hash {
-                if let Some(found) = self.touch(cred, rec.prefix_hash, rec.k) {
-                    return Some(found);
-                }
+            if let Some(found) = self.longest_in(cred, hashes, rec.k + 1) {
+                return Some(found);
             }
+            if let Some(found) = self.touch(cred, rec.prefix_hash, rec.k) {
+                return Some(found);
+            }
+        }
+        self.longest_in(cred, hashes, 1)
+    }
+
+    /// The longest record of `hashes` covering at least `shortest` messages.
+    fn longest_in(&self, cred: u128, hashes: &[u128], shortest: usize) -> Option<Arc<Record>> {
+        if shortest > hashes.len() {
+            return None;
         }
         // Longest first: a later compaction covers more of the history.
         // Copied out so no map lock is ever taken under the lengths lock.
         let lengths: Vec<usize> = self
             .lengths()
-            .range(1..=hashes.len())
+            .range(shortest..=hashes.len())
             .rev()
             .map(|(k, _)| *k)
             .collect();
@@ -535,6 +549,22 @@ mod tests {
                 "store of {size}: {examined} examined"
             );
         }
+    }
+
+    #[test]
+    fn a_longer_record_wins_over_the_hint() {
+        let store = RecordStore::new(Duration::from_secs(60), 8);
+        let short = store.insert(1, Record::new(2, 22, vec![], 0, 0));
+        store.insert(1, Record::new(4, 44, vec![], 0, 0));
+        let hashes = [11, 22, 33, 44, 55];
+        let found = store.lookup(1, &hashes, Some(&short)).unwrap();
+        assert_eq!(found.k, 4, "another session's longer record");
+        // Without a longer one, the hint is what is found.
+        let found = store.lookup(1, &hashes[..3], Some(&short)).unwrap();
+        assert_eq!(found.k, 2);
+        // Another credential's longer record is never seen.
+        store.insert(2, Record::new(5, 55, vec![], 0, 0));
+        assert_eq!(store.lookup(1, &hashes, Some(&short)).unwrap().k, 4);
     }
 
     #[test]

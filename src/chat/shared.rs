@@ -3,8 +3,9 @@
 //! The replica that gets it summarises and writes the record, then releases
 //! the lock; another replica that wants to compact the same history waits
 //! (at most the summary timeout) for that record to appear and uses it, or
-//! else compacts itself. A store that is not shared needs none of this: the
-//! conversation lock already serialises one process.
+//! else compacts itself. A store that is not shared needs no lock (the
+//! conversation lock already serialises one process), only one read before
+//! a compaction for a longer record written before a restart.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -24,7 +25,7 @@ const LOCK_SLACK: Duration = Duration::from_secs(5);
 /// What a compaction does about the other replicas.
 pub(super) enum Claim {
     /// A record longer than the one substituted is in the store (another
-    /// replica's): use it instead of compacting.
+    /// replica's, or written before a restart): use it instead of compacting.
     Found(Arc<Record>),
     /// This replica holds the lock: compact, then [`release`] it.
     Owned(Held),
@@ -56,10 +57,10 @@ pub(super) async fn claim(chat: &ChatState, t: &Turn<'_>) -> Claim {
     let Some(&name) = t.client_hashes.last() else {
         return Claim::Alone;
     };
-    if !chat.store.shared() {
-        return Claim::Alone;
-    }
     let have = t.record.map_or(0, |r| r.k);
+    if !chat.store.shared() {
+        return alone(chat, t, have).await;
+    }
     let wait = Duration::from_secs(chat.compaction.summary_timeout_secs.max(1));
     let token = token();
     let deadline = Instant::now() + wait;
@@ -95,15 +96,37 @@ pub(super) async fn claim(chat: &ChatState, t: &Turn<'_>) -> Claim {
     }
 }
 
-/// A stored record of this history longer than the `have` substituted.
+/// A store of this process alone: memory holds what the store does, but
+/// only from when a history reached it (after a restart, a session adopts
+/// the first record of its history from the store, and from then on finds
+/// that one in memory). So before a compaction, one read asks the store
+/// for a longer record of the same credential's history, which another
+/// session wrote before the restart.
+async fn alone(chat: &ChatState, t: &Turn<'_>, have: usize) -> Claim {
+    if chat.store.name() == "memory" || !chat.store.may_have(t.client_hashes.len()) {
+        return Claim::Alone;
+    }
+    match longer_stored(chat, t, have).await {
+        Some(rec) => Claim::Found(rec),
+        None => Claim::Alone,
+    }
+}
+
+/// A stored record of this history longer than the `have` substituted,
+/// another replica's (counted as such).
 async fn newer(chat: &ChatState, t: &Turn<'_>, have: usize) -> Option<Arc<Record>> {
+    let rec = longer_stored(chat, t, have).await?;
+    chat.store.health.peer_record();
+    Some(rec)
+}
+
+/// A stored record of this history longer than the `have` substituted.
+async fn longer_stored(chat: &ChatState, t: &Turn<'_>, have: usize) -> Option<Arc<Record>> {
     let stored = chat.store.find(t.cred, t.client_hashes).await?;
     if stored.k <= have {
         return None;
     }
-    let rec = chat.adopt_record(t.cred, t.client_hashes, stored)?;
-    chat.store.health.peer_record();
-    Some(rec)
+    chat.adopt_record(t.cred, t.client_hashes, stored)
 }
 
 /// Writes the owner's record (when the compaction made one) and then
