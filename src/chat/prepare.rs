@@ -19,6 +19,7 @@ use crate::window::overflow::Overflow;
 
 use super::compact::{compact_if_due, Booked, Turn};
 use super::conversation::{rough_message_tokens, Conversation, Inbox};
+use super::inspect::TurnInput;
 use super::record::Record;
 use super::walk::Action;
 use super::{ChatState, Discovery};
@@ -65,7 +66,7 @@ pub(super) async fn prepare(
     entry: &Arc<Entry<Conversation>>,
     client_headers: &HeaderMap,
     creq: &mut ApiRequest,
-    (key, cred): (SessionKey, u128),
+    (key, cred, id_kind): (SessionKey, u128, &'static str),
     overflow: Option<&Overflow>,
 ) -> Prepared {
     // A retry prepares the request the first preparation edited.
@@ -97,6 +98,7 @@ pub(super) async fn prepare(
     // stays `passthrough` and `x-compactor-replaced` says how many of the
     // client's messages the recorded replacement stood for.
     let mut action = Action::Passthrough;
+    let (rows_before, est_before) = (out.messages.len(), est.tokens);
     let turn = Turn {
         api: creq.api(),
         key,
@@ -136,6 +138,24 @@ pub(super) async fn prepare(
         Booked::Nothing => {}
     }
     conv.last_action = action.as_str();
+    conv.inspect.identify(creq.api().label(), &model, id_kind);
+    let figures = TurnInput {
+        est: est.tokens,
+        window,
+        trigger: conv.compressor.as_ref().and_then(|c| {
+            let rough = c.trigger.cached_threshold_tokens()?;
+            Some((rough as f64 * conv.engine_scale().factor()).round() as u64)
+        }),
+        sent: &est.sent.hashes,
+        rows: (rows_before, out.messages.len()),
+        est_before,
+        compacted: None,
+        aborted: action == Action::Aborted,
+        substituted: out.record.is_some() && action != Action::Compacted,
+        overflow_retry: overflow.is_some(),
+    };
+    conv.inspect
+        .record(&figures, super::inspect::now_ms(), chat.turn_history);
     super::persist::save(chat, conv, key);
     tracing::debug!(
         session = %key,

@@ -47,6 +47,8 @@ pub(super) struct Job {
     pub client_headers: Arc<HeaderMap>,
     pub creq: ApiRequest,
     pub key: (SessionKey, u128),
+    /// Where the session id came from ([`crate::session::key::SessionSource::label`]).
+    pub id_kind: &'static str,
     pub overflow: Option<Overflow>,
     /// Size of the client's body.
     pub body_len: usize,
@@ -154,6 +156,7 @@ async fn preparation(mut job: Box<Job>) -> Done {
         client_headers,
         creq,
         key,
+        id_kind,
         overflow,
         ..
     } = &mut *job;
@@ -163,7 +166,7 @@ async fn preparation(mut job: Box<Job>) -> Done {
         entry,
         client_headers,
         creq,
-        *key,
+        (key.0, key.1, *id_kind),
         overflow.as_ref(),
     )
     .await;
