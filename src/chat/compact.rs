@@ -23,8 +23,8 @@ use crate::session::key::SessionKey;
 use crate::upstream::Upstream;
 
 use super::background;
-use super::inspect::CompactionNote;
 use super::conversation::{rough_message_tokens, Conversation};
+use super::inspect::CompactionNote;
 use super::record::Record;
 use super::shared;
 use super::summarise::{HttpSummariser, SummaryTarget};

@@ -464,7 +464,10 @@ mod tests {
             .iter()
             .map(|t| t["prefix_stable"].clone())
             .collect();
-        assert_eq!(stable, [Value::Null, true.into(), false.into(), true.into()]);
+        assert_eq!(
+            stable,
+            [Value::Null, true.into(), false.into(), true.into()]
+        );
         let share = log.summary()["prefix_stable_share"].as_f64().unwrap();
         assert!((share - 2.0 / 3.0).abs() < 1e-9);
     }

@@ -8,6 +8,7 @@
 pub mod admin;
 pub mod conn;
 pub mod router;
+pub mod ui;
 
 use std::future::Future;
 use std::net::SocketAddr;
