@@ -32,9 +32,10 @@ async fn list(url: &str, token: Option<&str>, query: &str) -> (u16, http::Header
 fn keys(v: &Value) -> Vec<String> {
     v["sessions"]
         .as_array()
-        .unwrap()
-        .iter()
-        .map(|s| s["session"].as_str().unwrap().to_owned())
+        .into_iter()
+        .flatten()
+        .filter_map(|s| s["session"].as_str())
+        .map(str::to_owned)
         .collect()
 }
 

@@ -60,6 +60,9 @@ struct Outgoing<'a> {
 /// Decides what to send, under the conversation lock. `overflow` is set on
 /// the retry after an upstream overflow error: learn the window and force a
 /// compaction.
+// The named steps in order, each a call; the inspector's turn record adds
+// the few lines that gather what it needs from them.
+#[allow(clippy::too_many_lines)]
 pub(super) async fn prepare(
     chat: &ChatState,
     upstream: &Arc<Upstream>,
@@ -138,24 +141,18 @@ pub(super) async fn prepare(
         Booked::Nothing => {}
     }
     conv.last_action = action.as_str();
-    conv.inspect.identify(creq.api().label(), &model, id_kind);
-    let figures = TurnInput {
-        est: est.tokens,
+    let substituted = out.record.is_some() && action != Action::Compacted;
+    let (rows, overflow_retry) = ((rows_before, out.messages.len()), overflow.is_some());
+    let labels = (creq.api().label(), model.as_str(), id_kind);
+    let seen = Inspected {
+        labels,
         window,
-        trigger: conv.compressor.as_ref().and_then(|c| {
-            let rough = c.trigger.cached_threshold_tokens()?;
-            Some((rough as f64 * conv.engine_scale().factor()).round() as u64)
-        }),
-        sent: &est.sent.hashes,
-        rows: (rows_before, out.messages.len()),
+        rows,
         est_before,
-        compacted: None,
-        aborted: action == Action::Aborted,
-        substituted: out.record.is_some() && action != Action::Compacted,
-        overflow_retry: overflow.is_some(),
+        substituted,
+        overflow_retry,
     };
-    conv.inspect
-        .record(&figures, super::inspect::now_ms(), chat.turn_history);
+    record_turn(chat, conv, &seen, &est, action);
     super::persist::save(chat, conv, key);
     tracing::debug!(
         session = %key,
@@ -170,6 +167,48 @@ pub(super) async fn prepare(
     let prepared = build(creq, conv, out, est, action);
     creq.restore_messages(original);
     prepared
+}
+
+/// What the inspector's turn record needs besides the estimate.
+struct Inspected<'a> {
+    /// API, model and session id source labels.
+    labels: (&'static str, &'a str, &'static str),
+    window: u64,
+    rows: (usize, usize),
+    est_before: u64,
+    substituted: bool,
+    overflow_retry: bool,
+}
+
+/// Records the turn's figures for the inspector: one push into the
+/// conversation's bounded ring, under the lock already held.
+fn record_turn(
+    chat: &ChatState,
+    conv: &mut Conversation,
+    t: &Inspected<'_>,
+    est: &Estimate,
+    action: Action,
+) {
+    let (api, model, id_kind) = t.labels;
+    conv.inspect.identify(api, model, id_kind);
+    let scale = conv.engine_scale().factor();
+    let figures = TurnInput {
+        est: est.tokens,
+        window: t.window,
+        trigger: conv.compressor.as_ref().and_then(|c| {
+            let rough = c.trigger.cached_threshold_tokens()?;
+            Some((rough as f64 * scale).round() as u64)
+        }),
+        sent: &est.sent.hashes,
+        rows: t.rows,
+        est_before: t.est_before,
+        compacted: None,
+        aborted: action == Action::Aborted,
+        substituted: t.substituted,
+        overflow_retry: t.overflow_retry,
+    };
+    conv.inspect
+        .record(&figures, super::inspect::now_ms(), chat.turn_history);
 }
 
 /// The request's estimate and how far it may be short: calibrated, a

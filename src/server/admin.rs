@@ -55,26 +55,26 @@ pub struct Admin<'a> {
 pub fn authorize(
     admin_token: Option<&str>,
     headers: &HeaderMap,
-) -> Result<(), Response<ProxyBody>> {
+) -> Result<(), Box<Response<ProxyBody>>> {
     let Some(token) = admin_token else {
-        return Err(error_response(
+        return Err(Box::new(error_response(
             StatusCode::FORBIDDEN,
             "the admin API needs an admin token ([admin] token)",
             "permission_error",
             "admin_disabled",
-        ));
+        )));
     };
     let presented = headers
         .get(header::AUTHORIZATION)
         .and_then(|v| v.to_str().ok())
         .and_then(|v| v.strip_prefix("Bearer "));
     if !presented.is_some_and(|p| tokens_match(p.as_bytes(), token.as_bytes())) {
-        return Err(error_response(
+        return Err(Box::new(error_response(
             StatusCode::UNAUTHORIZED,
             "missing or wrong admin token",
             "authentication_error",
             "invalid_admin_token",
-        ));
+        )));
     }
     Ok(())
 }
@@ -86,7 +86,7 @@ pub async fn session_view<B>(
     req: &Request<B>,
 ) -> Response<ProxyBody> {
     if let Err(denied) = authorize(admin.token, req.headers()) {
-        return denied;
+        return *denied;
     }
     let raw = req.uri().path().trim_start_matches(SESSIONS_PREFIX);
     let Some(key) = SessionKey::parse_hex(raw) else {
@@ -124,7 +124,7 @@ pub async fn sessions_list<B>(
     req: &Request<B>,
 ) -> Response<ProxyBody> {
     if let Err(denied) = authorize(admin.token, req.headers()) {
-        return denied;
+        return *denied;
     }
     let limit = req
         .uri()

@@ -224,6 +224,6 @@ def test_inspector_page_is_off_without_a_token(compactor, tmp_path):
 
 def test_inspector_with_real_llama(llama, compactor, tmp_path):
     via = compactor(llama.url, config=f'[admin]\ntoken = "{TOKEN}"\n')
-    key, actions = converse(via.url, "gemma", turns=7, filler=900, session="inspect-llama")
+    key, actions = converse(via.url, "gemma", turns=7, filler=1500, session="inspect-llama")
     assert "compacted" in actions, actions
     check_ui(via.url, key, 7, tmp_path, False, "llama")
