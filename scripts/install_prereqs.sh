@@ -11,6 +11,9 @@ command -v python3 >/dev/null 2>&1 || need+=(python3 python3-venv)
 command -v npm >/dev/null 2>&1 || need+=(nodejs npm)
 # The Redis store tests start their own server (Debian has no valkey; the protocol is the same).
 command -v redis-server >/dev/null 2>&1 || need+=(redis-server)
+# The inspector e2e test (tests/e2e/test_inspector.py) drives a system Chromium
+# through Playwright (playwright install cannot download browsers here).
+command -v chromium >/dev/null 2>&1 || need+=(chromium)
 
 if [[ ${#need[@]} -eq 0 ]]; then
     echo "install_prereqs: nothing to install"

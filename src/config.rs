@@ -300,11 +300,32 @@ pub struct ModelConfig {
 }
 
 /// `[admin]`.
-#[derive(Debug, Clone, Default, Deserialize)]
+#[derive(Debug, Clone, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct AdminConfig {
-    /// Bearer token for `/_compactor/sessions/*`; admin API disabled when absent.
+    /// Bearer token for `/_compactor/sessions*` and `/_compactor/ui`; admin
+    /// API and inspector disabled when absent.
     pub token: Option<String>,
+    /// Whether the admin API shows the content of compaction records (the
+    /// summary text). Off: everything it answers is content-free.
+    pub show_content: bool,
+    /// Turns whose figures each conversation keeps for the inspector.
+    pub turn_history: usize,
+}
+
+/// Default `[admin] turn_history`.
+pub const DEFAULT_TURN_HISTORY: usize = 200;
+/// Largest `[admin] turn_history`.
+pub const MAX_TURN_HISTORY: usize = 10_000;
+
+impl Default for AdminConfig {
+    fn default() -> Self {
+        AdminConfig {
+            token: None,
+            show_content: false,
+            turn_history: DEFAULT_TURN_HISTORY,
+        }
+    }
 }
 
 /// `[headers]`.
@@ -449,6 +470,10 @@ pub struct Config {
     pub default_context_length: Option<u64>,
     /// Admin bearer token.
     pub admin_token: Option<String>,
+    /// `[admin] show_content`.
+    pub admin_show_content: bool,
+    /// `[admin] turn_history`.
+    pub admin_turn_history: usize,
     /// Add `x-compactor-*` response headers.
     pub expose_headers: bool,
     /// Log format.
@@ -496,6 +521,8 @@ impl Default for Config {
                 models: BTreeMap::new(),
                 default_context_length: None,
                 admin_token: None,
+                admin_show_content: false,
+                admin_turn_history: DEFAULT_TURN_HISTORY,
                 expose_headers: true,
                 log_format: LogFormat::Text,
                 store: crate::store::StoreConfig::default(),
@@ -728,6 +755,12 @@ impl RawConfig {
         if matches!(&self.admin.token, Some(t) if t.trim().is_empty()) {
             problems.bad("admin.token", "must not be empty (omit it to disable)");
         }
+        if !(1..=MAX_TURN_HISTORY).contains(&self.admin.turn_history) {
+            problems.bad(
+                "admin.turn_history",
+                format!("must be between 1 and {MAX_TURN_HISTORY}"),
+            );
+        }
 
         match (listen, upstream) {
             (Some(listen), Some(upstream)) if problems.0.is_empty() => {
@@ -762,6 +795,8 @@ impl RawConfig {
                     models: self.models,
                     default_context_length: self.default_context_length,
                     admin_token: self.admin.token,
+                    admin_show_content: self.admin.show_content,
+                    admin_turn_history: self.admin.turn_history,
                     expose_headers: self.headers.expose,
                     log_format: self.log.format,
                     store,
@@ -1178,6 +1213,25 @@ format = "json"
         // proxy.toml documents the default.
         let doc = format!("# max_record_bytes = {}", 256 << 20);
         assert!(include_str!("../proxy.toml").contains(&doc));
+    }
+
+    #[test]
+    fn admin_inspector_keys_defaults_values_and_validation() {
+        let c = parse("").unwrap();
+        assert!(!c.admin_show_content);
+        assert_eq!(c.admin_turn_history, 200);
+        let c = parse("[admin]\ntoken = \"t\"\nshow_content = true\nturn_history = 5\n").unwrap();
+        assert!(c.admin_show_content);
+        assert_eq!(c.admin_turn_history, 5);
+        for bad in ["0", "10001"] {
+            let e = parse(&format!("[admin]\nturn_history = {bad}\n")).unwrap_err();
+            assert_eq!(e.keys(), vec!["admin.turn_history"], "{bad}");
+        }
+        assert!(parse("[admin]\nshow_content = \"yes\"\n").is_err());
+        // proxy.toml documents both defaults.
+        let doc = include_str!("../proxy.toml");
+        assert!(doc.contains("# show_content = false"));
+        assert!(doc.contains("# turn_history = 200"));
     }
 
     #[test]

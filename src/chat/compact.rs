@@ -23,6 +23,7 @@ use crate::upstream::Upstream;
 
 use super::background;
 use super::conversation::{rough_message_tokens, Conversation};
+use super::inspect::CompactionNote;
 use super::record::Record;
 use super::shared;
 use super::summarise::{HttpSummariser, SummaryTarget};
@@ -409,6 +410,11 @@ async fn background_turn(
     conv.stats.fallback_compactions += u64::from(c.fallback_used);
     conv.stats.tokens_saved += saved;
     conv.stats.overflow_retries += u64::from(d.force);
+    conv.inspect.note = Some(CompactionNote {
+        fallback: c.fallback_used,
+        from_pending: true,
+        ..CompactionNote::default()
+    });
     chat.metrics.chat.compaction("compacted", saved, None);
     chat.metrics.chat.precompaction("used");
     if let Some(comp) = conv.compressor.as_mut() {
@@ -472,6 +478,11 @@ async fn micro_from_pending(
     let saved = c.tokens_before.saturating_sub(c.tokens_after);
     conv.stats.compactions += 1;
     conv.stats.tokens_saved += saved;
+    conv.inspect.note = Some(CompactionNote {
+        from_pending: true,
+        micro: true,
+        ..CompactionNote::default()
+    });
     chat.metrics
         .chat
         .compaction(MicroOutcome::Absorbed.as_str(), saved, None);
@@ -526,9 +537,17 @@ fn book_pass(
     result: &CompactionDone,
 ) -> Booked {
     let summariser_took = (p.summariser_calls > 0).then_some(p.took);
+    conv.stats.summary_calls += p.summariser_calls;
     match result.outcome {
         Outcome::Compacted => {
             let saved = result.tokens_before.saturating_sub(result.tokens_after);
+            conv.inspect.note = Some(CompactionNote {
+                summariser_ms: u64::try_from(p.took.as_millis()).unwrap_or(u64::MAX),
+                summary_calls: p.summariser_calls,
+                fallback: result.fallback_used,
+                from_pending: false,
+                micro: p.micro_pass,
+            });
             conv.stats.compactions += 1;
             conv.stats.fallback_compactions += u64::from(result.fallback_used);
             conv.stats.tokens_saved += saved;

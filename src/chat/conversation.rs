@@ -36,6 +36,9 @@ pub struct ConvStats {
     pub tokens_saved: u64,
     /// Requests sent with a compaction record substituted.
     pub substituted: u64,
+    /// Summary calls made by engine passes on the request path (committed
+    /// or not).
+    pub summary_calls: u64,
 }
 
 /// One conversation's state; lives behind the session's async lock.
@@ -76,6 +79,8 @@ pub struct Conversation {
     /// The "no room under the trigger" warning was logged (once per
     /// conversation).
     pub(crate) no_room_noted: bool,
+    /// The inspector's figures of the last turns and compactions.
+    pub inspect: super::inspect::TurnLog,
 }
 
 impl Default for Conversation {
@@ -96,6 +101,7 @@ impl Default for Conversation {
             state_written: None,
             restored_trigger: None,
             no_room_noted: false,
+            inspect: super::inspect::TurnLog::default(),
         }
     }
 }
@@ -172,6 +178,10 @@ impl Conversation {
             let Some(usage) = report.effective() else {
                 continue;
             };
+            if let Some(prompt) = usage.prompt_tokens {
+                let id = super::inspect::sent_id(sent.hashes.len(), sent.hashes.last().copied());
+                self.inspect.usage(id, prompt, usage.cached_tokens);
+            }
             let engine_usage = self.calibration.learn(sent, usage);
             if let Some(comp) = self.compressor.as_mut() {
                 comp.trigger.update_from_response(&engine_usage);

@@ -25,6 +25,7 @@ mod compact;
 pub mod conversation;
 mod count;
 mod durable;
+pub mod inspect;
 mod persist;
 mod prepare;
 pub mod record;
@@ -85,6 +86,8 @@ pub struct ChatState {
     pub firm_retries: Arc<summarise::FirmRetries>,
     /// The upstream's tokenizer endpoint, once found (or found absent).
     pub tokenizer: count::Tokenizer,
+    /// Turns kept per conversation for the inspector (`[admin] turn_history`).
+    pub turn_history: usize,
 }
 
 impl ChatState {
@@ -141,6 +144,7 @@ impl ChatState {
             )),
             firm_retries: Arc::default(),
             tokenizer: count::Tokenizer::default(),
+            turn_history: cfg.admin_turn_history,
         })
     }
 

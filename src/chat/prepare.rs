@@ -18,6 +18,7 @@ use crate::window::overflow::Overflow;
 
 use super::compact::{compact_if_due, Booked, Turn};
 use super::conversation::{rough_message_tokens, Conversation, Inbox};
+use super::inspect::TurnInput;
 use super::record::Record;
 use super::walk::Action;
 use super::{ChatState, Client, Discovery};
@@ -58,13 +59,16 @@ struct Outgoing<'a> {
 /// Decides what to send, under the conversation lock. `overflow` is set on
 /// the retry after an upstream overflow error: learn the window and force a
 /// compaction.
+// The named steps in order, each a call; the inspector's turn record adds
+// the few lines that gather what it needs from them.
+#[allow(clippy::too_many_lines)]
 pub(super) async fn prepare(
     chat: &ChatState,
     upstream: &Arc<Upstream>,
     entry: &Arc<Entry<Conversation>>,
     client: Client<'_>,
     creq: &mut ApiRequest,
-    (key, cred): (SessionKey, u128),
+    (key, cred, id_kind): (SessionKey, u128, &'static str),
     overflow: Option<&Overflow>,
 ) -> Prepared {
     // A retry prepares the request the first preparation edited.
@@ -96,6 +100,7 @@ pub(super) async fn prepare(
     // stays `passthrough` and `x-compactor-replaced` says how many of the
     // client's messages the recorded replacement stood for.
     let mut action = Action::Passthrough;
+    let (rows_before, est_before) = (out.messages.len(), est.tokens);
     let turn = Turn {
         api: creq.api(),
         key,
@@ -135,6 +140,18 @@ pub(super) async fn prepare(
         Booked::Nothing => {}
     }
     conv.last_action = action.as_str();
+    let substituted = out.record.is_some() && action != Action::Compacted;
+    let (rows, overflow_retry) = ((rows_before, out.messages.len()), overflow.is_some());
+    let labels = (creq.api().label(), model.as_str(), id_kind);
+    let seen = Inspected {
+        labels,
+        window,
+        rows,
+        est_before,
+        substituted,
+        overflow_retry,
+    };
+    record_turn(chat, conv, &seen, &est, action);
     super::persist::save(chat, conv, key);
     tracing::debug!(
         session = %key,
@@ -149,6 +166,48 @@ pub(super) async fn prepare(
     let prepared = build(creq, conv, out, est, action);
     creq.restore_messages(original);
     prepared
+}
+
+/// What the inspector's turn record needs besides the estimate.
+struct Inspected<'a> {
+    /// API, model and session id source labels.
+    labels: (&'static str, &'a str, &'static str),
+    window: u64,
+    rows: (usize, usize),
+    est_before: u64,
+    substituted: bool,
+    overflow_retry: bool,
+}
+
+/// Records the turn's figures for the inspector: one push into the
+/// conversation's bounded ring, under the lock already held.
+fn record_turn(
+    chat: &ChatState,
+    conv: &mut Conversation,
+    t: &Inspected<'_>,
+    est: &Estimate,
+    action: Action,
+) {
+    let (api, model, id_kind) = t.labels;
+    conv.inspect.identify(api, model, id_kind);
+    let scale = conv.engine_scale().factor();
+    let figures = TurnInput {
+        est: est.tokens,
+        window: t.window,
+        trigger: conv.compressor.as_ref().and_then(|c| {
+            let rough = c.trigger.cached_threshold_tokens()?;
+            Some((rough as f64 * scale).round() as u64)
+        }),
+        sent: &est.sent.hashes,
+        rows: t.rows,
+        est_before: t.est_before,
+        compacted: None,
+        aborted: action == Action::Aborted,
+        substituted: t.substituted,
+        overflow_retry: t.overflow_retry,
+    };
+    conv.inspect
+        .record(&figures, super::inspect::now_ms(), chat.turn_history);
 }
 
 /// The request's estimate and how far it may be short: calibrated, a

@@ -126,7 +126,7 @@ pub async fn handle_api(
         model: model.as_deref(),
         messages: creq.messages(),
     };
-    let (key, _source, cred) = chat.keyer.derive_hints(&parts.headers, &parts.uri, &hints);
+    let (key, source, cred) = chat.keyer.derive_hints(&parts.headers, &parts.uri, &hints);
     let cred = cred.as_u128();
     let entry = chat.sessions.get_or_create(key, Conversation::default);
     // Shared with the detached preparations rather than copied for each.
@@ -143,6 +143,7 @@ pub async fn handle_api(
         credential_query: crate::session::key::credential_query_of(&parts.uri),
         creq,
         key: (key, cred),
+        id_kind: source.label(),
         overflow: None,
         body_len: bytes.len(),
     });

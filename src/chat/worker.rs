@@ -49,6 +49,8 @@ pub(super) struct Job {
     pub credential_query: Option<Arc<str>>,
     pub creq: ApiRequest,
     pub key: (SessionKey, u128),
+    /// Where the session id came from ([`crate::session::key::SessionSource::label`]).
+    pub id_kind: &'static str,
     pub overflow: Option<Overflow>,
     /// Size of the client's body.
     pub body_len: usize,
@@ -157,6 +159,7 @@ async fn preparation(mut job: Box<Job>) -> Done {
         credential_query,
         creq,
         key,
+        id_kind,
         overflow,
         ..
     } = &mut *job;
@@ -164,7 +167,16 @@ async fn preparation(mut job: Box<Job>) -> Done {
         headers: client_headers,
         query: credential_query.as_deref(),
     };
-    let prepared = prepare(chat, upstream, entry, client, creq, *key, overflow.as_ref()).await;
+    let prepared = prepare(
+        chat,
+        upstream,
+        entry,
+        client,
+        creq,
+        (key.0, key.1, *id_kind),
+        overflow.as_ref(),
+    )
+    .await;
     (prepared, job)
 }
 

@@ -9,6 +9,7 @@ pub mod admin;
 pub mod conn;
 pub mod fdlimit;
 pub mod router;
+pub mod ui;
 
 use std::future::Future;
 use std::net::SocketAddr;

@@ -43,6 +43,10 @@ pub enum Route {
     Metrics,
     /// `GET /_compactor/sessions/{key}`.
     Session,
+    /// `GET /_compactor/sessions`: the conversations.
+    Sessions,
+    /// `GET /_compactor/ui` and its assets: the inspector page.
+    Ui,
     /// Any other `/_compactor/*` path.
     Admin,
     /// `POST /v1/chat/completions`.
@@ -62,7 +66,9 @@ impl Route {
             return match (method, rest) {
                 (&Method::GET, "health") => Route::Health,
                 (&Method::GET, "metrics") => Route::Metrics,
+                (&Method::GET, "sessions") => Route::Sessions,
                 (&Method::GET, r) if r.starts_with("sessions/") => Route::Session,
+                (&Method::GET, r) if r == "ui" || r.starts_with("ui/") => Route::Ui,
                 _ => Route::Admin,
             };
         }
@@ -93,6 +99,8 @@ impl Route {
             Route::Health => "health",
             Route::Metrics => "metrics",
             Route::Session => "session",
+            Route::Sessions => "sessions",
+            Route::Ui => "ui",
             Route::Admin => "admin",
             Route::Chat => "chat",
             Route::Messages => "messages",
@@ -132,8 +140,18 @@ pub async fn handle_on(
     let resp = match route {
         Route::Health => health(),
         Route::Metrics => metrics(&state),
-        Route::Session => {
-            super::admin::session_view(state.config.admin_token.as_deref(), &state.chat, &req).await
+        Route::Session | Route::Sessions | Route::Ui => {
+            let admin = super::admin::Admin {
+                token: state.config.admin_token.as_deref(),
+                show_content: state.config.admin_show_content,
+            };
+            let mut resp = match route {
+                Route::Session => super::admin::session_view(admin, &state.chat, &req).await,
+                Route::Sessions => super::admin::sessions_list(admin, &state.chat, &req).await,
+                _ => super::ui::serve(&path, admin.token.is_some()),
+            };
+            super::admin::guard(&mut resp);
+            resp
         }
         Route::Admin => error_response(
             StatusCode::NOT_FOUND,
@@ -295,6 +313,17 @@ mod tests {
         );
         assert_eq!(Route::of(&Method::GET, "/health"), Route::Passthrough);
         assert_eq!(Route::of(&Method::POST, "/v1/messages"), Route::Messages);
+        assert_eq!(
+            Route::of(&Method::GET, "/_compactor/sessions"),
+            Route::Sessions
+        );
+        assert_eq!(Route::of(&Method::GET, "/_compactor/ui"), Route::Ui);
+        assert_eq!(Route::of(&Method::GET, "/_compactor/ui/app.js"), Route::Ui);
+        assert_eq!(Route::of(&Method::GET, "/_compactor/uix"), Route::Admin);
+        assert_eq!(
+            Route::of(&Method::POST, "/_compactor/sessions"),
+            Route::Admin
+        );
         assert_eq!(
             Route::of(&Method::POST, "/v1/messages/count_tokens"),
             Route::Passthrough

@@ -205,6 +205,21 @@ impl<T> Entry<T> {
         *crate::sync::lock(&self.snapshot) = Some(view);
     }
 
+    /// Merges the members of `part` into the kept view (or keeps `part` as
+    /// the view when there is none): a reader that renders only some of the
+    /// view refreshes those members and leaves the rest.
+    pub fn merge_snapshot(&self, part: &serde_json::Map<String, serde_json::Value>) {
+        let mut kept = crate::sync::lock(&self.snapshot);
+        match kept.as_mut().and_then(serde_json::Value::as_object_mut) {
+            Some(view) => {
+                for (k, v) in part {
+                    view.insert(k.clone(), v.clone());
+                }
+            }
+            None => *kept = Some(serde_json::Value::Object(part.clone())),
+        }
+    }
+
     /// The per-session lock.
     pub fn state(&self) -> &tokio::sync::Mutex<T> {
         &self.state
@@ -444,6 +459,31 @@ impl<T> SessionStore<T> {
         }
     }
 
+    /// The `limit` most recently used live sessions, most recent first,
+    /// with how long each has been idle (admin listings; never marks a
+    /// session used). Reads only the entries' lock-free last-use ticks.
+    pub fn recent(&self, limit: usize) -> Vec<(SessionKey, Arc<Entry<T>>, Duration)> {
+        let now = self.tick_at(Instant::now());
+        let mut all: Vec<(u64, SessionKey, Arc<Entry<T>>)> = self
+            .map
+            .iter()
+            .filter(|e| !self.is_expired(e.value(), now))
+            .map(|e| (e.value().tick(), *e.key(), Arc::clone(e.value())))
+            .collect();
+        // Most recent first; equal ticks by key, so the order is stable.
+        let order = |a: &(u64, SessionKey, _), b: &(u64, SessionKey, _)| {
+            b.0.cmp(&a.0).then(a.1.as_u128().cmp(&b.1.as_u128()))
+        };
+        if limit < all.len() {
+            all.select_nth_unstable_by(limit, order);
+            all.truncate(limit);
+        }
+        all.sort_unstable_by(order);
+        all.into_iter()
+            .map(|(tick, k, e)| (k, e, Duration::from_millis(now.saturating_sub(tick))))
+            .collect()
+    }
+
     /// Keys of all sessions held (for admin listings).
     pub fn keys(&self) -> Vec<SessionKey> {
         self.map.iter().map(|e| *e.key()).collect()
@@ -475,6 +515,45 @@ mod tests {
         assert_eq!(*b.lock().await, 8);
         assert_eq!(s.len(), 1);
         assert!(s.get(&key(2)).is_none());
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn recent_lists_by_last_use_bounded_without_touching() {
+        let s = store(60, 10);
+        for i in 1..=4 {
+            s.get_or_create(key(i), || 0);
+            tokio::time::advance(Duration::from_secs(1)).await;
+        }
+        // Key 2 used last; key 1 the longest ago.
+        s.get(&key(2));
+        tokio::time::advance(Duration::from_secs(1)).await;
+        let order = |v: Vec<(SessionKey, Arc<Entry<u32>>, Duration)>| {
+            v.into_iter().map(|(k, _, _)| k).collect::<Vec<_>>()
+        };
+        assert_eq!(order(s.recent(10)), [key(2), key(4), key(3), key(1)]);
+        assert_eq!(order(s.recent(2)), [key(2), key(4)]);
+        assert!(s.recent(0).is_empty());
+        let idle: Vec<u64> = s.recent(10).iter().map(|r| r.2.as_secs()).collect();
+        assert_eq!(idle, [1, 2, 3, 5]);
+        // Listing is no use: the order is unchanged, and key 1 still expires.
+        assert_eq!(order(s.recent(1)), [key(2)]);
+        tokio::time::advance(Duration::from_secs(55)).await;
+        assert_eq!(order(s.recent(10)), [key(2), key(4), key(3)]);
+    }
+
+    #[tokio::test]
+    async fn merge_snapshot_refreshes_members_and_keeps_the_rest() {
+        let s = store(60, 10);
+        let e = s.get_or_create(key(1), || 0);
+        let part = |v: serde_json::Value| v.as_object().cloned().unwrap();
+        e.merge_snapshot(&part(serde_json::json!({"a": 1})));
+        assert_eq!(e.snapshot(), Some(serde_json::json!({"a": 1})));
+        e.set_snapshot(serde_json::json!({"a": 1, "turns": [1, 2]}));
+        e.merge_snapshot(&part(serde_json::json!({"a": 2, "b": 3})));
+        assert_eq!(
+            e.snapshot(),
+            Some(serde_json::json!({"a": 2, "b": 3, "turns": [1, 2]}))
+        );
     }
 
     #[tokio::test(start_paused = true)]
