@@ -18,7 +18,7 @@ use http::{header, HeaderMap, HeaderName, HeaderValue, Request, Response};
 use http_body_util::BodyExt;
 use hyper::body::Incoming;
 
-use crate::codec::Api;
+use crate::codec::{Api, ApiRequest};
 use crate::error::{ErrorShape, ProxyBody, ProxyError};
 use crate::session::key::{SessionHints, SessionKey};
 use crate::upstream::body::ProxyReqBody;
@@ -118,35 +118,7 @@ pub async fn handle_api(
         Ok(creq) => creq,
         Err(e) => return unmapped(chat, upstream, api, (parts, bytes), &e).await,
     };
-    let (session_id, cache_key) = (creq.session_id(), creq.prompt_cache_key());
-    let model = creq.model();
-    let hints = SessionHints {
-        session_id: session_id.as_deref(),
-        prompt_cache_key: cache_key.as_deref(),
-        model: model.as_deref(),
-        messages: creq.messages(),
-    };
-    let (key, source, cred) = chat.keyer.derive_hints(&parts.headers, &parts.uri, &hints);
-    let cred = cred.as_u128();
-    let entry = chat.sessions.get_or_create(key, Conversation::default);
-    // Shared with the detached preparations rather than copied for each.
-    let client_headers = Arc::new(std::mem::take(&mut parts.headers));
-
-    // A preparation that waits goes on in a task of its own: a client
-    // leaving mid-compaction does not cancel the compaction (its record
-    // serves the next turn).
-    let job = Box::new(worker::Job {
-        chat: Arc::clone(chat),
-        upstream: Arc::clone(upstream),
-        entry,
-        client_headers: Arc::clone(&client_headers),
-        credential_query: crate::session::key::credential_query_of(&parts.uri),
-        creq,
-        key: (key, cred),
-        id_kind: source.label(),
-        overflow: None,
-        body_len: bytes.len(),
-    });
+    let (job, client_headers, key) = job_for(chat, upstream, &mut parts, creq, bytes.len());
     let (mut prepared, mut job) = match worker::run(job).await {
         Ok(done) => done,
         Err(e) => return upstream.error_reply_in(error_shape(api), &e),
@@ -195,6 +167,47 @@ pub async fn handle_api(
             }
         }
     }
+}
+
+/// The preparation job of a decoded request: its session (key, credential,
+/// where the id came from) and the client's headers, moved out of `parts`
+/// and shared with the detached preparations rather than copied for each.
+fn job_for(
+    chat: &Arc<ChatState>,
+    upstream: &Arc<Upstream>,
+    parts: &mut Parts,
+    creq: ApiRequest,
+    body_len: usize,
+) -> (Box<worker::Job>, Arc<HeaderMap>, SessionKey) {
+    let (session_id, cache_key) = (creq.session_id(), creq.prompt_cache_key());
+    let model = creq.model();
+    let hints = SessionHints {
+        session_id: session_id.as_deref(),
+        prompt_cache_key: cache_key.as_deref(),
+        model: model.as_deref(),
+        messages: creq.messages(),
+    };
+    let (key, source, cred) = chat.keyer.derive_hints(&parts.headers, &parts.uri, &hints);
+    let cred = cred.as_u128();
+    let entry = chat.sessions.get_or_create(key, Conversation::default);
+    let client_headers = Arc::new(std::mem::take(&mut parts.headers));
+
+    // A preparation that waits goes on in a task of its own: a client
+    // leaving mid-compaction does not cancel the compaction (its record
+    // serves the next turn).
+    let job = Box::new(worker::Job {
+        chat: Arc::clone(chat),
+        upstream: Arc::clone(upstream),
+        entry,
+        client_headers: Arc::clone(&client_headers),
+        credential_query: crate::session::key::credential_query_of(&parts.uri),
+        creq,
+        key: (key, cred),
+        id_kind: source.label(),
+        overflow: None,
+        body_len,
+    });
+    (job, client_headers, key)
 }
 
 /// A request its codec cannot map (or one that depends on state the
