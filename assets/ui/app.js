@@ -176,7 +176,7 @@
         width,
         height: 300,
         scales: { x: { time: false } },
-        axes: [{ label: "turn" }, { label: "prompt tokens", size: 70 }],
+        axes: [{ label: "turn", incrs: [1, 2, 5, 10, 20, 50, 100, 200, 500, 1000] }, { label: "prompt tokens", size: 70 }],
         series: [
           { label: "turn" },
           { label: "real prompt", stroke: "#1f5fbf", width: 2, spanGaps: false, points: { show: true, size: 5 } },
