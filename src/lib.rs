@@ -20,6 +20,7 @@
 //! `scripts/check_layers.sh` keeps the imports free of cycles.
 
 pub mod chat;
+pub mod civil;
 pub mod cli;
 pub mod codec;
 pub mod compaction;

@@ -68,7 +68,7 @@ fn write_timestamp(w: &mut impl fmt::Write, secs: u64, micros: u32) -> fmt::Resu
 /// `YYYY-MM-DDTHH:MM:SS` of `secs` since the epoch (years up to 9999).
 fn format_second(secs: u64) -> [u8; SECOND_LEN] {
     let (days, rem) = (secs / 86_400, secs % 86_400);
-    let (y, m, d) = civil_from_days(days as i64);
+    let (y, m, d) = crate::civil::civil_from_days(days as i64);
     let mut out = *b"0000-00-00T00:00:00";
     let mut put = |at: usize, width: usize, mut v: u64| {
         for slot in out[at..at + width].iter_mut().rev() {
@@ -83,20 +83,6 @@ fn format_second(secs: u64) -> [u8; SECOND_LEN] {
     put(14, 2, rem % 3600 / 60);
     put(17, 2, rem % 60);
     out
-}
-
-/// Proleptic Gregorian date of a day count since 1970-01-01 (Howard
-/// Hinnant's `civil_from_days`).
-fn civil_from_days(days: i64) -> (i64, u32, u32) {
-    let z = days + 719_468;
-    let era = z.div_euclid(146_097);
-    let doe = z.rem_euclid(146_097);
-    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
-    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
-    let mp = (5 * doy + 2) / 153;
-    let d = (doy - (153 * mp + 2) / 5 + 1) as u32;
-    let m = if mp < 10 { mp + 3 } else { mp - 9 } as u32;
-    (yoe + era * 400 + i64::from(m <= 2), m, d)
 }
 
 /// Fields as `DefaultFields` writes them without colour (see the module docs).
