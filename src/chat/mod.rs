@@ -95,6 +95,7 @@ impl ChatState {
     pub fn from_config(cfg: &Config, metrics: Arc<Metrics>) -> Result<Self, ConfigError> {
         let compaction = cfg.compaction.clone();
         let store = crate::store::open(&cfg.store);
+        metrics.register_store(Arc::clone(&store.health), store.name());
         // Records are keyed by credential fingerprints: a store that keeps
         // records keeps the secret they are hashed with.
         let keyer = match store.keyer_secret() {

@@ -166,19 +166,17 @@ impl ChatMetrics {
 
     fn render_unmapped(&self, out: &mut String) {
         let unmapped = crate::sync::lock(&self.unmapped).clone();
-        if !unmapped.is_empty() {
-            let name = names::UNMAPPED_TOTAL;
+        let name = names::UNMAPPED_TOTAL;
+        let _ = writeln!(
+            out,
+            "# HELP {name} Conversation requests forwarded untouched: their codec could not map them."
+        );
+        let _ = writeln!(out, "# TYPE {name} counter");
+        for ((api, reason, member, role), v) in unmapped {
             let _ = writeln!(
                 out,
-                "# HELP {name} Conversation requests forwarded untouched: their codec could not map them."
+                "{name}{{api=\"{api}\",reason=\"{reason}\",member=\"{member}\",role=\"{role}\"}} {v}"
             );
-            let _ = writeln!(out, "# TYPE {name} counter");
-            for ((api, reason, member, role), v) in unmapped {
-                let _ = writeln!(
-                    out,
-                    "{name}{{api=\"{api}\",reason=\"{reason}\",member=\"{member}\",role=\"{role}\"}} {v}"
-                );
-            }
         }
     }
 
@@ -219,14 +217,13 @@ impl ChatMetrics {
         for (k, v) in read(&self.actions) {
             let _ = writeln!(out, "{}{{action=\"{k}\"}} {v}", names::CHAT_ACTIONS_TOTAL);
         }
-        let pre = read(&self.precompactions);
-        if !pre.is_empty() {
-            let name = names::PRECOMPACTIONS_TOTAL;
-            let _ = writeln!(out, "# HELP {name} Background pre-compactions by event.");
-            let _ = writeln!(out, "# TYPE {name} counter");
-            for (k, v) in pre {
-                let _ = writeln!(out, "{name}{{event=\"{k}\"}} {v}");
-            }
+        // Every family's HELP/TYPE is written, samples or not, so a
+        // dashboard or alert can tell an unknown name from a quiet one.
+        let name = names::PRECOMPACTIONS_TOTAL;
+        let _ = writeln!(out, "# HELP {name} Background pre-compactions by event.");
+        let _ = writeln!(out, "# TYPE {name} counter");
+        for (k, v) in read(&self.precompactions) {
+            let _ = writeln!(out, "{name}{{event=\"{k}\"}} {v}");
         }
         self.render_unmapped(&mut out);
         for (name, help, v) in [

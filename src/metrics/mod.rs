@@ -8,12 +8,14 @@
 use std::collections::BTreeMap;
 use std::fmt::Write as _;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 pub mod chat;
+pub mod store;
 
 pub use chat::ChatMetrics;
+pub use store::StoreMetrics;
 
 /// Metric names (one place, so dashboards and tests agree).
 pub mod names {
@@ -139,6 +141,8 @@ pub struct Metrics {
     pub proxy_overhead: Histogram,
     /// The chat path's series.
     pub chat: ChatMetrics,
+    /// The store's counters and its backend's name, once it is open.
+    store: Mutex<Option<(Arc<StoreMetrics>, &'static str)>>,
 }
 
 impl Default for Metrics {
@@ -160,6 +164,7 @@ impl Default for Metrics {
             upstream_wait: Histogram::new(UPSTREAM_BUCKETS),
             proxy_overhead: Histogram::new(OVERHEAD_BUCKETS),
             chat: ChatMetrics::default(),
+            store: Mutex::new(None),
         }
     }
 }
@@ -259,7 +264,17 @@ impl Metrics {
     pub fn render(&self, sessions: usize, records: usize) -> String {
         let mut text = self.render_proxy();
         text.push_str(&self.chat.render(sessions, records));
+        let store = crate::sync::lock(&self.store).clone();
+        if let Some((store, backend)) = store {
+            store.render_to(&mut text, backend);
+        }
         text
+    }
+
+    /// Makes the open store's counters part of every render (the last
+    /// store registered wins: there is one per process).
+    pub fn register_store(&self, store: Arc<StoreMetrics>, backend: &'static str) {
+        *crate::sync::lock(&self.store) = Some((store, backend));
     }
 
     /// The transport series (requests, errors, bytes, latencies).
@@ -405,6 +420,24 @@ mod tests {
         assert!(text.contains("compactor_proxy_overhead_seconds_bucket{le=\"+Inf\"} 2"));
         assert!(text.contains("compactor_proxy_overhead_seconds_count 2"));
         assert_eq!(m.requests("passthrough", 200), 2);
+    }
+
+    #[test]
+    fn the_open_stores_counters_are_part_of_the_render() {
+        let m = Metrics::default();
+        assert!(!m.render(0, 0).contains("compactor_store_writes_total"));
+        let store = Arc::new(StoreMetrics::default());
+        m.register_store(Arc::clone(&store), "redb");
+        StoreMetrics::bump(&store.writes);
+        let text = m.render(0, 0);
+        assert!(
+            text.contains("# TYPE compactor_store_writes_total counter"),
+            "{text}"
+        );
+        assert!(
+            text.contains("compactor_store_writes_total{backend=\"redb\"} 1"),
+            "{text}"
+        );
     }
 
     #[test]

@@ -271,10 +271,9 @@ fn health() -> Response<ProxyBody> {
 }
 
 fn metrics(state: &AppState) -> Response<ProxyBody> {
-    let mut text = state
+    let text = state
         .metrics
         .render(state.chat.sessions.len(), state.chat.records.len());
-    text.push_str(&state.chat.store.health.render(state.chat.store.name()));
     let mut resp = Response::new(full_body(Bytes::from(text)));
     resp.headers_mut().insert(
         header::CONTENT_TYPE,

@@ -17,7 +17,7 @@
 //!
 //! A store that fails or is slow degrades the request to memory only: the
 //! request passes through, the failure is logged (content-free) and counted
-//! in [`StoreHealth`].
+//! in [`StoreMetrics`] (rendered by the metrics registry).
 
 pub mod config;
 pub mod recover;
@@ -25,10 +25,10 @@ pub mod redb;
 pub mod redis;
 pub mod resp;
 
-use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
+pub use crate::metrics::store::StoreMetrics;
 pub use config::{StoreBackend, StoreConfig};
 
 /// One record as stored: the figures and the replacement's raw JSON text,
@@ -181,84 +181,13 @@ impl Store for Memory {
     }
 }
 
-/// Content-free counters of the store's calls.
-#[derive(Debug, Default)]
-pub struct StoreHealth {
-    /// Records found in the store after a memory miss.
-    pub read_hits: AtomicU64,
-    /// Store lookups that found nothing.
-    pub read_misses: AtomicU64,
-    /// Records written through.
-    pub writes: AtomicU64,
-    /// Calls that failed or timed out (the request went on from memory).
-    pub degraded: AtomicU64,
-    /// Compactions not run because another replica's record was found.
-    pub peer_records: AtomicU64,
-    /// Damaged store files moved aside at open (a fresh one was started).
-    pub recoveries: AtomicU64,
-}
-
-impl StoreHealth {
-    fn bump(c: &AtomicU64) {
-        c.fetch_add(1, Ordering::Relaxed);
-    }
-
-    /// Counts a compaction served by another replica's record.
-    pub fn peer_record(&self) {
-        Self::bump(&self.peer_records);
-    }
-
-    /// Prometheus text of the counters, labelled by backend.
-    pub fn render(&self, backend: &str) -> String {
-        let mut out = String::new();
-        for (name, help, c) in [
-            (
-                "compactor_store_read_hits_total",
-                "Records read through from the store.",
-                &self.read_hits,
-            ),
-            (
-                "compactor_store_read_misses_total",
-                "Store lookups that found nothing.",
-                &self.read_misses,
-            ),
-            (
-                "compactor_store_writes_total",
-                "Records written through to the store.",
-                &self.writes,
-            ),
-            (
-                "compactor_store_degraded_total",
-                "Store calls that failed or timed out (served from memory).",
-                &self.degraded,
-            ),
-            (
-                "compactor_store_peer_records_total",
-                "Compactions not run here because another replica's record was found.",
-                &self.peer_records,
-            ),
-            (
-                "compactor_store_recoveries_total",
-                "Damaged store files moved aside at open (a fresh store was started).",
-                &self.recoveries,
-            ),
-        ] {
-            out.push_str(&format!(
-                "# HELP {name} {help}\n# TYPE {name} counter\n{name}{{backend=\"{backend}\"}} {}\n",
-                c.load(Ordering::Relaxed)
-            ));
-        }
-        out
-    }
-}
-
 /// A store with its timeout and counters: what the chat path holds.
 #[derive(Clone)]
 pub struct StoreHandle {
     store: Arc<dyn Store>,
     timeout: Duration,
     /// The counters.
-    pub health: Arc<StoreHealth>,
+    pub health: Arc<StoreMetrics>,
 }
 
 impl std::fmt::Debug for StoreHandle {
@@ -310,11 +239,11 @@ impl StoreHandle {
     pub async fn find(&self, cred: u128, hashes: &[u128]) -> Option<StoredRecord> {
         match tokio::time::timeout(self.timeout, self.store.find(cred, hashes)).await {
             Ok(Ok(Some(r))) => {
-                StoreHealth::bump(&self.health.read_hits);
+                StoreMetrics::bump(&self.health.read_hits);
                 Some(r)
             }
             Ok(Ok(None)) => {
-                StoreHealth::bump(&self.health.read_misses);
+                StoreMetrics::bump(&self.health.read_misses);
                 None
             }
             Ok(Err(e)) => self.degraded("find", &e),
@@ -326,7 +255,7 @@ impl StoreHandle {
     /// memory).
     pub async fn put(&self, cred: u128, record: StoredRecord) {
         match tokio::time::timeout(self.timeout, self.store.put(cred, record)).await {
-            Ok(Ok(())) => StoreHealth::bump(&self.health.writes),
+            Ok(Ok(())) => StoreMetrics::bump(&self.health.writes),
             Ok(Err(e)) => {
                 self.degraded::<()>("put", &e);
             }
@@ -438,7 +367,7 @@ impl StoreHandle {
     }
 
     fn degraded<T>(&self, op: &'static str, e: &StoreError) -> Option<T> {
-        StoreHealth::bump(&self.health.degraded);
+        StoreMetrics::bump(&self.health.degraded);
         tracing::warn!(backend = self.store.name(), op, error = %e, "store call failed; serving from memory");
         None
     }
@@ -476,7 +405,7 @@ pub fn open(cfg: &StoreConfig) -> StoreHandle {
     };
     let handle = StoreHandle::new(store, cfg.timeout);
     if recovered {
-        StoreHealth::bump(&handle.health.recoveries);
+        StoreMetrics::bump(&handle.health.recoveries);
     }
     handle
 }

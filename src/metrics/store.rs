@@ -1,0 +1,100 @@
+//! The store's series: content-free counters of its calls, labelled by
+//! backend. The store bumps them; the registry renders them with the rest
+//! (see [`crate::metrics::Metrics::register_store`]).
+
+use std::fmt::Write as _;
+use std::sync::atomic::{AtomicU64, Ordering};
+
+/// Metric names.
+pub mod names {
+    /// Records found in the store after a memory miss.
+    pub const READ_HITS_TOTAL: &str = "compactor_store_read_hits_total";
+    /// Store lookups that found nothing.
+    pub const READ_MISSES_TOTAL: &str = "compactor_store_read_misses_total";
+    /// Records written through.
+    pub const WRITES_TOTAL: &str = "compactor_store_writes_total";
+    /// Calls that failed or timed out.
+    pub const DEGRADED_TOTAL: &str = "compactor_store_degraded_total";
+    /// Compactions not run because another replica's record was found.
+    pub const PEER_RECORDS_TOTAL: &str = "compactor_store_peer_records_total";
+    /// Damaged store files moved aside at open.
+    pub const RECOVERIES_TOTAL: &str = "compactor_store_recoveries_total";
+}
+
+/// Content-free counters of the store's calls.
+#[derive(Debug, Default)]
+pub struct StoreMetrics {
+    /// Records found in the store after a memory miss.
+    pub read_hits: AtomicU64,
+    /// Store lookups that found nothing.
+    pub read_misses: AtomicU64,
+    /// Records written through.
+    pub writes: AtomicU64,
+    /// Calls that failed or timed out (the request went on from memory).
+    pub degraded: AtomicU64,
+    /// Compactions not run because another replica's record was found.
+    pub peer_records: AtomicU64,
+    /// Damaged store files moved aside at open (a fresh one was started).
+    pub recoveries: AtomicU64,
+}
+
+impl StoreMetrics {
+    /// Adds one to a counter of this set.
+    pub fn bump(c: &AtomicU64) {
+        c.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// Counts a compaction served by another replica's record.
+    pub fn peer_record(&self) {
+        Self::bump(&self.peer_records);
+    }
+
+    /// Prometheus text of the counters, labelled by backend.
+    pub fn render(&self, backend: &str) -> String {
+        let mut out = String::new();
+        self.render_to(&mut out, backend);
+        out
+    }
+
+    /// Appends the counters in Prometheus text format.
+    pub fn render_to(&self, out: &mut String, backend: &str) {
+        for (name, help, c) in [
+            (
+                names::READ_HITS_TOTAL,
+                "Records read through from the store.",
+                &self.read_hits,
+            ),
+            (
+                names::READ_MISSES_TOTAL,
+                "Store lookups that found nothing.",
+                &self.read_misses,
+            ),
+            (
+                names::WRITES_TOTAL,
+                "Records written through to the store.",
+                &self.writes,
+            ),
+            (
+                names::DEGRADED_TOTAL,
+                "Store calls that failed or timed out (served from memory).",
+                &self.degraded,
+            ),
+            (
+                names::PEER_RECORDS_TOTAL,
+                "Compactions not run here because another replica's record was found.",
+                &self.peer_records,
+            ),
+            (
+                names::RECOVERIES_TOTAL,
+                "Damaged store files moved aside at open (a fresh store was started).",
+                &self.recoveries,
+            ),
+        ] {
+            let _ = writeln!(
+                out,
+                "# HELP {name} {help}\n# TYPE {name} counter\n{name}{{backend=\"{backend}\"}} {}",
+                c.load(Ordering::Relaxed)
+            );
+        }
+    }
+}
