@@ -257,13 +257,13 @@ impl Row {
 async fn run(upstream: &str, window: u64, share: f64, turns: usize) -> Row {
     let tap = start_tap(upstream.to_owned()).await;
     let sc = harness::Scenario::standard(window, false);
-    let mut toml = harness::proxy_toml(&tap.url, &sc);
+    let mut toml = harness::proxy_toml(&sc);
     // `ECONOMY_COMPACTION="keep_user_messages = false"`: more `[compaction]` keys.
     if let Ok(extra) = std::env::var("ECONOMY_COMPACTION") {
         toml.push_str(&extra.replace(';', "\n"));
         toml.push('\n');
     }
-    let proxy = harness::start_proxy(&toml).await;
+    let proxy = harness::start_proxy(&tap.url, &toml).await;
     let (system, tools) = fixed_part((window as f64 * share) as u64);
     let mut messages = vec![system];
     let mut row = Row {

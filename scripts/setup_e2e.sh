@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # Prepare the end-to-end environment; safe to run any number of times.
-# `--serve-only`: only .venv and the model (what scripts/run_local.sh needs to run llama.cpp).
-#   - .venv at the repo root with requirements-e2e.txt (reinstalled only when that file changes)
+# `--serve-only`: only .venv with requirements-serve.txt and the model (what scripts/run_local.sh
+# needs to run llama.cpp: no test clients, no agents, no browser driver).
+#   - .venv at the repo root with requirements-e2e.txt (it includes requirements-serve.txt;
+#     reinstalled only when either changes)
 #   - .venv-hermes with requirements-hermes.txt: hermes-agent pins an openai SDK the suite's
 #     own venv cannot share (same rule: reinstalled only when that file changes)
 #   - tests/e2e/agents/node_modules: the real agent CLIs (Claude Code, Codex, pi) pinned by
@@ -16,14 +18,19 @@ cd "$repo"
 venv="$repo/.venv"
 py="$venv/bin/python"
 req="$repo/requirements-e2e.txt"
+serve_req="$repo/requirements-serve.txt"
 export COMPACTOR_CACHE="${COMPACTOR_CACHE:-$repo/target/e2e-cache}"
 
 log() { printf 'setup_e2e: %s\n' "$*" >&2; }
 
-# make_venv DIR REQUIREMENTS: DIR with REQUIREMENTS installed (again only when the file changed).
+# make_venv DIR REQUIREMENTS [INCLUDED...]: DIR with REQUIREMENTS installed (again only when it or
+# a file it includes with `-r` changed). Each requirements file has its own stamp, so the quick
+# start's smaller set and the suite's full one do not reinstall each other.
 make_venv() {
     local venv=$1 req=$2
-    local py="$venv/bin/python" stamp="$venv/.requirements.sha256"
+    shift 2
+    local py="$venv/bin/python" stamp
+    stamp="$venv/.$(basename "$req").sha256"
     if [[ ! -x "$py" ]]; then
         log "creating $venv"
         if ! python3 -m venv "$venv"; then
@@ -35,7 +42,7 @@ make_venv() {
         fi
     fi
     local want have
-    want="$(sha256sum "$req" | cut -d' ' -f1)"
+    want="$(cat "$req" "$@" | sha256sum | cut -d' ' -f1)"
     have="$(cat "$stamp" 2>/dev/null || true)"
     if [[ "$want" != "$have" ]]; then
         log "installing $(grep -cv '^\s*\(#\|$\)' "$req") pinned packages into $venv"
@@ -46,7 +53,11 @@ make_venv() {
     fi
 }
 
-make_venv "$venv" "$req"
+if [[ "${1:-}" == "--serve-only" ]]; then
+    make_venv "$venv" "$serve_req"
+else
+    make_venv "$venv" "$req" "$serve_req"
+fi
 
 prepare_model() {
     local model

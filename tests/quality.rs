@@ -95,11 +95,8 @@ async fn a_small_window_agent_with_a_large_fixed_part_completes_its_run() {
             .try_init();
     }
     let upstream = harness::Upstream::start(WINDOW).await;
-    let toml = format!(
-        "listen = \"127.0.0.1:0\"\nupstream = \"{}\"\n[models.\"m\"]\ncontext_length = {WINDOW}\n",
-        upstream.url()
-    );
-    let proxy = harness::start_proxy(&toml).await;
+    let toml = format!("[models.\"m\"]\ncontext_length = {WINDOW}\n");
+    let proxy = harness::start_proxy(&upstream.url(), &toml).await;
     let system = format!(
         "You are Hermes, an autonomous agent. {}",
         "Follow the tool protocol exactly and report results. ".repeat(72)

@@ -17,6 +17,10 @@
 
 #![allow(dead_code)]
 
+// The one mock-server loop and compactor launcher of the test suites.
+#[path = "../support/mod.rs"]
+pub mod support;
+
 use std::convert::Infallible;
 use std::net::SocketAddr;
 use std::sync::{Arc, Mutex};
@@ -26,8 +30,6 @@ use http::{Request, Response, StatusCode};
 use http_body_util::combinators::UnsyncBoxBody;
 use http_body_util::{BodyExt, Full};
 use hyper::body::Incoming;
-use hyper::service::service_fn;
-use hyper_util::rt::TokioIo;
 use serde_json::{json, Value};
 use tokio::net::TcpListener;
 
@@ -112,8 +114,14 @@ pub struct Seen {
 /// The scripted upstream.
 pub struct Upstream {
     addr: SocketAddr,
-    seen: Arc<Mutex<Seen>>,
+    shared: Arc<Shared>,
     task: tokio::task::JoinHandle<()>,
+}
+
+/// What the upstream's connections share.
+struct Shared {
+    seen: Mutex<Seen>,
+    window: u64,
 }
 
 impl Drop for Upstream {
@@ -126,23 +134,12 @@ impl Upstream {
     pub async fn start(window: u64) -> Self {
         let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
         let addr = listener.local_addr().expect("addr");
-        let seen: Arc<Mutex<Seen>> = Arc::default();
-        let sh = Arc::clone(&seen);
-        let task = tokio::spawn(async move {
-            loop {
-                let Ok((stream, _)) = listener.accept().await else {
-                    continue;
-                };
-                let sh = Arc::clone(&sh);
-                tokio::spawn(async move {
-                    let svc = service_fn(move |req| serve(Arc::clone(&sh), window, req));
-                    let _ = hyper::server::conn::http1::Builder::new()
-                        .serve_connection(TokioIo::new(stream), svc)
-                        .await;
-                });
-            }
+        let shared = Arc::new(Shared {
+            seen: Mutex::default(),
+            window,
         });
-        Self { addr, seen, task }
+        let task = support::serve_mock(listener, Arc::clone(&shared), serve);
+        Self { addr, shared, task }
     }
 
     pub fn url(&self) -> String {
@@ -151,7 +148,7 @@ impl Upstream {
 
     /// What the upstream has seen so far (taken out).
     pub fn take_seen(&self) -> Seen {
-        std::mem::take(&mut *self.seen.lock().expect("lock"))
+        std::mem::take(&mut *self.shared.seen.lock().expect("lock"))
     }
 }
 
@@ -254,11 +251,8 @@ pub fn scripted_summary(prompt: &str, max_tokens: Option<u64>) -> (String, bool)
     }
 }
 
-async fn serve(
-    seen: Arc<Mutex<Seen>>,
-    window: u64,
-    req: Request<Incoming>,
-) -> Result<Response<Body>, Infallible> {
+async fn serve(shared: Arc<Shared>, req: Request<Incoming>) -> Result<Response<Body>, Infallible> {
+    let (seen, window) = (&shared.seen, shared.window);
     let path = req.uri().path().to_owned();
     let body = req
         .into_body()
@@ -386,22 +380,19 @@ impl Client {
     }
 }
 
-/// Compactor's TOML for a scenario.
-pub fn proxy_toml(upstream: &str, sc: &Scenario) -> String {
+/// Compactor's TOML for a scenario (after `listen` and `upstream`).
+pub fn proxy_toml(sc: &Scenario) -> String {
     let strategy = if sc.micro { "micro" } else { "batch" };
     format!(
-        "listen = \"127.0.0.1:0\"\nupstream = \"{upstream}\"\n[models.\"m\"]\ncontext_length = {}\n[compaction]\nstrategy = \"{strategy}\"\n",
+        "[models.\"m\"]\ncontext_length = {}\n[compaction]\nstrategy = \"{strategy}\"\n",
         sc.window
     )
 }
 
-/// Starts compactor in front of `upstream` (the one place that knows the
-/// server entry point).
-pub async fn start_proxy(toml: &str) -> compactor::server::RunningServer {
-    let config =
-        compactor::config::Config::from_toml_str(toml, &compactor::config::MapEnv::default())
-            .expect("config");
-    compactor::server::start(config).await.expect("start")
+/// Starts compactor in front of `upstream` with `toml` after `listen` and
+/// `upstream`.
+pub async fn start_proxy(upstream: &str, toml: &str) -> compactor::server::RunningServer {
+    support::start_proxy(upstream, toml).await
 }
 
 /// POSTs a chat completion through compactor (session `quality`).
@@ -443,7 +434,7 @@ fn extends(prev: &[Value], next: &[Value]) -> bool {
 /// Runs one scenario end to end.
 pub async fn run(sc: Scenario) -> Report {
     let upstream = Upstream::start(sc.window).await;
-    let proxy = start_proxy(&proxy_toml(&upstream.url(), &sc)).await;
+    let proxy = start_proxy(&upstream.url(), &proxy_toml(&sc)).await;
     let url = proxy.url();
     let mut client = Client {
         messages: vec![json!({"role": "system", "content": SYSTEM})],
