@@ -23,14 +23,19 @@ impl Drop for Proc {
     }
 }
 
-fn health(addr: &str) -> Option<String> {
+/// The whole response to a GET of `path`.
+fn get(addr: &str, path: &str) -> Option<String> {
     let mut s = TcpStream::connect(addr).ok()?;
     s.set_read_timeout(Some(Duration::from_secs(30))).ok()?;
-    s.write_all(b"GET /_compactor/health HTTP/1.1\r\nhost: x\r\nconnection: close\r\n\r\n")
+    s.write_all(format!("GET {path} HTTP/1.1\r\nhost: x\r\nconnection: close\r\n\r\n").as_bytes())
         .ok()?;
     let mut out = String::new();
     s.read_to_string(&mut out).ok()?;
-    out.lines().next().map(str::to_owned)
+    Some(out)
+}
+
+fn health(addr: &str) -> Option<String> {
+    get(addr, "/_compactor/health")?.lines().next().map(str::to_owned)
 }
 
 #[test]
@@ -61,6 +66,14 @@ fn health_answers_with_more_idle_connections_than_the_file_limit() {
         }
     };
     std::thread::spawn(move || for _ in lines {});
+    // The cap in force is exported: the default 4,096 clamped to the limit.
+    let cap = compactor::server::fdlimit::clamp(4096, Some(NOFILE as u64));
+    assert!(cap < 4096);
+    let metrics = get(&addr, "/_compactor/metrics").expect("metrics answered");
+    assert!(
+        metrics.contains(&format!("\ncompactor_max_connections {cap}\n")),
+        "{metrics}"
+    );
     // Silent connections, more than the process could hold.
     let idle: Vec<TcpStream> = (0..NOFILE + 50)
         .filter_map(|_| TcpStream::connect(&addr).ok())

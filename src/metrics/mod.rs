@@ -37,6 +37,9 @@ pub mod names {
     pub const IN_FLIGHT: &str = "compactor_requests_in_flight";
     /// Client connections currently open.
     pub const CONNECTIONS_OPEN: &str = "compactor_connections_open";
+    /// The connection cap in force: `limits.max_connections` clamped to
+    /// what the open-file limit allows.
+    pub const MAX_CONNECTIONS: &str = "compactor_max_connections";
     /// Client connections refused at `limits.max_connections`.
     pub const CONNECTIONS_REJECTED_TOTAL: &str = "compactor_connections_rejected_total";
     /// Client connections closed after `timeouts.client_idle_secs`.
@@ -128,6 +131,7 @@ pub struct Metrics {
     in_flight: AtomicU64,
     connections_open: AtomicU64,
     connections_rejected: AtomicU64,
+    max_connections: AtomicU64,
     idle_connection_closes: AtomicU64,
     body_read_timeouts: AtomicU64,
     /// Chat request body bytes buffered right now (the byte budget's
@@ -156,6 +160,7 @@ impl Default for Metrics {
             in_flight: AtomicU64::new(0),
             connections_open: AtomicU64::new(0),
             connections_rejected: AtomicU64::new(0),
+            max_connections: AtomicU64::new(0),
             idle_connection_closes: AtomicU64::new(0),
             body_read_timeouts: AtomicU64::new(0),
             buffered_body_bytes: AtomicU64::new(0),
@@ -205,6 +210,11 @@ impl Metrics {
     }
 
     /// Client connections open now.
+    /// Sets the connection cap in force (once, at start).
+    pub fn set_max_connections(&self, cap: u64) {
+        self.max_connections.store(cap, Ordering::Relaxed);
+    }
+
     pub fn connections_open(&self) -> u64 {
         self.connections_open.load(Ordering::Relaxed)
     }
@@ -325,7 +335,7 @@ impl Metrics {
     }
 
     /// The single-value series: (name, help, type, value).
-    fn plain_series(&self) -> [(&'static str, &'static str, &'static str, &AtomicU64); 11] {
+    fn plain_series(&self) -> [(&'static str, &'static str, &'static str, &AtomicU64); 12] {
         [
         (
             names::REQUEST_BYTES_TOTAL,
@@ -356,6 +366,12 @@ impl Metrics {
             "Client connections open.",
             "gauge",
             &self.connections_open,
+        ),
+        (
+            names::MAX_CONNECTIONS,
+            "The connection cap in force (limits.max_connections clamped to the open-file limit).",
+            "gauge",
+            &self.max_connections,
         ),
         (
             names::CONNECTIONS_REJECTED_TOTAL,

@@ -126,6 +126,7 @@ where
     // stops with the server.
     let max_connections =
         fdlimit::effective_max_connections(state.config.limits.max_connections) as u64;
+    state.metrics.set_max_connections(max_connections);
     let mut sweep = tokio::time::interval(SWEEP_EVERY);
     sweep.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
 
