@@ -20,11 +20,39 @@ use super::compact::{compact_if_due, Booked, Turn};
 use super::conversation::{rough_message_tokens, Conversation, Inbox};
 use super::inspect::TurnInput;
 use super::record::Record;
-use super::walk::Action;
 use super::{ChatState, Client, Discovery};
 
 /// Timeout of the window discovery probes.
 const DISCOVERY_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(5);
+
+/// What compactor did to a request (`x-compactor-action`). Defined where
+/// it is decided; the walk only turns it into `Retried`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Action {
+    /// No compaction ran: the messages went as the client sent them, or with
+    /// an earlier compaction's recorded prefix substituted (see
+    /// [`REPLACED_HEADER`](super::walk::REPLACED_HEADER)); `include_usage`
+    /// may have been added.
+    Passthrough,
+    /// A compaction ran for this request and its result was sent.
+    Compacted,
+    /// Compacted and retried after an upstream overflow error.
+    Retried,
+    /// A compaction was attempted and abandoned; the original messages went.
+    Aborted,
+}
+
+impl Action {
+    /// Header value and metric label.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Action::Passthrough => "passthrough",
+            Action::Compacted => "compacted",
+            Action::Retried => "retried",
+            Action::Aborted => "aborted",
+        }
+    }
+}
 
 /// A request ready to send.
 pub(super) struct Prepared {
