@@ -16,8 +16,9 @@ use crate::upstream::Upstream;
 use crate::usage::inject::{plan_usage, UsagePlan};
 use crate::window::overflow::Overflow;
 
-use super::compact::{compact_if_due, Booked, Turn};
+use super::compact::compact_if_due;
 use super::conversation::{rough_message_tokens, Conversation, Inbox};
+use super::engine::{Booked, Turn};
 use super::inspect::TurnInput;
 use super::record::Record;
 use super::{ChatState, Client, Discovery};
@@ -258,7 +259,7 @@ async fn size_up(
             est = counted;
         }
     }
-    let mut margin = super::compact::estimate_margin(&est, conv.calibration.last_real_prompt());
+    let mut margin = super::decide::estimate_margin(&est, conv.calibration.last_real_prompt());
     let reply = max_out.unwrap_or(0);
     if est.tokens + reply < window && est.tokens + est.tokens / 10 + reply >= window {
         let counting = (overhead, est.clone());
