@@ -13,13 +13,16 @@
 //! stale, diverged) the candidate is dropped and the inline compaction runs
 //! as without this feature. The pass is a task of its own: a client leaving
 //! never cancels it, and a dropped candidate is freed with its task.
+//!
+//! [`turn`] is where a request's compaction meets the pending pass, before
+//! [`super::compact`] would run one inline; what the conversation holds of
+//! a pass in flight is [`super::pending::Pending`].
 
 use std::sync::Arc;
 use std::time::Duration;
 
 use http::HeaderMap;
 use serde_json::value::RawValue;
-use tokio::task::JoinHandle;
 use tokio::time::Instant;
 
 use crate::compaction::config::Strategy;
@@ -29,47 +32,14 @@ use crate::compaction::{Compressor, Outcome};
 use crate::request::message_hashes;
 use crate::upstream::Upstream;
 
-use super::compact::{engine_input, map_back, run_engine, CompactionDone, Turn};
 use super::conversation::{rough_message_tokens, Conversation};
+use super::decide::Decision;
+use super::engine::{engine_input, map_back, run_engine, Booked, CompactionDone, Turn};
+use super::inspect::CompactionNote;
+use super::pending::{continues, Candidate, MicroCut, Pending};
 use super::record::Record;
 use super::summarise::{HttpSummariser, SummaryTarget};
 use super::ChatState;
-
-/// A pre-compaction started for a conversation.
-pub struct Pending {
-    /// Length of the client history snapshotted and its chain hash: a
-    /// history that no longer continues it makes the candidate stale.
-    snap_len: usize,
-    snap_hash: u128,
-    /// A micro pass (else a batch compaction).
-    micro: bool,
-    handle: JoinHandle<Option<Candidate>>,
-}
-
-/// A finished pre-compaction, not yet committed.
-pub(super) struct Candidate {
-    pub record: Record,
-    /// Set for a micro pass: the exchange it absorbed.
-    pub micro: Option<MicroCut>,
-    /// The engine's running summary after the pass.
-    pub previous_summary: Option<String>,
-    pub has_user_turn: bool,
-    pub fallback_used: bool,
-    pub feasibility_skip: bool,
-    pub tokens_before: u64,
-    pub tokens_after: u64,
-}
-
-/// The exchange a background micro pass absorbed, and the state it left.
-pub(super) struct MicroCut {
-    /// `start..end` of the outgoing messages the pass was given.
-    pub start: usize,
-    pub end: usize,
-    /// Chain hash of those messages up to `end`: the pass is valid for a
-    /// turn whose outgoing messages start with the same rows.
-    pub prefix_hash: u128,
-    pub state: MicroState,
-}
 
 /// What the engine needs of one turn, owned by the background task.
 struct Snapshot {
@@ -103,7 +73,7 @@ pub(super) struct Due {
 
 /// Drops a pending pre-compaction whose snapshot this history no longer
 /// continues (the client edited or started over).
-pub(super) fn discard_if_diverged(chat: &ChatState, conv: &mut Conversation, hashes: &[u128]) {
+fn discard_if_diverged(chat: &ChatState, conv: &mut Conversation, hashes: &[u128]) {
     let stale = conv
         .pending
         .as_ref()
@@ -112,10 +82,6 @@ pub(super) fn discard_if_diverged(chat: &ChatState, conv: &mut Conversation, has
         conv.pending = None;
         chat.metrics.chat.precompaction("discarded");
     }
-}
-
-fn continues(hashes: &[u128], len: usize, hash: u128) -> bool {
-    len >= 1 && hashes.len() >= len && hashes[len - 1] == hash
 }
 
 /// Whether this turn's estimate is past the soft threshold
@@ -127,7 +93,7 @@ fn past_soft_threshold(chat: &ChatState, due: &Due) -> bool {
 
 /// Starts a pre-compaction when this turn is past the soft threshold and
 /// none is running for the conversation (and a global slot is free).
-pub(super) fn maybe_start(
+fn maybe_start(
     chat: &ChatState,
     upstream: &Arc<Upstream>,
     conv: &mut Conversation,
@@ -150,7 +116,7 @@ pub(super) fn maybe_start(
 /// [`crate::compaction::Compressor::micro_compact_ahead`]), on `base`, what
 /// this turn sends: below the soft threshold (above it the slot is left to
 /// the batch compaction that will soon be due).
-pub(super) fn maybe_start_micro(
+fn maybe_start_micro(
     chat: &ChatState,
     upstream: &Arc<Upstream>,
     conv: &mut Conversation,
@@ -194,7 +160,7 @@ pub(super) fn maybe_start_micro(
 
 /// What a pre-compaction starts from: the messages sent and the record
 /// they substitute.
-pub(super) struct Base<'a> {
+struct Base<'a> {
     pub outgoing: &'a [Box<RawValue>],
     pub record: Option<&'a Arc<Record>>,
 }
@@ -262,17 +228,13 @@ fn spawn(
 }
 
 /// Whether the pending pre-compaction is a micro pass.
-pub(super) fn pending_is_micro(conv: &Conversation) -> bool {
+fn pending_is_micro(conv: &Conversation) -> bool {
     conv.pending.as_ref().is_some_and(|p| p.micro)
 }
 
 /// The pending candidate for this compaction turn, if usable: it waits for
 /// a running pass at most `summary_timeout_secs`.
-pub(super) async fn take(
-    chat: &ChatState,
-    conv: &mut Conversation,
-    t: &Turn<'_>,
-) -> Option<Candidate> {
+async fn take(chat: &ChatState, conv: &mut Conversation, t: &Turn<'_>) -> Option<Candidate> {
     let mut p = conv.pending.take()?;
     let started = Instant::now();
     let limit = Duration::from_secs(chat.compaction.summary_timeout_secs.max(1));
@@ -298,7 +260,7 @@ pub(super) async fn take(
 
 /// Whether `send` (the candidate substituted) fits under the trigger: a
 /// candidate cut for a shorter history may no longer be enough.
-pub(super) fn fits(send: &[Box<RawValue>], threshold: u64) -> bool {
+fn fits(send: &[Box<RawValue>], threshold: u64) -> bool {
     let rough: u64 = send.iter().map(|m| rough_message_tokens(m)).sum();
     rough < threshold
 }
@@ -440,4 +402,187 @@ async fn micro_ahead(
         tokens_after: r.tokens_after,
         kept_suffix: r.kept_suffix,
     }
+}
+
+/// After a micro pass on this turn, the pre-compaction of the next one
+/// starts from what this turn sends.
+pub(super) fn start_after_micro(
+    chat: &ChatState,
+    upstream: &Arc<Upstream>,
+    conv: &mut Conversation,
+    t: &Turn<'_>,
+    due: &Due,
+    booked: &Booked,
+) {
+    let base = match booked {
+        Booked::Compacted(send, Some(rec)) | Booked::Substituted(send, rec) => Base {
+            outgoing: send,
+            record: Some(rec),
+        },
+        // Sent without a record of its own: nothing to start from.
+        Booked::Compacted(_, None) => return,
+        Booked::Aborted | Booked::Nothing => Base {
+            outgoing: t.outgoing,
+            record: t.record,
+        },
+    };
+    // Past the soft threshold the batch compaction is what will be due.
+    maybe_start(chat, upstream, conv, t, due, &base);
+    maybe_start_micro(chat, upstream, conv, t, due, &base);
+}
+
+/// Pre-compaction on this turn: below the trigger, maybe start one; at the
+/// trigger, commit the pending one if it is usable (`None`: go on inline).
+pub(super) async fn turn(
+    chat: &ChatState,
+    upstream: &Arc<Upstream>,
+    conv: &mut Conversation,
+    t: &Turn<'_>,
+    d: &Decision,
+    due: &Due,
+) -> Option<Booked> {
+    discard_if_diverged(chat, conv, t.client_hashes);
+    if d.micro_pass {
+        return micro_from_pending(chat, conv, t, due).await;
+    }
+    if !d.wanted {
+        let base = Base {
+            outgoing: t.outgoing,
+            record: t.record,
+        };
+        maybe_start(chat, upstream, conv, t, due, &base);
+        maybe_start_micro(chat, upstream, conv, t, due, &base);
+        return None;
+    }
+    if pending_is_micro(conv) {
+        // A micro pass is not the batch compaction this turn needs.
+        conv.pending = None;
+        chat.metrics.chat.precompaction("discarded");
+        return None;
+    }
+    let c = take(chat, conv, t).await?;
+    let send = c.record.applied_to(t.original);
+    if !fits(&send, d.threshold) {
+        chat.metrics.chat.precompaction("discarded");
+        return None;
+    }
+    let saved = c.tokens_before.saturating_sub(c.tokens_after);
+    conv.stats.compactions += 1;
+    conv.stats.fallback_compactions += u64::from(c.fallback_used);
+    conv.stats.tokens_saved += saved;
+    conv.stats.overflow_retries += u64::from(d.force);
+    conv.inspect.note = Some(CompactionNote {
+        fallback: c.fallback_used,
+        from_pending: true,
+        ..CompactionNote::default()
+    });
+    chat.metrics.chat.compaction("compacted", saved, None);
+    chat.metrics.chat.precompaction("used");
+    if let Some(comp) = conv.compressor.as_mut() {
+        comp.previous_summary = c.previous_summary;
+        comp.summary_has_user_turn = c.has_user_turn;
+        comp.trigger.compression_count = comp.trigger.compression_count.saturating_add(1);
+        comp.micro = Default::default();
+        comp.trigger.record_completed_compaction(
+            c.fallback_used,
+            c.feasibility_skip,
+            c.tokens_after,
+        );
+    }
+    Some(commit_pending(
+        chat,
+        conv,
+        t,
+        (c.tokens_before, c.tokens_after),
+        c.record,
+        send,
+        "batch",
+    ))
+}
+
+/// A micro turn served by the pending micro pass: committed when it
+/// absorbed exactly the exchange this turn's own pass would (same rows up
+/// to its end), else discarded (`None`: the pass runs inline). While this
+/// turn has nothing to absorb, the pending pass is kept for a later turn.
+async fn micro_from_pending(
+    chat: &ChatState,
+    conv: &mut Conversation,
+    t: &Turn<'_>,
+    due: &Due,
+) -> Option<Booked> {
+    if !pending_is_micro(conv) {
+        return None;
+    }
+    let (start, end) = {
+        let comp = conv.compressor.as_mut()?;
+        let (rows, values) =
+            engine_input(&chat.compaction, t.outgoing, t.record, due.engine_window)?;
+        if !rows.is_whole() {
+            return None;
+        }
+        comp.micro_cut(&values, false)?
+    };
+    let c = take(chat, conv, t).await?;
+    let covers = c.micro.as_ref().is_some_and(|m| {
+        m.start == start
+            && m.end == end
+            && t.outgoing
+                .get(..end)
+                .and_then(|rows| message_hashes(rows).last().copied())
+                == Some(m.prefix_hash)
+    });
+    let Some(cut) = c.micro.filter(|_| covers) else {
+        chat.metrics.chat.precompaction("discarded");
+        return None;
+    };
+    let send = c.record.applied_to(t.original);
+    let saved = c.tokens_before.saturating_sub(c.tokens_after);
+    conv.stats.compactions += 1;
+    conv.stats.tokens_saved += saved;
+    conv.inspect.note = Some(CompactionNote {
+        from_pending: true,
+        micro: true,
+        ..CompactionNote::default()
+    });
+    chat.metrics
+        .chat
+        .compaction(MicroOutcome::Absorbed.as_str(), saved, None);
+    chat.metrics.chat.precompaction("used");
+    if let Some(comp) = conv.compressor.as_mut() {
+        comp.micro = cut.state;
+    }
+    Some(commit_pending(
+        chat,
+        conv,
+        t,
+        (c.tokens_before, c.tokens_after),
+        c.record,
+        send,
+        "micro",
+    ))
+}
+
+/// Commits a pending pre-compaction a turn is served by: one log line,
+/// the record stored, the conversation pointed at it.
+fn commit_pending(
+    chat: &ChatState,
+    conv: &mut Conversation,
+    t: &Turn<'_>,
+    (tokens_before, tokens_after): (u64, u64),
+    record: Record,
+    send: Vec<Box<RawValue>>,
+    strategy: &'static str,
+) -> Booked {
+    tracing::info!(
+        session = %t.key,
+        strategy,
+        messages_before = t.outgoing.len(),
+        messages_after = send.len(),
+        tokens_before,
+        tokens_after,
+        "compaction from a pre-compaction"
+    );
+    let rec = chat.commit_record(t.cred, record);
+    conv.set_record(Some(&rec));
+    Booked::Compacted(send, Some(rec))
 }

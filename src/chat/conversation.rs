@@ -61,7 +61,7 @@ pub struct Conversation {
     /// Usage waiting to be applied.
     pub inbox: Inbox,
     /// The background pre-compaction started for this conversation.
-    pub(crate) pending: Option<super::background::Pending>,
+    pub(crate) pending: Option<super::pending::Pending>,
     /// Counters.
     pub stats: ConvStats,
     /// Last action taken (`passthrough`, `compacted`, …).

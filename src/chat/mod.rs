@@ -1,21 +1,34 @@
 //! The chat-completions path: what happens to `POST /v1/chat/completions`
 //! between the client and the upstream.
 //!
+//! Each file imports only files below it in this list
+//! (`scripts/check_layers.sh`):
+//!
 //! - [`walk`]: the walk of one request (read, prepare, send, retry on
 //!   overflow, tap usage on the way back).
-//! - `prepare`: what to send, in named steps: substitute the recorded
-//!   prefix → estimate → decide → compact → build the body.
-//! - `compact`: the decision (pure `decide`), the engine pass and its
-//!   booking (stats, metrics, one log line, the record).
-//! - `background`: pre-compaction off the request path
-//!   (`[compaction] background`).
-//! - [`conversation`]: per-conversation state behind the session lock.
-//! - [`record`]: compaction records, the stable prefixes.
-//! - `durable`: records through the [`crate::store`] (find, commit).
-//! - [`summarise`]: the summariser as a JSON POST through the upstream.
 //! - `worker`: where `prepare` runs (once it has to wait, a task of its
 //!   own that a leaving client does not cancel; large bodies on the
 //!   blocking pool).
+//! - `prepare`: what to send, in named steps: substitute the recorded
+//!   prefix → estimate → decide → compact → build the body.
+//! - `compact`: the compaction a decision asks for, inline or served by
+//!   the pending pass, and its booking (stats, metrics, one log line, the
+//!   record).
+//! - `background`: pre-compaction off the request path
+//!   (`[compaction] background`): started, taken, committed.
+//! - `shared`: one summary per compaction across replicas (the store's
+//!   lock).
+//! - `engine`: the engine glue both passes share (the turn, the rows the
+//!   engine is given, one pass, its result as a record).
+//! - `decide`: whether a request is compacted (pure).
+//! - `persist`: a conversation's state to and from the store.
+//! - [`conversation`]: per-conversation state behind the session lock.
+//! - `pending`: a pre-compaction in flight, as a conversation holds it.
+//! - `durable`: records through the [`crate::store`] (find, commit).
+//! - [`record`]: compaction records, the stable prefixes.
+//! - [`inspect`]: the inspector's figures of a conversation.
+//! - [`summarise`]: the summariser as a JSON POST through the upstream.
+//! - `count`: the upstream's own tokenizer near the window's edge.
 //!
 //! It takes what it needs, [`ChatState`] and the [`Upstream`], never the
 //! whole server.
@@ -24,8 +37,11 @@ mod background;
 mod compact;
 pub mod conversation;
 mod count;
+mod decide;
 mod durable;
+mod engine;
 pub mod inspect;
+mod pending;
 mod persist;
 mod prepare;
 pub mod record;

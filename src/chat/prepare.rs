@@ -16,15 +16,44 @@ use crate::upstream::Upstream;
 use crate::usage::inject::{plan_usage, UsagePlan};
 use crate::window::overflow::Overflow;
 
-use super::compact::{compact_if_due, Booked, Turn};
+use super::compact::compact_if_due;
 use super::conversation::{rough_message_tokens, Conversation, Inbox};
+use super::engine::{Booked, Turn};
 use super::inspect::TurnInput;
 use super::record::Record;
-use super::walk::Action;
 use super::{ChatState, Client, Discovery};
 
 /// Timeout of the window discovery probes.
 const DISCOVERY_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(5);
+
+/// What compactor did to a request (`x-compactor-action`). Defined where
+/// it is decided; the walk only turns it into `Retried`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Action {
+    /// No compaction ran: the messages went as the client sent them, or with
+    /// an earlier compaction's recorded prefix substituted (see
+    /// [`REPLACED_HEADER`](super::walk::REPLACED_HEADER)); `include_usage`
+    /// may have been added.
+    Passthrough,
+    /// A compaction ran for this request and its result was sent.
+    Compacted,
+    /// Compacted and retried after an upstream overflow error.
+    Retried,
+    /// A compaction was attempted and abandoned; the original messages went.
+    Aborted,
+}
+
+impl Action {
+    /// Header value and metric label.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Action::Passthrough => "passthrough",
+            Action::Compacted => "compacted",
+            Action::Retried => "retried",
+            Action::Aborted => "aborted",
+        }
+    }
+}
 
 /// A request ready to send.
 pub(super) struct Prepared {
@@ -230,7 +259,7 @@ async fn size_up(
             est = counted;
         }
     }
-    let mut margin = super::compact::estimate_margin(&est, conv.calibration.last_real_prompt());
+    let mut margin = super::decide::estimate_margin(&est, conv.calibration.last_real_prompt());
     let reply = max_out.unwrap_or(0);
     if est.tokens + reply < window && est.tokens + est.tokens / 10 + reply >= window {
         let counting = (overhead, est.clone());

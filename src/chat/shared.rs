@@ -12,7 +12,7 @@ use std::time::Duration;
 
 use tokio::time::Instant;
 
-use super::compact::Turn;
+use super::engine::Turn;
 use super::record::Record;
 use super::ChatState;
 

@@ -33,6 +33,10 @@ use super::conversation::Conversation;
 use super::prepare::Prepared;
 use super::{worker, ChatState};
 
+// Still `chat::walk::Action` for the crate's users: the walk writes it
+// into the response header.
+pub use super::prepare::Action;
+
 /// Response header naming what compactor did.
 pub const ACTION_HEADER: &str = "x-compactor-action";
 /// Response header carrying the opaque session key.
@@ -51,33 +55,6 @@ const MAX_ERROR_PEEK: usize = 256 << 10;
 /// A stream's start is held up to this size while looking for an in-band
 /// overflow error.
 const MAX_STREAM_PEEK: usize = 64 << 10;
-
-/// What compactor did to a request (`x-compactor-action`).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Action {
-    /// No compaction ran: the messages went as the client sent them, or with
-    /// an earlier compaction's recorded prefix substituted (see
-    /// [`REPLACED_HEADER`]); `include_usage` may have been added.
-    Passthrough,
-    /// A compaction ran for this request and its result was sent.
-    Compacted,
-    /// Compacted and retried after an upstream overflow error.
-    Retried,
-    /// A compaction was attempted and abandoned; the original messages went.
-    Aborted,
-}
-
-impl Action {
-    /// Header value and metric label.
-    pub fn as_str(self) -> &'static str {
-        match self {
-            Action::Passthrough => "passthrough",
-            Action::Compacted => "compacted",
-            Action::Retried => "retried",
-            Action::Aborted => "aborted",
-        }
-    }
-}
 
 /// The error shape of `api`'s clients.
 pub fn error_shape(api: Api) -> ErrorShape {

@@ -1,0 +1,192 @@
+//! Step 3 of the walk: whether a request is compacted, and how (a batch
+//! compaction, a micro pass, forced). Free of I/O, so it is tested without
+//! a conversation (the trigger keeps its own counters).
+
+use crate::compaction::trigger::Trigger;
+use crate::session::calibration::{Basis, Estimate};
+
+/// "Fits the window" needs the estimate plus 1/10 of it (see [`decide`]),
+/// unless the upstream counted all but the newest messages (see
+/// [`estimate_margin`]).
+pub(super) const ESTIMATE_MARGIN_DIVISOR: u64 = 10;
+
+/// How far the estimate of a request may be short of the real count. An
+/// estimate that extends a request the upstream counted is that real count
+/// plus the calibrated estimate of what was added: only the added part is
+/// uncertain, so a third of it is margin (the added part is priced by the
+/// conversation's own marginal ratio; a misjudged one costs an overflow
+/// retry, not a lost request), and at least 1% of the whole, at most the
+/// tenth that anything else keeps: at an 8k window with a 6k fixed part the
+/// tenth alone took ~750 tokens, more than a turn, and every turn compacted
+/// again because the last one "did not fit". Near the window's edge the
+/// upstream's tokenizer, when it has one, settles it instead
+/// (`prepare::size_up`).
+pub(super) fn estimate_margin(est: &Estimate, last_real: Option<u64>) -> u64 {
+    margin(est.tokens, est.basis, last_real)
+}
+
+fn margin(tokens: u64, basis: Basis, last_real: Option<u64>) -> u64 {
+    let whole = tokens / ESTIMATE_MARGIN_DIVISOR;
+    match (basis, last_real) {
+        (Basis::Incremental { .. }, Some(real)) if real <= tokens => {
+            ((tokens - real) / 3).max(tokens / 100).min(whole)
+        }
+        _ => whole,
+    }
+}
+
+/// Whether request number `requests` (1-based) is a micro-compaction turn.
+pub(super) fn conv_turn_due(requests: u64, every_n: u32) -> bool {
+    requests % u64::from(every_n.max(1)) == 0
+}
+
+/// What a request's size looks like to the trigger.
+pub(super) struct Sizes {
+    /// Calibrated prompt estimate, real tokens.
+    pub(super) est_real: u64,
+    /// How far it may be short, real tokens.
+    pub(super) margin: u64,
+    /// The same in the engine's rough units.
+    pub(super) est_rough: u64,
+    /// The request's output cap, real tokens.
+    pub(super) max_out: Option<u64>,
+    /// The context window, real tokens.
+    pub(super) window: u64,
+}
+
+/// Whether and how a request is compacted.
+pub(super) struct Decision {
+    /// The trigger's threshold (rough units), for the log line.
+    pub(super) threshold: u64,
+    /// A batch compaction runs.
+    pub(super) wanted: bool,
+    /// A micro pass runs instead (strategy `micro`, its turn, no batch).
+    pub(super) micro_pass: bool,
+    /// The compaction must happen now (after an overflow, no cooldown).
+    pub(super) force: bool,
+}
+
+/// The trigger decision, free of I/O (the trigger keeps its own counters).
+pub(super) fn decide(trigger: &mut Trigger, s: Sizes, overflow: bool, micro_due: bool) -> Decision {
+    let threshold = trigger.threshold_tokens();
+    // The estimate is calibrated but still char-based: a tool output of
+    // file listings tokenizes denser than prose. Near the window's edge a
+    // few percent decide between an answer and an overflow round trip, so
+    // "fits" keeps a margin.
+    let fits_window = s.est_real + s.margin + s.max_out.unwrap_or(0) < s.window;
+    // Right after a compaction the rough figure is not trusted until the
+    // upstream reports real usage (the engine's deferral), unless the request
+    // would not even fit the window.
+    let defer = trigger.awaiting_real_usage_after_compression && fits_window;
+    // After an overflow the compaction must happen. It clears a failure
+    // cooldown only when none is running: a summariser that just failed is
+    // not asked again, the engine uses its deterministic fallback.
+    let force = overflow && trigger.cooldown_remaining().is_none();
+    // A request that cannot fit the window is compacted even while the
+    // trigger is blocked (cooldown, breaker): forwarding it can only fail.
+    let must = overflow || !fits_window;
+    let wanted = must
+        || (!defer
+            && s.est_rough >= threshold
+            && trigger.should_compress(Some(s.est_rough as i64)));
+    // Micro-compaction is per turn (every Nth turn, whatever the size); over the threshold the batch compaction still runs, since
+    // absorbing one exchange per request cannot keep up with a full window.
+    let micro_pass = !wanted && !overflow && micro_due;
+    Decision {
+        threshold,
+        wanted,
+        micro_pass,
+        force,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Arc;
+
+    use super::*;
+    use crate::compaction::config::CompactionConfig;
+    use crate::compaction::trigger::WindowSource;
+
+    const WINDOW: u64 = 10_000;
+
+    fn trigger() -> Trigger {
+        let cfg = Arc::new(CompactionConfig::default());
+        Trigger::new(cfg, "m", WindowSource::Known(WINDOW), None)
+    }
+
+    fn sizes(est: u64) -> Sizes {
+        Sizes {
+            est_real: est,
+            margin: est / ESTIMATE_MARGIN_DIVISOR,
+            est_rough: est,
+            max_out: None,
+            window: WINDOW,
+        }
+    }
+
+    /// The trigger's threshold for [`WINDOW`].
+    fn threshold() -> u64 {
+        decide(&mut trigger(), sizes(0), false, false).threshold
+    }
+
+    #[test]
+    fn below_the_threshold_nothing_runs_and_above_it_a_batch_does() {
+        let th = threshold();
+        assert!(
+            th + th / ESTIMATE_MARGIN_DIVISOR < WINDOW,
+            "test needs a fitting threshold"
+        );
+        let d = decide(&mut trigger(), sizes(th - 1), false, false);
+        assert!(!d.wanted && !d.micro_pass && !d.force);
+        let d = decide(&mut trigger(), sizes(th), false, false);
+        assert!(d.wanted && !d.micro_pass && !d.force);
+    }
+
+    #[test]
+    fn deferral_holds_unless_the_request_cannot_fit() {
+        let th = threshold();
+        let mut t = trigger();
+        t.awaiting_real_usage_after_compression = true;
+        assert!(!decide(&mut t, sizes(th), false, false).wanted);
+        // Estimate plus its margin over the window: compacted anyway.
+        let d = decide(&mut t, sizes(WINDOW - WINDOW / 20), false, false);
+        assert!(d.wanted && !d.force);
+        // The output cap counts towards fitting too.
+        let s = Sizes {
+            max_out: Some(WINDOW / 2),
+            ..sizes(th)
+        };
+        assert!(decide(&mut t, s, false, false).wanted);
+    }
+
+    #[test]
+    fn only_what_the_upstream_did_not_count_is_uncertain() {
+        let inc = Basis::Incremental { reused: 10 };
+        // 7,400 counted, 550 added: a third of the addition.
+        assert_eq!(margin(7_950, inc, Some(7_400)), 183);
+        // Never under 1% of the whole, never over the tenth.
+        assert_eq!(margin(8_000, inc, Some(7_990)), 80);
+        assert_eq!(margin(8_000, inc, Some(100)), 800);
+        // Not extending a counted request: the tenth.
+        assert_eq!(margin(7_950, Basis::Ratio, Some(7_400)), 795);
+        assert_eq!(margin(7_950, Basis::Uncalibrated, None), 795);
+        assert_eq!(margin(7_950, inc, None), 795);
+    }
+
+    #[test]
+    fn an_overflow_forces_a_compaction_whatever_the_size() {
+        let d = decide(&mut trigger(), sizes(10), true, true);
+        assert!(d.wanted && d.force && !d.micro_pass);
+    }
+
+    #[test]
+    fn a_micro_pass_runs_on_its_turn_below_the_threshold_only() {
+        let th = threshold();
+        let d = decide(&mut trigger(), sizes(10), false, true);
+        assert!(d.micro_pass && !d.wanted);
+        let d = decide(&mut trigger(), sizes(th), false, true);
+        assert!(d.wanted && !d.micro_pass);
+        assert!(!decide(&mut trigger(), sizes(10), false, false).micro_pass);
+    }
+}

@@ -1,0 +1,52 @@
+//! A pre-compaction in flight, as its conversation holds it: the history it
+//! was started on, its task, and the candidate record the task yields. The
+//! pass itself (start, take, commit) is [`super::background`]'s; this is
+//! what the [`super::conversation::Conversation`] keeps between turns.
+
+use tokio::task::JoinHandle;
+
+use crate::compaction::micro::MicroState;
+
+use super::record::Record;
+
+/// A pre-compaction started for a conversation.
+pub struct Pending {
+    /// Length of the client history snapshotted and its chain hash: a
+    /// history that no longer continues it makes the candidate stale.
+    pub(super) snap_len: usize,
+    pub(super) snap_hash: u128,
+    /// A micro pass (else a batch compaction).
+    pub(super) micro: bool,
+    pub(super) handle: JoinHandle<Option<Candidate>>,
+}
+
+/// A finished pre-compaction, not yet committed.
+pub(super) struct Candidate {
+    pub record: Record,
+    /// Set for a micro pass: the exchange it absorbed.
+    pub micro: Option<MicroCut>,
+    /// The engine's running summary after the pass.
+    pub previous_summary: Option<String>,
+    pub has_user_turn: bool,
+    pub fallback_used: bool,
+    pub feasibility_skip: bool,
+    pub tokens_before: u64,
+    pub tokens_after: u64,
+}
+
+/// The exchange a background micro pass absorbed, and the state it left.
+pub(super) struct MicroCut {
+    /// `start..end` of the outgoing messages the pass was given.
+    pub start: usize,
+    pub end: usize,
+    /// Chain hash of those messages up to `end`: the pass is valid for a
+    /// turn whose outgoing messages start with the same rows.
+    pub prefix_hash: u128,
+    pub state: MicroState,
+}
+
+/// Whether `hashes` still start with the `len` messages whose chain ends in
+/// `hash` (a snapshot's history, a candidate's prefix).
+pub(super) fn continues(hashes: &[u128], len: usize, hash: u128) -> bool {
+    len >= 1 && hashes.len() >= len && hashes[len - 1] == hash
+}
