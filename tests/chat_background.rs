@@ -73,6 +73,7 @@ async fn the_compaction_turn_commits_the_pending_record_without_a_summary_call()
         "background_threshold_percent = 40",
         "background_threshold_percent = 60",
     );
+    let cfg = format!("[admin]\ntoken = \"admin-secret\"\n{cfg}");
     let proxy = start_proxy(&mock.url(), &cfg).await;
     let url = proxy.url();
     let mut conv = Conversation::new(600);
@@ -95,6 +96,21 @@ async fn the_compaction_turn_commits_the_pending_record_without_a_summary_call()
     let (st, h, _) = post_chat(&url, chat_body("m", &sent, false), &HEADERS).await;
     assert_eq!(st, 200);
     assert!(compacted_or_substituted(&h), "{}", action(&h));
+    // The inspector's row of that compaction has the pass's own summary
+    // calls, as an inline one has; so has the conversation's count.
+    let (st, v) = admin_view(&url, "admin-secret", &session_of(&h)).await;
+    assert_eq!(st, 200);
+    let c = &v["compaction_figures"][0];
+    assert_eq!(c["source"], "pending", "{c}");
+    assert_eq!(c["summary_calls"].as_u64(), Some(summaries as u64), "{c}");
+    assert!(c["summariser_ms"].as_u64().is_some(), "{c}");
+    let per_row: u64 = v["compaction_figures"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|c| c["summary_calls"].as_u64().unwrap())
+        .sum();
+    assert_eq!(v["summary_calls"].as_u64(), Some(per_row), "{v}");
 }
 
 #[tokio::test]

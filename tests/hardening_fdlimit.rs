@@ -35,7 +35,10 @@ fn get(addr: &str, path: &str) -> Option<String> {
 }
 
 fn health(addr: &str) -> Option<String> {
-    get(addr, "/_compactor/health")?.lines().next().map(str::to_owned)
+    get(addr, "/_compactor/health")?
+        .lines()
+        .next()
+        .map(str::to_owned)
 }
 
 #[test]

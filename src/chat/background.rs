@@ -313,6 +313,7 @@ impl Job {
         } else {
             None
         };
+        let started = std::time::Instant::now();
         let summariser = HttpSummariser::new(
             &self.upstream,
             SummaryTarget::configured(
@@ -372,6 +373,8 @@ impl Job {
             feasibility_skip: result.feasibility_skip,
             tokens_before: result.tokens_before,
             tokens_after: result.tokens_after,
+            summary_calls: summariser.calls(),
+            summariser_ms: u64::try_from(started.elapsed().as_millis()).unwrap_or(u64::MAX),
         })
     }
 }
@@ -471,10 +474,13 @@ pub(super) async fn turn(
     conv.stats.fallback_compactions += u64::from(c.fallback_used);
     conv.stats.tokens_saved += saved;
     conv.stats.overflow_retries += u64::from(d.force);
+    conv.stats.summary_calls += c.summary_calls;
     conv.inspect.note = Some(CompactionNote {
+        summariser_ms: c.summariser_ms,
+        summary_calls: c.summary_calls,
         fallback: c.fallback_used,
         from_pending: true,
-        ..CompactionNote::default()
+        micro: false,
     });
     chat.metrics.chat.compaction("compacted", saved, None);
     chat.metrics.chat.precompaction("used");
@@ -539,10 +545,13 @@ async fn micro_from_pending(
     let saved = c.tokens_before.saturating_sub(c.tokens_after);
     conv.stats.compactions += 1;
     conv.stats.tokens_saved += saved;
+    conv.stats.summary_calls += c.summary_calls;
     conv.inspect.note = Some(CompactionNote {
+        summariser_ms: c.summariser_ms,
+        summary_calls: c.summary_calls,
+        fallback: c.fallback_used,
         from_pending: true,
         micro: true,
-        ..CompactionNote::default()
     });
     chat.metrics
         .chat

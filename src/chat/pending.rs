@@ -32,6 +32,10 @@ pub(super) struct Candidate {
     pub feasibility_skip: bool,
     pub tokens_before: u64,
     pub tokens_after: u64,
+    /// Summary calls the pass made and its time (the inspector's
+    /// compaction row, as an inline pass reports them).
+    pub summary_calls: u64,
+    pub summariser_ms: u64,
 }
 
 /// The exchange a background micro pass absorbed, and the state it left.
