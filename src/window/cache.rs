@@ -153,7 +153,12 @@ impl WindowCache {
     /// The window for (`upstream`, `model`), probing the upstream through
     /// `up` the first time it is needed. Concurrent callers for the same key
     /// share one probe.
-    pub async fn resolve(&self, upstream: &str, model: &str, up: &dyn UpstreamGet) -> Resolved {
+    pub(crate) async fn resolve(
+        &self,
+        upstream: &str,
+        model: &str,
+        up: &dyn UpstreamGet,
+    ) -> Resolved {
         if let Some(r) = self.config_window(model) {
             return r;
         }
@@ -221,7 +226,7 @@ impl WindowCache {
 
     /// Learns from an overflow error. Returns the window learned, if the
     /// error stated one. An output-budget overflow still states the window.
-    pub fn learn(&self, upstream: &str, model: &str, overflow: &Overflow) -> Option<u64> {
+    pub(crate) fn learn(&self, upstream: &str, model: &str, overflow: &Overflow) -> Option<u64> {
         let limit = overflow.limit.filter(|l| *l > 0)?;
         // Guard against reading a request size as the window.
         if overflow.kind == OverflowKind::Prompt
@@ -235,7 +240,7 @@ impl WindowCache {
     }
 
     /// Records `limit` as the window the upstream enforces.
-    pub fn learn_limit(&self, upstream: &str, model: &str, limit: u64) {
+    pub(crate) fn learn_limit(&self, upstream: &str, model: &str, limit: u64) {
         if limit > 0 {
             self.slot(upstream, model)
                 .learned

@@ -2,9 +2,9 @@
 //! ([`discover`](mod@discover)), overflow-error recognition ([`overflow`]) and the lazy
 //! cache that combines them with the config table ([`cache`]).
 
-pub mod cache;
+pub(crate) mod cache;
 pub mod discover;
-pub mod overflow;
+pub(crate) mod overflow;
 
 pub use cache::{Resolved, WindowCache, WindowConfig, WindowSource};
 pub use discover::{discover, Discovered, DiscoverySource, GetError, UpstreamGet};
