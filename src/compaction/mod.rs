@@ -36,6 +36,7 @@ pub mod salient;
 pub mod sanitize;
 pub mod serialize;
 pub mod summariser;
+pub mod summary_failure;
 pub mod tail;
 pub mod tokens;
 pub mod tool_summary;
@@ -51,4 +52,5 @@ pub use compressor::{
     AbortReason, AuxModelFailure, CompressOptions, CompressResult, Compressor, NoOpReason, Outcome,
     SummaryAttempt, SummaryFailure, SummaryFailureKind,
 };
-pub use summariser::{Summariser, SummaryError, SummaryErrorKind, SummaryReply, SummaryRequest};
+pub use summariser::{Summariser, SummaryError, SummaryReply, SummaryRequest};
+pub use summary_failure::SummaryErrorKind;

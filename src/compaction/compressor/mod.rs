@@ -48,10 +48,7 @@ pub use clip::{
 pub use cut::{
     is_ask_row, minimal_head_size, remove_blank_echoes, split_active_turn, MIN_ROWS_AFTER_HEAD,
 };
-pub use failure::{
-    classify_error, is_access_or_quota_error, AbortReason, AuxModelFailure, FailureInfo,
-    SummaryFailure, SummaryFailureKind,
-};
+pub use failure::{AbortReason, AuxModelFailure};
 pub use generate::{
     AUTO_FOCUS_TOTAL_CHARS, AUTO_FOCUS_TURNS, AUTO_FOCUS_TURN_CHARS, MAX_SUMMARY_CHUNKS,
 };
@@ -60,6 +57,10 @@ use micro::MicroState;
 pub use outcome::{common_suffix, CompressResult, CompressTelemetry, NoOpReason, Outcome};
 pub use salvage::{is_progress, SALVAGE_KEEP_TOOL_RESULTS, SALVAGE_SUMMARY_MAX_CHARS};
 pub use summary_call::SummaryAttempt;
+// The failure of one summary call, at the compressor's paths too.
+pub use crate::compaction::summary_failure::{
+    is_access_or_quota_error, SummaryFailure, SummaryFailureKind,
+};
 
 /// Extra rows after `protect_first_n` probed for an earlier handoff.
 pub const HANDOFF_PROBE_EXTRA: usize = 4;

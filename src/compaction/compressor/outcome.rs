@@ -5,7 +5,8 @@
 
 use serde_json::Value;
 
-use super::failure::{AbortReason, AuxModelFailure, SummaryFailure};
+use super::failure::{AbortReason, AuxModelFailure};
+use crate::compaction::summary_failure::SummaryFailure;
 
 /// Why nothing was compacted (a structural no-op, not a failure).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

@@ -4,10 +4,10 @@
 
 use serde_json::Value;
 
-use super::failure::{AuxModelFailure, SummaryFailure, SummaryFailureKind};
+use super::failure::AuxModelFailure;
 use crate::compaction::serialize;
 use crate::compaction::summariser::{Summariser, SummaryReply, SummaryRequest};
-use crate::compaction::trigger::FailureClass;
+use crate::compaction::summary_failure::SummaryFailure;
 use crate::compaction::truncated;
 use crate::compaction::view;
 
@@ -135,7 +135,7 @@ impl SummaryCall {
                     Ok(checked) => return Ok(checked),
                     Err(f) => f,
                 },
-                Err(e) => SummaryFailure::from_error(&e),
+                Err(e) => e,
             };
             if !*fallen_back {
                 if let Some(m) = model.take() {
@@ -177,11 +177,7 @@ impl SummaryCall {
             body
         };
         if self.no_user_session && serialize::attributes_to_user(&body) {
-            return Err(SummaryFailure::new(
-                SummaryFailureKind::Other,
-                FailureClass::Other,
-                "summary attributed text to a user in a session without user turns",
-            ));
+            return Err(SummaryFailure::invented_user());
         }
         Ok(Checked { body, cut })
     }
