@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Fails when the top-level modules of src/ import each other in a circle,
-# or when the files of one folder of src/ do (folders in KNOWN_CIRCLES excepted).
+# or when the files of one folder of src/ (nested folders too) do.
 # An edge A -> B is any `crate::B` written in src/A.rs or src/A/ outside a
 # comment line; tsort finds the loops. `-v` also prints the edges.
 set -uo pipefail
@@ -45,7 +45,7 @@ fi
 # group (`use super::{b, c::X};`, over lines too) the first name of each
 # item (b, c), inner groups skipped.
 sibling_refs() {
-    { grep -rhvE '^[[:space:]]*//' "$1" || true; } | DIR="$2" perl -0777 -ne '
+    { grep -rhvE '^[[:space:]]*//' "$1" || true; } | DIR="${2//\//::}" perl -0777 -ne '
         my $p = qr/(?:super|crate::\Q$ENV{DIR}\E)::/;
         while (/$p([a-z_]+)/g) { print "$1\n" }
         while (/$p(\{((?:[^{}]++|(?1))*)\})/g) {
@@ -75,26 +75,17 @@ file_edges() {
     done
 }
 
-# Known circles, allowed only until they are taken apart (issue 24 item 1:
-# compaction/ holds compressor <-> micro and compressor <-> instructions
-# until compressor.rs becomes a folder). A folder listed here is reported,
-# not failed; remove it once its circle is gone. Any circle in a folder not
-# listed fails the check.
-KNOWN_CIRCLES="compaction"
 
+# Every folder, nested ones included (compaction/compressor/): no circle
+# among its files, and no allow-list.
 status=0
-for dir in */; do
-    dir="${dir%/}"
+for dir in $(find . -mindepth 1 -type d | sed 's|^\./||' | sort); do
     loops=$(file_edges "$dir" | tsort 2>&1 >/dev/null)
     [ -n "$loops" ] || continue
     if [ "${1:-}" = "-v" ]; then file_edges "$dir" | awk -v d="$dir" '$1 != $2 {print d"/"$1" -> "d"/"$2}'; fi
-    case " $KNOWN_CIRCLES " in
-        *" $dir "*) echo "layers: known circle inside $dir/ (allow-listed, issue 24):" >&2
-                   echo "$loops" | sed 's/^/  /' >&2 ;;
-        *) echo "import circle among the files of src/$dir/:" >&2
-           echo "$loops" >&2
-           status=1 ;;
-    esac
+    echo "import circle among the files of src/$dir/:" >&2
+    echo "$loops" >&2
+    status=1
 done
 [ "$status" = 0 ] || exit 1
 echo "layers: no import circle"

@@ -6,8 +6,9 @@
 //! Responses one by `/v1/responses`); a configured summary endpoint is
 //! always asked for a chat completion.
 //!
-//! Failures are mapped onto [`SummaryError`] so the engine can classify them:
-//! HTTP status and the provider's message for error answers, `Network` when
+//! Failures are mapped onto [`SummaryError`], which classifies them: HTTP
+//! status, the error body's `type`/`code` and the provider's message for
+//! error answers, `Network` when
 //! nothing came back, `Timeout`, `Decode` for a body that is not a chat
 //! completion, `StreamClosed` for a cut-off body.
 
@@ -299,9 +300,12 @@ impl<'a> HttpSummariser<'a> {
                 other => SummaryError::new(SummaryErrorKind::Network, None, other.to_string()),
             })?;
         if !status.is_success() {
-            return Err(SummaryError::http(
+            let (error_type, code) = error_codes(&body);
+            return Err(SummaryError::http_error(
                 status.as_u16(),
                 error_message(&body, status.as_u16()),
+                error_type,
+                code,
             ));
         }
         match self.api {
@@ -364,6 +368,21 @@ fn error_message(body: &[u8], status: u16) -> String {
         (Some(m), None) => format!("HTTP {status}: {m}"),
         _ => format!("HTTP {status}"),
     }
+}
+
+/// The `error.type` and `error.code` of an error answer (OpenAI's shape,
+/// Anthropic's `type` alone): what the engine classifies the failure by.
+fn error_codes(body: &[u8]) -> (Option<String>, Option<String>) {
+    let Ok(v) = serde_json::from_slice::<Value>(body) else {
+        return (None, None);
+    };
+    // A string, or a number (llama.cpp's `code: 400`) written as one.
+    let field = |p: &str| {
+        v.pointer(p)
+            .filter(|c| !c.is_null())
+            .map(|c| c.as_str().map_or_else(|| c.to_string(), str::to_owned))
+    };
+    (field("/error/type"), field("/error/code"))
 }
 
 /// `choices[0]` of a chat completion as a [`SummaryReply`].
@@ -536,7 +555,7 @@ mod tests {
         .unwrap();
         assert_eq!(cut.finish_reason.as_deref(), Some("length"));
         let e = parse_messages_reply(br#"{"type":"error"}"#).unwrap_err();
-        assert_eq!(e.kind, SummaryErrorKind::Decode);
+        assert_eq!(e.origin, SummaryErrorKind::Decode);
     }
 
     #[test]
@@ -569,9 +588,9 @@ mod tests {
     #[test]
     fn html_error_page_is_a_decode_error() {
         let e = parse_reply(b"<html>502 Bad Gateway</html>").unwrap_err();
-        assert_eq!(e.kind, SummaryErrorKind::Decode);
+        assert_eq!(e.origin, SummaryErrorKind::Decode);
         let e = parse_reply(br#"{"object":"list"}"#).unwrap_err();
-        assert_eq!(e.kind, SummaryErrorKind::Decode);
+        assert_eq!(e.origin, SummaryErrorKind::Decode);
     }
 
     #[test]
@@ -585,5 +604,16 @@ mod tests {
             "{m}"
         );
         assert_eq!(error_message(b"nope", 500), "HTTP 500");
+        assert_eq!(
+            error_codes(br#"{"error":{"message":"m","type":"insufficient_quota","code":"insufficient_quota"}}"#),
+            (Some("insufficient_quota".into()), Some("insufficient_quota".into()))
+        );
+        assert_eq!(
+            error_codes(
+                br#"{"type":"error","error":{"type":"overloaded_error","message":"Overloaded"}}"#
+            ),
+            (Some("overloaded_error".into()), None)
+        );
+        assert_eq!(error_codes(b"<html>"), (None, None));
     }
 }

@@ -5,8 +5,9 @@
 //! - trigger side: `config`, `budget`, `trigger`
 //! - pure leaf functions: `tokens`, `tool_summary`, `args`, `redact`, `markers`,
 //!   `serialize`, `fallback`
-//! - pipeline: `summariser`, `tail`, `prune`, `assemble`, `sanitize`,
-//!   `compressor`, `micro`, `view`
+//! - pipeline: `summariser`, `tail`, `prune`, `assemble`, `sanitize`, `view`,
+//!   and `compressor`, a folder of one file per step of a pass (the
+//!   `micro` strategy and the `instructions` pinning among them)
 //!
 //! Entry point: one [`Compressor`] per conversation (it owns that
 //! conversation's [`trigger::Trigger`]). Per request the proxy asks
@@ -27,16 +28,15 @@ pub mod budget;
 pub mod compressor;
 pub mod config;
 pub mod fallback;
-pub mod instructions;
 pub mod last_resort;
 pub mod markers;
-pub mod micro;
 pub mod prune;
 pub mod redact;
 pub mod salient;
 pub mod sanitize;
 pub mod serialize;
 pub mod summariser;
+pub mod summary_failure;
 pub mod tail;
 pub mod tokens;
 pub mod tool_summary;
@@ -45,8 +45,12 @@ pub mod truncated;
 pub mod user_messages;
 pub mod view;
 
+// The compressor's own steps, at their old paths.
+pub use compressor::{instructions, micro};
+
 pub use compressor::{
     AbortReason, AuxModelFailure, CompressOptions, CompressResult, Compressor, NoOpReason, Outcome,
     SummaryAttempt, SummaryFailure, SummaryFailureKind,
 };
-pub use summariser::{Summariser, SummaryError, SummaryErrorKind, SummaryReply, SummaryRequest};
+pub use summariser::{Summariser, SummaryError, SummaryReply, SummaryRequest};
+pub use summary_failure::SummaryErrorKind;

@@ -476,7 +476,7 @@ pub fn prompt_overhead_chars(focus_topic: Option<&str>, compact: bool) -> usize 
 }
 
 /// Why a summariser reply cannot become a checkpoint.
-#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, thiserror::Error)]
 pub enum SummaryInvalid {
     /// No content (or only whitespace / think blocks).
     #[error("summary content was empty")]

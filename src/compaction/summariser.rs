@@ -6,7 +6,12 @@
 //! empty or truncated summaries under a hard cap), so `max_tokens` is only set
 //! by micro-compaction.
 
-use std::fmt;
+pub use crate::compaction::summary_failure::SummaryErrorKind;
+use crate::compaction::summary_failure::SummaryFailure;
+
+/// The error of a summary call: the one failure type, under the name the
+/// [`Summariser`] trait and its implementations know it by.
+pub type SummaryError = SummaryFailure;
 
 /// Default prompt budget of a summariser, in characters of prompt text.
 ///
@@ -17,8 +22,8 @@ pub const DEFAULT_PROMPT_BUDGET_CHARS: usize = 160_000;
 /// The model that writes summaries.
 #[async_trait::async_trait]
 pub trait Summariser: Send + Sync {
-    /// Runs one summary call. Errors carry enough detail for the engine's
-    /// failure classification (status code, message, kind).
+    /// Runs one summary call. A failure is classified when it is built
+    /// (its origin, status and error `type`/`code`).
     async fn summarise(&self, req: SummaryRequest) -> Result<SummaryReply, SummaryError>;
 
     /// How many characters of prompt the summariser accepts. When the text to
@@ -75,55 +80,5 @@ impl SummaryReply {
             refusal: None,
             reasoning: None,
         }
-    }
-}
-
-/// Transport-level category of a summariser failure.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum SummaryErrorKind {
-    /// The upstream answered with an HTTP error status.
-    Http,
-    /// Connection refused / reset / DNS: nothing usable came back.
-    Network,
-    /// The call timed out.
-    Timeout,
-    /// The body was not the JSON we expected (e.g. an HTML 502 page).
-    Decode,
-    /// The connection closed before the body was complete.
-    StreamClosed,
-    /// No summary provider is configured at all.
-    NoProvider,
-}
-
-/// A failed summary call.
-#[derive(Clone, Debug, PartialEq, thiserror::Error)]
-pub struct SummaryError {
-    /// HTTP status, when there was one.
-    pub status: Option<u16>,
-    /// Provider or transport message (never contains conversation content).
-    pub message: String,
-    /// Transport category.
-    pub kind: SummaryErrorKind,
-}
-
-impl SummaryError {
-    /// Builds an error of the given kind.
-    pub fn new(kind: SummaryErrorKind, status: Option<u16>, message: impl Into<String>) -> Self {
-        Self {
-            status,
-            message: message.into(),
-            kind,
-        }
-    }
-
-    /// An HTTP error with a status code.
-    pub fn http(status: u16, message: impl Into<String>) -> Self {
-        Self::new(SummaryErrorKind::Http, Some(status), message)
-    }
-}
-
-impl fmt::Display for SummaryError {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(&self.message)
     }
 }

@@ -22,6 +22,8 @@ use tokio::time::Instant;
 
 use super::budget::{self, DEFAULT_CONTEXT_LENGTH};
 use super::config::CompactionConfig;
+// At their old paths: the cooldown ladder below is chosen by them.
+pub use super::summary_failure::{truncate_error_text, FailureClass, ERROR_TEXT_MAX_CHARS};
 
 /// Anti-thrash recovery probe delay (persisted as a wall-clock deadline).
 pub const RECOVERY_PROBE_SECS: u64 = 300;
@@ -39,8 +41,6 @@ pub const DEFAULT_COOLDOWN_SECS: u64 = 60;
 pub const HOST_STALL_MIN_COOLDOWN_SECS: u64 = 120;
 /// Strikes or fallback streak at which automatic compaction is blocked.
 pub const BREAKER_TRIP: u32 = 2;
-/// Stored error texts are cut to this many characters (217 + "...").
-pub const ERROR_TEXT_MAX_CHARS: usize = 220;
 /// Deferral tolerance floor: rough growth allowed over the baseline that fit.
 pub const DEFER_TOLERANCE_MIN_TOKENS: u64 = 4_096;
 /// Deferral tolerance as a fraction of the threshold.
@@ -71,33 +71,6 @@ pub enum WindowSource {
     /// The window is known (config table, learned value, probe); 0 means
     /// unknown ([`DEFAULT_CONTEXT_LENGTH`] assumed).
     Known(u64),
-}
-
-/// Why a summary attempt failed, for choosing its cooldown.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub enum FailureClass {
-    /// No summary provider configured: 600 s.
-    NoProvider,
-    /// HTTP 408/429/502/504 or a timeout: 60 → 300 → 900 s ladder.
-    Timeout,
-    /// `finish_reason = length`: the same ladder on its own counter.
-    Truncated,
-    /// Progress-aware host stall: the timeout ladder rung, at least 120 s.
-    HostStall,
-    /// Response body was not JSON: 30 s.
-    Decode,
-    /// Stream or connection closed early: 30 s.
-    StreamClosed,
-    /// Empty summary content: 30 s.
-    EmptyContent,
-    /// Access or quota failure (the compressor aborts): 60 s.
-    Auth,
-    /// Model not found (on the main model already): 60 s.
-    ModelNotFound,
-    /// Provider overloaded: 60 s.
-    Overloaded,
-    /// Anything else transient: 60 s.
-    Other,
 }
 
 /// Cooldown in seconds for a failure of `class`; `consecutive` is the number
@@ -131,16 +104,6 @@ pub fn seed_preflight(last_prompt_tokens: i64, preflight: u64) -> i64 {
     } else {
         last_prompt_tokens
     }
-}
-
-/// Cut an error text to 220 characters (217 + "...").
-pub fn truncate_error_text(err: &str) -> String {
-    if err.chars().count() <= ERROR_TEXT_MAX_CHARS {
-        return err.to_owned();
-    }
-    let mut s: String = err.chars().take(ERROR_TEXT_MAX_CHARS - 3).collect();
-    s.push_str("...");
-    s
 }
 
 /// The per-session fields that survive a restart: cooldown,

@@ -12,19 +12,19 @@
 
 use serde_json::{json, Value};
 
-use super::compressor::{
-    common_suffix, CompressResult, CompressTelemetry, Compressor, NoOpReason, Outcome,
-    SummaryAttempt, SummaryCall,
-};
-use super::config::Strategy;
-use super::markers;
-use super::markers::{END_MARKER, HISTORICAL_TASK_HEADING, MICRO_TAG, SUMMARY_PREFIX};
-use super::serialize::serialize_for_summary;
-use super::summariser::Summariser;
-use super::tail::TailParams;
-use super::tokens;
-use super::trigger::Trigger;
-use super::view;
+use super::outcome::{common_suffix, CompressResult, CompressTelemetry, NoOpReason, Outcome};
+pub use super::outcome::{MicroOutcome, MicroPass, MicroTelemetry};
+use super::summary_call::{SummaryAttempt, SummaryCall};
+use super::Compressor;
+use crate::compaction::config::Strategy;
+use crate::compaction::markers;
+use crate::compaction::markers::{END_MARKER, HISTORICAL_TASK_HEADING, MICRO_TAG, SUMMARY_PREFIX};
+use crate::compaction::serialize::serialize_for_summary;
+use crate::compaction::summariser::Summariser;
+use crate::compaction::tail::TailParams;
+use crate::compaction::tokens;
+use crate::compaction::trigger::Trigger;
+use crate::compaction::view;
 
 /// An exchange that failed this many times in a row is skipped.
 pub const MICRO_COMPACT_MAX_CONSECUTIVE_FAILURES: u32 = 3;
@@ -51,73 +51,6 @@ pub struct MicroState {
     pub passes: u32,
     /// Tokens saved over all passes (negative while the marker costs more).
     pub tokens_saved_total: i64,
-}
-
-/// What one micro pass did.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum MicroOutcome {
-    /// One exchange was absorbed into the rolling summary.
-    Absorbed,
-    /// Nothing to do (disabled, too short, no complete exchange).
-    NoOp,
-    /// Only the rolling summary was rewritten compactly.
-    Defrag,
-    /// The defrag call failed; the old summary was kept.
-    DefragFailed,
-    /// The summary call failed; the next pass retries.
-    SummarizeFailed,
-    /// The exchange failed repeatedly and was skipped.
-    ExchangeSkipped,
-}
-
-impl MicroOutcome {
-    /// Telemetry name.
-    pub fn as_str(self) -> &'static str {
-        match self {
-            Self::Absorbed => "absorbed",
-            Self::NoOp => "noop",
-            Self::Defrag => "defrag",
-            Self::DefragFailed => "defrag_failed",
-            Self::SummarizeFailed => "summarize_failed",
-            Self::ExchangeSkipped => "exchange_skipped",
-        }
-    }
-}
-
-/// Content-free accounting of one micro pass (one JSON log line).
-#[derive(Clone, Debug, PartialEq, serde::Serialize)]
-pub struct MicroTelemetry {
-    /// Always `"micro_compaction"`.
-    pub event: &'static str,
-    /// What the pass did.
-    pub outcome: &'static str,
-    /// Rows before.
-    pub messages_before: usize,
-    /// Rows after.
-    pub messages_after: usize,
-    /// Rough tokens before.
-    pub tokens_before: u64,
-    /// Rough tokens after.
-    pub tokens_after: u64,
-    /// `after − before` (negative = shrank).
-    pub tokens_delta: i64,
-    /// Tokens of the absorbed exchange.
-    pub exchange_tokens: u64,
-    /// Tokens of the rolling summary.
-    pub rolling_summary_tokens: u64,
-    /// Cursor after the pass.
-    pub cursor: Option<usize>,
-    /// Absorbing passes so far.
-    pub passes_total: u32,
-    /// Tokens saved so far.
-    pub tokens_saved_total: i64,
-    /// Cached trigger threshold; `None` when the window is not resolved yet
-    /// (telemetry never forces a window probe).
-    pub threshold_tokens: Option<u64>,
-    /// Cached context window.
-    pub context_limit: Option<u64>,
-    /// `tokens_after / threshold × 100`, when the threshold is cached.
-    pub occupancy_pct: Option<f64>,
 }
 
 impl MicroTelemetry {
@@ -163,15 +96,6 @@ impl MicroTelemetry {
             tracing::debug!("micro compaction telemetry: {line}");
         }
     }
-}
-
-/// What a micro pass did, carried by its [`CompressResult`].
-#[derive(Clone, Debug, PartialEq)]
-pub struct MicroPass {
-    /// What happened.
-    pub outcome: MicroOutcome,
-    /// The pass's accounting (`None` for a no-op).
-    pub telemetry: Option<MicroTelemetry>,
 }
 
 /// A micro pass in the shape of a compaction result: `Compacted` when the
@@ -321,7 +245,7 @@ impl Compressor {
     }
 
     /// A micro pass over the conversation without its instruction rows
-    /// ([`super::instructions`]), put back together.
+    /// ([`crate::compaction::instructions`]), put back together.
     async fn micro_pinned(
         &mut self,
         messages: &[Value],
@@ -383,7 +307,7 @@ impl Compressor {
         } else {
             let mut p: TailParams = self.tail_params();
             p.allow_split_turn = false;
-            super::tail::find_tail_cut_by_tokens(messages, head_end, &p)
+            crate::compaction::tail::find_tail_cut_by_tokens(messages, head_end, &p)
         };
         (head_end < tail_start).then_some((head_end, tail_start))
     }

@@ -19,9 +19,10 @@
 
 use serde_json::Value;
 
-use super::compressor::CompressResult;
-use super::markers::{self, Handoff};
-use super::{tokens, view, Outcome};
+use super::outcome::{CompressResult, Outcome};
+use crate::compaction::markers::{self, Handoff};
+use crate::compaction::tokens;
+use crate::compaction::view;
 
 /// `system` or `developer`: an instruction row.
 pub fn is_instructions(m: &Value) -> bool {

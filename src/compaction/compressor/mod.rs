@@ -1,0 +1,239 @@
+//! The compress pipeline: head protection, tool-output pruning, tail cut,
+//! handoff rehydration, summary generation with failure handling, assembly,
+//! sanitising and the final size check.
+//!
+//! A compaction either commits (a strictly smaller conversation) or leaves
+//! the input exactly as it was: aborted, no-op and rejected results return the
+//! input messages unchanged. The phases only decide; the compressor's own
+//! state (running summary, cooldowns, counters, the standing failure) is
+//! changed once, at the end, according to the outcome, so no early return
+//! needs a rollback.
+//!
+//! One file per step, children of this one and in this order of use:
+//! `instructions` (the pass runs without the instruction rows), `cut`
+//! (head, pruning, tail cut), `generate` and `summary_call` (the summary
+//! and its calls), `failure` (how a call failed and what that forbids),
+//! `batch` (one compaction from cut to commit), `salvage` (the size rule
+//! and the shrinking of a candidate that misses it), `clip` (summary
+//! length caps), `outcome` (what a pass returns) and `micro` (the micro
+//! strategy, driven by the same compressor).
+
+mod batch;
+mod clip;
+mod cut;
+mod failure;
+mod generate;
+pub mod instructions;
+pub mod micro;
+mod outcome;
+mod salvage;
+mod summary_call;
+
+use std::sync::Arc;
+
+use serde_json::Value;
+
+use crate::compaction::config::CompactionConfig;
+use crate::compaction::last_resort::Fit;
+use crate::compaction::tail::{self, TailParams};
+use crate::compaction::trigger::Trigger;
+use crate::compaction::view;
+
+use batch::RejectedRows;
+pub use batch::FEASIBILITY_MIDDLE_RATIO;
+pub use clip::{
+    clip_summary, clip_summary_for_window, fallback_body_cap, max_summary_body_chars,
+    STRICT_SUMMARY_WINDOW, SUMMARY_OVERSHOOT_FACTOR,
+};
+pub use cut::{
+    is_ask_row, minimal_head_size, remove_blank_echoes, split_active_turn, MIN_ROWS_AFTER_HEAD,
+};
+pub use failure::{AbortReason, AuxModelFailure};
+pub use generate::{
+    AUTO_FOCUS_TOTAL_CHARS, AUTO_FOCUS_TURNS, AUTO_FOCUS_TURN_CHARS, MAX_SUMMARY_CHUNKS,
+};
+use instructions::is_instructions;
+use micro::MicroState;
+pub use outcome::{common_suffix, CompressResult, CompressTelemetry, NoOpReason, Outcome};
+pub use salvage::{is_progress, SALVAGE_KEEP_TOOL_RESULTS, SALVAGE_SUMMARY_MAX_CHARS};
+pub use summary_call::SummaryAttempt;
+// The failure of one summary call, at the compressor's paths too.
+pub use crate::compaction::summary_failure::{
+    is_access_or_quota_error, SummaryFailure, SummaryFailureKind,
+};
+
+/// Extra rows after `protect_first_n` probed for an earlier handoff.
+pub const HANDOFF_PROBE_EXTRA: usize = 4;
+
+/// Options of one `compress` call.
+#[derive(Clone, Debug, Default)]
+pub struct CompressOptions {
+    /// Manual or overflow-forced compaction: clears the cooldown and the
+    /// structural backoff, and never takes the feasibility skip.
+    pub force: bool,
+    /// The caller's token figure for the request (telemetry only).
+    pub current_tokens: Option<u64>,
+    /// Run the summary call even during a cooldown, without clearing it
+    /// (provider-proven overflow recovery).
+    pub bypass_cooldown: bool,
+    /// What the summary should focus on.
+    pub focus_topic: Option<String>,
+    /// Today's date (`YYYY-MM-DD`) for temporal anchoring in the summary
+    /// prompt; the engine has no clock of its own.
+    pub today: Option<String>,
+    /// Rough tokens the messages must fit into to be sent at all (window
+    /// minus reply reservation and tools). When the call leaves them larger
+    /// (nothing to compact, or not enough), the largest messages are
+    /// shortened as a last resort ([`super::last_resort`]).
+    pub fit_tokens: Option<u64>,
+    /// How firmly the last resort aims at `fit_tokens`.
+    pub fit: Fit,
+    /// Rough tokens a compacted result's messages should settle under (the
+    /// caller's mark between the compaction target and the trigger): a
+    /// result above it would be compacted again on the next turn, so its
+    /// largest messages are shortened in the same pass when that reaches
+    /// it ([`super::last_resort`]).
+    pub settle_tokens: Option<u64>,
+}
+
+/// The per-conversation compaction engine.
+pub struct Compressor {
+    /// Configuration shared by all conversations.
+    pub cfg: Arc<CompactionConfig>,
+    /// Trigger, budgets, cooldowns and breakers.
+    pub trigger: Trigger,
+    /// Body of the running summary (no prefix, no END marker).
+    pub previous_summary: Option<String>,
+    /// Whether the running summary is grounded in a real user turn.
+    pub summary_has_user_turn: bool,
+    /// Summary model; `None` = the main model.
+    pub summary_model: Option<String>,
+    /// A distinct summary model failed and the main model took over.
+    pub summary_model_fallen_back: bool,
+    /// The worst terminal summary failure since the last successful summary.
+    /// It outlives the call that saw it: a later call that returns early on
+    /// the cooldown must still abort rather than fall through to a fallback
+    /// summary that would drop context.
+    pub terminal_failure: Option<SummaryFailureKind>,
+    /// Micro-compaction state.
+    pub micro: MicroState,
+    /// The rows whose summary was last rejected as not smaller: asking for
+    /// the same summary again (on the overflow retry, or a turn or two
+    /// later) would be rejected again, at the price of the summary calls.
+    rejected: Option<RejectedRows>,
+}
+
+impl Compressor {
+    /// A compressor for one conversation.
+    pub fn new(cfg: Arc<CompactionConfig>, trigger: Trigger) -> Self {
+        let summary_model = cfg.summary_model.clone().filter(|m| !m.is_empty());
+        Self {
+            cfg,
+            trigger,
+            previous_summary: None,
+            summary_has_user_turn: true,
+            summary_model,
+            summary_model_fallen_back: false,
+            terminal_failure: None,
+            micro: MicroState::default(),
+            rejected: None,
+        }
+    }
+
+    /// `/new`: forget everything about the session.
+    pub fn reset_session(&mut self) {
+        self.trigger.reset_session();
+        self.previous_summary = None;
+        self.summary_has_user_turn = true;
+        self.terminal_failure = None;
+        self.micro = MicroState::default();
+    }
+
+    /// The standing terminal failure that forbids a fallback, if any.
+    pub fn terminal_abort_reason(&self) -> Option<AbortReason> {
+        self.terminal_failure?
+            .abort_reason(self.cfg.abort_on_degraded_summary)
+    }
+
+    /// `protect_first_n` after decay: 0 once a compaction happened, a
+    /// summary is in memory, or a handoff sits near the start (the head it
+    /// would protect was summarised already).
+    pub fn effective_protect_first_n(&self, msgs: &[Value]) -> usize {
+        if self.trigger.compression_count >= 1 || self.previous_summary.is_some() {
+            return 0;
+        }
+        let sys = usize::from(msgs.first().is_some_and(is_instructions));
+        let probe_end = (sys + self.cfg.protect_first_n + HANDOFF_PROBE_EXTRA).min(msgs.len());
+        if msgs[sys.min(probe_end)..probe_end]
+            .iter()
+            .any(view::is_summary)
+        {
+            return 0;
+        }
+        self.cfg.protect_first_n
+    }
+
+    /// Rows of the protected head: the system prompt (if first) plus the
+    /// effective `protect_first_n`.
+    pub fn protect_head_size(&self, msgs: &[Value]) -> usize {
+        let sys = usize::from(msgs.first().is_some_and(is_instructions));
+        (sys + self.effective_protect_first_n(msgs)).min(msgs.len())
+    }
+
+    /// The head of one compress call: relaxed to the system prompt alone
+    /// when a small window cannot afford more (see [`Compressor::cut`]).
+    fn head_size(&self, msgs: &[Value], relax: bool) -> usize {
+        if relax {
+            minimal_head_size(msgs).min(self.protect_head_size(msgs))
+        } else {
+            self.protect_head_size(msgs)
+        }
+    }
+
+    /// Tail-cut parameters from the current budgets.
+    pub fn tail_params(&mut self) -> TailParams {
+        let budget = self.trigger.tail_token_budget();
+        let window = self.trigger.context_length();
+        TailParams {
+            budget,
+            soft_ceiling: crate::compaction::budget::soft_tail_ceiling(budget, window),
+            protect_last_n: self.cfg.protect_last_n,
+            min_tail_user_messages: self.cfg.min_tail_user_messages,
+            // The tail's own oversized-active-turn rule moves the ask into the
+            // summary; compress splits such a turn itself instead
+            // ([`split_active_turn`]) so the ask stays verbatim.
+            allow_split_turn: false,
+        }
+    }
+
+    /// The tail cut with the current budgets (or an explicit budget).
+    pub fn find_tail_cut_by_tokens(
+        &mut self,
+        msgs: &[Value],
+        head_end: usize,
+        token_budget: Option<u64>,
+    ) -> usize {
+        let mut p = self.tail_params();
+        if let Some(b) = token_budget {
+            p.budget = b;
+            p.soft_ceiling =
+                crate::compaction::budget::soft_tail_ceiling(b, self.trigger.context_length());
+        }
+        tail::find_tail_cut_by_tokens(msgs, head_end, &p)
+    }
+
+    /// Switches summaries to the main model after a distinct summary model
+    /// failed, and clears the cooldown so the retry is not held back by the
+    /// failure of a model that is no longer used.
+    pub fn fallback_to_main_for_compression(&mut self) {
+        self.summary_model = None;
+        self.summary_model_fallen_back = true;
+        self.trigger.clear_failure_cooldown();
+    }
+
+    fn distinct_summary_model(&self) -> bool {
+        self.summary_model
+            .as_deref()
+            .is_some_and(|m| !m.is_empty() && m != self.trigger.model())
+    }
+}
