@@ -25,6 +25,7 @@ mod compact;
 pub mod conversation;
 mod count;
 mod durable;
+mod held;
 pub mod inspect;
 mod persist;
 mod prepare;

@@ -25,13 +25,13 @@ use crate::upstream::body::ProxyReqBody;
 use crate::upstream::body::TapBody;
 use crate::upstream::{body_read_error, headers, Upstream};
 use crate::usage::hide::HideUsageBody;
-use crate::usage::peek::{peek_start, HoldBack};
+use crate::usage::peek::{peek_start, HoldBack, Peek, Stop};
 use crate::usage::{BodyKind, StreamStart, TapOutcome, UsageObserver};
 use crate::window::overflow::{parse_overflow, parse_overflow_event, Overflow, OverflowKind};
 
 use super::conversation::Conversation;
 use super::prepare::Prepared;
-use super::{worker, ChatState};
+use super::{held, worker, ChatState};
 
 /// Response header naming what compactor did.
 pub const ACTION_HEADER: &str = "x-compactor-action";
@@ -50,7 +50,7 @@ static REPLACED_NAME: HeaderName = HeaderName::from_static(REPLACED_HEADER);
 const MAX_ERROR_PEEK: usize = 256 << 10;
 /// A stream's start is held up to this size while looking for an in-band
 /// overflow error.
-const MAX_STREAM_PEEK: usize = 64 << 10;
+pub(super) const MAX_STREAM_PEEK: usize = 64 << 10;
 
 /// What compactor did to a request (`x-compactor-action`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -129,19 +129,29 @@ pub async fn handle_api(
             Ok(r) => r,
             Err(e) => return upstream.error_reply_in(error_shape(api), &e),
         };
-        let (resp, overflow) = inspect(resp, prepared.plan.stream, hold_back(upstream)).await;
+        let limit = hold_back(upstream);
+        let (resp, overflow) = match inspect(resp, prepared.plan.stream, limit).await {
+            Inspected::Held(resp, overflow) => (resp, overflow),
+            Inspected::Flowing(head, peek) => {
+                // Comments came before the first data event: the head goes
+                // out now and they flow; an in-band overflow is still
+                // retried, inside the stream.
+                let retry = held::Retry {
+                    chat: Arc::clone(chat),
+                    upstream: Arc::clone(upstream),
+                    parts,
+                    client_headers,
+                    job: Some(job),
+                    key,
+                    allowed: !retried,
+                };
+                return held::commit(head, peek, limit, prepared, retry);
+            }
+        };
         match overflow {
-            Some(mut of) if !retried && of.kind == OverflowKind::Prompt => {
+            Some(of) if !retried && of.kind == OverflowKind::Prompt => {
                 retried = true;
-                bound_window(&mut of, prepared.est_tokens);
-                chat.metrics.chat.overflow_retry();
-                tracing::info!(
-                    session = %key,
-                    limit = of.limit,
-                    requested = of.requested,
-                    "upstream context overflow; compacting and retrying"
-                );
-                job.overflow = Some(of);
+                begin_retry(chat, &mut job, of, prepared.est_tokens, key);
                 let retry;
                 (retry, job) = match worker::run(job).await {
                     Ok(done) => done,
@@ -236,7 +246,7 @@ async fn unmapped(
 
 /// Sends `body` upstream with the client's headers (Content-Length fixed);
 /// `parts` gives the method, URI and extensions.
-async fn send(
+pub(super) async fn send(
     upstream: &Upstream,
     parts: &Parts,
     client_headers: &HeaderMap,
@@ -257,6 +267,26 @@ async fn send(
         headers
     };
     upstream.send_bytes_with(parts, headers, body).await
+}
+
+/// Books an overflow retry about to be prepared (the window bounded, the
+/// retry counted and logged).
+pub(super) fn begin_retry(
+    chat: &ChatState,
+    job: &mut worker::Job,
+    mut of: Overflow,
+    sent_estimate: u64,
+    key: SessionKey,
+) {
+    bound_window(&mut of, sent_estimate);
+    chat.metrics.chat.overflow_retry();
+    tracing::info!(
+        session = %key,
+        limit = of.limit,
+        requested = of.requested,
+        "upstream context overflow; compacting and retrying"
+    );
+    job.overflow = Some(of);
 }
 
 /// An overflow error without numbers still bounds the window: what was just
@@ -298,17 +328,25 @@ fn hold_back(upstream: &Upstream) -> HoldBack {
 }
 
 /// A response whose start has been read: the held frames go back in front.
-type HeldBody = crate::usage::peek::PrefixedBody<Incoming>;
+pub(super) type HeldBody = crate::usage::peek::PrefixedBody<Incoming>;
+
+/// What [`inspect`] read of a response.
+// One per response, moved straight on: boxing either variant only adds an
+// allocation.
+#[allow(clippy::large_enum_variant)]
+enum Inspected {
+    /// Its start (or all of it), held back, and the overflow it reported.
+    Held(Response<HeldBody>, Option<Overflow>),
+    /// A stream (200, `text/event-stream`) whose start is undecided but
+    /// led by comment lines: they should reach the client now.
+    Flowing(http::response::Parts, Peek<Incoming>),
+}
 
 /// Reads the start of the response: the whole error body (bounded) for an
 /// error status, the first events of a stream; reports an overflow that
 /// arrived before any content. Bounded by `limit`: what arrived by then is
 /// released, and a body failing meanwhile is forwarded up to the failure.
-async fn inspect(
-    resp: Response<Incoming>,
-    stream: bool,
-    limit: HoldBack,
-) -> (Response<HeldBody>, Option<Overflow>) {
+async fn inspect(resp: Response<Incoming>, stream: bool, limit: HoldBack) -> Inspected {
     let (parts, body) = resp.into_parts();
     let status = parts.status;
     let ct = parts
@@ -323,18 +361,22 @@ async fn inspect(
             StreamStart::Undecided => None,
             _ => parse_overflow(status.as_u16(), &peeked.body.held_bytes()),
         };
-        return (Response::from_parts(parts, peeked.body), overflow);
+        return Inspected::Held(Response::from_parts(parts, peeked.body), overflow);
     }
     if stream && kind == BodyKind::Sse {
-        let peeked = peek_start(body, kind, MAX_STREAM_PEEK, limit).await;
+        let mut peek = Peek::new(body, kind);
+        if peek.read(MAX_STREAM_PEEK, limit, true).await == Stop::Comments {
+            return Inspected::Flowing(parts, peek);
+        }
+        let peeked = peek.into_peeked();
         let overflow = match &peeked.start {
             StreamStart::Error(payload) => parse_overflow_event(payload),
             _ => None,
         };
-        return (Response::from_parts(parts, peeked.body), overflow);
+        return Inspected::Held(Response::from_parts(parts, peeked.body), overflow);
     }
     let body = crate::usage::peek::PrefixedBody::new(Default::default(), body, false);
-    (Response::from_parts(parts, body), None)
+    Inspected::Held(Response::from_parts(parts, body), None)
 }
 
 /// Turns the upstream response into ours: usage tap (and hider), idle
@@ -346,16 +388,39 @@ fn finish(
     prepared: &Prepared,
     key: SessionKey,
 ) -> Response<ProxyBody> {
-    chat.metrics.chat.action(prepared.action.as_str());
     let (mut parts, body) = resp.into_parts();
-    headers::strip_hop_by_hop(&mut parts.headers);
+    let body = finish_body(
+        chat,
+        upstream,
+        parts.status,
+        &mut parts.headers,
+        body,
+        prepared,
+    );
+    mark_head(chat, &mut parts.headers, prepared, key);
+    Response::from_parts(parts, body)
+}
+
+/// The body of a response as the client gets it: usage tapped into the
+/// conversation's inbox (and the usage chunk it did not ask for hidden),
+/// under the idle timeout. `headers` (the response's) lose what no longer
+/// holds: hop-by-hop headers, a length the hider changes. Counts the action.
+pub(super) fn finish_body(
+    chat: &ChatState,
+    upstream: &Upstream,
+    status: http::StatusCode,
+    headers: &mut HeaderMap,
+    body: HeldBody,
+    prepared: &Prepared,
+) -> ProxyBody {
+    chat.metrics.chat.action(prepared.action.as_str());
+    headers::strip_hop_by_hop(headers);
     let kind = BodyKind::from_content_type(
-        parts
-            .headers
+        headers
             .get(header::CONTENT_TYPE)
             .and_then(|v| v.to_str().ok()),
     );
-    let success = parts.status.is_success();
+    let success = status.is_success();
     let mut observer = UsageObserver::new(kind, |_: TapOutcome| {});
     // Error bodies carry no usage worth calibrating on.
     if success {
@@ -369,26 +434,34 @@ fn finish(
         }));
     }
     let tapped = TapBody::new(body, observer);
-    let body: ProxyBody = if prepared.plan.hide_usage() && success && kind == BodyKind::Sse {
+    if prepared.plan.hide_usage() && success && kind == BodyKind::Sse {
         // The hidden chunk changes the length.
-        parts.headers.remove(header::CONTENT_LENGTH);
+        headers.remove(header::CONTENT_LENGTH);
         upstream.idle_timeout(HideUsageBody::new(tapped))
     } else {
         upstream.idle_timeout(tapped)
-    };
-    if chat.expose_headers {
-        parts.headers.insert(
-            ACTION_NAME.clone(),
-            HeaderValue::from_static(prepared.action.as_str()),
-        );
-        if let Ok(v) = HeaderValue::from_bytes(&key.hex()) {
-            parts.headers.insert(SESSION_NAME.clone(), v);
-        }
-        if prepared.replaced > 0 {
-            parts
-                .headers
-                .insert(REPLACED_NAME.clone(), HeaderValue::from(prepared.replaced));
-        }
     }
-    Response::from_parts(parts, body)
+}
+
+/// compactor's own response headers (when exposed): what it did, the
+/// session key, how many messages a record replaced.
+pub(super) fn mark_head(
+    chat: &ChatState,
+    headers: &mut HeaderMap,
+    prepared: &Prepared,
+    key: SessionKey,
+) {
+    if !chat.expose_headers {
+        return;
+    }
+    headers.insert(
+        ACTION_NAME.clone(),
+        HeaderValue::from_static(prepared.action.as_str()),
+    );
+    if let Ok(v) = HeaderValue::from_bytes(&key.hex()) {
+        headers.insert(SESSION_NAME.clone(), v);
+    }
+    if prepared.replaced > 0 {
+        headers.insert(REPLACED_NAME.clone(), HeaderValue::from(prepared.replaced));
+    }
 }
