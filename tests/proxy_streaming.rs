@@ -555,3 +555,51 @@ async fn comments_before_the_first_event_reach_the_client_while_held_back() {
     }
     assert_eq!(text, format!("{FIRST}{LAST}"));
 }
+
+/// Waits (bounded) until the proxy's metrics contain `line`.
+async fn metrics_show(proxy: &compactor::server::RunningServer, line: &str) {
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    loop {
+        let text = proxy.state.metrics.render(0, 0);
+        if text.lines().any(|l| l == line) {
+            return;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "no `{line}`: {text}"
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+}
+
+/// Sends `sent` bytes of a chat body declared as `declared`, waits until the
+/// proxy has buffered them, and hangs up.
+async fn abandon_chat_upload(
+    proxy: &compactor::server::RunningServer,
+    declared: usize,
+    sent: usize,
+) {
+    let mut s = tokio::net::TcpStream::connect(proxy.addr).await.unwrap();
+    let head = format!(
+        "POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: {declared}\r\n\r\n"
+    );
+    s.write_all(head.as_bytes()).await.unwrap();
+    s.write_all(&vec![b' '; sent]).await.unwrap();
+    metrics_show(proxy, &format!("compactor_buffered_body_bytes {sent}")).await;
+    drop(s);
+    metrics_show(proxy, "compactor_requests_in_flight 0").await;
+}
+
+/// A large chat body dropped mid-upload asks the allocator to give its
+/// memory back (counted); a small one does not.
+#[tokio::test]
+async fn abandoned_large_chat_upload_gives_memory_back() {
+    let up = MockUpstream::builder().run().await;
+    let proxy = start_proxy(&up.url(), "").await;
+    abandon_chat_upload(&proxy, 1 << 20, 100_000).await;
+    metrics_show(&proxy, "compactor_abandoned_large_bodies_total 0").await;
+    abandon_chat_upload(&proxy, 31_000_000, 2 << 20).await;
+    metrics_show(&proxy, "compactor_abandoned_large_bodies_total 1").await;
+    // Nothing reached the upstream.
+    assert!(up.requests().is_empty());
+}

@@ -23,7 +23,7 @@ use crate::error::{ErrorShape, ProxyBody, ProxyError};
 use crate::session::key::{SessionHints, SessionKey};
 use crate::upstream::body::ProxyReqBody;
 use crate::upstream::body::TapBody;
-use crate::upstream::{body_read_error, headers, Upstream};
+use crate::upstream::{body_read_error, headers, RequestStats, Upstream};
 use crate::usage::hide::HideUsageBody;
 use crate::usage::peek::{peek_start, HoldBack, Peek, Stop};
 use crate::usage::{BodyKind, StreamStart, TapOutcome, UsageObserver};
@@ -109,10 +109,16 @@ pub async fn handle_api(
     if parts.headers.contains_key(header::CONTENT_ENCODING) {
         return upstream.forward(Request::from_parts(parts, body)).await;
     }
+    let seen = parts
+        .extensions
+        .get::<Arc<RequestStats>>()
+        .map(|s| Arc::clone(&s.bytes_in));
+    let guard = worker::BodyGuard::new(&chat.metrics, seen);
     let bytes = match body.collect().await {
         Ok(c) => c.to_bytes(),
         Err(e) => return upstream.error_reply_in(error_shape(api), &body_read_error(&e)),
     };
+    guard.complete();
     // Once per request: a retry prepares the same decoded request again.
     let creq = match worker::decode(chat, api, bytes.clone()).await {
         Ok(creq) => creq,
