@@ -421,7 +421,8 @@ async fn client_abort_mid_upload_cancels_upstream_request() {
         .await;
     let proxy = start_proxy(&up.url(), "").await;
     let mut s = tokio::net::TcpStream::connect(proxy.addr).await.unwrap();
-    s.write_all(b"POST /upload HTTP/1.1\r\nHost: x\r\nContent-Length: 100000\r\n\r\n0123456789")
+    // Larger than the passthrough bodies held for a replay (1 MiB): streamed.
+    s.write_all(b"POST /upload HTTP/1.1\r\nHost: x\r\nContent-Length: 2000000\r\n\r\n0123456789")
         .await
         .unwrap();
     let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
@@ -446,7 +447,7 @@ async fn client_abort_mid_upload_cancels_upstream_request() {
         "upstream upload was not cancelled"
     );
     // The upstream never saw a complete body.
-    assert!(up.requests().iter().all(|r| r.body_len < 100_000));
+    assert!(up.requests().iter().all(|r| r.body_len < 2_000_000));
     let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
     while !proxy
         .state
