@@ -115,6 +115,51 @@ async fn in_band_sse_overflow_is_retried() {
     retry_on_overflow(OverflowStyle::InBandSse, true).await;
 }
 
+/// An in-band overflow after a comment: the comment has gone out (and with
+/// it the head), yet the retry still happens, inside the same stream, and
+/// the client sees the comment, then the retry's answer, never the error.
+#[tokio::test]
+async fn in_band_sse_overflow_after_a_comment_is_retried_in_the_stream() {
+    let mock = ChatMock::start(Settings {
+        window: Some(2048),
+        overflow: OverflowStyle::InBandSseAfterComment,
+        ..Settings::default()
+    })
+    .await;
+    let proxy = start_proxy(&mock.url(), &unknown_window()).await;
+    let url = proxy.url();
+    let mut conv = Conversation::new(600);
+    for _ in 0..25 {
+        let before = mock.chats().len();
+        let sent = conv.ask();
+        let (status, _headers, body) = post_chat(&url, chat_body("m", &sent, true), &[AUTH]).await;
+        conv.answer();
+        assert_eq!(status, 200);
+        let chats = &mock.chats()[before..];
+        if !chats[0].overflowed {
+            continue;
+        }
+        assert_eq!(chats.len(), 2, "one failed attempt, one retry");
+        assert!(!chats[1].overflowed);
+        assert!(chats[1].messages().len() < sent.len());
+        let text = String::from_utf8_lossy(&body);
+        assert!(text.starts_with(": PROCESSING\n\n"), "{text}");
+        assert!(!text.contains("error"), "client saw the overflow: {text}");
+        assert!(
+            !text.contains("prompt_tokens"),
+            "usage reached the client: {text}"
+        );
+        assert!(text.ends_with("data: [DONE]\n\n"), "{text}");
+        assert_eq!(metric(&url, "compactor_overflow_retries_total").await, 1.0);
+        assert_eq!(
+            metric(&url, "compactor_chat_requests_total{action=\"retried\"}").await,
+            1.0
+        );
+        return;
+    }
+    panic!("the window was never exceeded");
+}
+
 #[tokio::test]
 async fn overflow_compaction_cannot_fix_passes_the_upstream_error() {
     for style in [OverflowStyle::LlamaCpp, OverflowStyle::OpenAi] {

@@ -596,3 +596,29 @@ async fn a_closed_keep_alive_connection_is_freed() {
     }
     assert!(freed, "connection still open after the client closed it");
 }
+
+/// A small passthrough POST body (Content-Length up to 1 MiB) is held, so
+/// the keep-alive race is retried for it as for chat bodies: before, it was
+/// streamed and the race was a 502.
+#[tokio::test]
+async fn a_small_passthrough_post_on_a_just_closed_pooled_connection_is_retried() {
+    let up = one_per_connection_upstream().await;
+    let proxy = start_proxy(&up, MODEL).await;
+    let body = br#"{"model":"m","input":"hello"}"#;
+    for i in 0..6 {
+        let mut req = support::request(
+            "POST",
+            &format!("{}/v1/embeddings", proxy.url()),
+            support::full(&body[..]),
+        );
+        req.headers_mut()
+            .insert("content-type", "application/json".parse().unwrap());
+        let (st, _, _) = support::fetch(req).await;
+        assert_eq!(st, 200, "passthrough POST #{i}");
+    }
+    let text = proxy.state.metrics.render(0, 0);
+    assert!(
+        !text.contains("compactor_upstream_unsent_retries_total 0"),
+        "the race never happened: {text}"
+    );
+}

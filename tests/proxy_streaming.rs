@@ -421,7 +421,8 @@ async fn client_abort_mid_upload_cancels_upstream_request() {
         .await;
     let proxy = start_proxy(&up.url(), "").await;
     let mut s = tokio::net::TcpStream::connect(proxy.addr).await.unwrap();
-    s.write_all(b"POST /upload HTTP/1.1\r\nHost: x\r\nContent-Length: 100000\r\n\r\n0123456789")
+    // Larger than the passthrough bodies held for a replay (1 MiB): streamed.
+    s.write_all(b"POST /upload HTTP/1.1\r\nHost: x\r\nContent-Length: 2000000\r\n\r\n0123456789")
         .await
         .unwrap();
     let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
@@ -446,7 +447,7 @@ async fn client_abort_mid_upload_cancels_upstream_request() {
         "upstream upload was not cancelled"
     );
     // The upstream never saw a complete body.
-    assert!(up.requests().iter().all(|r| r.body_len < 100_000));
+    assert!(up.requests().iter().all(|r| r.body_len < 2_000_000));
     let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
     while !proxy
         .state
@@ -460,4 +461,146 @@ async fn client_abort_mid_upload_cancels_upstream_request() {
         );
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
+}
+
+const PROCESSING: &str = ": PROCESSING\n\n";
+
+/// An upstream still reading a long prompt: 200 `text/event-stream`, then
+/// `: PROCESSING` every 200 ms until `go` is notified (bounded at 15 s),
+/// then the generation.
+async fn processing_upstream(go: std::sync::Arc<tokio::sync::Notify>) -> (String, Task) {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let url = format!("http://{}", listener.local_addr().unwrap());
+    let task = serve_mock(listener, go, |go, req| async move {
+        let (tx, body) = channel_request_body();
+        let chat = req.uri().path() == "/v1/chat/completions";
+        tokio::spawn(async move {
+            if !chat {
+                return;
+            }
+            for _ in 0..75 {
+                let comment = Frame::data(Bytes::from_static(PROCESSING.as_bytes()));
+                if tx.send(Ok(comment)).await.is_err() {
+                    return;
+                }
+                let tick = tokio::time::sleep(Duration::from_millis(200));
+                tokio::select! {
+                    () = go.notified() => break,
+                    () = tick => {}
+                }
+            }
+            for event in [FIRST, LAST] {
+                let _ = tx
+                    .send(Ok(Frame::data(Bytes::from_static(event.as_bytes()))))
+                    .await;
+            }
+        });
+        let mut resp = hyper::Response::new(body);
+        if chat {
+            resp.headers_mut()
+                .insert("content-type", "text/event-stream".parse().unwrap());
+        } else {
+            *resp.status_mut() = hyper::StatusCode::NOT_FOUND;
+        }
+        Ok::<_, std::convert::Infallible>(resp)
+    });
+    (url, Task(task))
+}
+
+/// Aborts the mock's accept loop with the test.
+struct Task(tokio::task::JoinHandle<()>);
+
+impl Drop for Task {
+    fn drop(&mut self) {
+        self.0.abort();
+    }
+}
+
+/// A streamed chat request is held back until its first data event (an
+/// in-band overflow error can still be retried), but the comments an
+/// upstream sends meanwhile reach the client as they arrive: the upstream
+/// sends its first data event only once the client has seen a comment.
+#[tokio::test]
+async fn comments_before_the_first_event_reach_the_client_while_held_back() {
+    let go = std::sync::Arc::new(tokio::sync::Notify::new());
+    let (up, _task) = processing_upstream(std::sync::Arc::clone(&go)).await;
+    let proxy = start_proxy(&up, "").await;
+    // The client asks for usage itself: nothing is hidden from its stream.
+    let chat = r#"{"model":"m","stream":true,"stream_options":{"include_usage":true},"messages":[{"role":"user","content":"hello"}]}"#;
+    let req = request(
+        "POST",
+        &format!("{}/v1/chat/completions", proxy.url()),
+        full(chat),
+    );
+    // Bounded only so a proxy that holds the comments back fails instead
+    // of waiting for ever: the upstream sends no data event until `go`.
+    let resp = tokio::time::timeout(Duration::from_secs(10), client().request(req))
+        .await
+        .expect("no response head while the upstream sends comments")
+        .unwrap();
+    assert_eq!(resp.status(), 200);
+    assert_eq!(resp.headers()["content-type"], "text/event-stream");
+    assert!(resp.headers().get("content-length").is_none());
+    let mut body = resp.into_body();
+    let first = read_at_least(&mut body, PROCESSING.len()).await;
+    assert!(first.starts_with(PROCESSING.as_bytes()), "{first:?}");
+    assert!(!String::from_utf8_lossy(&first).contains("data:"));
+    go.notify_one();
+    let rest = body.collect().await.unwrap().to_bytes();
+    let mut all = first;
+    all.extend_from_slice(&rest);
+    // The same bytes in the same order: comments, then the generation.
+    let mut text = String::from_utf8(all).unwrap();
+    while let Some(after) = text.strip_prefix(PROCESSING) {
+        text = after.to_owned();
+    }
+    assert_eq!(text, format!("{FIRST}{LAST}"));
+}
+
+/// Waits (bounded) until the proxy's metrics contain `line`.
+async fn metrics_show(proxy: &compactor::server::RunningServer, line: &str) {
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    loop {
+        let text = proxy.state.metrics.render(0, 0);
+        if text.lines().any(|l| l == line) {
+            return;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "no `{line}`: {text}"
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+}
+
+/// Sends `sent` bytes of a chat body declared as `declared`, waits until the
+/// proxy has buffered them, and hangs up.
+async fn abandon_chat_upload(
+    proxy: &compactor::server::RunningServer,
+    declared: usize,
+    sent: usize,
+) {
+    let mut s = tokio::net::TcpStream::connect(proxy.addr).await.unwrap();
+    let head = format!(
+        "POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: {declared}\r\n\r\n"
+    );
+    s.write_all(head.as_bytes()).await.unwrap();
+    s.write_all(&vec![b' '; sent]).await.unwrap();
+    metrics_show(proxy, &format!("compactor_buffered_body_bytes {sent}")).await;
+    drop(s);
+    metrics_show(proxy, "compactor_requests_in_flight 0").await;
+}
+
+/// A large chat body dropped mid-upload asks the allocator to give its
+/// memory back (counted); a small one does not.
+#[tokio::test]
+async fn abandoned_large_chat_upload_gives_memory_back() {
+    let up = MockUpstream::builder().run().await;
+    let proxy = start_proxy(&up.url(), "").await;
+    abandon_chat_upload(&proxy, 1 << 20, 100_000).await;
+    metrics_show(&proxy, "compactor_abandoned_large_bodies_total 0").await;
+    abandon_chat_upload(&proxy, 31_000_000, 2 << 20).await;
+    metrics_show(&proxy, "compactor_abandoned_large_bodies_total 1").await;
+    // Nothing reached the upstream.
+    assert!(up.requests().is_empty());
 }

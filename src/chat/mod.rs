@@ -6,6 +6,10 @@
 //!
 //! - [`walk`]: the walk of one request (read, prepare, send, retry on
 //!   overflow, tap usage on the way back).
+//! - `held`: a stream whose head went out on SSE comments before its first
+//!   data event (comments flow; an in-band overflow retried in the stream).
+//! - `respond`: the response side both share (send, book a retry, the
+//!   client's body, compactor's headers).
 //! - `worker`: where `prepare` runs (once it has to wait, a task of its
 //!   own that a leaving client does not cancel; large bodies on the
 //!   blocking pool).
@@ -40,11 +44,13 @@ mod count;
 mod decide;
 mod durable;
 mod engine;
+mod held;
 pub mod inspect;
 mod pending;
 mod persist;
 mod prepare;
 pub mod record;
+mod respond;
 mod shared;
 pub mod summarise;
 pub mod walk;

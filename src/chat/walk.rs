@@ -14,48 +14,31 @@ use std::sync::Arc;
 
 use bytes::Bytes;
 use http::request::Parts;
-use http::{header, HeaderMap, HeaderName, HeaderValue, Request, Response};
+use http::{header, HeaderMap, Request, Response};
 use http_body_util::BodyExt;
 use hyper::body::Incoming;
 
 use crate::codec::{Api, ApiRequest};
-use crate::error::{ErrorShape, ProxyBody, ProxyError};
+use crate::error::{ErrorShape, ProxyBody};
 use crate::session::key::{SessionHints, SessionKey};
 use crate::upstream::body::ProxyReqBody;
-use crate::upstream::body::TapBody;
-use crate::upstream::{body_read_error, headers, Upstream};
-use crate::usage::hide::HideUsageBody;
-use crate::usage::peek::{peek_start, HoldBack};
-use crate::usage::{BodyKind, StreamStart, TapOutcome, UsageObserver};
+use crate::upstream::{body_read_error, RequestStats, Upstream};
+use crate::usage::peek::{peek_start, HoldBack, Peek, Stop};
+use crate::usage::{BodyKind, StreamStart};
 use crate::window::overflow::{parse_overflow, parse_overflow_event, Overflow, OverflowKind};
 
 use super::conversation::Conversation;
 use super::prepare::Prepared;
-use super::{worker, ChatState};
+use super::respond::{begin_retry, finish_body, mark_head, send, HeldBody, MAX_STREAM_PEEK};
+pub use super::respond::{ACTION_HEADER, REPLACED_HEADER, SESSION_HEADER};
+use super::{held, worker, ChatState};
 
 // Still `chat::walk::Action` for the crate's users: the walk writes it
 // into the response header.
 pub use super::prepare::Action;
 
-/// Response header naming what compactor did.
-pub const ACTION_HEADER: &str = "x-compactor-action";
-/// Response header carrying the opaque session key.
-pub const SESSION_HEADER: &str = "x-compactor-session";
-/// Response header: how many leading client messages were sent as their
-/// recorded compacted replacement (absent when none).
-pub const REPLACED_HEADER: &str = "x-compactor-replaced";
-
-// Names checked once: a name given as a string is validated on every insert.
-static ACTION_NAME: HeaderName = HeaderName::from_static(ACTION_HEADER);
-static SESSION_NAME: HeaderName = HeaderName::from_static(SESSION_HEADER);
-static REPLACED_NAME: HeaderName = HeaderName::from_static(REPLACED_HEADER);
-
 /// Error bodies up to this size are read to look for an overflow.
 const MAX_ERROR_PEEK: usize = 256 << 10;
-/// A stream's start is held up to this size while looking for an in-band
-/// overflow error.
-const MAX_STREAM_PEEK: usize = 64 << 10;
-
 /// The error shape of `api`'s clients.
 pub fn error_shape(api: Api) -> ErrorShape {
     match api {
@@ -86,10 +69,16 @@ pub async fn handle_api(
     if parts.headers.contains_key(header::CONTENT_ENCODING) {
         return upstream.forward(Request::from_parts(parts, body)).await;
     }
+    let seen = parts
+        .extensions
+        .get::<Arc<RequestStats>>()
+        .map(|s| Arc::clone(&s.bytes_in));
+    let guard = worker::BodyGuard::new(&chat.metrics, seen);
     let bytes = match body.collect().await {
         Ok(c) => c.to_bytes(),
         Err(e) => return upstream.error_reply_in(error_shape(api), &body_read_error(&e)),
     };
+    guard.complete();
     // Once per request: a retry prepares the same decoded request again.
     let creq = match worker::decode(chat, api, bytes.clone()).await {
         Ok(creq) => creq,
@@ -106,19 +95,29 @@ pub async fn handle_api(
             Ok(r) => r,
             Err(e) => return upstream.error_reply_in(error_shape(api), &e),
         };
-        let (resp, overflow) = inspect(resp, prepared.plan.stream, hold_back(upstream)).await;
+        let limit = hold_back(upstream);
+        let (resp, overflow) = match inspect(resp, prepared.plan.stream, limit).await {
+            Inspected::Held(resp, overflow) => (resp, overflow),
+            Inspected::Flowing(head, peek) => {
+                // Comments came before the first data event: the head goes
+                // out now and they flow; an in-band overflow is still
+                // retried, inside the stream.
+                let retry = held::Retry {
+                    chat: Arc::clone(chat),
+                    upstream: Arc::clone(upstream),
+                    parts,
+                    client_headers,
+                    job: Some(job),
+                    key,
+                    allowed: !retried,
+                };
+                return held::commit(head, peek, limit, prepared, retry);
+            }
+        };
         match overflow {
-            Some(mut of) if !retried && of.kind == OverflowKind::Prompt => {
+            Some(of) if !retried && of.kind == OverflowKind::Prompt => {
                 retried = true;
-                bound_window(&mut of, prepared.est_tokens);
-                chat.metrics.chat.overflow_retry();
-                tracing::info!(
-                    session = %key,
-                    limit = of.limit,
-                    requested = of.requested,
-                    "upstream context overflow; compacting and retrying"
-                );
-                job.overflow = Some(of);
+                begin_retry(chat, &mut job, of, prepared.est_tokens, key);
                 let retry;
                 (retry, job) = match worker::run(job).await {
                     Ok(done) => done,
@@ -211,45 +210,6 @@ async fn unmapped(
     send_plain(upstream, api, parts, bytes).await
 }
 
-/// Sends `body` upstream with the client's headers (Content-Length fixed);
-/// `parts` gives the method, URI and extensions.
-async fn send(
-    upstream: &Upstream,
-    parts: &Parts,
-    client_headers: &HeaderMap,
-    body: Bytes,
-) -> Result<Response<Incoming>, ProxyError> {
-    let len = HeaderValue::from(body.len());
-    let headers = || {
-        let mut headers = client_headers.clone();
-        headers.remove(header::TRANSFER_ENCODING);
-        // The usage tap and hider read the response: a compressed body would
-        // hide the usage from calibration and leave the forced usage chunk in
-        // front of a client that never asked for it (SDKs send gzip by default).
-        headers.insert(
-            header::ACCEPT_ENCODING,
-            HeaderValue::from_static("identity"),
-        );
-        headers.insert(header::CONTENT_LENGTH, len.clone());
-        headers
-    };
-    upstream.send_bytes_with(parts, headers, body).await
-}
-
-/// An overflow error without numbers still bounds the window: what was just
-/// sent (`sent_estimate` tokens) did not fit. Learning that bound makes later
-/// compactions proactive instead of one overflow (and retry) every few turns.
-fn bound_window(of: &mut Overflow, sent_estimate: u64) {
-    if of.limit.is_none() {
-        of.limit = Some(
-            of.requested
-                .or(of.prompt_tokens)
-                .unwrap_or(sent_estimate)
-                .max(1),
-        );
-    }
-}
-
 /// Forwards bytes we could not parse exactly as received.
 async fn send_plain(
     upstream: &Upstream,
@@ -274,18 +234,23 @@ fn hold_back(upstream: &Upstream) -> HoldBack {
     }
 }
 
-/// A response whose start has been read: the held frames go back in front.
-type HeldBody = crate::usage::peek::PrefixedBody<Incoming>;
+/// What [`inspect`] read of a response.
+// One per response, moved straight on: boxing either variant only adds an
+// allocation.
+#[allow(clippy::large_enum_variant)]
+enum Inspected {
+    /// Its start (or all of it), held back, and the overflow it reported.
+    Held(Response<HeldBody>, Option<Overflow>),
+    /// A stream (200, `text/event-stream`) whose start is undecided but
+    /// led by comment lines: they should reach the client now.
+    Flowing(http::response::Parts, Peek<Incoming>),
+}
 
 /// Reads the start of the response: the whole error body (bounded) for an
 /// error status, the first events of a stream; reports an overflow that
 /// arrived before any content. Bounded by `limit`: what arrived by then is
 /// released, and a body failing meanwhile is forwarded up to the failure.
-async fn inspect(
-    resp: Response<Incoming>,
-    stream: bool,
-    limit: HoldBack,
-) -> (Response<HeldBody>, Option<Overflow>) {
+async fn inspect(resp: Response<Incoming>, stream: bool, limit: HoldBack) -> Inspected {
     let (parts, body) = resp.into_parts();
     let status = parts.status;
     let ct = parts
@@ -300,18 +265,22 @@ async fn inspect(
             StreamStart::Undecided => None,
             _ => parse_overflow(status.as_u16(), &peeked.body.held_bytes()),
         };
-        return (Response::from_parts(parts, peeked.body), overflow);
+        return Inspected::Held(Response::from_parts(parts, peeked.body), overflow);
     }
     if stream && kind == BodyKind::Sse {
-        let peeked = peek_start(body, kind, MAX_STREAM_PEEK, limit).await;
+        let mut peek = Peek::new(body, kind);
+        if peek.read(MAX_STREAM_PEEK, limit, true).await == Stop::Comments {
+            return Inspected::Flowing(parts, peek);
+        }
+        let peeked = peek.into_peeked();
         let overflow = match &peeked.start {
             StreamStart::Error(payload) => parse_overflow_event(payload),
             _ => None,
         };
-        return (Response::from_parts(parts, peeked.body), overflow);
+        return Inspected::Held(Response::from_parts(parts, peeked.body), overflow);
     }
     let body = crate::usage::peek::PrefixedBody::new(Default::default(), body, false);
-    (Response::from_parts(parts, body), None)
+    Inspected::Held(Response::from_parts(parts, body), None)
 }
 
 /// Turns the upstream response into ours: usage tap (and hider), idle
@@ -323,49 +292,15 @@ fn finish(
     prepared: &Prepared,
     key: SessionKey,
 ) -> Response<ProxyBody> {
-    chat.metrics.chat.action(prepared.action.as_str());
     let (mut parts, body) = resp.into_parts();
-    headers::strip_hop_by_hop(&mut parts.headers);
-    let kind = BodyKind::from_content_type(
-        parts
-            .headers
-            .get(header::CONTENT_TYPE)
-            .and_then(|v| v.to_str().ok()),
+    let body = finish_body(
+        chat,
+        upstream,
+        parts.status,
+        &mut parts.headers,
+        body,
+        prepared,
     );
-    let success = parts.status.is_success();
-    let mut observer = UsageObserver::new(kind, |_: TapOutcome| {});
-    // Error bodies carry no usage worth calibrating on.
-    if success {
-        let (inbox, sent) = (Arc::clone(&prepared.inbox), Arc::clone(&prepared.sent));
-        let metrics = Arc::clone(&chat.metrics);
-        observer = observer.on_usage(Box::new(move |report| {
-            if let Some((prompt, _)) = report.prompt_tokens() {
-                metrics.chat.prompt_tokens(prompt);
-            }
-            crate::sync::lock(&inbox).push((sent, report));
-        }));
-    }
-    let tapped = TapBody::new(body, observer);
-    let body: ProxyBody = if prepared.plan.hide_usage() && success && kind == BodyKind::Sse {
-        // The hidden chunk changes the length.
-        parts.headers.remove(header::CONTENT_LENGTH);
-        upstream.idle_timeout(HideUsageBody::new(tapped))
-    } else {
-        upstream.idle_timeout(tapped)
-    };
-    if chat.expose_headers {
-        parts.headers.insert(
-            ACTION_NAME.clone(),
-            HeaderValue::from_static(prepared.action.as_str()),
-        );
-        if let Ok(v) = HeaderValue::from_bytes(&key.hex()) {
-            parts.headers.insert(SESSION_NAME.clone(), v);
-        }
-        if prepared.replaced > 0 {
-            parts
-                .headers
-                .insert(REPLACED_NAME.clone(), HeaderValue::from(prepared.replaced));
-        }
-    }
+    mark_head(chat, &mut parts.headers, prepared, key);
     Response::from_parts(parts, body)
 }

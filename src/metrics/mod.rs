@@ -53,6 +53,9 @@ pub mod names {
     /// Requests sent again after the upstream closed a pooled connection
     /// before answering.
     pub const UPSTREAM_RETRIES_TOTAL: &str = "compactor_upstream_unsent_retries_total";
+    /// Chat request bodies of 1 MiB or more dropped before they were read
+    /// whole (each asks the allocator to give the memory back).
+    pub const ABANDONED_BODIES_TOTAL: &str = "compactor_abandoned_large_bodies_total";
 }
 
 /// Fixed-bucket histogram (seconds).
@@ -139,6 +142,7 @@ pub struct Metrics {
     pub buffered_body_bytes: AtomicU64,
     body_budget_rejections: AtomicU64,
     upstream_retries: AtomicU64,
+    abandoned_bodies: AtomicU64,
     /// Time until the upstream's response head.
     pub upstream_wait: Histogram,
     /// Time compactor added before the response head.
@@ -166,6 +170,7 @@ impl Default for Metrics {
             buffered_body_bytes: AtomicU64::new(0),
             body_budget_rejections: AtomicU64::new(0),
             upstream_retries: AtomicU64::new(0),
+            abandoned_bodies: AtomicU64::new(0),
             upstream_wait: Histogram::new(UPSTREAM_BUCKETS),
             proxy_overhead: Histogram::new(OVERHEAD_BUCKETS),
             chat: ChatMetrics::default(),
@@ -237,6 +242,11 @@ impl Metrics {
     /// Counts a request refused at the buffered-body budget.
     pub fn record_body_budget_rejection(&self) {
         self.body_budget_rejections.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// Counts a large chat request body dropped before its end.
+    pub fn record_abandoned_body(&self) {
+        self.abandoned_bodies.fetch_add(1, Ordering::Relaxed);
     }
 
     /// Counts a request replayed after a keep-alive race.
@@ -335,7 +345,7 @@ impl Metrics {
     }
 
     /// The single-value series: (name, help, type, value).
-    fn plain_series(&self) -> [(&'static str, &'static str, &'static str, &AtomicU64); 12] {
+    fn plain_series(&self) -> [(&'static str, &'static str, &'static str, &AtomicU64); 13] {
         [
         (
             names::REQUEST_BYTES_TOTAL,
@@ -408,6 +418,12 @@ impl Metrics {
             "Requests sent again after the upstream closed a pooled connection before answering.",
             "counter",
             &self.upstream_retries,
+        ),
+        (
+            names::ABANDONED_BODIES_TOTAL,
+            "Chat request bodies of 1 MiB or more dropped before they were read whole.",
+            "counter",
+            &self.abandoned_bodies,
         ),
     ]
     }

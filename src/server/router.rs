@@ -23,7 +23,7 @@ use crate::upstream::body::{
     observed, ByteBudget, Eos, FlushBeforeError, LimitedBody, ProxyReqBody,
 };
 use crate::upstream::coalesce::CoalesceBody;
-use crate::upstream::RequestStats;
+use crate::upstream::{replayable_len, RequestStats};
 
 /// Exact path intercepted for compaction.
 pub const CHAT_COMPLETIONS_PATH: &str = "/v1/chat/completions";
@@ -129,8 +129,11 @@ pub async fn handle_on(
     let method = req.method().clone();
     let path = req.uri().path().to_owned();
     let route = Route::of(&method, &path);
-    // Chat bodies are read whole: their bytes count against the budget.
-    let stats = Arc::new(if route.api().is_some() {
+    // Chat bodies and small passthrough bodies are read whole: their bytes
+    // count against the budget.
+    let buffered = route.api().is_some()
+        || (route == Route::Passthrough && replayable_len(req.headers()).is_some());
+    let stats = Arc::new(if buffered {
         RequestStats::with_budget(Arc::clone(&state.metrics))
     } else {
         RequestStats::default()
@@ -160,7 +163,7 @@ pub async fn handle_on(
             "not_found",
         ),
         Route::Chat | Route::Messages | Route::Responses | Route::Passthrough => {
-            match (limit_request(&state, req, &stats, route), route.api()) {
+            match (limit_request(&state, req, &stats), route.api()) {
                 (Err(e), api) => upstream.error_reply_in(
                     api.map(crate::chat::walk::error_shape).unwrap_or_default(),
                     &e,
@@ -235,7 +238,6 @@ fn limit_request(
     state: &AppState,
     req: Request<Incoming>,
     stats: &Arc<RequestStats>,
-    route: Route,
 ) -> Result<Request<ProxyReqBody>, ProxyError> {
     let limit = state.config.max_body_bytes;
     let declared = req
@@ -251,7 +253,7 @@ fn limit_request(
     let secs = state.config.timeouts.body_read;
     let mut body = LimitedBody::new(body, limit, Arc::clone(&stats.bytes_in))
         .with_deadline(stats.start + secs, secs.as_secs());
-    if route.api().is_some() {
+    if stats.is_budgeted() {
         body = body.with_budget(ByteBudget {
             used: Arc::clone(&state.metrics),
             max: state.config.limits.max_buffered_body_bytes,

@@ -32,6 +32,21 @@ use body::{
 };
 use client::{build_client, join_uri, UpstreamClient, UpstreamSetupError};
 
+/// Passthrough request bodies up to this size (by their Content-Length) are
+/// read whole before they go upstream, so a keep-alive race can be retried.
+pub const REPLAYABLE_BODY_BYTES: u64 = 1 << 20;
+
+/// The declared length of a body [`Upstream::forward`] reads whole: a
+/// Content-Length from 1 to [`REPLAYABLE_BODY_BYTES`] (a chunked body's
+/// size is unknown until its end: streamed).
+pub fn replayable_len(headers: &HeaderMap) -> Option<u64> {
+    headers
+        .get(header::CONTENT_LENGTH)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.trim().parse::<u64>().ok())
+        .filter(|n| (1..=REPLAYABLE_BODY_BYTES).contains(n))
+}
+
 /// Per-request accounting shared between the router, [`Upstream::send`] and
 /// the end-of-stream log line; travels in the request extensions.
 #[derive(Debug)]
@@ -71,6 +86,11 @@ impl Default for RequestStats {
 }
 
 impl RequestStats {
+    /// Whether `bytes_in` are reserved in the buffered-body budget.
+    pub fn is_budgeted(&self) -> bool {
+        self.budget.is_some()
+    }
+
     /// Stats whose `bytes_in` are reserved in `metrics`' buffered-body
     /// budget while the request lives (see `LimitedBody::with_budget`).
     pub fn with_budget(metrics: Arc<Metrics>) -> Self {
@@ -175,6 +195,15 @@ impl Upstream {
         let sent = if http_body::Body::is_end_stream(&body) {
             // Nothing to stream: replayable, so a keep-alive race is retried.
             self.send_bytes(&parts, Bytes::new()).await
+        } else if replayable_len(&parts.headers).is_some() {
+            // Small enough to hold (the router reserved it in the body
+            // budget): read whole, it can be sent again when the upstream
+            // closed the pooled connection just as it went out. A streamed
+            // body cannot, and got a 502 in that race.
+            match body.collect().await {
+                Ok(c) => self.send_bytes(&parts, c.to_bytes()).await,
+                Err(e) => return self.error_reply(&body_read_error(&e)),
+            }
         } else {
             self.send(&parts, body).await
         };

@@ -54,6 +54,10 @@ pub enum OverflowStyle {
     /// HTTP 200 `text/event-stream` whose first event is `data: {"error":..}`
     /// (llama.cpp shape) for streaming requests; 400 llama.cpp otherwise.
     InBandSse,
+    /// [`OverflowStyle::InBandSse`] after a `: PROCESSING` comment and a
+    /// pause (OpenRouter's shape): the proxy has committed the head and
+    /// forwarded the comment when the error arrives.
+    InBandSseAfterComment,
     /// Late-2024 llama.cpp in streaming mode: HTTP 200 and an SSE line
     /// `error: {...}` (an `error` field, not `data`), no `n_ctx`.
     InBandErrorField,
@@ -542,6 +546,13 @@ async fn serve(
                     None,
                 ),
                 OverflowStyle::InBandSse => json_reply(400, llamacpp_overflow(prompt, n_ctx)),
+                OverflowStyle::InBandSseAfterComment if stream => paced_sse_reply(vec![
+                    b": PROCESSING\n\n".to_vec(),
+                    format!("data: {}\n\n", llamacpp_overflow(prompt, n_ctx)).into_bytes(),
+                ]),
+                OverflowStyle::InBandSseAfterComment => {
+                    json_reply(400, llamacpp_overflow(prompt, n_ctx))
+                }
                 OverflowStyle::InBandErrorField if stream => sse_reply(
                     format!("error: {}\n\n", old_llamacpp_overflow()).into_bytes(),
                     None,
@@ -590,6 +601,25 @@ fn json_reply(status: u16, body: String) -> Response<MockBody> {
     *resp.status_mut() = StatusCode::from_u16(status).unwrap();
     resp.headers_mut()
         .insert("content-type", "application/json".parse().unwrap());
+    resp
+}
+
+/// Streams `events`, 300 ms apart: each arrives at the proxy on its own.
+fn paced_sse_reply(events: Vec<Vec<u8>>) -> Response<MockBody> {
+    let (tx, rx) = mpsc::channel::<Bytes>(4);
+    tokio::spawn(async move {
+        for (i, e) in events.into_iter().enumerate() {
+            if i > 0 {
+                tokio::time::sleep(Duration::from_millis(300)).await;
+            }
+            if tx.send(Bytes::from(e)).await.is_err() {
+                return;
+            }
+        }
+    });
+    let mut resp = Response::new(ChanBody(rx).boxed_unsync());
+    resp.headers_mut()
+        .insert("content-type", "text/event-stream".parse().unwrap());
     resp
 }
 
