@@ -37,7 +37,7 @@ type MockBody = UnsyncBoxBody<Bytes, Infallible>;
 
 /// How the summariser prompt starts (src/compaction/serialize.rs PREAMBLE).
 pub const SUMMARY_PROMPT_START: &str = "You are a summarization agent";
-/// How micro-compaction prompts start (src/compaction/micro.rs).
+/// How micro-compaction prompts start (src/compaction/compressor/micro.rs).
 pub const MICRO_PROMPT_START: &str = "You are a conversation summarization assistant";
 
 /// Fixed id/created so rendered responses are reproducible byte for byte.
