@@ -24,7 +24,7 @@ pub const ARGS_SHRINK_MIN_CHARS: usize = 500;
 pub const TRUNCATION_TAG: &str = "...[truncated]";
 
 /// The marker appended to a shortened leaf.
-pub fn truncation_marker(omitted: usize, original: usize) -> String {
+pub(crate) fn truncation_marker(omitted: usize, original: usize) -> String {
     format!(
         " [compactor: {omitted} of {original} chars omitted here; not part of the original call, never reproduce]{TRUNCATION_TAG}"
     )
@@ -33,7 +33,7 @@ pub fn truncation_marker(omitted: usize, original: usize) -> String {
 /// A JSON value that keeps object key order (serde_json's `Value` sorts keys
 /// without its `preserve_order` feature, which would reorder arguments).
 #[derive(Clone, Debug, PartialEq)]
-pub enum OrderedJson {
+pub(crate) enum OrderedJson {
     /// `null`
     Null,
     /// `true` / `false`
@@ -50,17 +50,17 @@ pub enum OrderedJson {
 
 impl OrderedJson {
     /// Parses JSON text, keeping key order.
-    pub fn parse(text: &str) -> Result<Self, serde_json::Error> {
+    pub(crate) fn parse(text: &str) -> Result<Self, serde_json::Error> {
         serde_json::from_str(text)
     }
 
     /// Compact JSON text with non-ASCII kept as is.
-    pub fn to_json(&self) -> String {
+    pub(crate) fn to_json(&self) -> String {
         serde_json::to_string(self).unwrap_or_default()
     }
 
     /// The string inside, if this is a string.
-    pub fn as_str(&self) -> Option<&str> {
+    pub(crate) fn as_str(&self) -> Option<&str> {
         match self {
             OrderedJson::String(s) => Some(s),
             _ => None,
@@ -68,7 +68,7 @@ impl OrderedJson {
     }
 
     /// Plain-text rendering for summaries: strings bare, the rest as JSON.
-    pub fn to_plain(&self) -> String {
+    pub(crate) fn to_plain(&self) -> String {
         match self {
             OrderedJson::String(s) => s.clone(),
             other => other.to_json(),

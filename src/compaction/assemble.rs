@@ -15,7 +15,7 @@ This marker exists because no human user turn was available.";
 
 /// Where the summary went.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Placement {
+pub(crate) enum Placement {
     /// A message of its own with this role.
     Standalone(&'static str),
     /// Prepended to the first user row of the tail (the summary had to be the
@@ -28,13 +28,13 @@ pub enum Placement {
 
 /// The assembled conversation and the index of the row carrying the summary.
 #[derive(Clone, Debug, PartialEq)]
-pub struct Assembled {
+pub(crate) struct Assembled {
     /// The messages to send.
-    pub messages: Vec<Value>,
+    pub(crate) messages: Vec<Value>,
     /// Index of the summary carrier in `messages`.
-    pub summary_index: usize,
+    pub(crate) summary_index: usize,
     /// How the summary was placed.
-    pub placement: Placement,
+    pub(crate) placement: Placement,
 }
 
 fn role_kind(m: &Value) -> Option<&'static str> {
@@ -80,7 +80,7 @@ impl Neighbours {
 /// True when the summary must be a user message: it would be the first
 /// visible message (Anthropic/Bedrock move the system prompt out), or
 /// no user text survives in head and tail ("No user query found").
-pub fn must_force_user(head: &[Value], tail: &[Value]) -> bool {
+pub(crate) fn must_force_user(head: &[Value], tail: &[Value]) -> bool {
     let only_system_head = head
         .last()
         .map(|m| role_kind(m) == Some("system"))
@@ -93,7 +93,7 @@ pub fn must_force_user(head: &[Value], tail: &[Value]) -> bool {
 }
 
 /// Chooses where the summary goes.
-pub fn choose_placement(head: &[Value], tail: &[Value]) -> Placement {
+pub(crate) fn choose_placement(head: &[Value], tail: &[Value]) -> Placement {
     let forced = must_force_user(head, tail);
     let nb = Neighbours::of(head, tail);
     let preferred = if forced || matches!(nb.vis_head, None | Some("assistant" | "tool")) {
@@ -139,7 +139,7 @@ fn set_content(m: &mut Value, c: Value) {
 
 /// Joins head, summary and tail. `summary` is the prefixed summary text
 /// (prefix + body), without the END marker.
-pub fn assemble(head: Vec<Value>, summary: &str, tail: Vec<Value>) -> Assembled {
+pub(crate) fn assemble(head: Vec<Value>, summary: &str, tail: Vec<Value>) -> Assembled {
     let placement = choose_placement(&head, &tail);
     let mut messages = head;
     let base = messages.len();
@@ -188,7 +188,7 @@ pub fn assemble(head: Vec<Value>, summary: &str, tail: Vec<Value>) -> Assembled 
 /// the head already ends in a visible user turn: then a user-leading merge
 /// would put two user turns side by side, and the ordinary placement (a
 /// standalone assistant summary before the untouched ask) is used.
-pub fn assemble_split_turn(head: Vec<Value>, summary: &str, tail: Vec<Value>) -> Assembled {
+pub(crate) fn assemble_split_turn(head: Vec<Value>, summary: &str, tail: Vec<Value>) -> Assembled {
     let nb = Neighbours::of(&head, &[]);
     let head_user = nb.raw_head == Some("user") || nb.vis_head == Some("user");
     let tail_user = tail.first().is_some_and(|m| view::is_role(m, "user"));
@@ -227,7 +227,7 @@ fn live_user_after(messages: &[Value], summary_index: usize) -> bool {
 /// summary and is still unfinished: without it, the summary prefix
 /// tells the model to act only on user messages after it, and there are none.
 /// Returns true when something was added.
-pub fn reappend_inflight_task(
+pub(crate) fn reappend_inflight_task(
     messages: &mut Vec<Value>,
     summary_index: usize,
     original: &[Value],

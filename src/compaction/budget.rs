@@ -14,24 +14,24 @@ use super::config::{sanitize_percent, CompactionConfig};
 /// The absolute floor of the trigger on windows that can afford it.
 pub const MINIMUM_CONTEXT_LENGTH: u64 = 64_000;
 /// Trigger ratio used when the 64k floor would exceed the usable window.
-pub const MIN_WINDOW_TRIGGER_RATIO: f64 = 0.85;
+pub(crate) const MIN_WINDOW_TRIGGER_RATIO: f64 = 0.85;
 /// Windows below this get the small-context percent floor.
-pub const SMALL_CONTEXT_WINDOW: u64 = 512_000;
+pub(crate) const SMALL_CONTEXT_WINDOW: u64 = 512_000;
 /// Raise-only percent floor for windows below [`SMALL_CONTEXT_WINDOW`].
-pub const SMALL_CONTEXT_PERCENT_FLOOR: f64 = 0.75;
+pub(crate) const SMALL_CONTEXT_PERCENT_FLOOR: f64 = 0.75;
 /// Per-compaction summary budget floor: below it a summary loses the
 /// structure that makes it worth having.
-pub const SUMMARY_BUDGET_FLOOR: u64 = 2_000;
+pub(crate) const SUMMARY_BUDGET_FLOOR: u64 = 2_000;
 /// Fraction of the middle the summary budget aims for.
-pub const SUMMARY_MIDDLE_RATIO: f64 = 0.20;
+pub(crate) const SUMMARY_MIDDLE_RATIO: f64 = 0.20;
 /// Upper bound of `max_summary_tokens`.
-pub const MAX_SUMMARY_TOKENS_CAP: u64 = 10_000;
+pub(crate) const MAX_SUMMARY_TOKENS_CAP: u64 = 10_000;
 /// `max_summary_tokens` as a fraction of the window.
-pub const MAX_SUMMARY_WINDOW_RATIO: f64 = 0.05;
+pub(crate) const MAX_SUMMARY_WINDOW_RATIO: f64 = 0.05;
 /// The tail budget never exceeds this fraction of the window.
-pub const TAIL_WINDOW_CAP_RATIO: f64 = 0.20;
+pub(crate) const TAIL_WINDOW_CAP_RATIO: f64 = 0.20;
 /// The tail walk may overshoot its budget by this factor (soft ceiling).
-pub const SOFT_CEILING_FACTOR: f64 = 1.5;
+pub(crate) const SOFT_CEILING_FACTOR: f64 = 1.5;
 /// Lean tail mode: fraction of the window.
 pub const LEAN_TAIL_WINDOW_RATIO: f64 = 0.025;
 /// Lean tail mode: floor (clamped for small windows, see [`lean_tail_token_budget`]).
@@ -95,7 +95,7 @@ pub fn compute_threshold_tokens(
 
 /// The usable input: the window less the reply reservation (the whole
 /// window when the reservation leaves nothing).
-pub fn usable_window(window: u64, max_tokens: Option<u64>) -> u64 {
+pub(crate) fn usable_window(window: u64, max_tokens: Option<u64>) -> u64 {
     let window = window.max(1);
     match max_tokens {
         Some(r) if r < window => window - r,
@@ -112,7 +112,7 @@ pub fn usable_window(window: u64, max_tokens: Option<u64>) -> u64 {
 /// 8,126, so a compaction has room to make rather than cutting at a
 /// trigger the fixed part alone nearly reaches.
 /// Always below `usable`.
-pub fn threshold_over_fixed(t0: u64, usable: u64, fixed: u64) -> u64 {
+pub(crate) fn threshold_over_fixed(t0: u64, usable: u64, fixed: u64) -> u64 {
     if fixed == 0 || usable <= 1 || t0 >= usable {
         return t0;
     }
@@ -130,7 +130,7 @@ pub fn threshold_over_fixed(t0: u64, usable: u64, fixed: u64) -> u64 {
 
 /// What the history (everything but the fixed part) may take after a
 /// compaction: `ratio` of the room between the fixed part and the trigger.
-pub fn history_target(threshold: u64, fixed: u64, ratio: f64) -> u64 {
+pub(crate) fn history_target(threshold: u64, fixed: u64, ratio: f64) -> u64 {
     let ratio = if ratio.is_finite() {
         ratio.clamp(0.05, 0.95)
     } else {
@@ -141,18 +141,18 @@ pub fn history_target(threshold: u64, fixed: u64, ratio: f64) -> u64 {
 
 /// A history target under this leaves no room to compact into: the fixed
 /// part fills the window, and compaction can only cut.
-pub const NO_ROOM_TOKENS: u64 = 64;
+pub(crate) const NO_ROOM_TOKENS: u64 = 64;
 
 /// Share of the window the user's own messages may take next to a summary.
-pub const USER_MESSAGES_WINDOW_RATIO: f64 = 0.04;
+pub(crate) const USER_MESSAGES_WINDOW_RATIO: f64 = 0.04;
 /// Floor and ceiling of that budget.
-pub const USER_MESSAGES_MIN: u64 = 32;
+pub(crate) const USER_MESSAGES_MIN: u64 = 32;
 /// Ceiling of the user messages' budget.
-pub const USER_MESSAGES_MAX: u64 = 4_000;
+pub(crate) const USER_MESSAGES_MAX: u64 = 4_000;
 
 /// Tokens the user's own messages may take next to a summary: 4% of the
 /// window (32 to 4,000), at most a fifth of the history target.
-pub fn user_messages_budget(window: u64, history_target: u64) -> u64 {
+pub(crate) fn user_messages_budget(window: u64, history_target: u64) -> u64 {
     floor_mul(window, USER_MESSAGES_WINDOW_RATIO)
         .clamp(USER_MESSAGES_MIN, USER_MESSAGES_MAX)
         .min(history_target / 5)
@@ -184,7 +184,7 @@ pub fn model_override(cfg: &CompactionConfig, model: &str) -> Option<f64> {
 }
 
 /// Raise-only 0.75 floor for windows below 512k.
-pub fn apply_small_window_floor(percent: f64, window: u64) -> f64 {
+pub(crate) fn apply_small_window_floor(percent: f64, window: u64) -> f64 {
     if window < SMALL_CONTEXT_WINDOW {
         percent.max(SMALL_CONTEXT_PERCENT_FLOOR)
     } else {
@@ -225,7 +225,7 @@ pub fn max_summary_tokens(window: u64) -> u64 {
 /// compaction at once. The clamp only binds when the trigger is below
 /// 4 × `max_summary_tokens(window)`, which never happens at ≥ 64k windows
 /// without a reservation or cap.
-pub fn max_summary_tokens_for(window: u64, threshold: u64) -> u64 {
+pub(crate) fn max_summary_tokens_for(window: u64, threshold: u64) -> u64 {
     max_summary_tokens(window).min((threshold / 4).max(1))
 }
 
@@ -275,7 +275,7 @@ pub fn coerce_max_tokens(v: Option<&Value>) -> Option<u64> {
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Budgets {
     /// Context window in tokens.
-    pub window: u64,
+    pub(crate) window: u64,
     /// Prompt size at which compaction triggers.
     pub threshold_tokens: u64,
     /// Tokens the protected tail aims for.
@@ -326,9 +326,9 @@ impl Budgets {
 pub const SUMMARY_REPLY_CAP_WINDOW: u64 = MINIMUM_CONTEXT_LENGTH;
 /// Characters per token the summariser's prompt budget is counted at
 /// (conservative: prompts quote code and tool output).
-pub const SUMMARY_PROMPT_CHARS_PER_TOKEN: u64 = 3;
+pub(crate) const SUMMARY_PROMPT_CHARS_PER_TOKEN: u64 = 3;
 /// Tokens kept free in a summary call's window for the chat template.
-pub const SUMMARY_CALL_MARGIN: u64 = 64;
+pub(crate) const SUMMARY_CALL_MARGIN: u64 = 64;
 
 /// Prompt budget and reply cap of one summary call.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -368,7 +368,7 @@ impl From<SummariserBudgets> for (usize, Option<u32>) {
 ///
 /// A reservation lowers the trigger and with it the cap (2,048 with
 /// `max_tokens` 256: 304), never below 1.25 × the target.
-pub fn summariser_budgets(window: u64, threshold: u64, ratio: f64) -> SummariserBudgets {
+pub(crate) fn summariser_budgets(window: u64, threshold: u64, ratio: f64) -> SummariserBudgets {
     const REFERENCE_CHARS: usize = super::summariser::DEFAULT_PROMPT_BUDGET_CHARS;
     let window = window.max(1);
     if window >= SUMMARY_REPLY_CAP_WINDOW {

@@ -10,23 +10,23 @@ use serde::{Deserialize, Deserializer};
 
 /// Default trigger ratio: 0.85 left too little room for the reply and the
 /// summary call on busy agent turns.
-pub const DEFAULT_THRESHOLD_PERCENT: f64 = 0.50;
+pub(crate) const DEFAULT_THRESHOLD_PERCENT: f64 = 0.50;
 /// Default number of leading non-system messages protected on the first compaction.
-pub const DEFAULT_PROTECT_FIRST_N: usize = 3;
+pub(crate) const DEFAULT_PROTECT_FIRST_N: usize = 3;
 /// Default soft tail floor in messages (capped at 8 by the tail walk).
-pub const DEFAULT_PROTECT_LAST_N: usize = 20;
+pub(crate) const DEFAULT_PROTECT_LAST_N: usize = 20;
 /// Default summary/tail sizing ratio.
-pub const DEFAULT_SUMMARY_TARGET_RATIO: f64 = 0.20;
+pub(crate) const DEFAULT_SUMMARY_TARGET_RATIO: f64 = 0.20;
 /// Lower clamp of `summary_target_ratio`.
-pub const MIN_SUMMARY_TARGET_RATIO: f64 = 0.10;
+pub(crate) const MIN_SUMMARY_TARGET_RATIO: f64 = 0.10;
 /// Upper clamp of `summary_target_ratio`.
-pub const MAX_SUMMARY_TARGET_RATIO: f64 = 0.80;
+pub(crate) const MAX_SUMMARY_TARGET_RATIO: f64 = 0.80;
 /// Default hard ceiling of a summary call.
-pub const DEFAULT_SUMMARY_TIMEOUT_SECS: u64 = 600;
+pub(crate) const DEFAULT_SUMMARY_TIMEOUT_SECS: u64 = 600;
 /// Default share of the room between the fixed part (instructions, tools)
 /// and the trigger that a compaction leaves the history: half, so the
 /// conversation can grow for several turns before the next compaction.
-pub const DEFAULT_TARGET_RATIO: f64 = 0.5;
+pub(crate) const DEFAULT_TARGET_RATIO: f64 = 0.5;
 
 /// The first bad setting of a `[compaction]` table. The engine is a leaf and
 /// cannot name `crate::config::InvalidSetting`, the one configuration error a
@@ -37,7 +37,7 @@ pub struct InvalidSetting {
     /// The offending key inside `[compaction]`, when known.
     pub key: Option<String>,
     /// What is wrong with it.
-    pub message: String,
+    pub(crate) message: String,
 }
 
 impl InvalidSetting {
@@ -218,7 +218,7 @@ impl CompactionConfig {
 
     /// Reject values the engine cannot interpret. Out-of-range ratios are
     /// clamped by the accessors instead.
-    pub fn validate(&self) -> Result<(), InvalidSetting> {
+    pub(crate) fn validate(&self) -> Result<(), InvalidSetting> {
         let pct_ok = |p: f64| p.is_finite() && p > 0.0 && p <= 100.0;
         if !pct_ok(self.threshold_percent) {
             return Err(InvalidSetting::new(
@@ -282,14 +282,14 @@ impl CompactionConfig {
     }
 
     /// The absolute cap, `None` when disabled.
-    pub fn threshold_tokens_cap(&self) -> Option<u64> {
+    pub(crate) fn threshold_tokens_cap(&self) -> Option<u64> {
         self.threshold_tokens.filter(|&c| c > 0)
     }
 }
 
 /// Clamp a summary ratio to [0.10, 0.80]: outside it the tail either
 /// vanishes or leaves nothing to summarise.
-pub fn clamp_ratio(r: f64) -> f64 {
+pub(crate) fn clamp_ratio(r: f64) -> f64 {
     if !r.is_finite() {
         return DEFAULT_SUMMARY_TARGET_RATIO;
     }
@@ -299,7 +299,7 @@ pub fn clamp_ratio(r: f64) -> f64 {
 /// Make a threshold percent usable by the trigger math: values in (1, 100]
 /// are percentages (`75` → 0.75), larger ones mean 1; non-finite or ≤ 0
 /// means the default.
-pub fn sanitize_percent(p: f64) -> f64 {
+pub(crate) fn sanitize_percent(p: f64) -> f64 {
     if !p.is_finite() || p <= 0.0 {
         DEFAULT_THRESHOLD_PERCENT
     } else if p <= 1.0 {

@@ -17,14 +17,14 @@ use std::collections::HashMap;
 use std::sync::LazyLock;
 
 /// Cap of the whole fallback summary (prefix included).
-pub const FALLBACK_MAX_CHARS: usize = 8_000;
+pub(crate) const FALLBACK_MAX_CHARS: usize = 8_000;
 /// Cap of the previous-summary snapshot quoted in the fallback.
 pub const PREVIOUS_SNAPSHOT_MAX_CHARS: usize = 3_000;
 /// Cap of each dropped turn's text.
 pub const TURN_MAX_CHARS: usize = 700;
 /// Phrase every fallback carries so callers and users can tell it apart
 /// from a model-written summary.
-pub const FALLBACK_NOTICE: &str = "Summary generation was unavailable";
+pub(crate) const FALLBACK_NOTICE: &str = "Summary generation was unavailable";
 
 const MAX_ACTIONS: usize = 12;
 const MAX_BLOCKED: usize = 5;
@@ -278,7 +278,7 @@ impl Facts {
 /// The fallback body (no prefix): the five leading sections, then optional
 /// sections in priority order as long as the whole summary (prefix
 /// included) stays within [`FALLBACK_MAX_CHARS`].
-pub fn build_fallback_body(
+pub(crate) fn build_fallback_body(
     dropped: &[Value],
     previous_summary: Option<&str>,
     reason: &str,
@@ -294,12 +294,12 @@ pub fn build_fallback_body(
 /// Bodies capped below this many characters use the short required
 /// sections: the five "Unknown" sections alone would fill a small window's
 /// whole summary budget.
-pub const COMPACT_FALLBACK_BELOW_CHARS: usize = 4_000;
+pub(crate) const COMPACT_FALLBACK_BELOW_CHARS: usize = 4_000;
 
 /// [`build_fallback_body`] capped at `max_chars` characters (the summary
 /// budget of a small window). The previous-summary snapshot is quoted within
 /// the same cap, so repeated fallbacks cannot grow.
-pub fn build_fallback_body_capped(
+pub(crate) fn build_fallback_body_capped(
     dropped: &[Value],
     previous_summary: Option<&str>,
     reason: &str,
@@ -402,7 +402,7 @@ fn optional_sections(f: &Facts, n: usize, reason: &str, compact: bool) -> Vec<(u
 const PREVIOUS_HEADING: &str = "## Previous Summary Snapshot (carried whole)";
 const KEY_FACTS_HEADING: &str = "## Key Facts From The Compacted Turns";
 /// Most salient lines the fallback lists from the dropped turns.
-pub const MAX_KEY_FACTS: usize = 16;
+pub(crate) const MAX_KEY_FACTS: usize = 16;
 
 /// The previous summary, quoted, within `room` characters: whole when it
 /// fits, else shortened by lines (facts before narrative).

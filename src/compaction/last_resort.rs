@@ -21,7 +21,7 @@ use super::tokens;
 use super::view;
 
 /// No message is shortened below this many characters.
-pub const LAST_RESORT_MIN_CHARS: usize = 240;
+pub(crate) const LAST_RESORT_MIN_CHARS: usize = 240;
 
 fn marker(cut: usize) -> String {
     format!("\n…[{cut} chars cut from the middle to fit the context window]…\n")
@@ -77,11 +77,11 @@ fn shorten(m: &mut Value, keep: usize) {
 
 /// What the last resort did.
 #[derive(Clone, Debug, PartialEq)]
-pub struct Shrunk {
+pub(crate) struct Shrunk {
     /// The messages, shortened.
-    pub messages: Vec<Value>,
+    pub(crate) messages: Vec<Value>,
     /// Rows shortened.
-    pub rows: usize,
+    pub(crate) rows: usize,
 }
 
 /// How firmly [`shrink_to_fit`] aims at its budget.
@@ -103,7 +103,7 @@ pub enum Fit {
 /// estimate is at most `budget` tokens; `None` when they fit already, or
 /// cannot be made to fit and `fit` does not insist (or nothing could be
 /// shortened).
-pub fn shrink_to_fit(messages: &[Value], budget: u64, fit: Fit) -> Option<Shrunk> {
+pub(crate) fn shrink_to_fit(messages: &[Value], budget: u64, fit: Fit) -> Option<Shrunk> {
     let mut out = messages.to_vec();
     if tokens::estimate_messages_tokens_rough(&out) <= budget {
         return None;
@@ -166,7 +166,7 @@ pub fn shrink_to_fit(messages: &[Value], budget: u64, fit: Fit) -> Option<Shrunk
 /// and the newest ask with what follows it always stay; an exchange holds
 /// its tool calls with their results, so pairing is kept. `None` when even
 /// dropping every earlier exchange is not enough.
-pub fn drop_oldest_exchanges(messages: &[Value], budget: u64) -> Option<Dropped> {
+pub(crate) fn drop_oldest_exchanges(messages: &[Value], budget: u64) -> Option<Dropped> {
     let newest_user = messages.iter().rposition(view::is_real_user)?;
     let starts: Vec<usize> = (0..newest_user)
         .filter(|&i| view::is_real_user(&messages[i]))
@@ -208,29 +208,29 @@ pub fn drop_oldest_exchanges(messages: &[Value], budget: u64) -> Option<Dropped>
 
 /// What [`drop_oldest_exchanges`] did.
 #[derive(Clone, Debug, PartialEq)]
-pub struct Dropped {
+pub(crate) struct Dropped {
     /// The rest, shortened as far as it had to be.
-    pub shrunk: Shrunk,
+    pub(crate) shrunk: Shrunk,
     /// Rows dropped.
-    pub rows: usize,
+    pub(crate) rows: usize,
 }
 
 /// What [`fit_budget`] works from.
 #[derive(Clone, Copy, Debug, Default)]
-pub struct FitInputs {
+pub(crate) struct FitInputs {
     /// The caller's (calibrated) estimate of the whole prompt, tools
     /// included, in the upstream's tokens.
-    pub estimate: u64,
+    pub(crate) estimate: u64,
     /// The upstream's own count of the prompt, when it just rejected it.
-    pub counted: Option<u64>,
+    pub(crate) counted: Option<u64>,
     /// Tokens of the tools (and other non-message parts) in the prompt.
-    pub tools: u64,
+    pub(crate) tools: u64,
     /// The context window.
-    pub window: u64,
+    pub(crate) window: u64,
     /// The reply reservation (`max_tokens`).
-    pub max_out: u64,
+    pub(crate) max_out: u64,
     /// The estimate is trusted to within 1/`margin_divisor`.
-    pub margin_divisor: u64,
+    pub(crate) margin_divisor: u64,
 }
 
 /// The rough-token budget `messages` must be shortened to for the request
@@ -238,7 +238,7 @@ pub struct FitInputs {
 /// messages may take over how much they take now (by the caller's estimate
 /// or, higher, the upstream's count), with the caller's margin.
 /// `u64::MAX` when they fit already.
-pub fn fit_budget(messages: &[Value], f: FitInputs) -> u64 {
+pub(crate) fn fit_budget(messages: &[Value], f: FitInputs) -> u64 {
     let usable = f.window.saturating_sub(f.max_out);
     let usable = usable - usable / f.margin_divisor.max(2);
     let taken = f.estimate.max(f.counted.unwrap_or(0));

@@ -45,10 +45,10 @@ Earlier turns, condensed. Background, not instructions.
 - Tools stay active; check the current state before repeating work.";
 
 /// Windows below this many tokens get [`SUMMARY_PREFIX_COMPACT`].
-pub const COMPACT_PREFIX_WINDOW: u64 = 16_384;
+pub(crate) const COMPACT_PREFIX_WINDOW: u64 = 16_384;
 
 /// The prefix for a conversation whose context window is `window` tokens.
-pub fn summary_prefix_for(window: u64) -> &'static str {
+pub(crate) fn summary_prefix_for(window: u64) -> &'static str {
     if window < COMPACT_PREFIX_WINDOW {
         SUMMARY_PREFIX_COMPACT
     } else {
@@ -92,7 +92,7 @@ pub const MICRO_TAG: &str = "[MICRO]";
 /// compatible spellings a client or an earlier version may have
 /// persisted. Recognising them lets a re-compaction fold old handoffs into
 /// the new summary and strip their stale directives.
-pub const LEGACY_PREFIXES: &[&str] = &[
+pub(crate) const LEGACY_PREFIXES: &[&str] = &[
     "[CONTEXT COMPACTION — REFERENCE ONLY]",
     "[CONTEXT COMPACTION]",
     "[CONTEXT SUMMARY]:",
@@ -122,13 +122,13 @@ fn prefix_len(text: &str) -> Option<usize> {
 }
 
 /// True when `text` (after leading whitespace) starts with a known prefix.
-pub fn starts_with_summary_prefix(text: &str) -> bool {
+pub(crate) fn starts_with_summary_prefix(text: &str) -> bool {
     prefix_len(text.trim_start()).is_some()
 }
 
 /// Removes every summary prefix at the start of `text` (after whitespace),
 /// leaving the rest untouched.
-pub fn strip_leading_prefixes(text: &str) -> &str {
+pub(crate) fn strip_leading_prefixes(text: &str) -> &str {
     let mut rest = text.trim_start();
     while let Some(n) = prefix_len(rest) {
         rest = rest[n..].trim_start();
@@ -260,7 +260,7 @@ pub fn classify_text(text: &str) -> TextHandoff {
 /// copies of messages. It never reaches the wire: the proxy removes it from
 /// every client message before the engine sees them (so a client cannot
 /// declare one) and from every row it sends or records.
-pub const SUMMARY_ROW_KEY: &str = "_compactor_summary_row";
+pub(crate) const SUMMARY_ROW_KEY: &str = "_compactor_summary_row";
 
 /// Declares `msg` one of compactor's own summary rows.
 pub fn declare_summary(msg: &mut Value) {
@@ -275,7 +275,7 @@ pub fn is_declared_summary(msg: &Value) -> bool {
 }
 
 /// Removes the declaration from `msg`; true when it had one.
-pub fn undeclare_summary(msg: &mut Value) -> bool {
+pub(crate) fn undeclare_summary(msg: &mut Value) -> bool {
     msg.as_object_mut()
         .is_some_and(|o| o.remove(SUMMARY_ROW_KEY).is_some())
 }
@@ -521,7 +521,7 @@ pub fn prepend_summary(content: &Value, summary: &str) -> Value {
 
 /// Replaces occurrences of the reserved markers inside a summary body with
 /// inert look-alikes, so a summariser echoing them cannot forge a boundary.
-pub fn neutralize_reserved_markers(body: &str) -> String {
+pub(crate) fn neutralize_reserved_markers(body: &str) -> String {
     let mut out = body.to_string();
     for (marker, inert) in [
         (END_MARKER, "(quoted end-of-summary marker)"),

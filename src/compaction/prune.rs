@@ -14,23 +14,23 @@ use super::tool_summary::summarize_tool_result;
 use super::view;
 
 /// Tool outputs shorter than this are never pruned or deduplicated.
-pub const PRUNE_MIN_CHARS: usize = 200;
+pub(crate) const PRUNE_MIN_CHARS: usize = 200;
 /// Tool-call arguments are shrunk only above this size.
-pub const ARGS_SHRINK_MIN_CHARS: usize = 500;
+pub(crate) const ARGS_SHRINK_MIN_CHARS: usize = 500;
 /// String leaves of shrunk arguments keep this many characters.
-pub const ARGS_MAX_LEAF_CHARS: usize = 200;
+pub(crate) const ARGS_MAX_LEAF_CHARS: usize = 200;
 /// Rows at the very end that the pressure pass never rewrites.
-pub const PRESSURE_KEEP_RECENT_MESSAGES: usize = 3;
+pub(crate) const PRESSURE_KEEP_RECENT_MESSAGES: usize = 3;
 /// Image-bearing tool results (newest first) that keep their images.
-pub const KEEP_RECENT_TOOL_IMAGES: usize = 3;
+pub(crate) const KEEP_RECENT_TOOL_IMAGES: usize = 3;
 
 /// Replacement for an older copy of an identical tool output.
-pub const DUPLICATE_TOOL_OUTPUT: &str =
+pub(crate) const DUPLICATE_TOOL_OUTPUT: &str =
     "[Duplicate tool output — same content as a more recent call]";
 /// Replacement for an image part of an old tool result.
-pub const SCREENSHOT_REMOVED: &str = "[screenshot removed to save context]";
+pub(crate) const SCREENSHOT_REMOVED: &str = "[screenshot removed to save context]";
 /// Placeholder the salvage pass leaves in cleared tool bodies.
-pub const OLD_TOOL_OUTPUT_CLEARED: &str = "[Old tool output cleared to save context space]";
+pub(crate) const OLD_TOOL_OUTPUT_CLEARED: &str = "[Old tool output cleared to save context space]";
 
 /// How much of the conversation the pruning passes protect.
 #[derive(Clone, Copy, Debug, Default)]
@@ -90,7 +90,7 @@ fn call_map(msgs: &[Value]) -> HashMap<&str, (&str, &str)> {
 }
 
 /// First row of the protected tail.
-pub fn prune_boundary(msgs: &[Value], p: &PruneParams, costs: Option<&[u64]>) -> usize {
+pub(crate) fn prune_boundary(msgs: &[Value], p: &PruneParams, costs: Option<&[u64]>) -> usize {
     let n = msgs.len();
     match p.protect_tail_tokens {
         None => n.saturating_sub(p.protect_tail_count),

@@ -9,7 +9,7 @@ use std::borrow::Cow;
 use std::sync::LazyLock;
 
 /// Replacement text for a redacted secret.
-pub const REDACTED: &str = "[REDACTED]";
+pub(crate) const REDACTED: &str = "[REDACTED]";
 
 struct Rules {
     private_key_block: Option<Regex>,

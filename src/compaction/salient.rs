@@ -11,7 +11,7 @@ use regex::Regex;
 use super::redact::redact_secrets;
 
 /// Longest line kept (longer ones are cut with an ellipsis).
-pub const SALIENT_LINE_MAX_CHARS: usize = 160;
+pub(crate) const SALIENT_LINE_MAX_CHARS: usize = 160;
 
 static KEY_VALUE: LazyLock<Option<Regex>> =
     LazyLock::new(|| Regex::new(r"^\s*[-*]?\s*[A-Za-z_][A-Za-z0-9_.\-]{0,40}\s*[:=]\s*\S").ok());
@@ -38,7 +38,7 @@ fn hit(re: &LazyLock<Option<Regex>>, line: &str) -> bool {
 }
 
 /// How salient one line is (0 = not at all).
-pub fn score(line: &str) -> u32 {
+pub(crate) fn score(line: &str) -> u32 {
     let mut s = 0;
     if hit(&KEY_VALUE, line) {
         s += 3;
@@ -73,7 +73,7 @@ pub fn salient_lines(text: &str, max_lines: usize) -> Vec<String> {
 }
 
 /// [`salient_lines`] of at least `min_score` (see [`score`]).
-pub fn salient_lines_min(text: &str, max_lines: usize, min_score: u32) -> Vec<String> {
+pub(crate) fn salient_lines_min(text: &str, max_lines: usize, min_score: u32) -> Vec<String> {
     let mut seen = std::collections::HashSet::new();
     let mut scored: Vec<(u32, usize, String)> = Vec::new();
     for (i, raw) in text.lines().enumerate() {
@@ -96,7 +96,7 @@ pub fn salient_lines_min(text: &str, max_lines: usize, min_score: u32) -> Vec<St
 /// first section (the task snapshot) and the headings stay, then the most
 /// salient lines (newer first among equals) as long as they fit, in their
 /// original order. `None` when even the first section does not fit.
-pub fn fit_lines(text: &str, max_chars: usize, marker: &str) -> Option<String> {
+pub(crate) fn fit_lines(text: &str, max_chars: usize, marker: &str) -> Option<String> {
     if text.chars().count() <= max_chars {
         return Some(text.to_owned());
     }

@@ -14,7 +14,7 @@ use super::view;
 
 /// Content given to an assistant row that lost all its tool calls and had no
 /// text, so the row stays a valid, non-empty message.
-pub const TOOL_CALL_REMOVED: &str = "(tool call removed)";
+pub(crate) const TOOL_CALL_REMOVED: &str = "(tool call removed)";
 
 /// Removes tool results without a surviving call and tool calls without a
 /// result. The final row, when it is an assistant with tool calls, is the

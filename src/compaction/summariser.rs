@@ -17,7 +17,7 @@ pub type SummaryError = SummaryFailure;
 ///
 /// The 160,000-char summary input cap (about 40 K tokens): the most one
 /// summary call reads, whatever the summariser could take.
-pub const DEFAULT_PROMPT_BUDGET_CHARS: usize = 160_000;
+pub(crate) const DEFAULT_PROMPT_BUDGET_CHARS: usize = 160_000;
 
 /// The model that writes summaries.
 #[async_trait::async_trait]

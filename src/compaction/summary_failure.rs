@@ -96,12 +96,12 @@ pub enum SummaryFailureKind {
 impl SummaryFailureKind {
     /// Whether this failure outlives its call (see
     /// [`crate::compaction::Compressor::terminal_failure`]).
-    pub fn is_terminal(self) -> bool {
+    pub(crate) fn is_terminal(self) -> bool {
         self != Self::Other
     }
 
     /// Telemetry class name.
-    pub fn class_name(self) -> &'static str {
+    pub(crate) fn class_name(self) -> &'static str {
         match self {
             Self::Auth => "summary_auth_failure",
             Self::Network => "summary_network_failure",
@@ -120,17 +120,17 @@ pub struct SummaryFailure {
     /// What it means for the compaction (abort or fall back).
     pub kind: SummaryFailureKind,
     /// Cooldown class.
-    pub class: FailureClass,
+    pub(crate) class: FailureClass,
     /// Where it failed.
-    pub origin: SummaryErrorKind,
+    pub(crate) origin: SummaryErrorKind,
     /// HTTP status, when there was one.
-    pub status: Option<u16>,
+    pub(crate) status: Option<u16>,
     /// The error body's `error.type` (OpenAI, Anthropic), when it had one.
-    pub error_type: Option<String>,
+    pub(crate) error_type: Option<String>,
     /// The error body's `error.code` (OpenAI), when it had one.
-    pub code: Option<String>,
+    pub(crate) code: Option<String>,
     /// Provider or transport message (never contains conversation content).
-    pub message: String,
+    pub(crate) message: String,
     /// The message as recorded and shown (≤ 220 chars).
     pub error: String,
 }
@@ -147,7 +147,7 @@ impl SummaryFailure {
     }
 
     /// An HTTP error answer with the `type` and `code` of its error body.
-    pub fn http_error(
+    pub(crate) fn http_error(
         status: u16,
         message: impl Into<String>,
         error_type: Option<String>,
@@ -158,12 +158,12 @@ impl SummaryFailure {
     }
 
     /// A reply that cannot become a summary.
-    pub fn invalid(inv: &SummaryInvalid) -> Self {
+    pub(crate) fn invalid(inv: &SummaryInvalid) -> Self {
         Self::new(SummaryErrorKind::Reply(*inv), None, inv.to_string())
     }
 
     /// A reply that attributed words to a user the session does not have.
-    pub fn invented_user() -> Self {
+    pub(crate) fn invented_user() -> Self {
         Self::new(
             SummaryErrorKind::InventedUser,
             None,

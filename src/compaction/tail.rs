@@ -13,12 +13,12 @@ use super::view;
 
 /// The count floor of the tail never exceeds this many rows, however large
 /// `protect_last_n` is configured.
-pub const MAX_TAIL_MESSAGE_FLOOR: usize = 8;
+pub(crate) const MAX_TAIL_MESSAGE_FLOOR: usize = 8;
 /// The smallest count floor the tail gets when there is room for it.
-pub const MIN_TAIL_MESSAGE_FLOOR: usize = 3;
+pub(crate) const MIN_TAIL_MESSAGE_FLOOR: usize = 3;
 /// An active user ask longer than this many characters is never moved into
 /// the summary by the oversized-active-turn exception.
-pub const SPLIT_TURN_MAX_USER_CHARS: usize = 1_400;
+pub(crate) const SPLIT_TURN_MAX_USER_CHARS: usize = 1_400;
 
 /// Inputs of one tail-cut computation.
 #[derive(Clone, Copy, Debug)]
@@ -26,18 +26,18 @@ pub struct TailParams {
     /// Tail token budget.
     pub budget: u64,
     /// Soft ceiling of the first walk (1.5 × budget, bounded by the window).
-    pub soft_ceiling: u64,
+    pub(crate) soft_ceiling: u64,
     /// Configured `protect_last_n` (a soft floor capped at 8).
-    pub protect_last_n: usize,
+    pub(crate) protect_last_n: usize,
     /// How many real user rows the tail must hold (1 = the latest only).
-    pub min_tail_user_messages: usize,
+    pub(crate) min_tail_user_messages: usize,
     /// Batch compaction may split an oversized active turn; micro may not.
-    pub allow_split_turn: bool,
+    pub(crate) allow_split_turn: bool,
 }
 
 /// Per-row token costs, the newest assistant charged for its thinking, the
 /// rest not (stale thinking is not replayed on the wire).
-pub fn row_costs(msgs: &[Value]) -> Vec<u64> {
+pub(crate) fn row_costs(msgs: &[Value]) -> Vec<u64> {
     let newest = tokens::newest_assistant_index(msgs);
     msgs.iter()
         .enumerate()
@@ -46,7 +46,7 @@ pub fn row_costs(msgs: &[Value]) -> Vec<u64> {
 }
 
 /// The count floor of the tail for `available` compressible rows.
-pub fn min_tail_floor(protect_last_n: usize, available: usize) -> usize {
+pub(crate) fn min_tail_floor(protect_last_n: usize, available: usize) -> usize {
     if available <= 1 {
         return 0;
     }
@@ -75,13 +75,13 @@ fn walk(costs: &[u64], head_end: usize, limit: u64, floor: usize) -> usize {
 
 /// Computes the tail cut for `msgs` whose first `head_end` rows are the
 /// protected head. The result is in `head_end + 1 ..= msgs.len()`.
-pub fn find_tail_cut_by_tokens(msgs: &[Value], head_end: usize, p: &TailParams) -> usize {
+pub(crate) fn find_tail_cut_by_tokens(msgs: &[Value], head_end: usize, p: &TailParams) -> usize {
     let costs = row_costs(msgs);
     find_tail_cut_with_costs(msgs, &costs, head_end, p)
 }
 
 /// [`find_tail_cut_by_tokens`] with precomputed per-row costs.
-pub fn find_tail_cut_with_costs(
+pub(crate) fn find_tail_cut_with_costs(
     msgs: &[Value],
     costs: &[u64],
     head_end: usize,
@@ -124,7 +124,7 @@ pub fn find_tail_cut_with_costs(
 
 /// Moves `cut` back so a tool group (assistant with tool calls + its results)
 /// is not split across the boundary.
-pub fn align_backward(msgs: &[Value], cut: usize) -> usize {
+pub(crate) fn align_backward(msgs: &[Value], cut: usize) -> usize {
     let n = msgs.len();
     if cut == 0 || cut > n {
         return cut;
@@ -142,7 +142,7 @@ pub fn align_backward(msgs: &[Value], cut: usize) -> usize {
 
 /// Moves `cut` forward past tool rows, so a raised cut never leaves tool
 /// results at the start of the tail without their call.
-pub fn align_forward(msgs: &[Value], mut cut: usize) -> usize {
+pub(crate) fn align_forward(msgs: &[Value], mut cut: usize) -> usize {
     while cut < msgs.len() && view::is_role(&msgs[cut], "tool") {
         cut += 1;
     }
@@ -151,7 +151,7 @@ pub fn align_forward(msgs: &[Value], mut cut: usize) -> usize {
 
 /// End (exclusive) of the turn pair starting at the user row `user_idx`:
 /// the user, the assistant reply and that reply's tool rows.
-pub fn find_turn_pair_end(msgs: &[Value], user_idx: usize) -> usize {
+pub(crate) fn find_turn_pair_end(msgs: &[Value], user_idx: usize) -> usize {
     let n = msgs.len();
     let mut j = user_idx + 1;
     if j < n && view::is_role(&msgs[j], "assistant") {
@@ -182,7 +182,7 @@ pub fn ensure_last_user_message_in_tail(msgs: &[Value], cut: usize, head_end: us
 
 /// Index of the newest visible assistant reply (non-empty text, not a
 /// summary carrier); falls back to the newest assistant of any kind.
-pub fn last_visible_assistant(msgs: &[Value]) -> Option<usize> {
+pub(crate) fn last_visible_assistant(msgs: &[Value]) -> Option<usize> {
     msgs.iter()
         .rposition(|m| view::is_role(m, "assistant") && !view::is_blank(m) && !view::is_summary(m))
         .or_else(|| view::last_assistant(msgs))
@@ -190,7 +190,7 @@ pub fn last_visible_assistant(msgs: &[Value]) -> Option<usize> {
 
 /// Last-assistant anchor: the user's last visible reply must not
 /// vanish into the summary.
-pub fn ensure_last_assistant_in_tail(msgs: &[Value], cut: usize, head_end: usize) -> usize {
+pub(crate) fn ensure_last_assistant_in_tail(msgs: &[Value], cut: usize, head_end: usize) -> usize {
     match last_visible_assistant(msgs) {
         Some(a) if a >= head_end && a < cut => align_backward(msgs, a).max(head_end + 1),
         _ => cut,

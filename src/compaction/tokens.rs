@@ -14,10 +14,10 @@
 use serde_json::Value;
 
 /// Characters per token of the rough estimator.
-pub const CHARS_PER_TOKEN: u64 = 4;
+pub(crate) const CHARS_PER_TOKEN: u64 = 4;
 
 /// Fixed per-message overhead charged by [`estimate_msg_budget_tokens`].
-pub const MESSAGE_OVERHEAD_TOKENS: u64 = 10;
+pub(crate) const MESSAGE_OVERHEAD_TOKENS: u64 = 10;
 
 /// Default of the `charge_stale_thinking` switch (the config's default): charge
 /// thinking on every assistant row, the conservative choice for routes that
@@ -222,7 +222,7 @@ fn role(msg: &Value) -> &str {
 /// The string `api_content` sidecar that replaces `content` on the wire: only
 /// on user/assistant rows, only when it is a non-empty string (any other shape
 /// would under-count if substituted, so it is ignored).
-pub fn wire_sidecar(msg: &Value) -> Option<&str> {
+pub(crate) fn wire_sidecar(msg: &Value) -> Option<&str> {
     match role(msg) {
         "user" | "assistant" => match msg.get("api_content") {
             Some(Value::String(s)) if !s.is_empty() => Some(s.as_str()),
@@ -234,7 +234,7 @@ pub fn wire_sidecar(msg: &Value) -> Option<&str> {
 
 /// The content the provider receives for `msg`: the string sidecar when it
 /// applies (see [`wire_sidecar`]), otherwise `content`.
-pub fn wire_content(msg: &Value) -> Option<&Value> {
+pub(crate) fn wire_content(msg: &Value) -> Option<&Value> {
     if wire_sidecar(msg).is_some() {
         msg.get("api_content")
     } else {
@@ -368,7 +368,7 @@ fn thinking_tokens(msg: &Value) -> u64 {
 
 /// Index of the newest assistant row, the only one whose thinking reaches the
 /// wire on routes that do not replay old thinking.
-pub fn newest_assistant_index(messages: &[Value]) -> Option<usize> {
+pub(crate) fn newest_assistant_index(messages: &[Value]) -> Option<usize> {
     messages.iter().rposition(|m| role(m) == "assistant")
 }
 
@@ -452,7 +452,10 @@ pub fn estimate_messages_tokens_rough(messages: &[Value]) -> u64 {
 /// Agent runtimes price `str(dict)`, Python's repr; the compact JSON of the
 /// same shadow plays that role here (keys, quotes and braces are the
 /// per-message overhead).
-pub fn estimate_messages_tokens_rough_with(messages: &[Value], charge_stale_thinking: bool) -> u64 {
+pub(crate) fn estimate_messages_tokens_rough_with(
+    messages: &[Value],
+    charge_stale_thinking: bool,
+) -> u64 {
     let newest = if charge_stale_thinking {
         None
     } else {

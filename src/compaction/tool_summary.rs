@@ -10,7 +10,7 @@ use serde_json::Value;
 type Args = IndexMap<String, OrderedJson>;
 
 /// Formats `n` with thousands separators (`12,345`).
-pub fn thousands(n: usize) -> String {
+pub(crate) fn thousands(n: usize) -> String {
     let digits = n.to_string();
     let mut out = String::with_capacity(digits.len() + digits.len() / 3);
     for (i, ch) in digits.chars().enumerate() {
@@ -32,7 +32,7 @@ fn line_count(content: &str) -> usize {
 }
 
 /// Cuts `s` to at most `max` characters, ending with `…` when cut.
-pub fn clip(s: &str, max: usize) -> String {
+pub(crate) fn clip(s: &str, max: usize) -> String {
     if s.chars().count() <= max {
         return s.to_string();
     }

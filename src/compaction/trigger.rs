@@ -28,19 +28,19 @@ pub use super::summary_failure::{truncate_error_text, FailureClass, ERROR_TEXT_M
 /// Anti-thrash recovery probe delay (persisted as a wall-clock deadline).
 pub const RECOVERY_PROBE_SECS: u64 = 300;
 /// Backoff after a structural no-op (nothing to compress); no strike.
-pub const STRUCTURAL_BACKOFF_SECS: u64 = 300;
+pub(crate) const STRUCTURAL_BACKOFF_SECS: u64 = 300;
 /// Cooldown when no summary provider is configured.
-pub const NO_PROVIDER_COOLDOWN_SECS: u64 = 600;
+pub(crate) const NO_PROVIDER_COOLDOWN_SECS: u64 = 600;
 /// Ladder for timeouts and truncated summaries, by consecutive count.
-pub const TIMEOUT_LADDER_SECS: [u64; 3] = [60, 300, 900];
+pub(crate) const TIMEOUT_LADDER_SECS: [u64; 3] = [60, 300, 900];
 /// Cooldown for JSON-decode, stream-closed and empty-content failures.
-pub const SHORT_COOLDOWN_SECS: u64 = 30;
+pub(crate) const SHORT_COOLDOWN_SECS: u64 = 30;
 /// Cooldown for any other transient failure.
-pub const DEFAULT_COOLDOWN_SECS: u64 = 60;
+pub(crate) const DEFAULT_COOLDOWN_SECS: u64 = 60;
 /// Minimum cooldown after a host stall (the idle window).
-pub const HOST_STALL_MIN_COOLDOWN_SECS: u64 = 120;
+pub(crate) const HOST_STALL_MIN_COOLDOWN_SECS: u64 = 120;
 /// Strikes or fallback streak at which automatic compaction is blocked.
-pub const BREAKER_TRIP: u32 = 2;
+pub(crate) const BREAKER_TRIP: u32 = 2;
 /// Deferral tolerance floor: rough growth allowed over the baseline that fit.
 pub const DEFER_TOLERANCE_MIN_TOKENS: u64 = 4_096;
 /// Deferral tolerance as a fraction of the threshold.
@@ -137,36 +137,36 @@ pub struct TriggerStatus {
     /// Compaction trigger, if computed.
     pub threshold_tokens: Option<u64>,
     /// Output reservation in use.
-    pub max_tokens: Option<u64>,
+    pub(crate) max_tokens: Option<u64>,
     /// Last prompt tokens (0 = none, −1 = just compacted).
-    pub last_prompt_tokens: i64,
+    pub(crate) last_prompt_tokens: i64,
     /// Last positive real prompt tokens.
-    pub last_real_prompt_tokens: u64,
+    pub(crate) last_real_prompt_tokens: u64,
     /// Committed compactions.
-    pub compression_count: u32,
+    pub(crate) compression_count: u32,
     /// Ineffective-compaction strikes.
-    pub ineffective_compression_count: u32,
+    pub(crate) ineffective_compression_count: u32,
     /// Consecutive fallback summaries.
     pub fallback_streak: u32,
     /// Feasibility skips.
-    pub prellm_skip_count: u32,
+    pub(crate) prellm_skip_count: u32,
     /// Seconds left on the failure cooldown.
     pub cooldown_remaining_secs: Option<u64>,
     /// Seconds left on the structural backoff.
-    pub structural_backoff_remaining_secs: Option<u64>,
+    pub(crate) structural_backoff_remaining_secs: Option<u64>,
     /// Seconds until the anti-thrash recovery probe, if armed.
     pub recovery_probe_in_secs: Option<u64>,
     /// Waiting for real usage after a compaction.
-    pub awaiting_real_usage: bool,
+    pub(crate) awaiting_real_usage: bool,
     /// The upstream's last response had no usage.
-    pub provider_omits_usage: bool,
+    pub(crate) provider_omits_usage: bool,
     /// The request's fixed part (instructions and tools), engine units.
-    pub fixed_tokens: u64,
+    pub(crate) fixed_tokens: u64,
     /// What the history may take after a compaction, if computed.
-    pub history_target: Option<u64>,
+    pub(crate) history_target: Option<u64>,
     /// The fixed part leaves no room to compact into: compaction can only
     /// cut.
-    pub no_room: bool,
+    pub(crate) no_room: bool,
 }
 
 /// Per-conversation trigger, calibration and breaker state.

@@ -30,7 +30,7 @@ pub fn cut_at_last_line(body: &str) -> Option<String> {
 }
 
 /// The firmer length instruction of the one retry after a cut summary.
-pub fn firm_instruction(target_tokens: u64) -> String {
+pub(crate) fn firm_instruction(target_tokens: u64) -> String {
     let words = target_tokens.saturating_mul(3) / 4;
     format!(
         "\n\nIMPORTANT: a previous answer to this request was cut off at the reply limit. \
@@ -41,7 +41,7 @@ pub fn firm_instruction(target_tokens: u64) -> String {
 }
 
 /// The prompt of the retry, when it still fits `budget_chars`.
-pub fn firm_prompt(prompt: &str, target_tokens: u64, budget_chars: usize) -> Option<String> {
+pub(crate) fn firm_prompt(prompt: &str, target_tokens: u64, budget_chars: usize) -> Option<String> {
     let extra = firm_instruction(target_tokens);
     (prompt.chars().count() + extra.chars().count() <= budget_chars)
         .then(|| format!("{prompt}{extra}"))

@@ -71,7 +71,7 @@ fn find_heading(body: &str) -> Option<usize> {
 }
 
 /// The text of every real user message of `turns`, oldest first.
-pub fn of_turns(turns: &[Value]) -> Vec<String> {
+pub(crate) fn of_turns(turns: &[Value]) -> Vec<String> {
     turns
         .iter()
         .filter(|m| view::is_real_user(m))
@@ -88,7 +88,7 @@ pub fn of_turns(turns: &[Value]) -> Vec<String> {
 /// first, in what is left. Newest first alone let every compaction push the
 /// oldest out: a section carried through ten compactions held only the last
 /// ten asks, never the vault path the user gave in turn one.
-pub fn select(candidates: &[String], budget: u64) -> Vec<String> {
+pub(crate) fn select(candidates: &[String], budget: u64) -> Vec<String> {
     if budget == 0 {
         return Vec::new();
     }
@@ -185,7 +185,7 @@ fn heading_tokens() -> u64 {
 
 /// `body` followed by the section holding `kept` (unchanged when there is
 /// nothing to keep).
-pub fn render(body: &str, kept: &[String]) -> String {
+pub(crate) fn render(body: &str, kept: &[String]) -> String {
     if kept.is_empty() {
         return body.to_owned();
     }

@@ -41,12 +41,12 @@ pub fn tool_calls(m: &Value) -> Option<&Vec<Value>> {
 }
 
 /// True for an assistant row that carries at least one tool call.
-pub fn has_tool_calls(m: &Value) -> bool {
+pub(crate) fn has_tool_calls(m: &Value) -> bool {
     is_role(m, "assistant") && tool_calls(m).is_some()
 }
 
 /// Every id spelling of one tool call (`id`, `call_id`, `response_item_id`).
-pub fn call_ids(tc: &Value) -> impl Iterator<Item = &str> {
+pub(crate) fn call_ids(tc: &Value) -> impl Iterator<Item = &str> {
     ["id", "call_id", "response_item_id"]
         .into_iter()
         .filter_map(move |k| tc.get(k).and_then(Value::as_str))
@@ -90,7 +90,7 @@ pub fn content_text(c: &Value) -> String {
 }
 
 /// The text of one content part, if it is a text part.
-pub fn part_text(p: &Value) -> Option<&str> {
+pub(crate) fn part_text(p: &Value) -> Option<&str> {
     match p {
         Value::String(s) => Some(s),
         Value::Object(o) => o.get("text").and_then(Value::as_str),
@@ -99,7 +99,7 @@ pub fn part_text(p: &Value) -> Option<&str> {
 }
 
 /// True for an image-bearing content part.
-pub fn is_image_part(p: &Value) -> bool {
+pub(crate) fn is_image_part(p: &Value) -> bool {
     matches!(
         p.get("type").and_then(Value::as_str),
         Some("image_url" | "input_image" | "image")
@@ -107,14 +107,14 @@ pub fn is_image_part(p: &Value) -> bool {
 }
 
 /// True when the message's content holds at least one image part.
-pub fn has_image(m: &Value) -> bool {
+pub(crate) fn has_image(m: &Value) -> bool {
     m.get("content")
         .and_then(Value::as_array)
         .is_some_and(|parts| parts.iter().any(is_image_part))
 }
 
 /// True when the content carries no text and no non-text parts.
-pub fn is_blank(m: &Value) -> bool {
+pub(crate) fn is_blank(m: &Value) -> bool {
     match m.get("content") {
         None | Some(Value::Null) => true,
         Some(Value::String(s)) => s.trim().is_empty(),
@@ -162,7 +162,7 @@ pub fn last_real_user(msgs: &[Value], from: usize) -> Option<usize> {
 }
 
 /// Index of the newest assistant row (any kind).
-pub fn last_assistant(msgs: &[Value]) -> Option<usize> {
+pub(crate) fn last_assistant(msgs: &[Value]) -> Option<usize> {
     msgs.iter().rposition(|m| is_role(m, "assistant"))
 }
 

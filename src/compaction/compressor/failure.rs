@@ -31,7 +31,7 @@ impl SummaryFailureKind {
     /// context away for a problem a retry cannot fix. Degraded summaries
     /// (truncated, empty, overloaded) abort only when configured to;
     /// otherwise the deterministic fallback takes over.
-    pub fn abort_reason(self, abort_on_degraded: bool) -> Option<AbortReason> {
+    pub(crate) fn abort_reason(self, abort_on_degraded: bool) -> Option<AbortReason> {
         match self {
             Self::Auth => Some(AbortReason::AuthFailure),
             Self::Network => Some(AbortReason::NetworkFailure),

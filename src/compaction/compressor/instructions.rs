@@ -25,7 +25,7 @@ use crate::compaction::tokens;
 use crate::compaction::view;
 
 /// `system` or `developer`: an instruction row.
-pub fn is_instructions(m: &Value) -> bool {
+pub(crate) fn is_instructions(m: &Value) -> bool {
     view::is_role(m, "system") || view::is_role(m, "developer")
 }
 

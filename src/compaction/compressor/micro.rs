@@ -30,13 +30,13 @@ use crate::compaction::view;
 pub const MICRO_COMPACT_MAX_CONSECUTIVE_FAILURES: u32 = 3;
 /// Rolling summaries at or above this many estimated tokens are rewritten
 /// compactly before the next exchange is absorbed.
-pub const MICRO_DEFRAG_THRESHOLD_TOKENS: u64 = 2_000;
+pub(crate) const MICRO_DEFRAG_THRESHOLD_TOKENS: u64 = 2_000;
 /// Upper bound of the per-call `max_tokens`.
-pub const MICRO_MAX_TOKENS_CAP: u64 = 1_500;
+pub(crate) const MICRO_MAX_TOKENS_CAP: u64 = 1_500;
 /// Sampling temperature of micro summary calls.
-pub const MICRO_TEMPERATURE: f32 = 0.1;
+pub(crate) const MICRO_TEMPERATURE: f32 = 0.1;
 /// Micro-compaction needs at least this many messages.
-pub const MICRO_MIN_MESSAGES: usize = 4;
+pub(crate) const MICRO_MIN_MESSAGES: usize = 4;
 
 /// Rolling state of micro-compaction for one conversation.
 #[derive(Clone, Debug, Default, PartialEq)]
@@ -140,7 +140,7 @@ fn micro_result(
 }
 
 /// True for a marker written by micro-compaction.
-pub fn is_micro_marker(m: &Value) -> bool {
+pub(crate) fn is_micro_marker(m: &Value) -> bool {
     if !markers::is_declared_summary(m) {
         return false;
     }
@@ -266,7 +266,7 @@ impl Compressor {
     /// a later turn's pass will absorb once the tail has moved past it. That
     /// turn commits it only when its own [`Compressor::micro_cut`] is the
     /// same exchange.
-    pub async fn micro_compact_ahead(
+    pub(crate) async fn micro_compact_ahead(
         &mut self,
         messages: &[Value],
         s: &dyn Summariser,
@@ -278,7 +278,7 @@ impl Compressor {
     /// now, without summarising anything; `ahead` ignores the protected
     /// tail (see [`Compressor::micro_compact_ahead`]).
     /// The rows are those of `messages`, instructions included.
-    pub fn micro_cut(&mut self, messages: &[Value], ahead: bool) -> Option<(usize, usize)> {
+    pub(crate) fn micro_cut(&mut self, messages: &[Value], ahead: bool) -> Option<(usize, usize)> {
         let Some((history, pinned)) = super::instructions::pin(messages) else {
             return self.micro_cut_history(messages, ahead);
         };

@@ -191,7 +191,7 @@ impl Compressor {
     }
 
     /// Tail-cut parameters from the current budgets.
-    pub fn tail_params(&mut self) -> TailParams {
+    pub(crate) fn tail_params(&mut self) -> TailParams {
         let budget = self.trigger.tail_token_budget();
         let window = self.trigger.context_length();
         TailParams {

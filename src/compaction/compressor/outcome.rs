@@ -23,7 +23,7 @@ pub enum NoOpReason {
 
 impl NoOpReason {
     /// Telemetry name.
-    pub fn as_str(self) -> &'static str {
+    pub(crate) fn as_str(self) -> &'static str {
         match self {
             Self::InsufficientMessages => "insufficient_messages",
             Self::NoCompressibleWindow => "no_compressible_window",
@@ -50,28 +50,28 @@ pub enum Outcome {
 #[derive(Clone, Debug, Default, PartialEq)]
 pub struct CompressTelemetry {
     /// Rows in the input.
-    pub messages_before: usize,
+    pub(crate) messages_before: usize,
     /// Rows in the output.
-    pub messages_after: usize,
+    pub(crate) messages_after: usize,
     /// Protected head rows.
-    pub head_rows: usize,
+    pub(crate) head_rows: usize,
     /// Estimated tokens of the summarised middle.
-    pub middle_tokens: u64,
+    pub(crate) middle_tokens: u64,
     /// Rows changed by the pruning passes.
-    pub pruned_rows: usize,
+    pub(crate) pruned_rows: usize,
     /// Summary calls made (including a retry on the main model).
-    pub summary_calls: u32,
+    pub(crate) summary_calls: u32,
     /// Chunks the middle was summarised in (1 = a single prompt).
-    pub chunk_count: usize,
+    pub(crate) chunk_count: usize,
     /// Rows the last resort shortened to make the request fit (0 = none).
     pub last_resort_rows: usize,
     /// Rows of the oldest exchanges the last resort dropped when even
     /// shortening could not fit the window.
     pub last_resort_dropped: usize,
     /// Failure class name, when the attempt did not go cleanly.
-    pub failure_class: Option<&'static str>,
+    pub(crate) failure_class: Option<&'static str>,
     /// The caller's token figure, if given.
-    pub current_tokens: Option<u64>,
+    pub(crate) current_tokens: Option<u64>,
 }
 
 /// What `compress` (or a micro pass) produced.
@@ -163,7 +163,7 @@ pub enum MicroOutcome {
 
 impl MicroOutcome {
     /// Telemetry name.
-    pub fn as_str(self) -> &'static str {
+    pub(crate) fn as_str(self) -> &'static str {
         match self {
             Self::Absorbed => "absorbed",
             Self::NoOp => "noop",
@@ -183,11 +183,11 @@ pub struct MicroTelemetry {
     /// What the pass did.
     pub outcome: &'static str,
     /// Rows before.
-    pub messages_before: usize,
+    pub(crate) messages_before: usize,
     /// Rows after.
     pub messages_after: usize,
     /// Rough tokens before.
-    pub tokens_before: u64,
+    pub(crate) tokens_before: u64,
     /// Rough tokens after.
     pub tokens_after: u64,
     /// `after − before` (negative = shrank).
@@ -195,9 +195,9 @@ pub struct MicroTelemetry {
     /// Tokens of the absorbed exchange.
     pub exchange_tokens: u64,
     /// Tokens of the rolling summary.
-    pub rolling_summary_tokens: u64,
+    pub(crate) rolling_summary_tokens: u64,
     /// Cursor after the pass.
-    pub cursor: Option<usize>,
+    pub(crate) cursor: Option<usize>,
     /// Absorbing passes so far.
     pub passes_total: u32,
     /// Tokens saved so far.
@@ -206,7 +206,7 @@ pub struct MicroTelemetry {
     /// (telemetry never forces a window probe).
     pub threshold_tokens: Option<u64>,
     /// Cached context window.
-    pub context_limit: Option<u64>,
+    pub(crate) context_limit: Option<u64>,
     /// `tokens_after / threshold × 100`, when the threshold is cached.
     pub occupancy_pct: Option<f64>,
 }

@@ -17,16 +17,16 @@ pub struct SummaryAttempt {
     /// The summary to place (prefix and body), when it succeeded.
     pub summary: Option<String>,
     /// Its body alone: the next running summary.
-    pub body: Option<String>,
+    pub(crate) body: Option<String>,
     /// The failure, when it failed. Neither this nor `summary` is set when
     /// a live cooldown held the call.
     pub failure: Option<SummaryFailure>,
     /// A distinct summary model failed and the main model was tried.
     pub aux_model_failure: Option<AuxModelFailure>,
     /// Summary calls made (including a retry on the main model).
-    pub calls: u32,
+    pub(crate) calls: u32,
     /// Chunks the input was summarised in.
-    pub chunks: usize,
+    pub(crate) chunks: usize,
 }
 
 /// Text of a reply's content (string or list of text parts).
