@@ -65,10 +65,10 @@ struct Snapshot {
 
 /// Sizes the caller already worked out for the trigger.
 pub(super) struct Due {
-    pub est_rough: u64,
-    pub threshold: u64,
-    pub engine_window: u64,
-    pub max_out_rough: Option<u64>,
+    pub(crate) est_rough: u64,
+    pub(crate) threshold: u64,
+    pub(crate) engine_window: u64,
+    pub(crate) max_out_rough: Option<u64>,
 }
 
 /// Drops a pending pre-compaction whose snapshot this history no longer
@@ -161,8 +161,8 @@ fn maybe_start_micro(
 /// What a pre-compaction starts from: the messages sent and the record
 /// they substitute.
 struct Base<'a> {
-    pub outgoing: &'a [Box<RawValue>],
-    pub record: Option<&'a Arc<Record>>,
+    pub(crate) outgoing: &'a [Box<RawValue>],
+    pub(crate) record: Option<&'a Arc<Record>>,
 }
 
 fn spawn(

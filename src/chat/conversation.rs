@@ -17,40 +17,40 @@ use super::record::Record;
 /// A response's usage, posted by the response tap when the body ends and
 /// applied under the conversation lock by the next request (or the admin
 /// view). The tap runs inside `poll_frame` and must not wait for the lock.
-pub type Inbox = Arc<Mutex<Vec<(Arc<SentRequest>, UsageReport)>>>;
+pub(crate) type Inbox = Arc<Mutex<Vec<(Arc<SentRequest>, UsageReport)>>>;
 
 /// Content-free counters shown by the admin endpoint.
 #[derive(Debug, Default, Clone, serde::Serialize)]
-pub struct ConvStats {
+pub(crate) struct ConvStats {
     /// Chat requests seen.
-    pub requests: u64,
+    pub(crate) requests: u64,
     /// Committed compactions.
-    pub compactions: u64,
+    pub(crate) compactions: u64,
     /// Compactions that used the deterministic fallback summary.
-    pub fallback_compactions: u64,
+    pub(crate) fallback_compactions: u64,
     /// Compactions abandoned with the original messages forwarded.
-    pub aborted: u64,
+    pub(crate) aborted: u64,
     /// Overflow errors answered by compacting and retrying.
-    pub overflow_retries: u64,
+    pub(crate) overflow_retries: u64,
     /// Rough tokens removed by compactions (before − after).
-    pub tokens_saved: u64,
+    pub(crate) tokens_saved: u64,
     /// Requests sent with a compaction record substituted.
-    pub substituted: u64,
+    pub(crate) substituted: u64,
     /// Summary calls made by engine passes on the request path (committed
     /// or not).
-    pub summary_calls: u64,
+    pub(crate) summary_calls: u64,
 }
 
 /// One conversation's state; lives behind the session's async lock.
-pub struct Conversation {
+pub(crate) struct Conversation {
     /// The engine, created on the first request (it needs the model).
-    pub compressor: Option<Compressor>,
+    pub(crate) compressor: Option<Compressor>,
     /// Rough → real calibration.
-    pub calibration: Calibration,
+    pub(crate) calibration: Calibration,
     /// Hash chain of the client's history (only changed messages re-hashed).
-    pub client_chain: ChainCache,
+    pub(crate) client_chain: ChainCache,
     /// Hash chain of what was sent (after substitution).
-    pub sent_chain: ChainCache,
+    pub(crate) sent_chain: ChainCache,
     /// The newest compaction record this conversation matched or made,
     /// weakly: the record store alone keeps records alive, so its byte
     /// bound holds (an evicted record is freed at once, not when every
@@ -59,16 +59,16 @@ pub struct Conversation {
     /// (hash of the raw `tools` bytes, their rough estimate).
     tools_estimate: Option<(u64, u64)>,
     /// Usage waiting to be applied.
-    pub inbox: Inbox,
+    pub(crate) inbox: Inbox,
     /// The background pre-compaction started for this conversation.
     pub(crate) pending: Option<super::pending::Pending>,
     /// Counters.
-    pub stats: ConvStats,
+    pub(crate) stats: ConvStats,
     /// Last action taken (`passthrough`, `compacted`, …).
-    pub last_action: &'static str,
+    pub(crate) last_action: &'static str,
     /// The window of the last request in real tokens (the engine's own
     /// figure is in rough units, see [`EngineScale`]).
-    pub real_window: Option<u64>,
+    pub(crate) real_window: Option<u64>,
     /// The store was asked for this conversation's state (once per entry).
     pub(crate) state_loaded: bool,
     /// What of the state was last read from or written to the store
@@ -80,7 +80,7 @@ pub struct Conversation {
     /// conversation).
     pub(crate) no_room_noted: bool,
     /// The inspector's figures of the last turns and compactions.
-    pub inspect: super::inspect::TurnLog,
+    pub(crate) inspect: super::inspect::TurnLog,
 }
 
 impl Default for Conversation {
@@ -109,18 +109,18 @@ impl Default for Conversation {
 impl Conversation {
     /// The newest record this conversation matched or made, while the
     /// record store still holds it.
-    pub fn record(&self) -> Option<Arc<Record>> {
+    pub(crate) fn record(&self) -> Option<Arc<Record>> {
         self.record.as_ref().and_then(Weak::upgrade)
     }
 
     /// Remembers `record` (weakly) as the conversation's newest.
-    pub fn set_record(&mut self, record: Option<&Arc<Record>>) {
+    pub(crate) fn set_record(&mut self, record: Option<&Arc<Record>>) {
         self.record = record.map(Arc::downgrade);
     }
 
     /// The engine for `model` with the current window and output
     /// reservation; created on first use, updated (cheaply) afterwards.
-    pub fn compressor(
+    pub(crate) fn compressor(
         &mut self,
         cfg: &Arc<CompactionConfig>,
         model: &str,
@@ -154,7 +154,7 @@ impl Conversation {
     /// Call before estimating a request for `model`: another model has
     /// another tokenizer, so the old real/rough ratio and real count would
     /// mislead the first estimate after a switch.
-    pub fn note_model(&mut self, model: &str) {
+    pub(crate) fn note_model(&mut self, model: &str) {
         if self
             .compressor
             .as_ref()
@@ -165,14 +165,14 @@ impl Conversation {
     }
 
     /// Real → rough conversion for the engine, from the calibration.
-    pub fn engine_scale(&self) -> EngineScale {
+    pub(crate) fn engine_scale(&self) -> EngineScale {
         self.calibration.engine_scale()
     }
 
     /// Applies usage posted by finished responses: the calibration learns
     /// from the real figures and hands the trigger the same usage in the
     /// engine's rough units.
-    pub fn drain_inbox(&mut self) {
+    pub(crate) fn drain_inbox(&mut self) {
         let posted = std::mem::take(&mut *crate::sync::lock(&self.inbox));
         for (sent, report) in posted {
             let Some(usage) = report.effective() else {
@@ -190,7 +190,7 @@ impl Conversation {
     }
 
     /// Rough estimate of the `tools` array, cached by its raw bytes.
-    pub fn tools_overhead(&mut self, tools: Option<&RawValue>) -> u64 {
+    pub(crate) fn tools_overhead(&mut self, tools: Option<&RawValue>) -> u64 {
         let Some(raw) = tools else {
             return 0;
         };
@@ -211,7 +211,7 @@ impl Conversation {
 /// The rough per-message estimator used for calibration: the engine's own
 /// tail-walk estimator, so trigger and tail agree (two estimators would
 /// let the trigger fire on a history the tail then judges small).
-pub fn rough_message_tokens(m: &RawValue) -> u64 {
+pub(crate) fn rough_message_tokens(m: &RawValue) -> u64 {
     match serde_json::from_str::<serde_json::Value>(m.get()) {
         Ok(v) => rough_value_tokens(&v),
         Err(_) => tokens::estimate_text_tokens(m.get()),
@@ -220,7 +220,7 @@ pub fn rough_message_tokens(m: &RawValue) -> u64 {
 
 /// [`rough_message_tokens`] of a parsed message (a codec's decode hands
 /// it the values it holds: `ApiRequest::parse_with`).
-pub fn rough_value_tokens(v: &serde_json::Value) -> u64 {
+pub(crate) fn rough_value_tokens(v: &serde_json::Value) -> u64 {
     tokens::estimate_msg_budget_tokens(v, true)
 }
 

@@ -24,13 +24,13 @@ use serde_json::Value;
 use crate::upstream::Upstream;
 
 /// The longest a count may take (both calls).
-pub const COUNT_TIMEOUT: Duration = Duration::from_secs(3);
+pub(crate) const COUNT_TIMEOUT: Duration = Duration::from_secs(3);
 /// Largest answer read (a token list of a long prompt).
 const MAX_ANSWER_BYTES: usize = 16 << 20;
 
 /// What the upstream offers to count tokens with.
 #[derive(Debug, Default)]
-pub struct Tokenizer(AtomicU8);
+pub(crate) struct Tokenizer(AtomicU8);
 
 const UNKNOWN: u8 = 0;
 const LLAMA_CPP: u8 = 1;
@@ -39,12 +39,12 @@ const NONE: u8 = 3;
 
 impl Tokenizer {
     /// The upstream was found to have no tokenizer endpoint.
-    pub fn absent(&self) -> bool {
+    pub(crate) fn absent(&self) -> bool {
         self.0.load(Ordering::Relaxed) == NONE
     }
 
     /// Which endpoint answered, as a label (for the admin view and tests).
-    pub fn label(&self) -> &'static str {
+    pub(crate) fn label(&self) -> &'static str {
         match self.0.load(Ordering::Relaxed) {
             LLAMA_CPP => "llama.cpp",
             VLLM => "vllm",
@@ -65,7 +65,7 @@ enum Answer {
 
 /// The real prompt tokens of `messages` (and `tools`) for `model`, by the
 /// upstream's tokenizer; `None` when it has none or the count failed.
-pub async fn count(
+pub(crate) async fn count(
     tokenizer: &Tokenizer,
     upstream: &Upstream,
     client: super::Client<'_>,

@@ -29,36 +29,36 @@ const BOUND_TAIL_WINDOWS: u64 = 4;
 /// One request as the compaction steps see it.
 pub(super) struct Turn<'a> {
     /// The API the request speaks (summaries are asked in it too).
-    pub api: Api,
-    pub key: SessionKey,
-    pub cred: u128,
-    pub model: &'a str,
+    pub(crate) api: Api,
+    pub(crate) key: SessionKey,
+    pub(crate) cred: u128,
+    pub(crate) model: &'a str,
     /// The client (the summariser presents its credentials).
-    pub client: super::Client<'a>,
+    pub(crate) client: super::Client<'a>,
     /// The client's messages and their chain.
-    pub original: &'a [Box<RawValue>],
-    pub client_hashes: &'a [u128],
+    pub(crate) original: &'a [Box<RawValue>],
+    pub(crate) client_hashes: &'a [u128],
     /// What would be sent (after substitution): what the engine is given.
-    pub outgoing: &'a [Box<RawValue>],
+    pub(crate) outgoing: &'a [Box<RawValue>],
     /// The record substituted into `outgoing`, if any.
-    pub record: Option<&'a Arc<Record>>,
+    pub(crate) record: Option<&'a Arc<Record>>,
     /// Calibrated prompt estimate of `outgoing`, real tokens.
-    pub est_tokens: u64,
+    pub(crate) est_tokens: u64,
     /// The request's output cap, real tokens.
-    pub max_out: Option<u64>,
+    pub(crate) max_out: Option<u64>,
     /// The context window, real tokens.
-    pub window: u64,
+    pub(crate) window: u64,
     /// Estimate of the request's `tools` (part of the fixed cost), real
     /// tokens once the conversation is calibrated.
-    pub tools_tokens: u64,
+    pub(crate) tools_tokens: u64,
     /// The same, rough (the engine's units).
-    pub tools_rough: u64,
+    pub(crate) tools_rough: u64,
     /// This is the retry after an upstream overflow.
-    pub overflow: bool,
+    pub(crate) overflow: bool,
     /// The prompt size the upstream counted in that overflow, if it said.
-    pub overflow_counted: Option<u64>,
+    pub(crate) overflow_counted: Option<u64>,
     /// How far `est_tokens` may be short ([`super::decide::estimate_margin`]).
-    pub est_margin: u64,
+    pub(crate) est_margin: u64,
 }
 
 /// What a booked pass leaves the request with.

@@ -47,23 +47,23 @@ use super::{worker, ChatState};
 /// How often compactor's own keep-alive comment is written while an
 /// overflow retry is prepared and sent (well under common client read
 /// timeouts of 30 s and more).
-pub const KEEP_ALIVE: Duration = Duration::from_secs(10);
+pub(crate) const KEEP_ALIVE: Duration = Duration::from_secs(10);
 
 /// compactor's keep-alive: a whole SSE comment, which every client ignores.
 const KEEP_ALIVE_LINE: &[u8] = b": keep-alive\n\n";
 
 /// What an overflow retry needs, owned by the stream.
 pub(super) struct Retry {
-    pub chat: Arc<ChatState>,
-    pub upstream: Arc<Upstream>,
+    pub(crate) chat: Arc<ChatState>,
+    pub(crate) upstream: Arc<Upstream>,
     /// The client's request (method, URI, extensions).
-    pub parts: Parts,
-    pub client_headers: Arc<HeaderMap>,
+    pub(crate) parts: Parts,
+    pub(crate) client_headers: Arc<HeaderMap>,
     /// Taken by the retry; released with the stream otherwise.
-    pub job: Option<Box<worker::Job>>,
-    pub key: SessionKey,
+    pub(crate) job: Option<Box<worker::Job>>,
+    pub(crate) key: SessionKey,
     /// This answer is not a retry's (one retry per request).
-    pub allowed: bool,
+    pub(crate) allowed: bool,
 }
 
 /// Commits the head of `head`'s stream, whose start `peek` is still

@@ -26,21 +26,21 @@ const UNKNOWN: u32 = u32::MAX;
 
 /// Turn flags.
 mod flag {
-    pub const COMPACTED: u8 = 1;
-    pub const FALLBACK: u8 = 1 << 1;
-    pub const OVERFLOW_RETRY: u8 = 1 << 2;
-    pub const ABORTED: u8 = 1 << 3;
-    pub const BACKGROUND: u8 = 1 << 4;
-    pub const SUBSTITUTED: u8 = 1 << 5;
+    pub(crate) const COMPACTED: u8 = 1;
+    pub(crate) const FALLBACK: u8 = 1 << 1;
+    pub(crate) const OVERFLOW_RETRY: u8 = 1 << 2;
+    pub(crate) const ABORTED: u8 = 1 << 3;
+    pub(crate) const BACKGROUND: u8 = 1 << 4;
+    pub(crate) const SUBSTITUTED: u8 = 1 << 5;
     /// The prefix sent the turn before was sent again, byte for byte.
-    pub const PREFIX_STABLE: u8 = 1 << 6;
+    pub(crate) const PREFIX_STABLE: u8 = 1 << 6;
     /// There was a turn before to compare with.
-    pub const PREFIX_COMPARED: u8 = 1 << 7;
+    pub(crate) const PREFIX_COMPARED: u8 = 1 << 7;
 }
 
 /// One turn's figures (40 bytes: see the size test).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct TurnFigures {
+pub(crate) struct TurnFigures {
     /// When it was prepared, Unix milliseconds.
     at_ms: u64,
     /// Calibrated estimate of what was sent, real tokens.
@@ -61,7 +61,7 @@ pub struct TurnFigures {
 
 /// One committed compaction's figures.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct CompactionFigures {
+pub(crate) struct CompactionFigures {
     at_ms: u64,
     /// The conversation's turn number it served (1-based).
     turn: u64,
@@ -84,33 +84,33 @@ pub struct CompactionFigures {
 /// What the compaction step tells the preparation about a pass it
 /// committed (the preparation knows the rows and estimates).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-pub struct CompactionNote {
-    pub summariser_ms: u64,
-    pub summary_calls: u64,
-    pub fallback: bool,
-    pub from_pending: bool,
-    pub micro: bool,
+pub(crate) struct CompactionNote {
+    pub(crate) summariser_ms: u64,
+    pub(crate) summary_calls: u64,
+    pub(crate) fallback: bool,
+    pub(crate) from_pending: bool,
+    pub(crate) micro: bool,
 }
 
 /// What the preparation knows of a turn once it is decided.
 #[derive(Debug, Clone, Copy, Default)]
-pub struct TurnInput<'a> {
+pub(crate) struct TurnInput<'a> {
     /// Calibrated estimate of what is sent, real tokens.
-    pub est: u64,
-    pub window: u64,
+    pub(crate) est: u64,
+    pub(crate) window: u64,
     /// Trigger threshold, real tokens.
-    pub trigger: Option<u64>,
+    pub(crate) trigger: Option<u64>,
     /// The chained hashes of the messages sent.
-    pub sent: &'a [u128],
+    pub(crate) sent: &'a [u128],
     /// Client rows before a compaction, rows sent after it.
-    pub rows: (usize, usize),
+    pub(crate) rows: (usize, usize),
     /// Estimate before the compaction (for the compaction's figures).
-    pub est_before: u64,
-    pub compacted: Option<CompactionNote>,
-    pub aborted: bool,
-    pub substituted: bool,
+    pub(crate) est_before: u64,
+    pub(crate) compacted: Option<CompactionNote>,
+    pub(crate) aborted: bool,
+    pub(crate) substituted: bool,
     /// The retry after an upstream overflow (the same turn again).
-    pub overflow_retry: bool,
+    pub(crate) overflow_retry: bool,
 }
 
 /// The ring and the totals of one conversation.
@@ -145,13 +145,13 @@ fn u32_of(n: u64) -> u32 {
 
 /// The id matching a request's usage to its turn: the low bits of the
 /// chained hash of the last message sent, mixed with the count.
-pub fn sent_id(len: usize, last: Option<u128>) -> u32 {
+pub(crate) fn sent_id(len: usize, last: Option<u128>) -> u32 {
     let h = last.unwrap_or(0);
     (h as u32) ^ ((h >> 64) as u32) ^ (len as u32).rotate_left(16)
 }
 
 /// Now, Unix milliseconds.
-pub fn now_ms() -> u64 {
+pub(crate) fn now_ms() -> u64 {
     SystemTime::now()
         .duration_since(UNIX_EPOCH)
         .map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX))
@@ -170,7 +170,7 @@ impl TurnLog {
 
     /// Records a prepared turn at `at_ms`, keeping at most `cap` turns. An
     /// overflow retry updates the turn it retries instead of adding one.
-    pub fn record(&mut self, t: &TurnInput<'_>, at_ms: u64, cap: usize) {
+    pub(crate) fn record(&mut self, t: &TurnInput<'_>, at_ms: u64, cap: usize) {
         let note = self.note.take().or(t.compacted);
         let mut flags = 0;
         if note.is_some() {
@@ -247,7 +247,7 @@ impl TurnLog {
 
     /// The upstream's usage for the request sent with `id`: fills in the
     /// newest turn of that id still without it.
-    pub fn usage(&mut self, id: u32, prompt: u64, cached: Option<u64>) {
+    pub(crate) fn usage(&mut self, id: u32, prompt: u64, cached: Option<u64>) {
         self.usage_turns += 1;
         if let Some(c) = cached {
             self.cached_tokens = self.cached_tokens.saturating_add(c);

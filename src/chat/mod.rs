@@ -82,34 +82,34 @@ pub struct ChatState {
     /// Engine configuration (`[compaction]`).
     pub compaction: Arc<CompactionConfig>,
     /// Session key derivation.
-    pub keyer: SessionKeyer,
+    pub(crate) keyer: SessionKeyer,
     /// Conversations.
-    pub sessions: SessionStore<Conversation>,
+    pub(crate) sessions: SessionStore<Conversation>,
     /// Compaction records (the hot cache in front of `store`).
-    pub records: RecordStore,
+    pub(crate) records: RecordStore,
     /// What outlives the process (`[store]`).
-    pub store: StoreHandle,
+    pub(crate) store: StoreHandle,
     /// Context windows per (upstream, model).
-    pub windows: WindowCache,
+    pub(crate) windows: WindowCache,
     /// The upstream base as a string (window cache key, trigger base URL).
-    pub upstream_label: String,
+    pub(crate) upstream_label: String,
     /// Where summary calls go when not to the upstream.
-    pub summary_endpoint: Option<UpstreamBase>,
+    pub(crate) summary_endpoint: Option<UpstreamBase>,
     /// Add `x-compactor-*` response headers.
-    pub expose_headers: bool,
+    pub(crate) expose_headers: bool,
     /// The metrics registry (chat series under `metrics.chat`).
-    pub metrics: Arc<Metrics>,
+    pub(crate) metrics: Arc<Metrics>,
     /// Permits for preparing large bodies at once (see `worker`): each
     /// holds its body several times over while it is parsed and compacted.
-    pub heavy: Arc<tokio::sync::Semaphore>,
+    pub(crate) heavy: Arc<tokio::sync::Semaphore>,
     /// Permits for background pre-compactions (`background_max_concurrent`).
-    pub background: Arc<tokio::sync::Semaphore>,
+    pub(crate) background: Arc<tokio::sync::Semaphore>,
     /// What firmer-length summary retries gave, per model.
-    pub firm_retries: Arc<summarise::FirmRetries>,
+    pub(crate) firm_retries: Arc<summarise::FirmRetries>,
     /// The upstream's tokenizer endpoint, once found (or found absent).
-    pub tokenizer: count::Tokenizer,
+    pub(crate) tokenizer: count::Tokenizer,
     /// Turns kept per conversation for the inspector (`[admin] turn_history`).
-    pub turn_history: usize,
+    pub(crate) turn_history: usize,
 }
 
 impl ChatState {
@@ -200,25 +200,25 @@ const MAX_PROBE_BYTES: usize = 4 << 20;
 /// of its query ([`crate::session::key::credential_query`]), each in the
 /// form the client used.
 #[derive(Debug, Clone, Copy)]
-pub struct Client<'a> {
+pub(crate) struct Client<'a> {
     /// The client's request headers.
-    pub headers: &'a HeaderMap,
+    pub(crate) headers: &'a HeaderMap,
     /// `key=…` (and the like) of the client's query, as written.
-    pub query: Option<&'a str>,
+    pub(crate) query: Option<&'a str>,
 }
 
 /// Window discovery through the upstream, with the client's credentials.
-pub struct Discovery<'a> {
+pub(crate) struct Discovery<'a> {
     /// The upstream.
-    pub upstream: &'a Upstream,
+    pub(crate) upstream: &'a Upstream,
     /// The client's request headers: only their credential headers are
     /// presented (some upstreams guard `/v1/models`), picked out when a
     /// probe runs, not on every request.
-    pub client_headers: &'a HeaderMap,
+    pub(crate) client_headers: &'a HeaderMap,
     /// The client's credential query parameters, presented as written.
-    pub credential_query: Option<&'a str>,
+    pub(crate) credential_query: Option<&'a str>,
     /// Per-probe timeout.
-    pub timeout: Duration,
+    pub(crate) timeout: Duration,
 }
 
 #[async_trait::async_trait]

@@ -10,7 +10,7 @@ use crate::compaction::micro::MicroState;
 use super::record::Record;
 
 /// A pre-compaction started for a conversation.
-pub struct Pending {
+pub(crate) struct Pending {
     /// Length of the client history snapshotted and its chain hash: a
     /// history that no longer continues it makes the candidate stale.
     pub(super) snap_len: usize,
@@ -22,31 +22,31 @@ pub struct Pending {
 
 /// A finished pre-compaction, not yet committed.
 pub(super) struct Candidate {
-    pub record: Record,
+    pub(crate) record: Record,
     /// Set for a micro pass: the exchange it absorbed.
-    pub micro: Option<MicroCut>,
+    pub(crate) micro: Option<MicroCut>,
     /// The engine's running summary after the pass.
-    pub previous_summary: Option<String>,
-    pub has_user_turn: bool,
-    pub fallback_used: bool,
-    pub feasibility_skip: bool,
-    pub tokens_before: u64,
-    pub tokens_after: u64,
+    pub(crate) previous_summary: Option<String>,
+    pub(crate) has_user_turn: bool,
+    pub(crate) fallback_used: bool,
+    pub(crate) feasibility_skip: bool,
+    pub(crate) tokens_before: u64,
+    pub(crate) tokens_after: u64,
     /// Summary calls the pass made and its time (the inspector's
     /// compaction row, as an inline pass reports them).
-    pub summary_calls: u64,
-    pub summariser_ms: u64,
+    pub(crate) summary_calls: u64,
+    pub(crate) summariser_ms: u64,
 }
 
 /// The exchange a background micro pass absorbed, and the state it left.
 pub(super) struct MicroCut {
     /// `start..end` of the outgoing messages the pass was given.
-    pub start: usize,
-    pub end: usize,
+    pub(crate) start: usize,
+    pub(crate) end: usize,
     /// Chain hash of those messages up to `end`: the pass is valid for a
     /// turn whose outgoing messages start with the same rows.
-    pub prefix_hash: u128,
-    pub state: MicroState,
+    pub(crate) prefix_hash: u128,
+    pub(crate) state: MicroState,
 }
 
 /// Whether `hashes` still start with the `len` messages whose chain ends in

@@ -45,7 +45,7 @@ pub enum Action {
 
 impl Action {
     /// Header value and metric label.
-    pub fn as_str(self) -> &'static str {
+    pub(crate) fn as_str(self) -> &'static str {
         match self {
             Action::Passthrough => "passthrough",
             Action::Compacted => "compacted",
@@ -57,18 +57,18 @@ impl Action {
 
 /// A request ready to send.
 pub(super) struct Prepared {
-    pub body: Bytes,
-    pub action: Action,
+    pub(crate) body: Bytes,
+    pub(crate) action: Action,
     /// Client messages replaced by a compaction record (0 = none).
-    pub replaced: usize,
-    pub plan: UsagePlan,
-    pub sent: Arc<SentRequest>,
-    pub inbox: Inbox,
+    pub(crate) replaced: usize,
+    pub(crate) plan: UsagePlan,
+    pub(crate) sent: Arc<SentRequest>,
+    pub(crate) inbox: Inbox,
     /// A compaction was committed while preparing this request (not only a
     /// recorded one substituted).
-    pub fresh_compaction: bool,
+    pub(crate) fresh_compaction: bool,
     /// Calibrated prompt estimate of `body`.
-    pub est_tokens: u64,
+    pub(crate) est_tokens: u64,
 }
 
 /// The messages about to go upstream and where they came from.

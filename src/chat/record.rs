@@ -40,9 +40,9 @@ pub struct Record {
     /// The messages sent upstream instead, byte-identical every time.
     pub replacement: Vec<Box<RawValue>>,
     /// Rough token estimate of the replacement (saves re-estimating it).
-    pub replacement_tokens: u64,
+    pub(crate) replacement_tokens: u64,
     /// Rough token estimate of the `k` originals it replaced.
-    pub original_tokens: u64,
+    pub(crate) original_tokens: u64,
     /// Which replacement rows carry compactor's summary: the only messages
     /// the engine may treat as its own summaries on later compactions.
     /// `None` (a record stored before this was kept) means every
@@ -82,7 +82,7 @@ impl Record {
     /// Sets which replacement rows carry a summary (out-of-range rows are
     /// ignored).
     #[must_use]
-    pub fn with_summary_rows(mut self, mut rows: Vec<usize>) -> Self {
+    pub(crate) fn with_summary_rows(mut self, mut rows: Vec<usize>) -> Self {
         rows.retain(|&i| i < self.replacement.len());
         self.footprint += rows.len() * std::mem::size_of::<usize>();
         self.summary_rows = Some(rows);
@@ -90,7 +90,7 @@ impl Record {
     }
 
     /// The replacement rows that carry a summary.
-    pub fn summary_rows(&self) -> Box<dyn Iterator<Item = usize> + '_> {
+    pub(crate) fn summary_rows(&self) -> Box<dyn Iterator<Item = usize> + '_> {
         match &self.summary_rows {
             Some(rows) => Box::new(rows.iter().copied()),
             None => Box::new(0..self.replacement.len()),
@@ -98,14 +98,14 @@ impl Record {
     }
 
     /// [`Self::summary_rows`] as stored (`None`: every row).
-    pub fn stored_summary_rows(&self) -> Option<&[usize]> {
+    pub(crate) fn stored_summary_rows(&self) -> Option<&[usize]> {
         self.summary_rows.as_deref()
     }
 
     /// What is sent for a client history the record matches: the
     /// replacement, then the client's messages after the first `k` as they
     /// came.
-    pub fn applied_to(&self, original: &[Box<RawValue>]) -> Vec<Box<RawValue>> {
+    pub(crate) fn applied_to(&self, original: &[Box<RawValue>]) -> Vec<Box<RawValue>> {
         self.replacement
             .iter()
             .chain(original.get(self.k..).unwrap_or(&[]))

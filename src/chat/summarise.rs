@@ -50,20 +50,20 @@ const MAX_REPLY_BYTES: usize = 4 << 20;
 const MESSAGES_DEFAULT_MAX_TOKENS: u32 = 4096;
 
 /// Where the summary call goes and as whom.
-pub struct SummaryTarget<'a> {
+pub(crate) struct SummaryTarget<'a> {
     /// The summary endpoint, or the upstream's own base.
-    pub base: &'a UpstreamBase,
+    pub(crate) base: &'a UpstreamBase,
     /// The model named when the engine asks for none.
-    pub main_model: String,
+    pub(crate) main_model: String,
     /// The configured summary key, replacing the client's credentials.
-    pub api_key: Option<&'a str>,
+    pub(crate) api_key: Option<&'a str>,
     /// Deadline of one whole call.
-    pub timeout: Duration,
+    pub(crate) timeout: Duration,
 }
 
 impl<'a> SummaryTarget<'a> {
     /// The configured target: `endpoint` when set, else the upstream itself.
-    pub fn configured(
+    pub(crate) fn configured(
         cfg: &'a CompactionConfig,
         endpoint: Option<&'a UpstreamBase>,
         upstream: &'a Upstream,
@@ -79,7 +79,7 @@ impl<'a> SummaryTarget<'a> {
 }
 
 /// Summary calls for one request.
-pub struct HttpSummariser<'a> {
+pub(crate) struct HttpSummariser<'a> {
     upstream: &'a Upstream,
     base: &'a UpstreamBase,
     main_model: String,
@@ -111,27 +111,27 @@ pub struct HttpSummariser<'a> {
 /// that model's cut summaries are kept at their last complete line without
 /// one.
 #[derive(Debug, Default)]
-pub struct FirmRetries {
+pub(crate) struct FirmRetries {
     seen: dashmap::DashMap<String, (u32, u32)>,
 }
 
 impl FirmRetries {
     /// Retries cut again, with none within the cap, before giving up.
-    pub const GIVE_UP_AFTER: u32 = 2;
+    pub(crate) const GIVE_UP_AFTER: u32 = 2;
 
     fn key(base: &str, model: &str) -> String {
         format!("{base}\u{0}{model}")
     }
 
     /// Whether a retry is still worth a call for `model` at `base`.
-    pub fn useful(&self, base: &str, model: &str) -> bool {
+    pub(crate) fn useful(&self, base: &str, model: &str) -> bool {
         self.seen
             .get(&Self::key(base, model))
             .is_none_or(|e| e.1 > 0 || e.0 < Self::GIVE_UP_AFTER)
     }
 
     /// One retry's result.
-    pub fn note(&self, base: &str, model: &str, within_cap: bool) {
+    pub(crate) fn note(&self, base: &str, model: &str, within_cap: bool) {
         let mut e = self.seen.entry(Self::key(base, model)).or_default();
         if within_cap {
             e.1 += 1;
@@ -150,7 +150,7 @@ impl FirmRetries {
 impl<'a> HttpSummariser<'a> {
     /// A summariser that sends to `target` with the credentials found in
     /// `client_headers` (or the target's key when one is configured).
-    pub fn new(
+    pub(crate) fn new(
         upstream: &'a Upstream,
         target: SummaryTarget<'a>,
         client_headers: &HeaderMap,
@@ -195,7 +195,7 @@ impl<'a> HttpSummariser<'a> {
     /// [`crate::session::key::credential_query`]) on the summary call, as
     /// the client sent them: a client that authenticates by `?key=` is
     /// summarised as itself. A configured summary key replaces them.
-    pub fn with_credential_query(mut self, query: Option<&str>) -> Self {
+    pub(crate) fn with_credential_query(mut self, query: Option<&str>) -> Self {
         if self.api_key.is_none() {
             self.credential_query = query.map(str::to_owned);
         }
@@ -204,14 +204,14 @@ impl<'a> HttpSummariser<'a> {
 
     /// Learns (and follows) whether firmer-length retries help this
     /// target's models.
-    pub fn learning(mut self, firm_retries: &Arc<FirmRetries>) -> Self {
+    pub(crate) fn learning(mut self, firm_retries: &Arc<FirmRetries>) -> Self {
         self.firm_retries = Some(Arc::clone(firm_retries));
         self
     }
 
     /// Asks summaries in the conversation's `api` when they go to the
     /// upstream (a summary endpoint keeps chat completions).
-    pub fn speaking(mut self, api: Api) -> Self {
+    pub(crate) fn speaking(mut self, api: Api) -> Self {
         if self.to_upstream {
             self.api = api;
         }
@@ -228,7 +228,7 @@ impl<'a> HttpSummariser<'a> {
     }
 
     /// Summary calls made so far.
-    pub fn calls(&self) -> u64 {
+    pub(crate) fn calls(&self) -> u64 {
         self.calls.load(Ordering::Relaxed)
     }
 
@@ -386,7 +386,7 @@ fn error_codes(body: &[u8]) -> (Option<String>, Option<String>) {
 }
 
 /// `choices[0]` of a chat completion as a [`SummaryReply`].
-pub fn parse_reply(body: &[u8]) -> Result<SummaryReply, SummaryError> {
+pub(crate) fn parse_reply(body: &[u8]) -> Result<SummaryReply, SummaryError> {
     let v: Value = serde_json::from_slice(body).map_err(|e| {
         SummaryError::new(
             SummaryErrorKind::Decode,
@@ -436,7 +436,7 @@ fn joined_text(blocks: &[Value], key: &str) -> Option<String> {
 
 /// An Anthropic message as a [`SummaryReply`]: the text blocks joined,
 /// `stop_reason: "max_tokens"` as the truncation (`length`).
-pub fn parse_messages_reply(body: &[u8]) -> Result<SummaryReply, SummaryError> {
+pub(crate) fn parse_messages_reply(body: &[u8]) -> Result<SummaryReply, SummaryError> {
     let v: Value = serde_json::from_slice(body)
         .map_err(|e| decode_error(&format!("summary response is not JSON: {e}")))?;
     let blocks = v
@@ -467,7 +467,7 @@ pub fn parse_messages_reply(body: &[u8]) -> Result<SummaryReply, SummaryError> {
 /// A Responses response as a [`SummaryReply`]: the `output_text` parts of
 /// its message items, `status: "incomplete"` for `max_output_tokens` as the
 /// truncation (`length`).
-pub fn parse_responses_reply(body: &[u8]) -> Result<SummaryReply, SummaryError> {
+pub(crate) fn parse_responses_reply(body: &[u8]) -> Result<SummaryReply, SummaryError> {
     let v: Value = serde_json::from_slice(body)
         .map_err(|e| decode_error(&format!("summary response is not JSON: {e}")))?;
     let output = v

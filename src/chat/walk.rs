@@ -40,7 +40,7 @@ pub use super::prepare::Action;
 /// Error bodies up to this size are read to look for an overflow.
 const MAX_ERROR_PEEK: usize = 256 << 10;
 /// The error shape of `api`'s clients.
-pub fn error_shape(api: Api) -> ErrorShape {
+pub(crate) fn error_shape(api: Api) -> ErrorShape {
     match api {
         Api::Messages => ErrorShape::Anthropic,
         Api::Chat | Api::Responses => ErrorShape::OpenAi,

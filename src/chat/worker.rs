@@ -40,23 +40,23 @@ use super::prepare::{prepare, Prepared};
 use super::ChatState;
 
 /// Bodies from this size on are prepared on the blocking pool.
-pub const LARGE_BODY_BYTES: usize = 1 << 20;
+pub(crate) const LARGE_BODY_BYTES: usize = 1 << 20;
 
 /// One preparation, owned so it can outlive the request.
 pub(super) struct Job {
-    pub chat: Arc<ChatState>,
-    pub upstream: Arc<Upstream>,
-    pub entry: Arc<Entry<Conversation>>,
-    pub client_headers: Arc<HeaderMap>,
+    pub(crate) chat: Arc<ChatState>,
+    pub(crate) upstream: Arc<Upstream>,
+    pub(crate) entry: Arc<Entry<Conversation>>,
+    pub(crate) client_headers: Arc<HeaderMap>,
     /// The credential parameters of the client's query, as written.
-    pub credential_query: Option<Arc<str>>,
-    pub creq: ApiRequest,
-    pub key: (SessionKey, u128),
+    pub(crate) credential_query: Option<Arc<str>>,
+    pub(crate) creq: ApiRequest,
+    pub(crate) key: (SessionKey, u128),
     /// Where the session id came from ([`crate::session::key::SessionSource::label`]).
-    pub id_kind: &'static str,
-    pub overflow: Option<Overflow>,
+    pub(crate) id_kind: &'static str,
+    pub(crate) overflow: Option<Overflow>,
     /// Size of the client's body.
-    pub body_len: usize,
+    pub(crate) body_len: usize,
 }
 
 /// Parses and decodes a request body, once per request: a large one
@@ -204,7 +204,7 @@ pub(super) struct BodyGuard {
 
 impl BodyGuard {
     /// Watches the body whose bytes `seen` counts (none: nothing to watch).
-    pub fn new(metrics: &Arc<Metrics>, seen: Option<Arc<AtomicU64>>) -> Self {
+    pub(crate) fn new(metrics: &Arc<Metrics>, seen: Option<Arc<AtomicU64>>) -> Self {
         Self {
             metrics: Arc::clone(metrics),
             seen,
@@ -212,7 +212,7 @@ impl BodyGuard {
     }
 
     /// The body was read whole: its bytes are in use, nothing to give back.
-    pub fn complete(mut self) {
+    pub(crate) fn complete(mut self) {
         self.seen = None;
     }
 }
@@ -273,4 +273,4 @@ pub fn trim() {
 
 /// Other allocators return memory on their own.
 #[cfg(not(all(target_os = "linux", target_env = "gnu")))]
-pub fn trim() {}
+pub(crate) fn trim() {}

@@ -26,7 +26,7 @@ use crate::request::ChatRequest;
 use super::{to_raw, DecodeError, Piece, WireMap};
 
 /// Anthropic's limit of `cache_control` breakpoints per request.
-pub const MAX_CACHE_CONTROL: usize = 4;
+pub(crate) const MAX_CACHE_CONTROL: usize = 4;
 
 /// Decodes the wire messages (and the `system` member) of `creq`.
 pub(super) fn decode(
@@ -391,7 +391,7 @@ fn system_member(system: Vec<Value>) -> Value {
 const CACHE_CONTROL: &str = "cache_control";
 
 /// `cache_control` keys anywhere in `v`.
-pub fn count_cache_control(v: &Value) -> usize {
+pub(crate) fn count_cache_control(v: &Value) -> usize {
     match v {
         Value::Object(o) => {
             usize::from(o.get(CACHE_CONTROL).is_some_and(|c| !c.is_null()))

@@ -104,7 +104,7 @@ struct Group {
 
 /// Where each engine message came from.
 #[derive(Debug, Default)]
-pub struct WireMap {
+pub(crate) struct WireMap {
     /// The client's wire messages, as received.
     wire: Vec<Box<RawValue>>,
     groups: Vec<Group>,
@@ -127,7 +127,7 @@ pub struct WireMap {
 }
 
 /// A rough token estimate of one engine message.
-pub type Rough = fn(&Value) -> u64;
+pub(crate) type Rough = fn(&Value) -> u64;
 
 impl WireMap {
     /// Records that `wire` became the engine messages `engine` (appended to
@@ -264,7 +264,7 @@ pub struct ApiRequest {
 impl DecodeError {
     /// Content-free labels for the log line and the metric:
     /// `(reason, member, role)`.
-    pub fn labels(&self) -> (&'static str, &'static str, &'static str) {
+    pub(crate) fn labels(&self) -> (&'static str, &'static str, &'static str) {
         match self {
             DecodeError::Parse(_) => ("parse", "body", ""),
             DecodeError::Unsupported(member) => ("unsupported", member, ""),
@@ -276,7 +276,7 @@ impl DecodeError {
 
 /// A role as a fixed label: the roles any of the APIs know, else `other`
 /// (or `missing`).
-pub fn role_label(role: Option<&str>) -> &'static str {
+pub(crate) fn role_label(role: Option<&str>) -> &'static str {
     match role {
         None => "missing",
         Some("system") => "system",
@@ -333,7 +333,7 @@ impl ApiRequest {
     }
 
     /// The API.
-    pub fn api(&self) -> Api {
+    pub(crate) fn api(&self) -> Api {
         self.api
     }
 
@@ -344,7 +344,7 @@ impl ApiRequest {
 
     /// The rough estimate of each engine message, in order, when
     /// [`Self::parse_with`] made them (decoded APIs only).
-    pub fn rough(&self) -> Option<&[u64]> {
+    pub(crate) fn rough(&self) -> Option<&[u64]> {
         let complete =
             self.map.rough_fn.is_some() && self.map.rough.len() == self.map.engine_hashes.len();
         complete.then_some(self.map.rough.as_slice())
@@ -353,18 +353,18 @@ impl ApiRequest {
     /// Whether the engine's messages are canonical JSON (decoded by a
     /// codec, not the client's own chat messages): their hash chain then
     /// hashes their bytes as they are (`ChainCache::chain_as`).
-    pub fn canonical(&self) -> bool {
+    pub(crate) fn canonical(&self) -> bool {
         self.api != Api::Chat
     }
 
     /// Moves the engine's messages out; the body stays unchanged until
     /// [`Self::with_messages`].
-    pub fn take_messages(&mut self) -> Vec<Box<RawValue>> {
+    pub(crate) fn take_messages(&mut self) -> Vec<Box<RawValue>> {
         std::mem::take(&mut self.engine)
     }
 
     /// Puts back the engine's messages [`Self::take_messages`] took.
-    pub fn restore_messages(&mut self, engine: Vec<Box<RawValue>>) {
+    pub(crate) fn restore_messages(&mut self, engine: Vec<Box<RawValue>>) {
         self.engine = engine;
     }
 
@@ -373,18 +373,18 @@ impl ApiRequest {
     /// request is as parsed, ready for another preparation (the retry after
     /// an overflow error) without a second parse and decode. Free when
     /// nothing was edited.
-    pub fn rewind(&mut self) {
+    pub(crate) fn rewind(&mut self) {
         self.creq.rewind();
     }
 
     /// Raw top-level member.
-    pub fn get_raw(&self, key: &str) -> Option<&RawValue> {
+    pub(crate) fn get_raw(&self, key: &str) -> Option<&RawValue> {
         self.creq.get_raw(key)
     }
 
     /// `tools` in chat-completions shape, for an upstream tokenizer that
     /// counts chat requests ([`tools`]); the client's own member for chat.
-    pub fn chat_tools(&self) -> Option<std::borrow::Cow<'_, RawValue>> {
+    pub(crate) fn chat_tools(&self) -> Option<std::borrow::Cow<'_, RawValue>> {
         let raw = self.get_raw("tools")?;
         match self.api {
             Api::Chat => Some(std::borrow::Cow::Borrowed(raw)),
@@ -393,17 +393,17 @@ impl ApiRequest {
     }
 
     /// `model`, when it is a string.
-    pub fn model(&self) -> Option<String> {
+    pub(crate) fn model(&self) -> Option<String> {
         self.creq.model()
     }
 
     /// `stream == true`.
-    pub fn stream(&self) -> bool {
+    pub(crate) fn stream(&self) -> bool {
         self.creq.stream()
     }
 
     /// The output reservation in this API's own field.
-    pub fn max_output_tokens(&self) -> Option<u64> {
+    pub(crate) fn max_output_tokens(&self) -> Option<u64> {
         let key = match self.api {
             Api::Chat => return self.creq.max_output_tokens(),
             Api::Messages => "max_tokens",
@@ -415,7 +415,7 @@ impl ApiRequest {
 
     /// A session id the body carries: `session_id` (chat), Claude Code's
     /// `metadata.user_id` (its `session_id` when it is a JSON string of one).
-    pub fn session_id(&self) -> Option<String> {
+    pub(crate) fn session_id(&self) -> Option<String> {
         match self.api {
             Api::Chat => self.creq.session_id(),
             Api::Messages => anthropic::metadata_session(self.get_raw("metadata")?),
@@ -424,7 +424,7 @@ impl ApiRequest {
     }
 
     /// Body `prompt_cache_key` (chat and Responses).
-    pub fn prompt_cache_key(&self) -> Option<String> {
+    pub(crate) fn prompt_cache_key(&self) -> Option<String> {
         match self.api {
             Api::Messages => None,
             _ => self.creq.prompt_cache_key(),
@@ -432,7 +432,7 @@ impl ApiRequest {
     }
 
     /// The chat-completions view underneath (usage planning).
-    pub fn chat_mut(&mut self) -> Option<&mut ChatRequest> {
+    pub(crate) fn chat_mut(&mut self) -> Option<&mut ChatRequest> {
         (self.api == Api::Chat).then_some(&mut self.creq)
     }
 
@@ -440,7 +440,7 @@ impl ApiRequest {
     /// conversation: the list member becomes their wire form, and the
     /// system member changes only when the engine changed the system
     /// message.
-    pub fn with_messages(&mut self, outgoing: Vec<Box<RawValue>>) {
+    pub(crate) fn with_messages(&mut self, outgoing: Vec<Box<RawValue>>) {
         let (system, wire) = match self.api {
             Api::Chat => {
                 self.creq.with_messages(outgoing);
@@ -458,7 +458,7 @@ impl ApiRequest {
     /// How many of the client's wire messages the first `k` engine
     /// messages of its conversation stand for (a system member is not a
     /// wire message).
-    pub fn wire_count(&self, k: usize) -> usize {
+    pub(crate) fn wire_count(&self, k: usize) -> usize {
         if self.api == Api::Chat {
             return k;
         }
@@ -471,7 +471,7 @@ impl ApiRequest {
     }
 
     /// The body to send.
-    pub fn to_bytes(&self) -> Bytes {
+    pub(crate) fn to_bytes(&self) -> Bytes {
         self.creq.to_bytes()
     }
 }

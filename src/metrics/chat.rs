@@ -70,10 +70,10 @@ pub struct ChatMetrics {
     /// Decodes inline and on the blocking pool.
     decodes: [AtomicU64; 2],
     /// Duration of compaction attempts that called the summariser.
-    pub summariser: Histogram,
+    pub(crate) summariser: Histogram,
     precompactions: Mutex<BTreeMap<&'static str, u64>>,
     /// Time compaction turns waited for a pre-compaction.
-    pub precompaction_wait: Histogram,
+    pub(crate) precompaction_wait: Histogram,
     unmapped: Mutex<BTreeMap<UnmappedKey, u64>>,
 }
 
@@ -124,13 +124,13 @@ impl ChatMetrics {
     }
 
     /// One chat request by the action taken.
-    pub fn action(&self, action: &'static str) {
+    pub(crate) fn action(&self, action: &'static str) {
         bump(&self.actions, action);
     }
 
     /// One conversation request forwarded untouched because its codec
     /// could not map it.
-    pub fn unmapped(&self, key: UnmappedKey) {
+    pub(crate) fn unmapped(&self, key: UnmappedKey) {
         *crate::sync::lock(&self.unmapped).entry(key).or_default() += 1;
     }
 
@@ -145,7 +145,7 @@ impl ChatMetrics {
     }
 
     /// One request body parsed and decoded, in `pool`.
-    pub fn decoded(&self, pool: DecodePool) {
+    pub(crate) fn decoded(&self, pool: DecodePool) {
         self.decodes[pool as usize].fetch_add(1, Ordering::Relaxed);
     }
 

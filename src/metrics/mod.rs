@@ -68,12 +68,12 @@ pub struct Histogram {
 }
 
 /// Buckets for sub-millisecond overhead up to a few ms.
-pub const OVERHEAD_BUCKETS: &[f64] = &[
+pub(crate) const OVERHEAD_BUCKETS: &[f64] = &[
     0.000_01, 0.000_025, 0.000_05, 0.000_1, 0.000_25, 0.000_5, 0.001, 0.002_5, 0.005, 0.01, 0.05,
     0.1,
 ];
 /// Buckets for upstream latency, ms to minutes (local models are slow).
-pub const UPSTREAM_BUCKETS: &[f64] = &[
+pub(crate) const UPSTREAM_BUCKETS: &[f64] = &[
     0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0,
 ];
 
@@ -89,7 +89,7 @@ impl Histogram {
     }
 
     /// Records one observation.
-    pub fn observe(&self, d: Duration) {
+    pub(crate) fn observe(&self, d: Duration) {
         let secs = d.as_secs_f64();
         if let Some(i) = self.bounds.iter().position(|b| secs <= *b) {
             if let Some(b) = self.buckets.get(i) {
@@ -197,7 +197,7 @@ impl Metrics {
     }
 
     /// Counts a stream ended by the idle timeout.
-    pub fn record_idle_timeout(&self) {
+    pub(crate) fn record_idle_timeout(&self) {
         self.idle_timeouts.fetch_add(1, Ordering::Relaxed);
     }
 
@@ -240,17 +240,17 @@ impl Metrics {
     }
 
     /// Counts a request refused at the buffered-body budget.
-    pub fn record_body_budget_rejection(&self) {
+    pub(crate) fn record_body_budget_rejection(&self) {
         self.body_budget_rejections.fetch_add(1, Ordering::Relaxed);
     }
 
     /// Counts a large chat request body dropped before its end.
-    pub fn record_abandoned_body(&self) {
+    pub(crate) fn record_abandoned_body(&self) {
         self.abandoned_bodies.fetch_add(1, Ordering::Relaxed);
     }
 
     /// Counts a request replayed after a keep-alive race.
-    pub fn record_upstream_retry(&self) {
+    pub(crate) fn record_upstream_retry(&self) {
         self.upstream_retries.fetch_add(1, Ordering::Relaxed);
     }
 

@@ -27,13 +27,13 @@ pub struct StoreMetrics {
     /// Records found in the store after a memory miss.
     pub read_hits: AtomicU64,
     /// Store lookups that found nothing.
-    pub read_misses: AtomicU64,
+    pub(crate) read_misses: AtomicU64,
     /// Records written through.
-    pub writes: AtomicU64,
+    pub(crate) writes: AtomicU64,
     /// Calls that failed or timed out (the request went on from memory).
-    pub degraded: AtomicU64,
+    pub(crate) degraded: AtomicU64,
     /// Compactions not run because another replica's record was found.
-    pub peer_records: AtomicU64,
+    pub(crate) peer_records: AtomicU64,
     /// Damaged store files moved aside at open (a fresh one was started).
     pub recoveries: AtomicU64,
 }
@@ -45,7 +45,7 @@ impl StoreMetrics {
     }
 
     /// Counts a compaction served by another replica's record.
-    pub fn peer_record(&self) {
+    pub(crate) fn peer_record(&self) {
         Self::bump(&self.peer_records);
     }
 

@@ -50,7 +50,7 @@ pub fn raise_nofile() -> Option<u64> {
 
 /// Elsewhere the limit is not known: the configured cap stands.
 #[cfg(not(all(target_os = "linux", target_env = "gnu")))]
-pub fn raise_nofile() -> Option<u64> {
+pub(crate) fn raise_nofile() -> Option<u64> {
     None
 }
 

@@ -36,12 +36,12 @@ pub struct AppState {
     pub config: Arc<Config>,
     /// The upstream (pooled client, base, timeouts); shared with the
     /// compaction tasks, which outlive a request whose client left.
-    pub upstream: Arc<Upstream>,
+    pub(crate) upstream: Arc<Upstream>,
     /// Metrics registry (also held by `upstream` and `chat`).
     pub metrics: Arc<Metrics>,
     /// Sessions, compaction records, windows: the chat path's state
     /// (shared with the compaction tasks).
-    pub chat: Arc<ChatState>,
+    pub(crate) chat: Arc<ChatState>,
 }
 
 impl std::fmt::Debug for AppState {

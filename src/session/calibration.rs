@@ -22,9 +22,9 @@ use crate::compaction::trigger::Usage;
 use crate::request::common_prefix_len;
 
 /// Smallest accepted real/rough ratio.
-pub const MIN_RATIO: f64 = 0.25;
+pub(crate) const MIN_RATIO: f64 = 0.25;
 /// Largest accepted real/rough ratio.
-pub const MAX_RATIO: f64 = 4.0;
+pub(crate) const MAX_RATIO: f64 = 4.0;
 /// Smallest growth (rough tokens) between two observations that yields a
 /// marginal ratio; smaller steps are too noisy.
 const MIN_MARGINAL_ROUGH: i64 = 32;
@@ -35,17 +35,17 @@ pub struct SentRequest {
     /// Chained message hashes ([`crate::request::message_hashes`]).
     pub hashes: Vec<u128>,
     /// Rough estimate per message.
-    pub rough: Vec<u64>,
+    pub(crate) rough: Vec<u64>,
     /// Rough estimate of everything that is not a message (tools, schema,
     /// template overhead), as the caller computes it.
-    pub overhead: u64,
+    pub(crate) overhead: u64,
     /// The calibrated estimate made for it.
-    pub estimated_tokens: u64,
+    pub(crate) estimated_tokens: u64,
 }
 
 impl SentRequest {
     /// Sum of the per-message estimates plus the overhead.
-    pub fn rough_total(&self) -> u64 {
+    pub(crate) fn rough_total(&self) -> u64 {
         self.rough
             .iter()
             .fold(self.overhead, |acc, r| acc.saturating_add(*r))
@@ -91,11 +91,11 @@ pub struct CalibrationSnapshot {
     /// Real `prompt_tokens` of the last observed request.
     pub last_real_prompt_tokens: Option<u64>,
     /// Current real/rough ratio.
-    pub ratio: Option<f64>,
+    pub(crate) ratio: Option<f64>,
     /// estimate/real − 1 of the last observed request.
-    pub last_estimate_error: Option<f64>,
+    pub(crate) last_estimate_error: Option<f64>,
     /// Real usage reports taken.
-    pub observations: u64,
+    pub(crate) observations: u64,
 }
 
 #[derive(Debug, Clone)]
@@ -126,7 +126,12 @@ pub struct Calibration {
 /// previous request when the new one extends it, `new_rough` the rough
 /// estimate of what was added since (may be negative when the non-message
 /// overhead shrank).
-pub fn calibrated(last_real: Option<u64>, ratio: f64, rough_total: u64, new_rough: i64) -> u64 {
+pub(crate) fn calibrated(
+    last_real: Option<u64>,
+    ratio: f64,
+    rough_total: u64,
+    new_rough: i64,
+) -> u64 {
     let ratio = ratio.clamp(MIN_RATIO, MAX_RATIO);
     match last_real {
         Some(real) => {
@@ -153,7 +158,7 @@ impl Calibration {
     }
 
     /// Real `prompt_tokens` of the last observed request.
-    pub fn last_real_prompt(&self) -> Option<u64> {
+    pub(crate) fn last_real_prompt(&self) -> Option<u64> {
         self.last.as_ref().map(|o| o.real_prompt)
     }
 
@@ -181,7 +186,7 @@ impl Calibration {
     /// snapshot (a restart): estimates are priced by the ratio until the
     /// next real usage. The last observation itself is not restored: its
     /// per-message estimates are gone with the process.
-    pub fn restore(&mut self, snap: &CalibrationSnapshot) {
+    pub(crate) fn restore(&mut self, snap: &CalibrationSnapshot) {
         self.ratio = snap.ratio.map(|r| r.clamp(MIN_RATIO, MAX_RATIO));
         self.last_error = snap.last_estimate_error;
         self.observations = snap.observations;
@@ -189,7 +194,7 @@ impl Calibration {
 
     /// Forgets everything (model switch: old calibration must not suppress
     /// what a different tokenizer needs).
-    pub fn reset(&mut self) {
+    pub(crate) fn reset(&mut self) {
         *self = Self::default();
     }
 
@@ -212,7 +217,7 @@ impl Calibration {
 
     /// [`Self::estimate`]; `rough` is also told the index of the message
     /// in `messages` (for estimates made beforehand).
-    pub fn estimate_indexed<F>(
+    pub(crate) fn estimate_indexed<F>(
         &mut self,
         messages: &[Box<RawValue>],
         hashes: &[u128],
@@ -312,7 +317,7 @@ impl Calibration {
     /// real prompt size of `sent`, and returns the same usage in the
     /// engine's rough units (by the scale just learned) for the trigger,
     /// which judges thresholds in those units.
-    pub fn learn(&mut self, sent: Arc<SentRequest>, usage: Usage) -> Usage {
+    pub(crate) fn learn(&mut self, sent: Arc<SentRequest>, usage: Usage) -> Usage {
         if let Some(prompt) = usage.prompt_tokens {
             self.observe(sent, prompt);
         }
@@ -329,7 +334,7 @@ impl Calibration {
     }
 
     /// Real → rough conversion for the engine, from the current ratio.
-    pub fn engine_scale(&self) -> EngineScale {
+    pub(crate) fn engine_scale(&self) -> EngineScale {
         EngineScale::from_ratio(self.ratio)
     }
 }
@@ -337,7 +342,7 @@ impl Calibration {
 /// How many real tokens one rough (chars/4) token is worth, for handing
 /// real figures to the engine, which budgets in rough units.
 #[derive(Debug, Clone, Copy, PartialEq)]
-pub struct EngineScale(f64);
+pub(crate) struct EngineScale(f64);
 
 impl EngineScale {
     /// Ratios this close to 1 are noise (and a rough estimate that
@@ -348,7 +353,7 @@ impl EngineScale {
 
     /// From the calibrated real/rough ratio, quantised to 1/8 so small
     /// drifts do not recompute the engine's budgets every turn.
-    pub fn from_ratio(ratio: Option<f64>) -> Self {
+    pub(crate) fn from_ratio(ratio: Option<f64>) -> Self {
         match ratio {
             Some(r) if r.is_finite() && r > Self::NOISE => {
                 Self(((r.min(Self::MAX) * 8.0).round() / 8.0).max(1.0))
@@ -358,12 +363,12 @@ impl EngineScale {
     }
 
     /// The factor.
-    pub fn factor(self) -> f64 {
+    pub(crate) fn factor(self) -> f64 {
         self.0
     }
 
     /// Real tokens → rough tokens.
-    pub fn to_rough(self, real: u64) -> u64 {
+    pub(crate) fn to_rough(self, real: u64) -> u64 {
         (real as f64 / self.0).floor() as u64
     }
 }

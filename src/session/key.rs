@@ -97,7 +97,7 @@ fn credential_params(query: &str) -> impl Iterator<Item = (Cow<'_, [u8]>, &[u8])
 /// for the client (summary, token count) presents, so an upstream that
 /// authenticates by `?key=` accepts it as it accepts the client. `None`
 /// when the query carries none.
-pub fn credential_query(query: &str) -> Option<String> {
+pub(crate) fn credential_query(query: &str) -> Option<String> {
     let pairs: Vec<&str> = query
         .split('&')
         .filter(|pair| {
@@ -110,12 +110,12 @@ pub fn credential_query(query: &str) -> Option<String> {
 
 /// [`credential_query`] of a request URI, shared by the side calls of
 /// one request.
-pub fn credential_query_of(uri: &http::Uri) -> Option<Arc<str>> {
+pub(crate) fn credential_query_of(uri: &http::Uri) -> Option<Arc<str>> {
     uri.query().and_then(credential_query).map(Arc::from)
 }
 
 /// Only the credential headers of `h` (what window discovery presents).
-pub fn credential_headers(h: &HeaderMap) -> HeaderMap {
+pub(crate) fn credential_headers(h: &HeaderMap) -> HeaderMap {
     let mut out = HeaderMap::new();
     for name in &CREDENTIAL_HEADERS {
         for v in h.get_all(name) {
@@ -150,7 +150,7 @@ impl SessionKey {
 
     /// The 32-hex-digit form as ASCII: what [`fmt::Display`] prints, without
     /// the formatting machinery (a response header on every request).
-    pub fn hex(self) -> [u8; 32] {
+    pub(crate) fn hex(self) -> [u8; 32] {
         const DIGITS: &[u8; 16] = b"0123456789abcdef";
         let mut out = [0u8; 32];
         for (i, b) in out.iter_mut().enumerate() {
@@ -199,7 +199,7 @@ pub enum SessionSource {
 
 impl SessionSource {
     /// Short label for metrics and logs.
-    pub fn label(&self) -> &'static str {
+    pub(crate) fn label(&self) -> &'static str {
         match self {
             Self::Header(_) => "header",
             Self::BodySessionId => "body_session_id",
@@ -218,14 +218,14 @@ pub struct KeyConfigError(pub String);
 #[derive(Debug, Clone)]
 pub struct HeaderRule {
     /// The header carrying the id.
-    pub name: HeaderName,
+    pub(crate) name: HeaderName,
     /// Appended to the id when present (`name+combine_with`).
-    pub combine_with: Option<HeaderName>,
+    pub(crate) combine_with: Option<HeaderName>,
 }
 
 impl HeaderRule {
     /// Parses `name` or `name+other`.
-    pub fn parse(spec: &str) -> Result<Self, KeyConfigError> {
+    pub(crate) fn parse(spec: &str) -> Result<Self, KeyConfigError> {
         let bad = || KeyConfigError(spec.to_owned());
         let (a, b) = match spec.split_once('+') {
             Some((a, b)) => (a, Some(b)),
@@ -355,7 +355,7 @@ impl SessionKeyer {
 
     /// The session key of a request of any API, from what its codec read
     /// (see [`Self::derive_with_credential`]).
-    pub fn derive_hints(
+    pub(crate) fn derive_hints(
         &self,
         headers: &HeaderMap,
         uri: &http::Uri,
@@ -454,16 +454,16 @@ impl SessionKeyer {
 
 /// What a request body says about its session, whatever its API.
 #[derive(Debug, Clone, Copy)]
-pub struct SessionHints<'a> {
+pub(crate) struct SessionHints<'a> {
     /// A body session id (chat `session_id`, Claude Code's
     /// `metadata.user_id`).
-    pub session_id: Option<&'a str>,
+    pub(crate) session_id: Option<&'a str>,
     /// Body `prompt_cache_key`.
-    pub prompt_cache_key: Option<&'a str>,
+    pub(crate) prompt_cache_key: Option<&'a str>,
     /// `model`.
-    pub model: Option<&'a str>,
+    pub(crate) model: Option<&'a str>,
     /// The conversation as the engine sees it (system message first).
-    pub messages: &'a [Box<RawValue>],
+    pub(crate) messages: &'a [Box<RawValue>],
 }
 
 #[derive(Deserialize)]

@@ -47,7 +47,7 @@ static NEXT_SLOT_ID: AtomicU64 = AtomicU64::new(0);
 impl LruSlot {
     /// A slot for a new item last used at `tick` (not filed yet: see
     /// [`LruIndex::file`]).
-    pub fn new(tick: u64) -> Self {
+    pub(crate) fn new(tick: u64) -> Self {
         Self {
             id: NEXT_SLOT_ID.fetch_add(1, Ordering::Relaxed),
             last_used: AtomicU64::new(tick),
@@ -57,12 +57,12 @@ impl LruSlot {
     }
 
     /// The last use.
-    pub fn last_used(&self) -> u64 {
+    pub(crate) fn last_used(&self) -> u64 {
         self.last_used.load(Ordering::Relaxed)
     }
 
     /// Marks a use at `tick`.
-    pub fn touch(&self, tick: u64) {
+    pub(crate) fn touch(&self, tick: u64) {
         self.last_used.store(tick, Ordering::Relaxed);
     }
 }
@@ -102,7 +102,7 @@ impl<K> Default for LruIndex<K> {
 
 impl<K: Copy> LruIndex<K> {
     /// Files an item (once it is in its map) under its last use.
-    pub fn file(&self, key: K, slot: &LruSlot) {
+    pub(crate) fn file(&self, key: K, slot: &LruSlot) {
         let mut order = lock(&self.order);
         if slot.gone.load(Ordering::Relaxed) {
             return;
@@ -113,7 +113,7 @@ impl<K: Copy> LruIndex<K> {
     }
 
     /// Forgets an item that left its map.
-    pub fn forget(&self, slot: &LruSlot) {
+    pub(crate) fn forget(&self, slot: &LruSlot) {
         let mut order = lock(&self.order);
         slot.gone.store(true, Ordering::Relaxed);
         order.remove(&(slot.indexed.load(Ordering::Relaxed), slot.id));

@@ -20,7 +20,7 @@ use std::time::Duration;
 use serde::Deserialize;
 
 /// Default per-call store timeout.
-pub const DEFAULT_TIMEOUT_MS: u64 = 250;
+pub(crate) const DEFAULT_TIMEOUT_MS: u64 = 250;
 
 /// `[store]` as written.
 #[derive(Debug, Clone, Default, Deserialize)]
@@ -29,17 +29,17 @@ pub struct RawStore {
     /// `memory` or `redb`.
     pub backend: Option<String>,
     /// The redb file.
-    pub path: Option<PathBuf>,
+    pub(crate) path: Option<PathBuf>,
     /// The Redis/Valkey URL (`redis://[user:pass@]host:port/db`, `rediss://`).
-    pub url: Option<String>,
+    pub(crate) url: Option<String>,
     /// Per-call timeout in milliseconds.
-    pub timeout_ms: Option<u64>,
+    pub(crate) timeout_ms: Option<u64>,
 }
 
 impl RawStore {
     /// Applies `COMPACTOR_STORE_BACKEND` / `COMPACTOR_STORE_PATH` (an empty
     /// value unsets).
-    pub fn apply_env(&mut self, backend: Option<String>, path: Option<String>) {
+    pub(crate) fn apply_env(&mut self, backend: Option<String>, path: Option<String>) {
         if let Some(b) = backend {
             self.backend = (!b.trim().is_empty()).then_some(b);
         }
@@ -49,7 +49,7 @@ impl RawStore {
     }
 
     /// Applies `COMPACTOR_STORE_URL` (an empty value unsets).
-    pub fn apply_url_env(&mut self, url: Option<String>) {
+    pub(crate) fn apply_url_env(&mut self, url: Option<String>) {
         if let Some(u) = url {
             self.url = (!u.trim().is_empty()).then_some(u);
         }
@@ -57,7 +57,7 @@ impl RawStore {
 
     /// Validates into a [`StoreConfig`]; `Err((key, message))` names the
     /// offending key.
-    pub fn validate(
+    pub(crate) fn validate(
         &self,
         ttl: Duration,
         max_bytes: usize,
@@ -175,7 +175,7 @@ impl StoreConfig {
 
 /// `$XDG_STATE_HOME/compactor/state.redb`, else
 /// `~/.local/state/compactor/state.redb`.
-pub fn default_path() -> Option<PathBuf> {
+pub(crate) fn default_path() -> Option<PathBuf> {
     default_path_from(
         std::env::var_os("XDG_STATE_HOME").map(PathBuf::from),
         std::env::var_os("HOME").map(PathBuf::from),

@@ -187,7 +187,7 @@ pub struct StoreHandle {
     store: Arc<dyn Store>,
     timeout: Duration,
     /// The counters.
-    pub health: Arc<StoreMetrics>,
+    pub(crate) health: Arc<StoreMetrics>,
 }
 
 impl std::fmt::Debug for StoreHandle {
@@ -266,7 +266,7 @@ impl StoreHandle {
     }
 
     /// Writes through in the background (the caller does not wait).
-    pub fn put_in_background(&self, cred: u128, record: StoredRecord) {
+    pub(crate) fn put_in_background(&self, cred: u128, record: StoredRecord) {
         let this = self.clone();
         tokio::spawn(async move { this.put(cred, record).await });
     }
@@ -278,7 +278,7 @@ impl StoreHandle {
 
     /// Stores a learned window in the background; a failure is logged and
     /// counted.
-    pub fn put_window_in_background(&self, upstream: &str, model: &str, tokens: u64) {
+    pub(crate) fn put_window_in_background(&self, upstream: &str, model: &str, tokens: u64) {
         let this = self.clone();
         let (upstream, model) = (upstream.to_owned(), model.to_owned());
         tokio::spawn(async move {
@@ -296,17 +296,17 @@ impl StoreHandle {
     }
 
     /// See [`Store::shared`].
-    pub fn shared(&self) -> bool {
+    pub(crate) fn shared(&self) -> bool {
         self.store.shared()
     }
 
     /// Whether anything outlives the process (not the memory backend).
-    pub fn persistent(&self) -> bool {
+    pub(crate) fn persistent(&self) -> bool {
         self.store.name() != "memory"
     }
 
     /// See [`Store::try_lock`]; `None` when the store failed (counted).
-    pub async fn try_lock(
+    pub(crate) async fn try_lock(
         &self,
         cred: u128,
         prefix_hash: u128,
@@ -318,20 +318,20 @@ impl StoreHandle {
     }
 
     /// See [`Store::unlock`]; a failure is counted (the lock then expires).
-    pub async fn unlock(&self, cred: u128, prefix_hash: u128, token: u64) {
+    pub(crate) async fn unlock(&self, cred: u128, prefix_hash: u128, token: u64) {
         let call = self.store.unlock(cred, prefix_hash, token);
         self.bounded("unlock", call).await;
     }
 
     /// A conversation's stored state; `None` on a miss or a failure.
-    pub async fn get_state(&self, session: u128) -> Option<Vec<u8>> {
+    pub(crate) async fn get_state(&self, session: u128) -> Option<Vec<u8>> {
         self.bounded("get_state", self.store.get_state(session))
             .await
             .flatten()
     }
 
     /// Stores a conversation's state in the background.
-    pub fn put_state_in_background(&self, session: u128, state: Vec<u8>) {
+    pub(crate) fn put_state_in_background(&self, session: u128, state: Vec<u8>) {
         let this = self.clone();
         tokio::spawn(async move {
             let call = this.store.put_state(session, state);

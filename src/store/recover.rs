@@ -12,9 +12,9 @@ use super::redb::{OpenError, RedbStore};
 /// What opening the configured file came to.
 pub struct Opened {
     /// The store, or `None`: serve from memory.
-    pub store: Option<RedbStore>,
+    pub(crate) store: Option<RedbStore>,
     /// Where a damaged file was moved to.
-    pub moved_aside: Option<PathBuf>,
+    pub(crate) moved_aside: Option<PathBuf>,
 }
 
 /// Opens `path`; a damaged file is moved aside and a fresh one opened.

@@ -90,17 +90,17 @@ pub enum RespError {
 #[derive(Clone, PartialEq, Eq)]
 pub struct RedisUrl {
     /// Host name or address.
-    pub host: String,
+    pub(crate) host: String,
     /// Port (6379 unless given).
-    pub port: u16,
+    pub(crate) port: u16,
     /// `rediss://`
-    pub tls: bool,
+    pub(crate) tls: bool,
     /// ACL user name (AUTH user pass).
-    pub user: Option<String>,
+    pub(crate) user: Option<String>,
     /// Password (AUTH [user] pass).
-    pub pass: Option<String>,
+    pub(crate) pass: Option<String>,
     /// Database number (SELECT).
-    pub db: u32,
+    pub(crate) db: u32,
 }
 
 impl std::fmt::Debug for RedisUrl {
@@ -139,7 +139,7 @@ fn percent_decode(s: &str) -> Result<String, RespError> {
 
 impl RedisUrl {
     /// Parses `redis://[user:pass@]host[:port][/db]` (or `rediss://`).
-    pub fn parse(url: &str) -> Result<Self, RespError> {
+    pub(crate) fn parse(url: &str) -> Result<Self, RespError> {
         let (tls, rest) = if let Some(r) = url.strip_prefix("rediss://") {
             (true, r)
         } else if let Some(r) = url.strip_prefix("redis://") {

@@ -21,46 +21,46 @@ use tokio::time::{Instant, Sleep};
 use crate::error::BoxError;
 
 /// The request body type sent upstream.
-pub type ProxyReqBody = http_body_util::combinators::UnsyncBoxBody<Bytes, BoxError>;
+pub(crate) type ProxyReqBody = http_body_util::combinators::UnsyncBoxBody<Bytes, BoxError>;
 
 /// The request body grew past `max_body_bytes` while streaming.
 #[derive(Debug, thiserror::Error)]
 #[error("request body exceeds the limit of {limit} bytes")]
-pub struct BodyLimitExceeded {
+pub(crate) struct BodyLimitExceeded {
     /// The configured limit.
-    pub limit: u64,
+    pub(crate) limit: u64,
 }
 
 /// The upstream sent nothing for longer than `timeouts.idle_secs`.
 #[derive(Debug, thiserror::Error)]
 #[error("upstream idle for more than {0:?}")]
-pub struct IdleTimeout(pub Duration);
+pub(crate) struct IdleTimeout(pub Duration);
 
 /// The request body did not arrive within `timeouts.body_read_secs`.
 #[derive(Debug, thiserror::Error)]
 #[error("request body not received within {0} s")]
-pub struct BodyReadTimeout(pub u64);
+pub(crate) struct BodyReadTimeout(pub u64);
 
 /// Buffering this chunk would exceed `limits.max_buffered_body_bytes`.
 #[derive(Debug, thiserror::Error)]
 #[error("request bodies buffered by compactor exceed {0} bytes")]
-pub struct BodyBudgetExceeded(pub u64);
+pub(crate) struct BodyBudgetExceeded(pub u64);
 
 /// The process-wide budget of buffered request body bytes: `used` is
 /// reserved as chunks arrive and released by whoever owns the request.
 #[derive(Debug, Clone)]
-pub struct ByteBudget {
+pub(crate) struct ByteBudget {
     /// The running total (also the metrics gauge).
-    pub used: Arc<crate::metrics::Metrics>,
+    pub(crate) used: Arc<crate::metrics::Metrics>,
     /// The cap.
-    pub max: u64,
+    pub(crate) max: u64,
 }
 
 pin_project! {
     /// Counts bytes into a shared counter and fails once `limit` is
     /// exceeded, when the body is not complete by `deadline`, or (with a
     /// budget) when the bytes buffered by all requests would exceed it.
-    pub struct LimitedBody<B> {
+    pub(crate) struct LimitedBody<B> {
         #[pin]
         inner: B,
         limit: u64,
@@ -172,7 +172,7 @@ pin_project! {
     /// the response was cut short: hyper aborts the chunked encoding / h2
     /// stream. Only time spent waiting on the upstream counts: a slow reader
     /// (backpressure, nobody polling) never trips it.
-    pub struct IdleTimeoutBody<B> {
+    pub(crate) struct IdleTimeoutBody<B> {
         #[pin]
         inner: B,
         idle: Duration,
@@ -185,7 +185,7 @@ pin_project! {
 
 impl<B> IdleTimeoutBody<B> {
     /// Wraps `inner`; `on_timeout` runs once if the timeout fires.
-    pub fn new(inner: B, idle: Duration, on_timeout: Box<dyn FnOnce() + Send>) -> Self {
+    pub(crate) fn new(inner: B, idle: Duration, on_timeout: Box<dyn FnOnce() + Send>) -> Self {
         IdleTimeoutBody {
             inner,
             idle,
@@ -255,7 +255,7 @@ pin_project! {
     /// frames handed over in the same poll as the error never reach the
     /// client. The error is handed over after a `Pending` and a short grace
     /// instead, so the frames are written first. Costs one flag per frame.
-    pub struct FlushBeforeError<B: Body> {
+    pub(crate) struct FlushBeforeError<B: Body> {
         #[pin]
         inner: B,
         // Data went out since the last `Pending`: hyper may not have

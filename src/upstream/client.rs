@@ -16,7 +16,7 @@ use super::body::ProxyReqBody;
 use crate::config::{Config, UpstreamBase};
 
 /// The pooled client every upstream request goes through.
-pub type UpstreamClient = Client<HttpsConnector<HttpConnector>, ProxyReqBody>;
+pub(crate) type UpstreamClient = Client<HttpsConnector<HttpConnector>, ProxyReqBody>;
 
 /// The client could not be built.
 #[derive(Debug, thiserror::Error)]
@@ -117,7 +117,7 @@ pub fn build_client(config: &Config) -> Result<UpstreamClient, UpstreamSetupErro
 /// Joins the upstream base with the client's path and query. Only the
 /// path and query of the client URI are used: an absolute-form URI cannot
 /// redirect the request to another host.
-pub fn join_uri(base: &UpstreamBase, client_uri: &Uri) -> Result<Uri, http::Error> {
+pub(crate) fn join_uri(base: &UpstreamBase, client_uri: &Uri) -> Result<Uri, http::Error> {
     let pq = client_uri
         .path_and_query()
         .map(PathAndQuery::as_str)

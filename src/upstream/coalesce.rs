@@ -49,7 +49,7 @@ const IDLE_POLLS_TO_RELEASE: u8 = 2;
 
 pin_project! {
     /// See the module docs.
-    pub struct CoalesceBody<B: Body> {
+    pub(crate) struct CoalesceBody<B: Body> {
         #[pin]
         inner: B,
         queue: VecDeque<Result<Frame<Bytes>, B::Error>>,

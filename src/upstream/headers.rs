@@ -15,7 +15,7 @@ const HOP_BY_HOP: &[HeaderName] = &[
 
 /// Removes hop-by-hop headers: the fixed set, `Keep-Alive`, any `Proxy-*`,
 /// and every header named in `Connection`.
-pub fn strip_hop_by_hop(headers: &mut HeaderMap) {
+pub(crate) fn strip_hop_by_hop(headers: &mut HeaderMap) {
     // One look at the names present instead of a hashed `remove` per
     // candidate: most messages carry none of them, and then nothing is
     // allocated or removed. Runs on every request and every response.
@@ -48,7 +48,7 @@ pub fn strip_hop_by_hop(headers: &mut HeaderMap) {
 
 /// Prepares client request headers for the upstream: hop-by-hop removed and
 /// the client's Host replaced (the upstream's is set by the caller).
-pub fn prepare_request_headers(headers: &mut HeaderMap) {
+pub(crate) fn prepare_request_headers(headers: &mut HeaderMap) {
     strip_hop_by_hop(headers);
     headers.remove(header::HOST);
 }

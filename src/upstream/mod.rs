@@ -34,12 +34,12 @@ use client::{build_client, join_uri, UpstreamClient, UpstreamSetupError};
 
 /// Passthrough request bodies up to this size (by their Content-Length) are
 /// read whole before they go upstream, so a keep-alive race can be retried.
-pub const REPLAYABLE_BODY_BYTES: u64 = 1 << 20;
+pub(crate) const REPLAYABLE_BODY_BYTES: u64 = 1 << 20;
 
 /// The declared length of a body [`Upstream::forward`] reads whole: a
 /// Content-Length from 1 to [`REPLAYABLE_BODY_BYTES`] (a chunked body's
 /// size is unknown until its end: streamed).
-pub fn replayable_len(headers: &HeaderMap) -> Option<u64> {
+pub(crate) fn replayable_len(headers: &HeaderMap) -> Option<u64> {
     headers
         .get(header::CONTENT_LENGTH)
         .and_then(|v| v.to_str().ok())
@@ -174,12 +174,12 @@ impl Upstream {
     }
 
     /// The upstream base URL.
-    pub fn base(&self) -> &UpstreamBase {
+    pub(crate) fn base(&self) -> &UpstreamBase {
         &self.base
     }
 
     /// The configured timeouts.
-    pub fn timeouts(&self) -> &Timeouts {
+    pub(crate) fn timeouts(&self) -> &Timeouts {
         &self.timeouts
     }
 
@@ -216,7 +216,7 @@ impl Upstream {
     /// Sends one client request upstream: URI joined onto the base, hop-by-hop
     /// headers removed, Host set to the upstream's, the first-byte timeout
     /// applied. A streamed body cannot be replayed: no retry.
-    pub async fn send(
+    pub(crate) async fn send(
         &self,
         parts: &Parts,
         body: ProxyReqBody,
@@ -230,7 +230,7 @@ impl Upstream {
     /// requests): a request that never reached the upstream (a pooled
     /// connection it closed just then; no response byte came back) is sent
     /// once more, on another connection.
-    pub async fn send_bytes(
+    pub(crate) async fn send_bytes(
         &self,
         parts: &Parts,
         body: Bytes,
@@ -243,7 +243,7 @@ impl Upstream {
     /// for each attempt instead of cloned from `parts` (whose method, URI
     /// and extensions are used): a caller that edits the client's headers
     /// makes them once per attempt rather than copying its copy.
-    pub async fn send_bytes_with(
+    pub(crate) async fn send_bytes_with(
         &self,
         parts: &Parts,
         headers: impl Fn() -> HeaderMap,
@@ -312,7 +312,7 @@ impl Upstream {
 
     /// Turns the upstream response into ours: status and headers as sent
     /// (minus hop-by-hop), body streamed frame by frame with the idle timeout.
-    pub fn stream_response(&self, resp: Response<Incoming>) -> Response<ProxyBody> {
+    pub(crate) fn stream_response(&self, resp: Response<Incoming>) -> Response<ProxyBody> {
         let (mut parts, body) = resp.into_parts();
         headers::strip_hop_by_hop(&mut parts.headers);
         Response::from_parts(parts, self.idle_timeout(body))
@@ -320,7 +320,7 @@ impl Upstream {
 
     /// Wraps a response body in the idle timeout (counted and logged when
     /// it fires) and boxes it.
-    pub fn idle_timeout<B>(&self, body: B) -> ProxyBody
+    pub(crate) fn idle_timeout<B>(&self, body: B) -> ProxyBody
     where
         B: http_body::Body<Data = Bytes> + Send + 'static,
         B::Error: Into<BoxError>,
@@ -335,12 +335,12 @@ impl Upstream {
     }
 
     /// Builds the error response for `e`, counting and logging it.
-    pub fn error_reply(&self, e: &ProxyError) -> Response<ProxyBody> {
+    pub(crate) fn error_reply(&self, e: &ProxyError) -> Response<ProxyBody> {
         self.error_reply_in(ErrorShape::OpenAi, e)
     }
 
     /// [`Upstream::error_reply`] in the client's API's error shape.
-    pub fn error_reply_in(&self, shape: ErrorShape, e: &ProxyError) -> Response<ProxyBody> {
+    pub(crate) fn error_reply_in(&self, shape: ErrorShape, e: &ProxyError) -> Response<ProxyBody> {
         self.metrics.record_error(e.code());
         match e {
             ProxyError::BodyReadTimeout(_) => self.metrics.record_body_read_timeout(),
@@ -364,7 +364,7 @@ impl Upstream {
     /// GETs `path` (relative to the upstream base, may carry a query) with
     /// `headers`, reading at most `limit` bytes of JSON. `Ok(None)` for a
     /// non-success status.
-    pub async fn get_json(
+    pub(crate) async fn get_json(
         &self,
         path: &str,
         headers: HeaderMap,
@@ -415,7 +415,7 @@ impl Upstream {
 
     /// [`Self::post_json`] with a query string (as written, without `?`):
     /// the client's `?key=` credential on a side call made for it.
-    pub async fn post_json_query(
+    pub(crate) async fn post_json_query(
         &self,
         base: &UpstreamBase,
         path: &'static str,
@@ -548,7 +548,7 @@ fn host_header(base: &UpstreamBase) -> Result<HeaderValue, http::header::Invalid
 }
 
 /// `outer: inner: innermost`, one line, no content.
-pub fn error_chain(e: &dyn std::error::Error) -> String {
+pub(crate) fn error_chain(e: &dyn std::error::Error) -> String {
     let mut s = e.to_string();
     let mut source = e.source();
     while let Some(inner) = source {
@@ -561,7 +561,7 @@ pub fn error_chain(e: &dyn std::error::Error) -> String {
 
 /// Turns a request-body read error (e.g. from collecting a
 /// [`ProxyReqBody`]) into the matching [`ProxyError`].
-pub fn body_read_error(e: &BoxError) -> ProxyError {
+pub(crate) fn body_read_error(e: &BoxError) -> ProxyError {
     if let Some(l) = e.downcast_ref::<BodyLimitExceeded>() {
         return ProxyError::BodyTooLarge { limit: l.limit };
     }

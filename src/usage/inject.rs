@@ -9,7 +9,7 @@ pub struct UsagePlan {
     /// The request streams.
     pub stream: bool,
     /// The client asked for usage itself (forward everything as is).
-    pub client_wants_usage: bool,
+    pub(crate) client_wants_usage: bool,
     /// compactor added `include_usage`; the response must go through
     /// [`super::hide::HideUsageBody`].
     pub forced: bool,
@@ -17,7 +17,7 @@ pub struct UsagePlan {
 
 impl UsagePlan {
     /// Whether the response stream needs the usage hider.
-    pub fn hide_usage(&self) -> bool {
+    pub(crate) fn hide_usage(&self) -> bool {
         self.forced
     }
 }

@@ -31,11 +31,11 @@ pub use crate::upstream::body::{Eos, Observer};
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct Timings {
     /// Prompt tokens processed for this request.
-    pub prompt_n: Option<u64>,
+    pub(crate) prompt_n: Option<u64>,
     /// Prompt tokens reused from the cache.
-    pub cache_n: Option<u64>,
+    pub(crate) cache_n: Option<u64>,
     /// Tokens generated.
-    pub predicted_n: Option<u64>,
+    pub(crate) predicted_n: Option<u64>,
 }
 
 /// Where [`UsageReport::prompt_tokens`] came from.
@@ -75,7 +75,7 @@ impl UsageReport {
     }
 
     /// `usage` with the timings fallback applied (what calibration wants).
-    pub fn effective(&self) -> Option<Usage> {
+    pub(crate) fn effective(&self) -> Option<Usage> {
         let (prompt, _) = self.prompt_tokens()?;
         let completion = self.completion_tokens();
         let base = self.usage.unwrap_or_default();
@@ -244,7 +244,7 @@ fn is_meaningful(raw: Option<&RawValue>) -> bool {
 }
 
 /// Parses a `usage` object; `None` for `null` or a non-object.
-pub fn parse_usage(raw: &RawValue) -> Option<Usage> {
+pub(crate) fn parse_usage(raw: &RawValue) -> Option<Usage> {
     let u: UsageLite = serde_json::from_str(raw.get()).ok()?;
     let cache_read = count(&u.cache_read_input_tokens);
     // The whole prompt: Anthropic's `input_tokens` leaves out what was
@@ -441,7 +441,7 @@ impl UsageExtractor {
     }
 
     /// Events skipped for exceeding the size cap.
-    pub fn oversized(&self) -> u64 {
+    pub(crate) fn oversized(&self) -> u64 {
         self.scanner.skipped() + u64::from(self.json_oversized)
     }
 }
@@ -517,14 +517,14 @@ pub struct TapOutcome {
     /// Body bytes forwarded.
     pub bytes: u64,
     /// Payloads that failed to parse.
-    pub parse_failures: u64,
+    pub(crate) parse_failures: u64,
     /// Events skipped for size.
-    pub oversized: u64,
+    pub(crate) oversized: u64,
 }
 
 /// Called with a body's usage as soon as it is known (see
 /// [`UsageObserver::on_usage`]).
-pub type OnUsage = Box<dyn FnOnce(UsageReport) + Send>;
+pub(crate) type OnUsage = Box<dyn FnOnce(UsageReport) + Send>;
 
 /// [`Observer`] that extracts usage and hands a [`TapOutcome`] to `done`
 /// exactly once, when the body ends.
@@ -550,7 +550,7 @@ impl<F: FnOnce(TapOutcome)> UsageObserver<F> {
     /// for a body that reports none. A client that sends its next turn
     /// right after the stream ends is then estimated with this turn's real
     /// count.
-    pub fn on_usage(mut self, f: OnUsage) -> Self {
+    pub(crate) fn on_usage(mut self, f: OnUsage) -> Self {
         self.on_usage = Some(f);
         self
     }

@@ -25,12 +25,12 @@ use tokio::time::Instant;
 use super::{BodyKind, StreamStart, UsageExtractor};
 
 /// The held start of a response and the rest of it.
-pub struct Peeked<B: Body> {
+pub(crate) struct Peeked<B: Body> {
     /// How the response started (`Undecided` when the cap or the end came
     /// first).
-    pub start: StreamStart,
+    pub(crate) start: StreamStart,
     /// The body with the held frames put back in front.
-    pub body: PrefixedBody<B>,
+    pub(crate) body: PrefixedBody<B>,
 }
 
 /// How long the start of a response may be held back: at most `idle`
@@ -38,16 +38,16 @@ pub struct Peeked<B: Body> {
 /// the hold-back stops and what arrived is released (the caller's own
 /// timeouts govern the rest of the body).
 #[derive(Debug, Clone, Copy)]
-pub struct HoldBack {
+pub(crate) struct HoldBack {
     /// Longest wait for the next frame.
-    pub idle: Duration,
+    pub(crate) idle: Duration,
     /// When holding back stops, whatever has arrived.
-    pub deadline: Instant,
+    pub(crate) deadline: Instant,
 }
 
 /// Why [`Peek::read`] returned.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Stop {
+pub(crate) enum Stop {
     /// Held off no longer: the start is decided, the body ended or failed,
     /// the cap was passed or the time is up.
     Done,
@@ -56,7 +56,7 @@ pub enum Stop {
 }
 
 /// A response start being read: the frames held so far and the body.
-pub struct Peek<B: Body> {
+pub(crate) struct Peek<B: Body> {
     body: B,
     ex: UsageExtractor,
     held: VecDeque<Frame<Bytes>>,
@@ -70,7 +70,7 @@ where
     B: Body<Data = Bytes> + Unpin,
 {
     /// Starts reading `body` as `kind`.
-    pub fn new(body: B, kind: BodyKind) -> Self {
+    pub(crate) fn new(body: B, kind: BodyKind) -> Self {
         Self {
             body,
             ex: UsageExtractor::new(kind),
@@ -85,7 +85,7 @@ where
     /// `max_bytes` are held or `limit` expires; with `comments`, also as
     /// soon as comment lines lead what is held. Never fails: an error of
     /// the body is handed over after the held frames.
-    pub async fn read(&mut self, max_bytes: usize, limit: HoldBack, comments: bool) -> Stop {
+    pub(crate) async fn read(&mut self, max_bytes: usize, limit: HoldBack, comments: bool) -> Stop {
         while !self.is_done(max_bytes) {
             if comments && comment_prefix_len(&self.held) > 0 {
                 return Stop::Comments;
@@ -129,13 +129,13 @@ where
     }
 
     /// How the response started so far.
-    pub fn start(&self) -> &StreamStart {
+    pub(crate) fn start(&self) -> &StreamStart {
         self.ex.start()
     }
 
     /// Splits off the whole comment lines (and blank lines) at the front of
     /// what is held; `None` when none lead it.
-    pub fn take_comments(&mut self) -> Option<Bytes> {
+    pub(crate) fn take_comments(&mut self) -> Option<Bytes> {
         let mut want = comment_prefix_len(&self.held);
         if want == 0 {
             return None;
@@ -163,7 +163,7 @@ where
     }
 
     /// The held frames in front of the rest of the body.
-    pub fn into_peeked(self) -> Peeked<B> {
+    pub(crate) fn into_peeked(self) -> Peeked<B> {
         let start = self.ex.start().clone();
         let mut body = PrefixedBody::new(self.held, self.body, self.ended);
         body.error = self.error;
@@ -215,7 +215,12 @@ fn comment_prefix_len(frames: &VecDeque<Frame<Bytes>>) -> usize {
 /// `max_bytes` are held or `limit` expires. Never fails: an error of the
 /// body is handed over after the held frames, so the client gets the
 /// upstream's bytes and then sees the cut.
-pub async fn peek_start<B>(body: B, kind: BodyKind, max_bytes: usize, limit: HoldBack) -> Peeked<B>
+pub(crate) async fn peek_start<B>(
+    body: B,
+    kind: BodyKind,
+    max_bytes: usize,
+    limit: HoldBack,
+) -> Peeked<B>
 where
     B: Body<Data = Bytes> + Unpin,
 {
@@ -227,7 +232,7 @@ where
 pin_project! {
     /// Yields the held frames, then the inner body (or the error it failed
     /// with while the frames were held).
-    pub struct PrefixedBody<B: Body> {
+    pub(crate) struct PrefixedBody<B: Body> {
         prefix: VecDeque<Frame<Bytes>>,
         #[pin]
         inner: B,
@@ -238,7 +243,7 @@ pin_project! {
 
 impl<B: Body> PrefixedBody<B> {
     /// `prefix` first, then `inner` (skipped when `inner_done`).
-    pub fn new(prefix: VecDeque<Frame<Bytes>>, inner: B, inner_done: bool) -> Self {
+    pub(crate) fn new(prefix: VecDeque<Frame<Bytes>>, inner: B, inner_done: bool) -> Self {
         Self {
             prefix,
             inner,
@@ -248,7 +253,7 @@ impl<B: Body> PrefixedBody<B> {
     }
 
     /// The held frames' data, concatenated (e.g. an error payload to parse).
-    pub fn held_bytes(&self) -> Vec<u8> {
+    pub(crate) fn held_bytes(&self) -> Vec<u8> {
         let mut out = Vec::new();
         for f in &self.prefix {
             if let Some(d) = f.data_ref() {

@@ -8,7 +8,7 @@
 use memchr::memchr2;
 
 /// Largest event (sum of its data lines) the scanner keeps.
-pub const MAX_EVENT_BYTES: usize = 1 << 20;
+pub(crate) const MAX_EVENT_BYTES: usize = 1 << 20;
 
 /// Bytes of an oversized line kept to read its field name.
 const FIELD_HEAD: usize = 8;
