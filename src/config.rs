@@ -224,9 +224,10 @@ impl Default for RawTimeouts {
             shutdown_grace_secs: 30,
             body_read_secs: 60,
             client_idle_secs: 60,
-            // Below the 5 s keep-alive of uvicorn (vLLM) and friends: a
-            // connection the upstream is about to close is not reused.
-            upstream_pool_idle_secs: 4,
+            // Below the keep-alive of common upstream servers (gunicorn 2 s,
+            // uvicorn / vLLM and cpp-httplib / llama.cpp 5 s): a connection
+            // the upstream is about to close is not reused.
+            upstream_pool_idle_secs: 1,
         }
     }
 }
@@ -504,7 +505,7 @@ impl Default for Config {
                     shutdown_grace: Duration::from_secs(30),
                     body_read: Duration::from_secs(60),
                     client_idle: Duration::from_secs(60),
-                    upstream_pool_idle: Duration::from_secs(4),
+                    upstream_pool_idle: Duration::from_secs(1),
                 },
                 limits: Limits {
                     max_connections: 4096,

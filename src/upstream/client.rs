@@ -82,36 +82,55 @@ pub fn root_store(extra_ca: Option<&Path>) -> Result<RootCertStore, UpstreamSetu
     Ok(roots)
 }
 
-/// Builds the pooled client with TCP_NODELAY, the connect timeout and the
-/// configured roots. Uses the ring provider explicitly so it works whether
-/// or not a process default is installed.
-pub fn build_client(config: &Config) -> Result<UpstreamClient, UpstreamSetupError> {
-    let roots = root_store(config.upstream_ca_file.as_deref())?;
-    let provider = Arc::new(rustls::crypto::ring::default_provider());
-    let tls = rustls::ClientConfig::builder_with_provider(provider)
-        .with_safe_default_protocol_versions()?
-        .with_root_certificates(roots)
-        .with_no_client_auth();
+/// What a pooled client is built from, kept so a second client with a
+/// shorter idle timeout can be built when the upstream announces its own
+/// keep-alive ([`super::keepalive`]).
+#[derive(Clone)]
+pub(crate) struct ClientSettings {
+    tls: Arc<rustls::ClientConfig>,
+    connect: std::time::Duration,
+}
 
-    let mut http = HttpConnector::new();
-    http.enforce_http(false);
-    http.set_nodelay(true);
-    http.set_connect_timeout(Some(config.timeouts.connect));
+impl ClientSettings {
+    /// The configured roots and connect timeout. Uses the ring provider
+    /// explicitly so it works whether or not a process default is
+    /// installed.
+    pub(crate) fn from_config(config: &Config) -> Result<Self, UpstreamSetupError> {
+        let roots = root_store(config.upstream_ca_file.as_deref())?;
+        let provider = Arc::new(rustls::crypto::ring::default_provider());
+        let tls = rustls::ClientConfig::builder_with_provider(provider)
+            .with_safe_default_protocol_versions()?
+            .with_root_certificates(roots)
+            .with_no_client_auth();
+        Ok(ClientSettings {
+            tls: Arc::new(tls),
+            connect: config.timeouts.connect,
+        })
+    }
 
-    // HTTP/1.1 upstream only: it carries SSE fine everywhere, and keeps the
-    // request shape (Host, chunking) identical for every upstream.
-    let https = hyper_rustls::HttpsConnectorBuilder::new()
-        .with_tls_config(tls)
-        .https_or_http()
-        .enable_http1()
-        .wrap_connector(http);
+    /// The pooled client with TCP_NODELAY, the connect timeout, and idle
+    /// pooled connections dropped after `idle`.
+    pub(crate) fn build(&self, idle: std::time::Duration) -> UpstreamClient {
+        let mut http = HttpConnector::new();
+        http.enforce_http(false);
+        http.set_nodelay(true);
+        http.set_connect_timeout(Some(self.connect));
 
-    Ok(Client::builder(TokioExecutor::new())
-        // Below the upstream's own keep-alive (uvicorn: 5 s), so a connection
-        // it is about to close is not picked for a request.
-        .pool_idle_timeout(config.timeouts.upstream_pool_idle)
-        .pool_timer(TokioTimer::new())
-        .build(https))
+        // HTTP/1.1 upstream only: it carries SSE fine everywhere, and keeps the
+        // request shape (Host, chunking) identical for every upstream.
+        let https = hyper_rustls::HttpsConnectorBuilder::new()
+            .with_tls_config((*self.tls).clone())
+            .https_or_http()
+            .enable_http1()
+            .wrap_connector(http);
+
+        Client::builder(TokioExecutor::new())
+            // Below the upstream's own keep-alive, so a connection it is
+            // about to close is not picked for a request.
+            .pool_idle_timeout(idle)
+            .pool_timer(TokioTimer::new())
+            .build(https)
+    }
 }
 
 /// Joins the upstream base with the client's path and query. Only the

@@ -10,6 +10,8 @@ pub mod body;
 pub mod client;
 pub mod coalesce;
 pub mod headers;
+mod keepalive;
+mod replay;
 
 use std::error::Error as _;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -28,9 +30,12 @@ use crate::config::{Config, Timeouts, UpstreamBase};
 use crate::error::{BoxError, ErrorShape, ErrorSource, ProxyBody, ProxyError};
 use crate::metrics::Metrics;
 use body::{
-    boxed, BodyBudgetExceeded, BodyLimitExceeded, BodyReadTimeout, IdleTimeoutBody, ProxyReqBody,
+    boxed, BodyBudgetExceeded, BodyLimitExceeded, BodyReadTimeout, ByteBudget, IdleTimeoutBody,
+    ProxyReqBody,
 };
-use client::{build_client, join_uri, UpstreamClient, UpstreamSetupError};
+use client::{join_uri, ClientSettings, UpstreamSetupError};
+use keepalive::Pool;
+use replay::Replay;
 
 /// Passthrough request bodies up to this size (by their Content-Length) are
 /// read whole before they go upstream, so a keep-alive race can be retried.
@@ -142,7 +147,10 @@ pub enum FetchError {
 /// The upstream: pooled client, base URL, timeouts and the metrics that
 /// count what it does.
 pub struct Upstream {
-    client: UpstreamClient,
+    pool: Pool,
+    /// `limits.max_buffered_body_bytes`: what a streamed body may keep for
+    /// a replay counts against it.
+    budget_max: u64,
     base: UpstreamBase,
     /// The Host header sent upstream, built once.
     host: HeaderValue,
@@ -161,11 +169,15 @@ impl std::fmt::Debug for Upstream {
 impl Upstream {
     /// Builds the pooled client for `config`'s upstream.
     pub fn new(config: &Config, metrics: Arc<Metrics>) -> Result<Self, UpstreamSetupError> {
-        let client = build_client(config)?;
+        let pool = Pool::new(
+            ClientSettings::from_config(config)?,
+            config.timeouts.upstream_pool_idle,
+        );
         let host =
             host_header(&config.upstream).map_err(|e| UpstreamSetupError::Host(e.to_string()))?;
         Ok(Upstream {
-            client,
+            pool,
+            budget_max: config.limits.max_buffered_body_bytes,
             base: config.upstream.clone(),
             host,
             timeouts: config.timeouts,
@@ -198,14 +210,13 @@ impl Upstream {
         } else if replayable_len(&parts.headers).is_some() {
             // Small enough to hold (the router reserved it in the body
             // budget): read whole, it can be sent again when the upstream
-            // closed the pooled connection just as it went out. A streamed
-            // body cannot, and got a 502 in that race.
+            // closed the pooled connection just as it went out.
             match body.collect().await {
                 Ok(c) => self.send_bytes(&parts, c.to_bytes()).await,
                 Err(e) => return self.error_reply(&body_read_error(&e)),
             }
         } else {
-            self.send(&parts, body).await
+            self.send_streamed(&parts, body).await
         };
         match sent {
             Ok(resp) => self.stream_response(resp),
@@ -213,17 +224,38 @@ impl Upstream {
         }
     }
 
-    /// Sends one client request upstream: URI joined onto the base, hop-by-hop
-    /// headers removed, Host set to the upstream's, the first-byte timeout
-    /// applied. A streamed body cannot be replayed: no retry.
-    pub(crate) async fn send(
+    /// Sends one client request with a streamed body upstream (URI joined
+    /// onto the base, hop-by-hop headers removed, Host set to the
+    /// upstream's, the first-byte timeout applied). The frames that went
+    /// out are kept until the upstream answers ([`replay`]), so the
+    /// keep-alive race is retried for it too, as long as little of it went
+    /// out.
+    async fn send_streamed(
         &self,
         parts: &Parts,
         body: ProxyReqBody,
     ) -> Result<Response<Incoming>, ProxyError> {
-        self.attempt(parts, parts.headers.clone(), body)
+        let budget = ByteBudget {
+            used: Arc::clone(&self.metrics),
+            max: self.budget_max,
+        };
+        let replay = Replay::new(body, budget);
+        let result = match self
+            .attempt(parts, parts.headers.clone(), replay.first())
             .await
-            .map_err(|e| self.attempt_error(e))
+        {
+            Err(Attempt::Client(e)) if unsent(&e) => match replay.again() {
+                Some(body) => {
+                    self.metrics.record_upstream_retry();
+                    tracing::debug!(error = %error_chain(&e), "upstream closed the connection before answering; replaying the streamed body once");
+                    self.attempt(parts, parts.headers.clone(), body).await
+                }
+                None => Err(Attempt::Client(e)),
+            },
+            r => r,
+        };
+        replay.answered();
+        result.map_err(|e| self.attempt_error(e))
     }
 
     /// [`Upstream::send`] for a body held in memory (chat bodies, bodiless
@@ -290,7 +322,7 @@ impl Upstream {
 
         let timeout = self.timeouts.first_byte;
         let sent = Instant::now();
-        let result = tokio::time::timeout(timeout, self.client.request(req)).await;
+        let result = tokio::time::timeout(timeout, self.pool.client().request(req)).await;
         if let Some(stats) = parts.extensions.get::<Arc<RequestStats>>() {
             stats.add_upstream_wait(sent.elapsed());
         }
@@ -298,7 +330,10 @@ impl Upstream {
             Err(_) => Err(Attempt::Failed(ProxyError::FirstByteTimeout(
                 timeout.as_secs(),
             ))),
-            Ok(Ok(resp)) => Ok(resp),
+            Ok(Ok(resp)) => {
+                self.pool.learn(resp.headers());
+                Ok(resp)
+            }
             Ok(Err(e)) => Err(Attempt::Client(e)),
         }
     }
@@ -467,10 +502,12 @@ impl Upstream {
         *req.uri_mut() = uri;
         *req.headers_mut() = headers;
         let resp = self
-            .client
+            .pool
+            .client()
             .request(req)
             .await
             .map_err(|e| FetchError::Transport(error_chain(&e)))?;
+        self.pool.learn(resp.headers());
         let status = resp.status();
         let body = http_body_util::Limited::new(resp.into_body(), limit)
             .collect()
