@@ -36,6 +36,8 @@ struct Upkeep {
     /// of the next one and closes without answering: the keep-alive race,
     /// every time.
     answer_then_drop: Option<usize>,
+    /// Drops that connection with a reset (SO_LINGER 0), not a FIN.
+    reset: bool,
 }
 
 impl Upkeep {
@@ -45,6 +47,7 @@ impl Upkeep {
             close_after_response: false,
             announce_secs: None,
             answer_then_drop: None,
+            reset: false,
         }
     }
 }
@@ -101,6 +104,9 @@ async fn serve(mut sock: TcpStream, upkeep: Upkeep, requests: Arc<AtomicUsize>) 
                 if fill(&mut sock, &mut buf, &mut chunk).await.is_none() {
                     return;
                 }
+            }
+            if upkeep.reset {
+                let _ = sock.set_linger(Some(Duration::ZERO));
             }
             return;
         }
@@ -225,6 +231,9 @@ async fn post_streamed(url: &str) -> u16 {
     });
     let (status, _, body) = fetch(req).await;
     feed.await.unwrap();
+    if status != 200 {
+        eprintln!("streamed POST: {status} {}", String::from_utf8_lossy(&body));
+    }
     if status == 200 {
         assert_eq!(
             &body[..],
@@ -239,6 +248,9 @@ async fn post_streamed(url: &str) -> u16 {
 async fn post_sized(url: &str, body: &'static [u8]) -> u16 {
     let req = request("POST", &format!("{url}/v1/embeddings"), full(body));
     let (status, _, reply) = fetch(req).await;
+    if status != 200 {
+        eprintln!("sized POST: {status} {}", String::from_utf8_lossy(&reply));
+    }
     if status == 200 {
         assert_eq!(reply, format!("{{\"len\":{}}}", body.len()));
     }
@@ -295,31 +307,32 @@ async fn measure_posts_around_an_upstream_keep_alive() {
 /// was a 502.
 #[tokio::test]
 async fn a_streamed_post_on_a_connection_closed_under_it_is_replayed() {
-    let up = KeepAliveUpstream::start(Upkeep {
-        answer_then_drop: Some(1),
-        ..Upkeep::idle_close(Duration::from_secs(30))
-    })
-    .await;
-    let proxy = start_proxy(&up.url, "").await;
-    for i in 0..4 {
-        assert_eq!(post_streamed(&proxy.url()).await, 200, "streamed POST #{i}");
-        assert_eq!(
-            post_sized(&proxy.url(), b"{\"input\":\"sized\"}").await,
-            200,
-            "sized POST #{i}"
+    for reset in [false, true] {
+        let up = KeepAliveUpstream::start(Upkeep {
+            answer_then_drop: Some(1),
+            reset,
+            ..Upkeep::idle_close(Duration::from_secs(30))
+        })
+        .await;
+        let proxy = start_proxy(&up.url, "").await;
+        for i in 0..4 {
+            let streamed = post_streamed(&proxy.url()).await;
+            assert_eq!(streamed, 200, "streamed POST #{i}, reset {reset}");
+            let sized = post_sized(&proxy.url(), b"{\"input\":\"sized\"}").await;
+            assert_eq!(sized, 200, "sized POST #{i}, reset {reset}");
+        }
+        let text = proxy.state.metrics.render(0, 0);
+        let retries = text
+            .lines()
+            .find_map(|l| l.strip_prefix("compactor_upstream_unsent_retries_total "))
+            .and_then(|v| v.trim().parse::<u64>().ok())
+            .unwrap();
+        assert!(retries >= 4, "the race happened and was retried: {retries}");
+        assert!(
+            text.contains("compactor_buffered_body_bytes 0"),
+            "kept frames were given back: {text}"
         );
     }
-    let text = proxy.state.metrics.render(0, 0);
-    let retries = text
-        .lines()
-        .find_map(|l| l.strip_prefix("compactor_upstream_unsent_retries_total "))
-        .and_then(|v| v.trim().parse::<u64>().ok())
-        .unwrap();
-    assert!(retries >= 4, "the race happened and was retried: {retries}");
-    assert!(
-        text.contains("compactor_buffered_body_bytes 0"),
-        "kept frames were given back: {text}"
-    );
 }
 
 /// An upstream that announces `Keep-Alive: timeout=1` gets its pooled

@@ -562,10 +562,13 @@ enum Attempt {
 }
 
 /// Whether the request failed before any response byte came back because
-/// the connection closed under it (hyper: "connection closed before message
-/// completed", or a request canceled before it was written): the keep-alive
-/// race with an upstream closing idle connections. Connect errors are not
-/// (nothing was pooled; a new connection would fail the same way).
+/// the connection closed under it: hyper's "connection closed before
+/// message completed", a request canceled before it was written, or a write
+/// that met a closed socket (broken pipe, reset: the upstream had closed
+/// the connection, its kernel answered our bytes with a reset). That is the
+/// keep-alive race with an upstream closing idle connections. Connect
+/// errors are not (nothing was pooled; a new connection would fail the same
+/// way), nor is a failing client body.
 fn unsent(e: &hyper_util::client::legacy::Error) -> bool {
     if e.is_connect() {
         return false;
@@ -573,7 +576,18 @@ fn unsent(e: &hyper_util::client::legacy::Error) -> bool {
     let mut source: Option<&(dyn std::error::Error + 'static)> = e.source();
     while let Some(s) = source {
         if let Some(h) = s.downcast_ref::<hyper::Error>() {
-            return h.is_incomplete_message() || h.is_canceled();
+            if h.is_incomplete_message() || h.is_canceled() {
+                return true;
+            }
+            if h.is_user() {
+                return false;
+            }
+        }
+        if let Some(io) = s.downcast_ref::<std::io::Error>() {
+            return matches!(
+                io.kind(),
+                std::io::ErrorKind::BrokenPipe | std::io::ErrorKind::ConnectionReset
+            );
         }
         source = s.source();
     }
