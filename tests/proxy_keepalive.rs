@@ -106,7 +106,7 @@ async fn serve(mut sock: TcpStream, upkeep: Upkeep, requests: Arc<AtomicUsize>) 
                 }
             }
             if upkeep.reset {
-                let _ = sock.set_linger(Some(Duration::ZERO));
+                let _ = sock.set_zero_linger();
             }
             return;
         }

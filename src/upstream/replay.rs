@@ -255,7 +255,7 @@ mod tests {
         assert_eq!(next_data(&mut first).await.unwrap(), "ab");
         assert_eq!(next_data(&mut first).await.unwrap(), "cd");
         assert_eq!(b.used.buffered_body_bytes.load(Ordering::Relaxed), 4);
-        let mut second = replay.again().unwrap();
+        let second = replay.again().unwrap();
         assert!(
             first.frame().await.unwrap().is_err(),
             "the old lease is superseded"
