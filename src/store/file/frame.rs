@@ -100,7 +100,7 @@ pub(super) fn read_header(bytes: &[u8]) -> Header {
         return Header::Foreign;
     }
     let version = le_u32(h, 8);
-    if le_u64(h, 24) != Some(xxh3_64(&h[..24.min(h.len())])) {
+    if le_u64(h, 24) != Some(xxh3_64(h.get(..24).unwrap_or_default())) {
         return Header::Damaged;
     }
     match (version, le_u64(h, 16)) {

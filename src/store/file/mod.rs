@@ -12,19 +12,19 @@
 //!
 //! The file is bounded: a put first drops the least recently used
 //! records until the new one fits `max_bytes`, and a compaction rewrites
-//! the live entries into a new file while writes go on (see
-//! [`compact`](self::compact) and [`gate`](self::gate)), so the file stays
-//! within 1.5× the bound, running and after a restart.
+//! the live entries into a new file while writes go on (see `compact.rs`
+//! and `gate.rs`), so the file stays within 1.5× the bound, running and
+//! after a restart.
 //!
 //! Nothing in a file can make a call or the open panic: a file that is
 //! damaged or not ours is moved aside and a fresh one started with every
-//! entry that checks (see [`open`](self::open)); a record damaged after
-//! open is a `Corrupt` error and leaves the index.
+//! entry that checks (see `open.rs`); a record damaged after open is a
+//! `Corrupt` error and leaves the index.
 //!
-//! Files: [`frame`] (the bytes), [`entry`] (payloads), [`index`], [`scan`]
-//! (open's read), [`open`], [`compact`] (the rewrite), [`gate`] (writes
-//! paced by it), [`room`] (every write), [`calls`], [`disk`] (lock,
-//! renames, moving aside), [`inner`] (what they share).
+//! Files: `frame.rs` (the bytes), `entry.rs` (payloads), `index.rs`,
+//! `scan.rs` (open's read), `open.rs`, `compact.rs` (the rewrite),
+//! `gate.rs` (writes paced by it), `room.rs` (every write), `calls.rs`,
+//! `disk.rs` (lock, renames, moving aside), `inner.rs` (what they share).
 
 mod calls;
 mod compact;
