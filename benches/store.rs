@@ -2,7 +2,7 @@
 //! - passthrough: the history misses in memory and `may_have` says the
 //!   store cannot hold a match (no store call);
 //! - substitution: the record is found in memory (plus the store's `touch`);
-//! - cold lookup: a memory miss read through from redb (after a restart:
+//! - cold lookup: a memory miss read through from the state file (after a restart:
 //!   once per conversation), on the blocking pool, or from Redis on
 //!   loopback (also the look-up a replica makes before it compacts);
 //! - write: a record put (in the background, after a compaction).
@@ -21,7 +21,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use compactor::chat::record::{Record, RecordStore};
-use compactor::store::redb::RedbStore;
+use compactor::store::file::FileStore;
 use compactor::store::redis::RedisStore;
 use compactor::store::{Memory, StoreHandle, StoredRecord};
 use criterion::{criterion_group, criterion_main, Criterion};
@@ -79,7 +79,7 @@ fn bench_turns(c: &mut Criterion) {
     let hashes: Vec<u128> = (1..=HISTORY as u128).collect();
     let ttl = Duration::from_secs(3600);
     let dir = tempfile::tempdir().unwrap();
-    let redb = Arc::new(RedbStore::open(&dir.path().join("s.redb"), ttl, 256 << 20).unwrap());
+    let file = Arc::new(FileStore::open(&dir.path().join("state.log"), ttl, 256 << 20).unwrap());
     let stored = StoredRecord {
         k: K,
         prefix_hash: hashes[K - 1],
@@ -93,18 +93,18 @@ fn bench_turns(c: &mut Criterion) {
     let redis = Arc::new(RedisStore::open(&url, ttl, 256 << 20).unwrap());
     rt.block_on(async {
         use compactor::store::Store;
-        redb.put(1, stored.clone()).await.unwrap();
+        file.put(1, stored.clone()).await.unwrap();
         redis.put(1, stored.clone()).await.unwrap();
     });
     let mem = StoreHandle::new(Arc::new(Memory), Duration::from_secs(1));
-    let disk = StoreHandle::new(redb, Duration::from_secs(1));
+    let disk = StoreHandle::new(file, Duration::from_secs(1));
     let shared = StoreHandle::new(redis, Duration::from_secs(1));
 
     let mut g = c.benchmark_group("turn");
     // Passthrough: nothing in memory, and the store holds no record as
     // short as this history (credential 2's fresh conversation of 100).
     let empty = RecordStore::new(ttl, 10_000);
-    let backends = [("memory", &mem), ("redb", &disk), ("redis", &shared)];
+    let backends = [("memory", &mem), ("file", &disk), ("redis", &shared)];
     for (name, h) in backends {
         g.bench_function(format!("passthrough/{name}"), |b| {
             b.iter(|| {
@@ -131,13 +131,13 @@ fn bench_turns(c: &mut Criterion) {
         });
     }
     // Cold lookup: read through from the store.
-    for (name, h) in [("redb", &disk), ("redis", &shared)] {
+    for (name, h) in [("file", &disk), ("redis", &shared)] {
         g.bench_function(format!("cold_lookup/{name}"), |b| {
             b.iter(|| rt.block_on(async { black_box(h.find(1, &hashes).await.unwrap().k) }));
         });
     }
     // A record write (after a compaction, off the request path).
-    for (name, h) in [("redb", &disk), ("redis", &shared)] {
+    for (name, h) in [("file", &disk), ("redis", &shared)] {
         g.bench_function(format!("write/{name}"), |b| {
             b.iter(|| rt.block_on(h.put(1, stored.clone())));
         });

@@ -36,7 +36,7 @@ COMPACTOR_BIN="${COMPACTOR_BIN:-$BIN/compactor}"
 . scripts/bench_bodies.sh
 write_bodies "$OUT"
 
-# The binary's default store is a redb file under the state directory: one
+# The binary's default store is a file under the state directory: one
 # shared with other runs holds their records, and looking them up (on the
 # blocking pool) would be counted here. Each run starts from an empty one.
 STATE=$(mktemp -d)

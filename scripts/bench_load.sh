@@ -56,7 +56,7 @@ BIN="${BIN:-target/perf}"
 COMPACTOR_BIN="${COMPACTOR_BIN:-$BIN/compactor}"
 
 PIDS=()
-# The binary's default store is a redb file under the state directory: one
+# The binary's default store is a file under the state directory: one
 # shared with other runs holds their records, and looking them up would be
 # part of what is measured. Each run starts from an empty one.
 STATE=$(mktemp -d)

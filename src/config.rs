@@ -1060,18 +1060,18 @@ format = "json"
     #[test]
     fn store_section_env_and_bounds() {
         use crate::store::StoreBackend;
-        // Unset: memory here (the binary switches to redb), with the
+        // Unset: memory here (the binary switches to the file), with the
         // session's TTL and byte bound.
         let c = parse("[session]\nttl_secs = 90\nmax_record_bytes = 4096\n").unwrap();
         assert_eq!(c.store.backend, StoreBackend::Memory);
         assert!(!c.store.explicit);
         assert_eq!(c.store.ttl, Duration::from_secs(90));
         assert_eq!(c.store.max_bytes, 4096);
-        let c = parse("[store]\npath = \"/tmp/s.redb\"\ntimeout_ms = 5\n").unwrap();
-        assert_eq!(c.store.backend, StoreBackend::Redb("/tmp/s.redb".into()));
+        let c = parse("[store]\npath = \"/tmp/s.log\"\ntimeout_ms = 5\n").unwrap();
+        assert_eq!(c.store.backend, StoreBackend::File("/tmp/s.log".into()));
         assert_eq!(c.store.timeout, Duration::from_millis(5));
         let env = MapEnv::from_pairs([("COMPACTOR_STORE_BACKEND", "memory")]);
-        let c = Config::from_toml_str("[store]\nbackend = \"redb\"\n", &env).unwrap();
+        let c = Config::from_toml_str("[store]\nbackend = \"file\"\n", &env).unwrap();
         assert_eq!(c.store.backend, StoreBackend::Memory);
         assert!(c.store.explicit);
         let e = parse("[store]\nbackend = \"etcd\"\n").unwrap_err();

@@ -519,7 +519,7 @@ async fn the_longest_record_is_found_in_the_store_after_a_restart() {
     let dir = tempfile::tempdir().unwrap();
     let store = format!(
         "[store]\npath = \"{}\"\n",
-        dir.path().join("state.redb").display()
+        dir.path().join("state.log").display()
     );
     let mock = ChatMock::start(Settings::default()).await;
     let proxy = start_proxy(&mock.url(), &config(&store)).await;

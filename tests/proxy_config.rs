@@ -39,7 +39,7 @@ fn command(dir: &std::path::Path) -> Command {
         .env_remove("COMPACTOR_UPSTREAM")
         .env_remove("COMPACTOR_STORE_BACKEND")
         // Each run its own store file, never the user's state directory.
-        .env("COMPACTOR_STORE_PATH", dir.join("state.redb"))
+        .env("COMPACTOR_STORE_PATH", dir.join("state.log"))
         .env("NO_COLOR", "1");
     cmd
 }

@@ -1,4 +1,4 @@
-//! Records outlive the process: the real binary on a redb store is killed
+//! Records outlive the process: the real binary on its state file is killed
 //! with SIGKILL mid-conversation and started again on the same file; the
 //! next turn goes upstream with the byte-identical replacement prefix and
 //! no summary call.
@@ -98,7 +98,7 @@ fn start(dir: &Path, upstream: &str, store: &Path) -> Proc {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn kill_9_and_restart_on_the_same_store_resends_the_prefix_without_a_summary() {
     let dir = tempfile::tempdir().unwrap();
-    let store = dir.path().join("state/state.redb");
+    let store = dir.path().join("state/state.log");
     let mock = ChatMock::start(Settings::default()).await;
     let headers = [ALICE, ("x-session-id", "a")];
 
@@ -158,7 +158,7 @@ async fn kill_9_and_restart_on_the_same_store_resends_the_prefix_without_a_summa
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn kill_9_and_restart_keeps_the_cooldown_and_the_calibration() {
     let dir = tempfile::tempdir().unwrap();
-    let store = dir.path().join("state.redb");
+    let store = dir.path().join("state.log");
     let mock = ChatMock::start(Settings {
         summary: SummaryMode::Status(500),
         bytes_per_token: 2.0,

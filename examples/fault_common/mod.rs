@@ -135,5 +135,5 @@ pub fn reader(id: u64) -> Reader {
 
 /// Whether request `id` asks for usage itself (else compactor hides it).
 pub fn client_wants_usage(id: u64) -> bool {
-    id % 3 == 0
+    id.is_multiple_of(3)
 }

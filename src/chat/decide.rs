@@ -37,7 +37,7 @@ fn margin(tokens: u64, basis: Basis, last_real: Option<u64>) -> u64 {
 
 /// Whether request number `requests` (1-based) is a micro-compaction turn.
 pub(super) fn conv_turn_due(requests: u64, every_n: u32) -> bool {
-    requests % u64::from(every_n.max(1)) == 0
+    requests.is_multiple_of(u64::from(every_n.max(1)))
 }
 
 /// What a request's size looks like to the trigger.

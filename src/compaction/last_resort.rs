@@ -379,7 +379,11 @@ mod tests {
         let out = &d.shrunk.messages;
         assert!(tokens::estimate_messages_tokens_rough(out) <= budget);
         assert_eq!(out[0], m[0], "instructions kept");
-        assert!(d.rows > 0 && d.rows % 4 == 0, "whole exchanges: {}", d.rows);
+        assert!(
+            d.rows > 0 && d.rows.is_multiple_of(4),
+            "whole exchanges: {}",
+            d.rows
+        );
         assert_eq!(out.len(), m.len() - d.rows);
         // The newest ask and its round are what is left after the kept
         // exchanges, and every tool result still follows its call.

@@ -459,7 +459,7 @@ mod tests {
         let m = Metrics::default();
         assert!(!m.render(0, 0).contains("compactor_store_writes_total"));
         let store = Arc::new(StoreMetrics::default());
-        m.register_store(Arc::clone(&store), "redb");
+        m.register_store(Arc::clone(&store), "file");
         StoreMetrics::bump(&store.writes);
         let text = m.render(0, 0);
         assert!(
@@ -467,7 +467,7 @@ mod tests {
             "{text}"
         );
         assert!(
-            text.contains("compactor_store_writes_total{backend=\"redb\"} 1"),
+            text.contains("compactor_store_writes_total{backend=\"file\"} 1"),
             "{text}"
         );
     }

@@ -6,8 +6,9 @@
 //! privilege) and the cap clamped to what the limit leaves.
 
 /// Descriptors kept out of the cap for what is not a client connection:
-/// the listener, stdio, the runtime's epoll and event fds, the redb file,
-/// a Redis pool, discovery and summary side calls.
+/// the listener, stdio, the runtime's epoll and event fds, the state file
+/// (two during a compaction), a Redis pool, discovery and summary side
+/// calls.
 pub const FIXED_HEADROOM: u64 = 64;
 
 /// The cap a soft limit of `soft` descriptors allows: half of what the

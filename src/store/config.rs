@@ -2,9 +2,10 @@
 //!
 //! ```toml
 //! [store]
-//! backend = "redb"          # "memory" | "redb" | "redis"; unset: the binary
-//!                           # uses redb, an embedding program (and the tests) memory
-//! path = "/var/lib/compactor/state.redb"   # redb file; implies backend = "redb"
+//! backend = "file"          # "memory" | "file" | "redis" ("redb": an alias of
+//!                           # "file"); unset: the binary uses the file, an
+//!                           # embedding program (and the tests) memory
+//! path = "/var/lib/compactor/state.log"    # the file; implies backend = "file"
 //! url = "redis://:pass@cache:6379/0"       # redis:// or rediss://; implies "redis"
 //! timeout_ms = 250          # a slower store call counts as failed
 //! ```
@@ -26,9 +27,9 @@ pub(crate) const DEFAULT_TIMEOUT_MS: u64 = 250;
 #[derive(Debug, Clone, Default, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct RawStore {
-    /// `memory` or `redb`.
+    /// `memory`, `file` (or its old name `redb`) or `redis`.
     pub backend: Option<String>,
-    /// The redb file.
+    /// The state file.
     pub(crate) path: Option<PathBuf>,
     /// The Redis/Valkey URL (`redis://[user:pass@]host:port/db`, `rediss://`).
     pub(crate) url: Option<String>,
@@ -72,11 +73,13 @@ impl RawStore {
             }
         }
         let backend = self.backend.as_deref().map(str::trim);
+        let backend_is_redb = backend == Some("redb");
         match (backend, &self.url) {
             (None | Some("redis"), Some(url)) => {
                 return Ok(StoreConfig {
                     backend: StoreBackend::Redis(url.clone()),
                     explicit: true,
+                    redb_alias: false,
                     ttl,
                     max_bytes,
                     timeout: Duration::from_millis(timeout_ms),
@@ -93,9 +96,9 @@ impl RawStore {
         let (backend, explicit) = match (backend, &self.path) {
             (None, None) => (StoreBackend::Memory, false),
             (Some("memory"), _) => (StoreBackend::Memory, true),
-            (None | Some("redb"), Some(p)) => (StoreBackend::Redb(p.clone()), true),
-            (Some("redb"), None) => match default_path() {
-                Some(p) => (StoreBackend::Redb(p), true),
+            (None | Some("file" | "redb"), Some(p)) => (StoreBackend::File(p.clone()), true),
+            (Some("file" | "redb"), None) => match default_path() {
+                Some(p) => (StoreBackend::File(p), true),
                 None => {
                     return Err((
                         "store.path".into(),
@@ -106,13 +109,14 @@ impl RawStore {
             (Some(other), _) => {
                 return Err((
                     "store.backend".into(),
-                    format!("expected \"memory\", \"redb\" or \"redis\", got {other:?}"),
+                    format!("expected \"memory\", \"file\" or \"redis\", got {other:?}"),
                 ))
             }
         };
         Ok(StoreConfig {
             backend,
             explicit,
+            redb_alias: backend_is_redb,
             ttl,
             max_bytes,
             timeout: Duration::from_millis(timeout_ms),
@@ -125,8 +129,8 @@ impl RawStore {
 pub enum StoreBackend {
     /// Nothing outlives the process.
     Memory,
-    /// An embedded redb file.
-    Redb(PathBuf),
+    /// The embedded append-only log file.
+    File(PathBuf),
     /// A Redis/Valkey server (the URL, credentials included: never logged).
     Redis(String),
 }
@@ -139,6 +143,8 @@ pub struct StoreConfig {
     /// Whether the backend was chosen (by `backend`, `path` or their env
     /// variables) rather than left to the default.
     pub explicit: bool,
+    /// The backend was named by its old name, `redb` (logged at open).
+    pub redb_alias: bool,
     /// Idle time after which a record is dropped.
     pub ttl: Duration,
     /// Bound on the bytes the records hold together.
@@ -152,6 +158,7 @@ impl Default for StoreConfig {
         Self {
             backend: StoreBackend::Memory,
             explicit: false,
+            redb_alias: false,
             ttl: Duration::from_secs(3600),
             max_bytes: 256 << 20,
             timeout: Duration::from_millis(DEFAULT_TIMEOUT_MS),
@@ -160,7 +167,7 @@ impl Default for StoreConfig {
 }
 
 impl StoreConfig {
-    /// The binary's default: a redb file under the user's state directory
+    /// The binary's default: the state file under the user's state directory
     /// unless a backend was chosen. Stays memory when there is no state
     /// directory.
     pub fn use_binary_default(&mut self) {
@@ -168,13 +175,14 @@ impl StoreConfig {
             return;
         }
         if let Some(p) = default_path() {
-            self.backend = StoreBackend::Redb(p);
+            self.backend = StoreBackend::File(p);
         }
     }
 }
 
-/// `$XDG_STATE_HOME/compactor/state.redb`, else
-/// `~/.local/state/compactor/state.redb`.
+/// `$XDG_STATE_HOME/compactor/state.log`, else
+/// `~/.local/state/compactor/state.log` (a `state.redb` of the backend
+/// before it, beside it, is left as it is).
 pub(crate) fn default_path() -> Option<PathBuf> {
     default_path_from(
         std::env::var_os("XDG_STATE_HOME").map(PathBuf::from),
@@ -187,7 +195,7 @@ fn default_path_from(xdg: Option<PathBuf>, home: Option<PathBuf>) -> Option<Path
         home.filter(|h| !h.as_os_str().is_empty())
             .map(|h| h.join(".local/state"))
     })?;
-    Some(base.join("compactor").join(Path::new("state.redb")))
+    Some(base.join("compactor").join(Path::new("state.log")))
 }
 
 #[cfg(test)]
@@ -205,13 +213,14 @@ mod tests {
     }
 
     #[test]
-    fn path_implies_redb_and_memory_wins_over_the_binary_default() {
+    fn path_implies_the_file_and_memory_wins_over_the_binary_default() {
         let raw = RawStore {
-            path: Some("/tmp/x.redb".into()),
+            path: Some("/tmp/x.log".into()),
             ..RawStore::default()
         };
         let c = raw.validate(TTL, 10).unwrap();
-        assert_eq!(c.backend, StoreBackend::Redb("/tmp/x.redb".into()));
+        assert_eq!(c.backend, StoreBackend::File("/tmp/x.log".into()));
+        assert!(!c.redb_alias);
         let mut m = RawStore {
             backend: Some("memory".into()),
             ..RawStore::default()
@@ -220,6 +229,26 @@ mod tests {
         .unwrap();
         m.use_binary_default();
         assert_eq!(m.backend, StoreBackend::Memory);
+    }
+
+    #[test]
+    fn redb_is_an_alias_of_the_file_backend() {
+        let raw = RawStore {
+            backend: Some("redb".into()),
+            path: Some("/tmp/old.redb".into()),
+            ..RawStore::default()
+        };
+        let c = raw.validate(TTL, 10).unwrap();
+        assert_eq!(c.backend, StoreBackend::File("/tmp/old.redb".into()));
+        assert!(c.redb_alias && c.explicit);
+        let raw = RawStore {
+            backend: Some("file".into()),
+            path: Some("/tmp/s.log".into()),
+            ..RawStore::default()
+        };
+        let c = raw.validate(TTL, 10).unwrap();
+        assert_eq!(c.backend, StoreBackend::File("/tmp/s.log".into()));
+        assert!(!c.redb_alias);
     }
 
     #[test]
@@ -271,20 +300,20 @@ mod tests {
             backend: Some("redb".into()),
             ..RawStore::default()
         };
-        raw.apply_env(Some(String::new()), Some("/tmp/y.redb".into()));
+        raw.apply_env(Some(String::new()), Some("/tmp/y.log".into()));
         assert_eq!(raw.backend, None);
-        assert_eq!(raw.path, Some("/tmp/y.redb".into()));
+        assert_eq!(raw.path, Some("/tmp/y.log".into()));
     }
 
     #[test]
     fn default_path_prefers_xdg_state_home() {
         assert_eq!(
             default_path_from(Some("/s".into()), Some("/h".into())),
-            Some(PathBuf::from("/s/compactor/state.redb"))
+            Some(PathBuf::from("/s/compactor/state.log"))
         );
         assert_eq!(
             default_path_from(Some("rel".into()), Some("/h".into())),
-            Some(PathBuf::from("/h/.local/state/compactor/state.redb"))
+            Some(PathBuf::from("/h/.local/state/compactor/state.log"))
         );
         assert_eq!(default_path_from(None, None), None);
     }

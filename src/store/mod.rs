@@ -12,7 +12,9 @@
 //!
 //! Backends:
 //! - [`Memory`]: nothing outlives the process (the behaviour before stores).
-//! - [`redb::RedbStore`]: an embedded file, the binary's default.
+//! - [`file::FileStore`]: an embedded append-only log file, the binary's
+//!   default (a damaged file is moved aside and a fresh one started; the
+//!   file stays within 1.5× the byte bound).
 //! - [`redis::RedisStore`]: Redis or Valkey, shared by several replicas.
 //!
 //! A store that fails or is slow degrades the request to memory only: the
@@ -20,8 +22,8 @@
 //! in [`StoreMetrics`] (rendered by the metrics registry).
 
 pub mod config;
+pub mod file;
 pub mod recover;
-pub mod redb;
 pub mod redis;
 pub mod resp;
 
@@ -75,7 +77,7 @@ pub enum StoreError {
 /// A backend for what must outlive a process.
 #[async_trait::async_trait]
 pub trait Store: Send + Sync {
-    /// Backend name for logs and metrics (`memory`, `redb`).
+    /// Backend name for logs and metrics (`memory`, `file`, `redis`).
     fn name(&self) -> &'static str;
 
     /// The secret that credential fingerprints and session keys are hashed
@@ -373,22 +375,32 @@ impl StoreHandle {
     }
 }
 
-/// Opens the configured store. A damaged redb file is moved aside and a
-/// fresh one started ([`recover`]); a store that cannot be opened degrades
-/// to memory (logged): the proxy still serves.
+/// Opens the configured store. A damaged file is moved aside and a fresh
+/// one started (counted in the recoveries); a store that cannot be opened
+/// at all degrades to memory (logged): the proxy still serves.
 pub fn open(cfg: &StoreConfig) -> StoreHandle {
     let mut recovered = false;
     let store: Arc<dyn Store> = match &cfg.backend {
         StoreBackend::Memory => Arc::new(Memory),
-        StoreBackend::Redb(path) => {
-            let opened = recover::open_redb(path, cfg.ttl, cfg.max_bytes);
-            recovered = opened.moved_aside.is_some();
-            match opened.store {
-                Some(s) => {
-                    tracing::info!(backend = "redb", path = %path.display(), "store opened");
+        StoreBackend::File(path) => {
+            if cfg.redb_alias {
+                tracing::info!(backend = "file", path = %path.display(),
+                    "store backend \"redb\" is now the file backend");
+            }
+            match file::FileStore::open(path, cfg.ttl, cfg.max_bytes) {
+                Ok(s) => {
+                    recovered = s.moved_aside().is_some();
+                    // A write paced by a compaction gives up before the
+                    // call's timeout would count it as slow.
+                    s.set_write_wait(cfg.timeout * 4 / 5);
+                    tracing::info!(backend = "file", path = %path.display(), "store opened");
                     Arc::new(s)
                 }
-                None => Arc::new(Memory),
+                Err(e) => {
+                    tracing::warn!(backend = "file", error = %e,
+                        "store cannot be opened; records are kept in memory only");
+                    Arc::new(Memory)
+                }
             }
         }
         StoreBackend::Redis(url) => match redis::RedisStore::open(url, cfg.ttl, cfg.max_bytes) {

@@ -286,7 +286,7 @@ def compactor(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[StartC
                 "COMPACTOR_LISTEN": f"127.0.0.1:{port}",
                 "COMPACTOR_UPSTREAM": upstream,
                 # Each compactor its own store file, never the user's state directory.
-                "COMPACTOR_STORE_PATH": str(workdir / "state.redb"),
+                "COMPACTOR_STORE_PATH": str(workdir / "state.log"),
                 **(env or {}),
             }
             with log_path.open("ab") as log:

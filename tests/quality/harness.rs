@@ -320,7 +320,7 @@ async fn serve(shared: Arc<Shared>, req: Request<Incoming>) -> Result<Response<B
 
 /// The planted fact of turn `i`, if any: `(id, where it goes)`.
 fn fact_of(sc: &Scenario, i: usize) -> Option<(String, usize)> {
-    (i % sc.fact_every == 0).then(|| {
+    i.is_multiple_of(sc.fact_every).then(|| {
         let k = i / sc.fact_every;
         (
             format!("FACT-{k:02}-{:04}", (k * 7919 + 17) % 10_000),

@@ -1,0 +1,37 @@
+//! A point where a test holds a running compaction (after its first
+//! copied entry), to show what writes do meanwhile without timing them.
+
+use std::sync::{Condvar, Mutex, PoisonError};
+
+#[derive(Debug, Default)]
+pub(super) struct Hold {
+    /// (held, parked): the test holds compactions; one is parked.
+    state: Mutex<(bool, bool)>,
+    changed: Condvar,
+}
+
+impl Hold {
+    pub(super) fn set(&self, held: bool) {
+        self.state.lock().unwrap_or_else(PoisonError::into_inner).0 = held;
+        self.changed.notify_all();
+    }
+
+    /// Called by the compaction: parks while held.
+    pub(super) fn point(&self) {
+        let mut s = self.state.lock().unwrap_or_else(PoisonError::into_inner);
+        while s.0 {
+            s.1 = true;
+            self.changed.notify_all();
+            s = self.changed.wait(s).unwrap_or_else(PoisonError::into_inner);
+        }
+        s.1 = false;
+    }
+
+    /// Waits until a compaction is parked.
+    pub(super) fn wait_parked(&self) {
+        let mut s = self.state.lock().unwrap_or_else(PoisonError::into_inner);
+        while !s.1 {
+            s = self.changed.wait(s).unwrap_or_else(PoisonError::into_inner);
+        }
+    }
+}
