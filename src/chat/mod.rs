@@ -1,8 +1,8 @@
 //! The chat-completions path: what happens to `POST /v1/chat/completions`
 //! between the client and the upstream.
 //!
-//! Each file imports only files below it in this list
-//! (`scripts/check_layers.sh`):
+//! Each file imports only files below it in this list (the `[chat]`
+//! order of `scripts/layers.txt`, which `scripts/check_layers.sh` enforces):
 //!
 //! - [`walk`]: the walk of one request (read, prepare, send, retry on
 //!   overflow, tap usage on the way back).

@@ -17,6 +17,11 @@
 //! and the shrinking of a candidate that misses it), `clip` (summary
 //! length caps), `outcome` (what a pass returns) and `micro` (the micro
 //! strategy, driven by the same compressor).
+//!
+//! Each imports only the files after it in the `[compaction/compressor]`
+//! order of `scripts/layers.txt`: `batch`, `cut`, `generate`, `micro`,
+//! `salvage`, then `instructions`, `clip`, `summary_call`, `outcome`,
+//! `failure`.
 
 mod batch;
 mod clip;
