@@ -336,3 +336,6 @@ fn de_positive_cap<'de, D: Deserializer<'de>>(d: D) -> Result<Option<u64>, D::Er
         _ => None,
     })
 }
+
+#[cfg(test)]
+mod tests;

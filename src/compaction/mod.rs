@@ -38,6 +38,10 @@ pub mod serialize;
 pub mod summariser;
 pub mod summary_failure;
 pub mod tail;
+#[cfg(test)]
+pub(crate) mod test_support;
+#[cfg(test)]
+mod tests;
 pub mod tokens;
 pub mod tool_summary;
 pub mod trigger;
