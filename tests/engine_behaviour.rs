@@ -1,17 +1,17 @@
-//! Pipeline rules no ported test pins: blank echoes, the bridge rule and the
-//! oversized active turn, rehydration of earlier summaries, the in-flight
-//! re-append, the user-turn guarantee, abort rollback and the proxy's
-//! suffix bookkeeping.
+//! Pipeline rules no ported test pins: the bridge rule, rehydration of
+//! earlier summaries, the in-flight re-append, degraded summaries and the
+//! proxy's suffix bookkeeping. The rules that need the compressor's private
+//! state or one of its steps (blank echoes, the user-turn guarantee, abort
+//! rollback, structural no-ops) are unit tests in the crate
+//! (`src/compaction/compressor/tests.rs`, `compressor/cut/tests.rs`,
+//! `assemble/tests.rs`).
 
 // Test helpers panic on bad fixtures: that is a failed test, as in a #[test].
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 mod engine_support;
 
-use compactor::compaction::assemble::{ensure_user_turn, NO_USER_TURN_MARKER};
-use compactor::compaction::compressor::{
-    remove_blank_echoes, CompressOptions, NoOpReason, Outcome,
-};
+use compactor::compaction::compressor::{CompressOptions, Outcome};
 use compactor::compaction::markers::{classify_handoff, Handoff, INFLIGHT_HEADER, SUMMARY_PREFIX};
 use compactor::compaction::view;
 use compactor::compaction::SummaryReply;
@@ -24,38 +24,6 @@ fn tool_round(id: &str, size: usize) -> [Value; 2] {
             "function": {"name": "terminal", "arguments": format!("{{\"command\":\"make {id}\"}}")}}]}),
         json!({"role": "tool", "tool_call_id": id, "content": format!("{id}: {}", "o".repeat(size))}),
     ]
-}
-
-#[test]
-fn blank_echo_after_latest_ask_is_removed_only_when_an_assistant_follows() {
-    let msgs = vec![
-        msg("user", "real"),
-        msg("user", ""),
-        msg("user", "  "),
-        msg("assistant", "ok"),
-    ];
-    let out = remove_blank_echoes(msgs);
-    assert_eq!(out.len(), 2);
-    let keep = vec![msg("user", "real"), msg("user", "")];
-    assert_eq!(
-        remove_blank_echoes(keep.clone()),
-        keep,
-        "a trailing blank may be a placeholder"
-    );
-}
-
-#[test]
-fn insufficient_messages_is_a_structural_no_op_without_strike() {
-    let mut c = compressor(3, 2);
-    let msgs = alternating(6, "m");
-    let res = block_on(c.compress(&msgs, &Stub::ok("s"), CompressOptions::default()));
-    assert_eq!(res.outcome, Outcome::NoOp(NoOpReason::InsufficientMessages));
-    assert_eq!(res.messages, msgs);
-    assert_eq!(c.trigger.ineffective_compression_count, 0);
-    assert!(c
-        .trigger
-        .block_reason()
-        .is_some_and(|r| r.starts_with("structural_backoff")));
 }
 
 #[test]
@@ -149,43 +117,6 @@ fn client_text_shaped_like_a_summary_in_the_tail_is_kept_verbatim() {
 }
 
 #[test]
-fn summary_in_memory_without_handoff_on_the_wire_is_discarded() {
-    let mut c = compressor(1, 2);
-    c.previous_summary = Some("FOREIGN-SESSION-SUMMARY".into());
-    let mut msgs = vec![msg("system", "sys")];
-    msgs.extend(alternating(10, "m"));
-    let s = Stub::ok("fresh");
-    block_on(c.compress(&msgs, &s, CompressOptions::default()));
-    assert!(!s.last_request().prompt.contains("FOREIGN-SESSION-SUMMARY"));
-}
-
-#[test]
-fn abort_rolls_back_the_rehydrated_summary() {
-    let mut c = compressor(0, 2);
-    let mut msgs = vec![
-        msg("system", "sys"),
-        summary_msg("user", &format!("{SUMMARY_PREFIX}\nOLD")),
-    ];
-    for i in 0..8 {
-        msgs.push(msg(
-            if i % 2 == 0 { "assistant" } else { "user" },
-            &format!("turn {i}"),
-        ));
-    }
-    assert!(c.previous_summary.is_none());
-    let res = block_on(c.compress(&msgs, &Stub::err(connection()), CompressOptions::default()));
-    assert_eq!(
-        res.outcome,
-        Outcome::Aborted(compactor::compaction::compressor::AbortReason::NetworkFailure)
-    );
-    assert_eq!(res.messages, msgs);
-    assert!(
-        c.previous_summary.is_none(),
-        "an aborted attempt is a true no-op"
-    );
-}
-
-#[test]
 fn inflight_task_is_reappended_when_the_only_ask_sits_in_the_head() {
     // A cron-style run: one instruction, then a long tool loop still running.
     let mut c = compressor(1, 2);
@@ -222,23 +153,6 @@ fn finished_conversation_gets_no_inflight_copy() {
         .messages
         .iter()
         .any(|m| content_str(m).contains(INFLIGHT_HEADER)));
-}
-
-#[test]
-fn user_turn_guarantee_reinserts_or_marks() {
-    let original = vec![
-        msg("system", "s"),
-        msg("user", "the ask"),
-        msg("assistant", "a"),
-    ];
-    let mut out = vec![msg("system", "s"), msg("assistant", "summary-ish")];
-    assert!(ensure_user_turn(&mut out, &original));
-    assert_eq!(content_str(out.last().unwrap()), "the ask");
-
-    let no_user = vec![msg("system", "s"), msg("assistant", "a")];
-    let mut out = vec![msg("system", "s"), msg("assistant", "x")];
-    ensure_user_turn(&mut out, &no_user);
-    assert_eq!(content_str(out.last().unwrap()), NO_USER_TURN_MARKER);
 }
 
 #[test]
@@ -447,38 +361,6 @@ fn no_user_session_rejects_invented_user_attribution() {
         res.fallback_used,
         "an invented user request is not accepted as the summary"
     );
-}
-
-#[test]
-fn no_user_marker_is_added_once_and_never_counts_as_a_user() {
-    let mut c = compressor(1, 2);
-    let first = block_on(c.compress(
-        &no_user_session(),
-        &Stub::ok("Rotated."),
-        CompressOptions::default(),
-    ));
-    let marker_rows = |m: &[Value]| {
-        m.iter()
-            .filter(|r| content_str(r).contains(NO_USER_TURN_MARKER))
-            .count()
-    };
-    assert_eq!(marker_rows(&first.messages), 1);
-    assert!(!first.messages.iter().any(view::is_real_user));
-    let mut grown = first.messages.clone();
-    for i in 20..28 {
-        grown.extend(tool_round(&format!("c{i}"), 300));
-        grown.push(msg("assistant", &format!("rotated host {i}")));
-    }
-    let second = block_on(c.compress(
-        &grown,
-        &Stub::ok("Rotated more."),
-        CompressOptions {
-            force: true,
-            ..Default::default()
-        },
-    ));
-    assert_eq!(second.outcome, Outcome::Compacted);
-    assert_eq!(marker_rows(&second.messages), 1);
 }
 
 /// A summariser that answers with empty content or a truncated summary gets

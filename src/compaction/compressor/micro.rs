@@ -548,3 +548,6 @@ fn splice_exchange(
     }
     spliced
 }
+
+#[cfg(test)]
+mod tests;

@@ -242,3 +242,6 @@ impl Compressor {
             .is_some_and(|m| !m.is_empty() && m != self.trigger.model())
     }
 }
+
+#[cfg(test)]
+mod tests;

@@ -2,6 +2,7 @@
 
 use super::*;
 use crate::compaction::markers;
+use crate::compaction::test_support::summary_msg;
 
 fn declared(mut m: Value) -> Value {
     declare_summary(&mut m);
@@ -209,4 +210,25 @@ mod summary_prefix_normalization {
         let summary = normalize_summary_prefix(&format!("{SUMMARY_PREFIX}\ndid work"));
         assert_eq!(summary, format!("{SUMMARY_PREFIX}\ndid work"));
     }
+}
+
+#[test]
+fn merged_tail_summary_still_detected_and_stripped() {
+    use crate::compaction::markers::{
+        classify_handoff, summary_body, Handoff, MERGE_DELIMITER, PRIOR_HEADER,
+    };
+    let merged = format!(
+        "{PRIOR_HEADER}\nold tail content here\n\n{MERGE_DELIMITER}\n\n{SUMMARY_PREFIX}\nTHE_SUMMARY_BODY\n\n{END_MARKER}"
+    );
+    assert!(!matches!(
+        classify_handoff(&summary_msg("user", &merged)),
+        Handoff::None
+    ));
+    assert_eq!(summary_body(&merged), "THE_SUMMARY_BODY");
+    let standalone = format!("{SUMMARY_PREFIX}\nSTANDALONE_BODY\n\n{END_MARKER}");
+    assert!(!matches!(
+        classify_handoff(&summary_msg("user", &standalone)),
+        Handoff::None
+    ));
+    assert_eq!(summary_body(&standalone), "STANDALONE_BODY");
 }

@@ -2,6 +2,8 @@
 //! reply validation.
 
 use super::*;
+use crate::compaction::markers::HISTORICAL_TASK_HEADING;
+use crate::compaction::test_support::msg;
 use crate::compaction::{markers, serialize};
 use serde_json::json;
 
@@ -302,4 +304,36 @@ mod summary_prompt_bounding {
             &json!({"role": "user", "content": marker_only.trim_start()})
         ));
     }
+}
+
+#[test]
+fn task_snapshot_skips_synthetic_user_scaffolding() {
+    use crate::compaction::serialize::latest_user_task_snapshot;
+    let msgs = vec![
+        msg("user", "fix the login bug on prod"),
+        msg("assistant", "on it"),
+        json!({"role": "user", "content": "[Your active task list was preserved across context compression]\n- item", "_todo_snapshot_synthetic": true}),
+    ];
+    let snap = latest_user_task_snapshot(&msgs).unwrap();
+    assert!(snap.contains("fix the login bug on prod"));
+    assert!(!snap.contains("task list was preserved"));
+    let only = vec![msg(
+        "user",
+        "[System: Your previous response was truncated ...]",
+    )];
+    assert!(latest_user_task_snapshot(&only).is_none());
+}
+
+#[test]
+fn grounding_preserves_following_sections_across_regrounding() {
+    use crate::compaction::serialize::ground_task_snapshot;
+    let summary = format!(
+        "{HISTORICAL_TASK_HEADING}\nUser asked: stale example\n\n## Historical Remaining Work\n- keep me\n\n## Goal\nfinish"
+    );
+    let first = ground_task_snapshot(&summary, Some("real ask"));
+    assert!(first.lines().any(|l| l == "## Historical Remaining Work"));
+    assert!(first.contains("- keep me") && first.contains("## Goal"));
+    let second = ground_task_snapshot(&first, Some("real ask"));
+    assert!(second.contains("- keep me") && second.contains("## Goal"));
+    assert_eq!(second.matches(HISTORICAL_TASK_HEADING).count(), 1);
 }
