@@ -10,13 +10,10 @@
 
 mod engine_support;
 
-use compactor::compaction::compressor::Compressor;
-use compactor::compaction::config::Strategy;
-use compactor::compaction::micro::MicroOutcome;
-use compactor::compaction::summariser::SummaryReply;
-use compactor::compaction::tokens::estimate_messages_tokens_rough;
-use compactor::compaction::truncated::CUT_MARKER;
-use compactor::compaction::view::is_summary;
+use compactor::compaction::{
+    estimate_messages_tokens_rough, is_summary, Compressor, MicroOutcome, Strategy, SummaryReply,
+    CUT_MARKER,
+};
 use engine_support::*;
 use serde_json::Value;
 
@@ -43,7 +40,7 @@ fn markers(msgs: &[Value]) -> Vec<&Value> {
 }
 
 fn pass(c: &mut Compressor, msgs: &[Value], s: &Stub) -> Vec<Value> {
-    block_on(c.micro_compact(msgs, s)).messages
+    block_on(c.micro_compact(msgs, s)).into_messages()
 }
 
 #[test]
@@ -109,15 +106,14 @@ fn emits_content_free_token_telemetry() {
     let msgs = conversation(8);
     let res = block_on(c.micro_compact(&msgs, &Stub::ok("ROLLING SUMMARY")));
     let t = res
-        .micro
-        .as_ref()
-        .and_then(|m| m.telemetry.clone())
+        .micro_telemetry()
+        .cloned()
         .expect("one telemetry record per pass");
     assert_eq!(t.event, "micro_compaction");
     assert_eq!(t.outcome, "absorbed");
     assert_eq!(t.tokens_saved_total, -t.tokens_delta);
     assert_eq!(t.passes_total, 1);
-    assert_eq!(t.messages_after, res.messages.len());
+    assert_eq!(t.messages_after, res.messages().len());
     assert!(t.exchange_tokens > 0);
     let blob = serde_json::to_string(&t).unwrap();
     assert!(!blob.contains("answer 0") && !blob.contains("question 0"));
@@ -126,9 +122,9 @@ fn emits_content_free_token_telemetry() {
 #[test]
 fn telemetry_reports_occupancy_without_forcing_resolution() {
     let mut c = micro();
-    c.trigger.set_threshold_tokens(10_000);
+    c.trigger_mut().set_threshold_tokens(10_000);
     let res = block_on(c.micro_compact(&conversation(8), &Stub::ok("ROLLING SUMMARY")));
-    let t = res.micro.and_then(|m| m.telemetry).unwrap();
+    let t = res.micro_telemetry().cloned().unwrap();
     assert_eq!(t.threshold_tokens, Some(10_000));
     let expected = t.tokens_after as f64 / 10_000.0 * 100.0;
     assert!((t.occupancy_pct.unwrap() - expected).abs() <= 0.1);
@@ -187,13 +183,13 @@ fn a_cut_exchange_summary_is_retried_once_with_a_firmer_length() {
         Ok(SummaryReply::text("- build_id: B7-1234\n- tag: REL-42")),
     ]);
     let r = block_on(c.micro_compact(&conversation(6), &s));
-    assert_eq!(r.micro.unwrap().outcome, MicroOutcome::Absorbed);
+    assert_eq!(r.micro_outcome().unwrap(), MicroOutcome::Absorbed);
     assert_eq!(s.calls(), 2, "one retry");
     let retry = s.request(1);
     assert!(retry.prompt.starts_with(&s.request(0).prompt));
     assert!(retry.prompt.contains("cut off at the reply limit"));
     assert_eq!(retry.max_tokens, s.request(0).max_tokens, "same cap");
-    let text = marker_text(&r.messages);
+    let text = marker_text(&r.messages());
     assert!(
         text.contains("tag: REL-42") && !text.contains(CUT_MARKER),
         "{text}"
@@ -209,7 +205,7 @@ fn without_room_for_the_firmer_prompt_the_cut_exchange_summary_is_kept_without_r
     let s = Stub::reply(cut_reply(CUT)).with_budget(len + 10);
     let r = block_on(c.micro_compact(&conversation(6), &s));
     assert_eq!(s.calls(), 1, "no room for the retry");
-    assert!(marker_text(&r.messages).contains(CUT_MARKER));
+    assert!(marker_text(&r.messages()).contains(CUT_MARKER));
 }
 
 #[test]
@@ -218,6 +214,6 @@ fn a_cut_exchange_summary_with_no_complete_line_is_a_failure() {
     let msgs = conversation(6);
     let s = Stub::reply(cut_reply("- half a li"));
     let r = block_on(c.micro_compact(&msgs, &s));
-    assert_eq!(r.micro.unwrap().outcome, MicroOutcome::SummarizeFailed);
-    assert_eq!(r.messages, msgs);
+    assert_eq!(r.micro_outcome().unwrap(), MicroOutcome::SummarizeFailed);
+    assert_eq!(r.messages(), msgs);
 }

@@ -10,21 +10,15 @@
 
 mod engine_support;
 
-use compactor::compaction::compressor::{
+use compactor::compaction::{
     AbortReason, AuxModelFailure, CompressOptions, CompressResult, Compressor, Outcome,
-    SummaryFailureKind,
+    SummaryFailureKind, SummaryReply, END_MARKER, SUMMARY_PREFIX,
 };
-use compactor::compaction::markers::{END_MARKER, SUMMARY_PREFIX};
-use compactor::compaction::summariser::SummaryReply;
 use engine_support::*;
 use serde_json::{json, Value};
 
-fn run(
-    c: &mut compactor::compaction::compressor::Compressor,
-    msgs: &[Value],
-    s: &Stub,
-) -> Vec<Value> {
-    block_on(c.compress(msgs, s, CompressOptions::default())).messages
+fn run(c: &mut Compressor, msgs: &[Value], s: &Stub) -> Vec<Value> {
+    block_on(c.compress(msgs, s, CompressOptions::default())).into_messages()
 }
 
 fn run_res(c: &mut Compressor, msgs: &[Value], s: &Stub) -> CompressResult {
@@ -44,15 +38,15 @@ fn run_forced_res(c: &mut Compressor, msgs: &[Value], s: &Stub) -> CompressResul
 }
 
 fn res_failure_kind(r: &CompressResult) -> Option<SummaryFailureKind> {
-    r.summary_failure.as_ref().map(|f| f.kind)
+    r.summary_failure().map(|f| f.kind())
 }
 
-fn aux_model(f: &Option<AuxModelFailure>) -> Option<&str> {
-    f.as_ref().map(|f| f.model.as_str())
+fn aux_model(f: Option<&AuxModelFailure>) -> Option<&str> {
+    f.map(|f| f.model())
 }
 
-fn aux_error(f: &Option<AuxModelFailure>) -> Option<&str> {
-    f.as_ref().map(|f| f.error.as_str())
+fn aux_error(f: Option<&AuxModelFailure>) -> Option<&str> {
+    f.map(|f| f.error())
 }
 
 fn eight_with_system() -> Vec<Value> {
@@ -97,10 +91,10 @@ fn compress_terminal_sweep_strips_markers_even_if_a_copy_site_leaks() {
         json!({"role": "system", "content": "s", "_db_persisted": true}),
     );
     let res = block_on(c.compress(&msgs, &Stub::err(no_provider()), CompressOptions::default()));
-    assert_eq!(res.outcome, Outcome::Compacted);
-    assert!(res.messages.len() < msgs.len());
+    assert_eq!(res.outcome(), Outcome::Compacted);
+    assert!(res.messages().len() < msgs.len());
     assert!(res
-        .messages
+        .messages()
         .iter()
         .all(|m| m.get("_db_persisted").is_none()));
 }
@@ -129,10 +123,10 @@ fn out_of_extra_usage_400_aborts_instead_of_dropping_context() {
         "Error code: 400 - {'error': {'message': 'out of extra usage'}}",
     ));
     let res = run_forced_res(&mut c, &msgs, &s);
-    assert_eq!(res.messages, msgs);
+    assert_eq!(res.messages(), msgs);
     assert_eq!(res_failure_kind(&res), Some(SummaryFailureKind::Auth));
     assert!(res.abort_reason().is_some());
-    assert!(!res.fallback_used);
+    assert!(!res.fallback_used());
 }
 
 #[test]
@@ -149,17 +143,17 @@ fn missing_provider_api_key_preserves_original_messages() {
             ..Default::default()
         },
     ));
-    assert_eq!(res.messages, msgs);
-    assert_eq!(res.outcome, Outcome::Aborted(AbortReason::AuthFailure));
-    let err = res.summary_failure.clone().unwrap().error;
+    assert_eq!(res.messages(), msgs);
+    assert_eq!(res.outcome(), Outcome::Aborted(AbortReason::AuthFailure));
+    let err = res.summary_failure().unwrap().error().to_string();
     assert!(
         MISSING_KEY.starts_with(err.trim_end_matches("...")),
         "{err}"
     );
     assert_eq!(res_failure_kind(&res), Some(SummaryFailureKind::Auth));
     assert!(res.abort_reason().is_some());
-    assert!(!res.fallback_used);
-    assert_eq!(res.dropped_count, 0);
+    assert!(!res.fallback_used());
+    assert_eq!(res.dropped_count(), 0);
 }
 
 #[test]
@@ -171,10 +165,10 @@ fn quota_402_with_retry_uses_existing_fallback() {
         "quota exceeded, please retry after the window resets",
     ));
     let res = run_forced_res(&mut c, &msgs, &s);
-    assert_ne!(res.messages, msgs);
+    assert_ne!(res.messages(), msgs);
     assert_ne!(res_failure_kind(&res), Some(SummaryFailureKind::Auth));
     assert!(res.abort_reason().is_none());
-    assert!(res.fallback_used);
+    assert!(res.fallback_used());
 }
 
 // ------------------------------------------- TestAuxModelFallbackSurfacedToCallers
@@ -195,10 +189,10 @@ fn compress_exposes_aux_failure_fields_after_successful_fallback() {
         Ok(SummaryReply::text("summary via main")),
     ]);
     let res = run_res(&mut c, &seven(), &s);
-    let out = res.messages.clone();
-    assert!(!res.fallback_used);
-    assert_eq!(aux_model(&res.aux_model_failure), Some("broken-aux-model"));
-    assert!(aux_error(&res.aux_model_failure).unwrap().contains("400"));
+    let out = res.messages().to_vec();
+    assert!(!res.fallback_used());
+    assert_eq!(aux_model(res.aux_model_failure()), Some("broken-aux-model"));
+    assert!(aux_error(res.aux_model_failure()).unwrap().contains("400"));
     assert!(out
         .iter()
         .any(|m| content_str(m).contains("summary via main")));
@@ -210,10 +204,10 @@ fn compress_exposes_aux_failure_fields_after_successful_fallback() {
 fn compress_records_fallback_and_dropped_count_on_summary_failure() {
     let mut c = compressor(2, 2);
     let res = run_res(&mut c, &seven(), &Stub::err(plain("404 model not found")));
-    let out = res.messages.clone();
-    assert!(res.fallback_used);
-    assert!(res.dropped_count > 0);
-    assert!(res.summary_failure.is_some());
+    let out = res.messages().to_vec();
+    assert!(res.fallback_used());
+    assert!(res.dropped_count() > 0);
+    assert!(res.summary_failure().is_some());
     assert!(res.abort_reason().is_none());
     assert!(out
         .iter()
@@ -252,7 +246,7 @@ fn summary_failure_fallback_preserves_tool_paths_and_redacts_secret_context() {
 
 // --------------------------------------------------------- TestAbortOnSummaryFailure
 
-fn abort_compressor() -> compactor::compaction::compressor::Compressor {
+fn abort_compressor() -> Compressor {
     compressor_with("test", 100_000, |c| {
         c.protect_first_n = 2;
         c.protect_last_n = 2;
@@ -265,11 +259,11 @@ fn compress_aborts_and_preserves_messages_on_summary_failure() {
     let mut c = abort_compressor();
     let msgs = seven();
     let res = run_res(&mut c, &msgs, &Stub::err(plain("404 model not found")));
-    let out = res.messages.clone();
+    let out = res.messages().to_vec();
     assert!(res.abort_reason().is_some());
-    assert!(res.summary_failure.is_some());
-    assert!(!res.fallback_used);
-    assert_eq!(res.dropped_count, 0);
+    assert!(res.summary_failure().is_some());
+    assert!(!res.fallback_used());
+    assert_eq!(res.dropped_count(), 0);
     assert_eq!(out, msgs);
     assert!(!out
         .iter()
@@ -384,7 +378,7 @@ fn merge_into_tail_end_marker_is_last() {
         json!({"role": "user", "content": [{"type": "text", "text": "PRESERVED_TAIL_CONTENT"}]}),
     );
     let res = block_on(c.compress(&msgs, &Stub::ok("SUMMARY_BODY"), CompressOptions::default()));
-    let merged = &res.messages[res.summary_index.unwrap()];
+    let merged = &res.messages()[res.summary_index().unwrap()];
     let text = content_str(merged);
     let end = END_MARKER.trim();
     assert!(text.contains("PRESERVED_TAIL_CONTENT"));
@@ -430,7 +424,7 @@ fn small_conversation_still_compresses() {
             ..Default::default()
         },
     ));
-    assert!(res.messages.len() < msgs.len());
+    assert!(res.messages().len() < msgs.len());
 }
 
 // ---------------------------------------------------------- TestCooldownReentryAbort
@@ -440,7 +434,7 @@ fn network_failure_cooldown_reentry_still_aborts() {
     let mut c = compressor(2, 2);
     let msgs = alternating(12, "msg ");
     let first = run_forced_res(&mut c, &msgs, &Stub::err(connection()));
-    assert_eq!(first.messages, msgs);
+    assert_eq!(first.messages(), msgs);
     assert!(first.abort_reason().is_some());
     assert_eq!(res_failure_kind(&first), Some(SummaryFailureKind::Network));
     let s = Stub::ok("should not be called");
@@ -452,10 +446,10 @@ fn network_failure_cooldown_reentry_still_aborts() {
             ..Default::default()
         },
     ));
-    assert_eq!(res.messages, msgs);
+    assert_eq!(res.messages(), msgs);
     assert_eq!(s.calls(), 0, "the cooldown holds the retry");
     assert!(res.abort_reason().is_some());
-    assert!(!res.fallback_used);
+    assert!(!res.fallback_used());
 }
 
 #[test]
@@ -467,7 +461,7 @@ fn auth_failure_cooldown_reentry_still_aborts() {
         &msgs,
         &Stub::err(status(401, "Error code: 401 - invalid api key")),
     );
-    assert_eq!(first.messages, msgs);
+    assert_eq!(first.messages(), msgs);
     assert!(first.abort_reason().is_some());
     assert_eq!(res_failure_kind(&first), Some(SummaryFailureKind::Auth));
     let res = block_on(c.compress(
@@ -478,9 +472,9 @@ fn auth_failure_cooldown_reentry_still_aborts() {
             ..Default::default()
         },
     ));
-    assert_eq!(res.messages, msgs);
+    assert_eq!(res.messages(), msgs);
     assert!(res.abort_reason().is_some());
-    assert!(!res.fallback_used);
+    assert!(!res.fallback_used());
 }
 
 // --------------------------------------------------------- TestDoubleCompactionSummaryRole
@@ -488,7 +482,7 @@ fn auth_failure_cooldown_reentry_still_aborts() {
 #[test]
 fn double_compaction_summary_must_be_user_when_only_system_protected() {
     let mut c = compressor(2, 2);
-    c.trigger.compression_count = 1;
+    restored(&mut c, 1, 0);
     let mut msgs = vec![msg("system", "You are a helpful assistant.")];
     for i in 1..=6 {
         msgs.push(msg(
@@ -524,7 +518,7 @@ fn restart_handoff_without_system_still_starts_with_user() {
 #[test]
 fn double_compaction_user_tail_merges_into_tail() {
     let mut c = compressor(2, 2);
-    c.trigger.compression_count = 1;
+    restored(&mut c, 1, 0);
     let mut msgs = vec![msg("system", "You are a helpful assistant.")];
     for i in 1..=7 {
         msgs.push(msg(
@@ -537,8 +531,8 @@ fn double_compaction_user_tail_merges_into_tail() {
         &Stub::ok("summary of earlier turns"),
         CompressOptions::default(),
     ));
-    let out = &res.messages;
-    let carrier = &out[res.summary_index.unwrap()];
+    let out = &res.messages();
+    let carrier = &out[res.summary_index().unwrap()];
     assert!(
         content_str(carrier).contains("msg 5"),
         "summary merged into the tail row"

@@ -25,9 +25,10 @@ use http::HeaderMap;
 use serde_json::value::RawValue;
 use tokio::time::Instant;
 
+use crate::compaction::compressor::micro::MicroState;
 use crate::compaction::config::Strategy;
-use crate::compaction::micro::{MicroOutcome, MicroState};
 use crate::compaction::trigger::{Trigger, WindowSource};
+use crate::compaction::MicroOutcome;
 use crate::compaction::{Compressor, Outcome};
 use crate::request::message_hashes;
 use crate::upstream::Upstream;

@@ -5,7 +5,7 @@
 
 use tokio::task::JoinHandle;
 
-use crate::compaction::micro::MicroState;
+use crate::compaction::compressor::micro::MicroState;
 
 use super::record::Record;
 

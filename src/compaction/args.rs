@@ -12,16 +12,13 @@ use serde::ser::{Serialize, SerializeMap, SerializeSeq, Serializer};
 use std::fmt;
 
 /// Default maximum characters kept of a string leaf.
-pub const DEFAULT_MAX_LEAF_CHARS: usize = 200;
-
-/// Arguments shorter than this are never shrunk by the prune pass.
-pub const ARGS_SHRINK_MIN_CHARS: usize = 500;
+pub(super) const DEFAULT_MAX_LEAF_CHARS: usize = 200;
 
 /// Suffix every shortened leaf ends with. The head of the marker is loud and
 /// clearly not prose: models imitated a bare `...[truncated]` in new tool
 /// calls and wrote it to disk. The tail keeps the common
 /// `...[truncated]` ending that downstream checks recognise.
-pub const TRUNCATION_TAG: &str = "...[truncated]";
+pub(super) const TRUNCATION_TAG: &str = "...[truncated]";
 
 /// The marker appended to a shortened leaf.
 pub(crate) fn truncation_marker(omitted: usize, original: usize) -> String {
@@ -196,7 +193,7 @@ fn shrink_leaves(v: &mut OrderedJson, max_leaf: usize) -> bool {
 /// the arguments are not JSON, nothing shrinks, or the result would not be
 /// shorter, the original string comes back byte for byte (so unchanged
 /// messages stay byte-stable for prompt caches).
-pub fn truncate_tool_call_args_json(args: &str, max_leaf: usize) -> String {
+pub(super) fn truncate_tool_call_args_json(args: &str, max_leaf: usize) -> String {
     let Ok(mut parsed) = OrderedJson::parse(args) else {
         return args.to_string();
     };

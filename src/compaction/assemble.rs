@@ -10,7 +10,8 @@ use super::view;
 
 /// User message appended when a conversation has no human-authored turn at
 /// all, so strict chat templates ("No user query found") accept it.
-pub const NO_USER_TURN_MARKER: &str = "Continue from the compressed conversation context above. \
+pub(super) const NO_USER_TURN_MARKER: &str =
+    "Continue from the compressed conversation context above. \
 This marker exists because no human user turn was available.";
 
 /// Where the summary went.
@@ -287,7 +288,7 @@ fn append_user_text(messages: &mut Vec<Value>, text: &str) {
 /// The caller's guarantee: some real user row survives. The newest one
 /// from the original is re-inserted when none does; a fixed marker is used
 /// when the conversation never had one. Returns true when something was added.
-pub fn ensure_user_turn(messages: &mut Vec<Value>, original: &[Value]) -> bool {
+pub(super) fn ensure_user_turn(messages: &mut Vec<Value>, original: &[Value]) -> bool {
     if messages
         .iter()
         .any(|m| view::is_real_user(m) || view::text(m).contains(NO_USER_TURN_MARKER))

@@ -18,10 +18,8 @@ use std::sync::LazyLock;
 
 /// Cap of the whole fallback summary (prefix included).
 pub(crate) const FALLBACK_MAX_CHARS: usize = 8_000;
-/// Cap of the previous-summary snapshot quoted in the fallback.
-pub const PREVIOUS_SNAPSHOT_MAX_CHARS: usize = 3_000;
 /// Cap of each dropped turn's text.
-pub const TURN_MAX_CHARS: usize = 700;
+pub(super) const TURN_MAX_CHARS: usize = 700;
 /// Phrase every fallback carries so callers and users can tell it apart
 /// from a model-written summary.
 pub(crate) const FALLBACK_NOTICE: &str = "Summary generation was unavailable";
@@ -484,7 +482,7 @@ fn fit_sections(mut required: String, optional: Vec<(usize, String)>, budget: us
 /// arguments and path-looking text), the last 8 dropped turns, a quoted
 /// previous-summary snapshot (≤ 3,000 chars) and the failure reason. All
 /// text is strictly redacted; the total is ≤ 8,000 chars.
-pub fn build_fallback_summary(
+pub(super) fn build_fallback_summary(
     dropped: &[Value],
     previous_summary: Option<&str>,
     reason: &str,

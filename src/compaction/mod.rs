@@ -22,39 +22,51 @@
 //! record is `messages[..messages.len() - kept_suffix]` standing for
 //! `input[..input.len() - kept_suffix]`.
 
-pub mod args;
-pub mod assemble;
-pub mod budget;
-pub mod compressor;
-pub mod config;
-pub mod fallback;
-pub mod last_resort;
-pub mod markers;
-pub mod prune;
-pub mod redact;
-pub mod salient;
-pub mod sanitize;
-pub mod serialize;
-pub mod summariser;
-pub mod summary_failure;
-pub mod tail;
+// What is `pub` here is the engine's surface: the types and functions
+// re-exported below. Everything else is the crate's, and this lint keeps it
+// so.
+#![warn(unreachable_pub)]
+
+mod args;
+mod assemble;
+pub(crate) mod budget;
+pub(crate) mod compressor;
+pub(crate) mod config;
+mod fallback;
+pub(crate) mod last_resort;
+pub(crate) mod markers;
+mod prune;
+mod redact;
+mod salient;
+mod sanitize;
+mod serialize;
+pub(crate) mod summariser;
+pub(crate) mod summary_failure;
+mod tail;
 #[cfg(test)]
 pub(crate) mod test_support;
 #[cfg(test)]
 mod tests;
-pub mod tokens;
-pub mod tool_summary;
-pub mod trigger;
-pub mod truncated;
-pub mod user_messages;
-pub mod view;
+pub(crate) mod tokens;
+mod tool_summary;
+pub(crate) mod trigger;
+mod truncated;
+mod user_messages;
+mod view;
 
-// The compressor's own steps, at their old paths.
-pub use compressor::{instructions, micro};
-
+pub use compressor::micro::{MicroOutcome, MicroTelemetry};
 pub use compressor::{
-    AbortReason, AuxModelFailure, CompressOptions, CompressResult, Compressor, NoOpReason, Outcome,
-    SummaryAttempt, SummaryFailure, SummaryFailureKind,
+    AbortReason, AuxModelFailure, CompressOptions, CompressResult, CompressTelemetry, Compressor,
+    NoOpReason, Outcome,
 };
+pub use config::{CompactionConfig, Strategy};
+pub use last_resort::Fit;
+pub use markers::{declare_summary, END_MARKER, INFLIGHT_HEADER, NO_USER_SENTINEL, SUMMARY_PREFIX};
 pub use summariser::{Summariser, SummaryError, SummaryReply, SummaryRequest};
-pub use summary_failure::SummaryErrorKind;
+pub use summary_failure::{SummaryErrorKind, SummaryFailureKind};
+pub use tokens::{
+    estimate_messages_tokens_rough, estimate_msg_budget_tokens, estimate_request_tokens_rough,
+};
+pub use trigger::{Trigger, TriggerSnapshot, Usage, WindowSource};
+pub use truncated::CUT_MARKER;
+pub use view::is_summary;

@@ -20,7 +20,7 @@ pub(crate) const TOOL_CALL_REMOVED: &str = "(tool call removed)";
 /// result. The final row, when it is an assistant with tool calls, is the
 /// in-flight turn whose results the client has not appended yet; it is left
 /// alone.
-pub fn sanitize_tool_pairs(mut msgs: Vec<Value>) -> Vec<Value> {
+pub(super) fn sanitize_tool_pairs(mut msgs: Vec<Value>) -> Vec<Value> {
     let inflight = msgs
         .last()
         .filter(|m| view::has_tool_calls(m))

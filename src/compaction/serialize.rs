@@ -2,8 +2,8 @@
 //! summary prompt, validating the reply and grounding its task snapshot.
 
 use super::markers::{
-    neutralize_reserved_markers, strip_inflight_header, strip_leading_prefixes,
-    HISTORICAL_TASK_HEADING, LEGACY_TASK_HEADINGS, NO_USER_SENTINEL,
+    neutralize_reserved_markers, strip_leading_prefixes, HISTORICAL_TASK_HEADING,
+    LEGACY_TASK_HEADINGS, NO_USER_SENTINEL,
 };
 use super::redact::redact_secrets;
 use regex::Regex;
@@ -12,10 +12,10 @@ use std::sync::LazyLock;
 
 /// Cap on the serialized turns (and separately on the previous summary) in
 /// one summary prompt: about 40 K tokens.
-pub const SUMMARY_INPUT_MAX_CHARS: usize = 160_000;
+pub(super) const SUMMARY_INPUT_MAX_CHARS: usize = 160_000;
 
 /// A message body longer than this is cut for the summariser …
-pub const MSG_TRUNCATE_OVER_CHARS: usize = 6_000;
+pub(super) const MSG_TRUNCATE_OVER_CHARS: usize = 6_000;
 /// … keeping this many leading characters …
 pub(crate) const MSG_KEEP_HEAD_CHARS: usize = 4_000;
 /// … and this many trailing characters.
@@ -204,7 +204,7 @@ pub(crate) fn serialize_message(msg: &Value) -> String {
 /// attachment]`, think blocks are removed from assistant text, bodies over
 /// 6,000 chars keep 4,000 + 1,500, arguments over 1,500 keep 1,200. Native
 /// reasoning fields are never included.
-pub fn serialize_for_summary(messages: &[Value]) -> String {
+pub(super) fn serialize_for_summary(messages: &[Value]) -> String {
     messages
         .iter()
         .map(serialize_message)
@@ -226,7 +226,7 @@ pub(crate) fn join_serialized(parts: &[String]) -> String {
 /// Bounds text to at most `max_chars` characters, keeping 45% head and 55%
 /// tail around a marker that states how much was omitted. Text within the
 /// cap comes back unchanged.
-pub fn bound_summary_input(text: &str, max_chars: usize) -> String {
+pub(super) fn bound_summary_input(text: &str, max_chars: usize) -> String {
     let n = char_count(text);
     if n <= max_chars {
         return text.to_string();
@@ -461,7 +461,7 @@ fn push_focus(out: &mut String, focus_topic: Option<&str>) {
 
 /// Length of the prompt scaffolding around the turns and previous summary:
 /// what to subtract from a summariser's prompt budget before chunking.
-pub fn prompt_overhead_chars(focus_topic: Option<&str>, compact: bool) -> usize {
+pub(super) fn prompt_overhead_chars(focus_topic: Option<&str>, compact: bool) -> usize {
     char_count(&build_summary_prompt(&PromptParts {
         turns: "",
         previous_summary: Some("x"),
@@ -511,7 +511,9 @@ pub(crate) fn looks_like_refusal(text: &str) -> bool {
 /// echo them), any prefix the model wrote is removed, and reserved markers
 /// inside the body are neutralised. The caller adds the prefix
 /// ([`super::markers::normalize_summary_prefix`]) after grounding.
-pub fn validate_summary_output(
+// Only the ported tests use it: the pipeline validates with `validate_summary_reply`.
+#[cfg(test)]
+pub(super) fn validate_summary_output(
     content: Option<&str>,
     finish_reason: Option<&str>,
 ) -> Result<String, SummaryInvalid> {
@@ -640,7 +642,9 @@ fn is_snapshot_heading(line: &str) -> bool {
 /// from the newest real user text (the summariser is never trusted to write
 /// the anchor), see [`ground_task_snapshot_with`]. `None` means the
 /// compacted turns hold no real user row.
-pub fn ground_task_snapshot(body: &str, last_user_text: Option<&str>) -> String {
+// Only the ported tests use it: the pipeline grounds with `ground_task_snapshot_with`.
+#[cfg(test)]
+pub(super) fn ground_task_snapshot(body: &str, last_user_text: Option<&str>) -> String {
     ground_task_snapshot_with(
         body,
         last_user_text.map_or(Grounding::NoUserInWindow, Grounding::UserAsk),
@@ -712,7 +716,10 @@ pub(crate) fn ground_task_snapshot_with(body: &str, g: Grounding<'_>) -> String 
 }
 
 /// Text of the newest real (non-synthetic, non-blank) user row in `turns`.
-pub fn latest_user_task_snapshot(turns: &[Value]) -> Option<String> {
+// Only the ported tests use it: the pipeline grounds on the newest real user row
+// (`view::last_real_user`).
+#[cfg(test)]
+pub(super) fn latest_user_task_snapshot(turns: &[Value]) -> Option<String> {
     turns.iter().rev().find_map(|m| {
         if m.get("role").and_then(Value::as_str) != Some("user")
             || super::view::is_synthetic_user(m)
@@ -720,7 +727,7 @@ pub fn latest_user_task_snapshot(turns: &[Value]) -> Option<String> {
             return None;
         }
         let t = render_content(m.get("content"));
-        let t = strip_inflight_header(&t);
+        let t = super::markers::strip_inflight_header(&t);
         (!t.trim().is_empty()).then(|| t.to_string())
     })
 }
@@ -732,7 +739,7 @@ pub fn latest_user_task_snapshot(turns: &[Value]) -> Option<String> {
 /// message is never split; one that alone exceeds the budget (after the
 /// per-message truncation) forms its own chunk, to be bounded by
 /// [`bound_summary_input`]. Everything fits → one chunk; no turns → none.
-pub fn chunk_for_budget(turns: &[Value], max_chars: usize) -> Vec<Vec<Value>> {
+pub(super) fn chunk_for_budget(turns: &[Value], max_chars: usize) -> Vec<Vec<Value>> {
     let mut chunks: Vec<Vec<Value>> = Vec::new();
     let mut current: Vec<Value> = Vec::new();
     let mut used = 0usize;

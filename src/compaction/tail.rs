@@ -22,9 +22,9 @@ pub(crate) const SPLIT_TURN_MAX_USER_CHARS: usize = 1_400;
 
 /// Inputs of one tail-cut computation.
 #[derive(Clone, Copy, Debug)]
-pub struct TailParams {
+pub(crate) struct TailParams {
     /// Tail token budget.
-    pub budget: u64,
+    pub(crate) budget: u64,
     /// Soft ceiling of the first walk (1.5 × budget, bounded by the window).
     pub(crate) soft_ceiling: u64,
     /// Configured `protect_last_n` (a soft floor capped at 8).
@@ -167,7 +167,11 @@ pub(crate) fn find_turn_pair_end(msgs: &[Value], user_idx: usize) -> usize {
 /// that row is the first compressible one, clamping would summarise it without
 /// its reply (a finished ask recorded as pending), so the cut is
 /// pushed past the whole turn pair instead.
-pub fn ensure_last_user_message_in_tail(msgs: &[Value], cut: usize, head_end: usize) -> usize {
+pub(super) fn ensure_last_user_message_in_tail(
+    msgs: &[Value],
+    cut: usize,
+    head_end: usize,
+) -> usize {
     let Some(last_user) = view::last_real_user(msgs, head_end) else {
         return cut;
     };
@@ -200,7 +204,7 @@ pub(crate) fn ensure_last_assistant_in_tail(msgs: &[Value], cut: usize, head_end
 /// N-user anchor: the tail holds the `n` newest real user rows (or all of them
 /// when fewer exist). Blank echoes, handoffs and synthetic rows do not count.
 /// Never re-aligned backward: a user row is already a clean boundary.
-pub fn ensure_last_n_user_messages_in_tail(
+pub(super) fn ensure_last_n_user_messages_in_tail(
     msgs: &[Value],
     cut: usize,
     head_end: usize,

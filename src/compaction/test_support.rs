@@ -12,7 +12,8 @@ use serde_json::{json, Value};
 use super::compressor::Compressor;
 use super::config::CompactionConfig;
 use super::markers;
-use super::summariser::{Summariser, SummaryError, SummaryErrorKind, SummaryReply, SummaryRequest};
+use super::summariser::{Summariser, SummaryError, SummaryReply, SummaryRequest};
+use super::summary_failure::SummaryErrorKind;
 use super::trigger::{Trigger, WindowSource};
 use super::view;
 

@@ -93,7 +93,7 @@ struct ToolResult<'a> {
 /// web_search, web_extract, delegate_task, execute_code, skills, memory,
 /// todo, clarify, cronjob, process…) with a generic `[name] k1=v k2=v (N chars
 /// result)` fallback. Bad JSON arguments count as no arguments.
-pub fn summarize_tool_result(tool_name: &str, args_json: &str, content: &str) -> String {
+pub(super) fn summarize_tool_result(tool_name: &str, args_json: &str, content: &str) -> String {
     let args: Args = match OrderedJson::parse(args_json) {
         Ok(OrderedJson::Object(m)) => m,
         _ => Args::new(),

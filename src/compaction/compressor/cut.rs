@@ -15,7 +15,7 @@ use crate::compaction::tokens;
 use crate::compaction::view;
 
 /// Rows after the head a conversation needs before it is worth compacting.
-pub const MIN_ROWS_AFTER_HEAD: usize = 4;
+pub(super) const MIN_ROWS_AFTER_HEAD: usize = 4;
 
 /// The rows one compaction works on, decided before any summary call.
 pub(super) struct Cut {
@@ -264,14 +264,14 @@ fn forced_split(
 }
 
 /// The smallest head: the system prompt, if first.
-pub fn minimal_head_size(msgs: &[Value]) -> usize {
+pub(super) fn minimal_head_size(msgs: &[Value]) -> usize {
     usize::from(msgs.first().is_some_and(is_instructions))
 }
 
 /// True for the row that carries the newest user ask: a real user row, or a
 /// user row holding an earlier summary with the ask after its END marker
 /// (the shape a split active turn leaves behind).
-pub fn is_ask_row(m: &Value) -> bool {
+pub(super) fn is_ask_row(m: &Value) -> bool {
     view::is_real_user(m)
         || (view::is_role(m, "user")
             && matches!(
@@ -290,7 +290,7 @@ pub fn is_ask_row(m: &Value) -> bool {
 /// `eager_head_end` (small windows): also split when the ask is at or before
 /// this row, where the ordinary cut would either leave it in the head or
 /// summarise it, and restate it afterwards, spending its tokens twice.
-pub fn split_active_turn(
+pub(super) fn split_active_turn(
     msgs: &[Value],
     start: usize,
     p: &TailParams,
@@ -334,7 +334,7 @@ pub fn split_active_turn(
 /// Removes blank user echoes right after the latest actionable user row,
 /// when an assistant row follows them. A blank row not followed by an
 /// assistant may be a deliberate alternation placeholder and stays.
-pub fn remove_blank_echoes(mut msgs: Vec<Value>) -> Vec<Value> {
+pub(super) fn remove_blank_echoes(mut msgs: Vec<Value>) -> Vec<Value> {
     let Some(u) = view::last_real_user(&msgs, 0) else {
         return msgs;
     };

@@ -8,11 +8,15 @@ use std::time::Duration;
 
 use serde_json::{json, Value};
 
+use super::summary_call::SummaryAttempt;
 use super::*;
 use crate::compaction::assemble::NO_USER_TURN_MARKER;
 use crate::compaction::markers::{HISTORICAL_TASK_HEADING, SUMMARY_PREFIX};
 use crate::compaction::summariser::SummaryReply;
 use crate::compaction::test_support::*;
+
+mod agent_loop;
+mod budgets;
 
 fn run_res(c: &mut Compressor, msgs: &[Value], s: &Stub) -> CompressResult {
     block_on(c.compress(msgs, s, CompressOptions::default()))

@@ -9,9 +9,8 @@ use tokio::time::Instant;
 
 use super::{ceil_secs, sanitize_window, FailureClass, Trigger, Usage};
 use super::{
-    BREAKER_TRIP, DEFAULT_COOLDOWN_SECS, DEFER_TOLERANCE_MIN_TOKENS, DEFER_TOLERANCE_RATIO,
-    HOST_STALL_MIN_COOLDOWN_SECS, NO_PROVIDER_COOLDOWN_SECS, RECOVERY_PROBE_SECS,
-    SHORT_COOLDOWN_SECS, STRUCTURAL_BACKOFF_SECS, TIMEOUT_LADDER_SECS,
+    BREAKER_TRIP, DEFAULT_COOLDOWN_SECS, HOST_STALL_MIN_COOLDOWN_SECS, NO_PROVIDER_COOLDOWN_SECS,
+    RECOVERY_PROBE_SECS, SHORT_COOLDOWN_SECS, STRUCTURAL_BACKOFF_SECS, TIMEOUT_LADDER_SECS,
 };
 use crate::compaction::summary_failure::truncate_error_text;
 
@@ -20,7 +19,7 @@ mod tests;
 
 /// Cooldown in seconds for a failure of `class`; `consecutive` is the number
 /// of consecutive failures of that ladder including this one (0 counts as 1).
-pub fn cooldown_for(class: FailureClass, consecutive: u32) -> u64 {
+pub(super) fn cooldown_for(class: FailureClass, consecutive: u32) -> u64 {
     let rung = {
         let i = consecutive.clamp(1, TIMEOUT_LADDER_SECS.len() as u32) as usize - 1;
         TIMEOUT_LADDER_SECS[i]
@@ -42,7 +41,9 @@ pub fn cooldown_for(class: FailureClass, consecutive: u32) -> u64 {
 /// Preflight display seed guard: a preflight estimate may
 /// raise `last_prompt_tokens` but never overwrite the −1 "just compacted"
 /// sentinel (or any negative value).
-pub fn seed_preflight(last_prompt_tokens: i64, preflight: u64) -> i64 {
+// Only the ported tests use it: the proxy sets no preflight display seed.
+#[cfg(test)]
+pub(super) fn seed_preflight(last_prompt_tokens: i64, preflight: u64) -> i64 {
     let pre = i64::try_from(preflight).unwrap_or(i64::MAX);
     if last_prompt_tokens >= 0 && pre > last_prompt_tokens {
         pre
@@ -80,12 +81,14 @@ impl Trigger {
     }
 
     /// Whether either anti-thrash counter reached the trip point.
-    pub fn breaker_tripped(&self) -> bool {
+    pub(crate) fn breaker_tripped(&self) -> bool {
         self.ineffective_compression_count >= BREAKER_TRIP || self.fallback_streak >= BREAKER_TRIP
     }
 
     /// Whether automatic compaction is blocked (see [`Trigger::block_reason`]).
-    pub fn is_blocked(&mut self) -> bool {
+    // Only tests use it.
+    #[cfg(test)]
+    pub(crate) fn is_blocked(&mut self) -> bool {
         self.block_reason().is_some()
     }
 
@@ -94,7 +97,7 @@ impl Trigger {
     /// `"ineffective"`. A tripped breaker arms a 300 s recovery
     /// deadline on first evaluation; once it passes, both counters drop to at
     /// most 1 and one probe attempt is allowed.
-    pub fn block_reason(&mut self) -> Option<String> {
+    pub(crate) fn block_reason(&mut self) -> Option<String> {
         if let Some(rem) = self.cooldown_remaining() {
             return Some(format!("cooldown:{}", ceil_secs(rem)));
         }
@@ -128,12 +131,16 @@ impl Trigger {
     }
 
     /// The armed anti-thrash recovery deadline.
-    pub fn recovery_deadline(&self) -> Option<Instant> {
+    // Only tests use it.
+    #[cfg(test)]
+    pub(crate) fn recovery_deadline(&self) -> Option<Instant> {
         self.recovery_deadline
     }
 
     /// Whether the next real usage will judge the last compaction.
-    pub fn verify_pending(&self) -> bool {
+    // Only tests use it.
+    #[cfg(test)]
+    pub(crate) fn verify_pending(&self) -> bool {
         self.verify_pending
     }
 
@@ -188,7 +195,10 @@ impl Trigger {
     /// at most `max(4,096, 5% of threshold)` over the rough baseline that fit
     /// (the baseline is then raised). Never defers when the provider omits
     /// usage (the estimate is the only signal then) outside the awaiting case.
-    pub fn should_defer_preflight_to_real_usage(&mut self, rough: u64) -> bool {
+    // Only tests use it: the proxy defers on `awaiting_real_usage_after_compression`
+    // alone (`chat::decide`).
+    #[cfg(test)]
+    pub(crate) fn should_defer_preflight_to_real_usage(&mut self, rough: u64) -> bool {
         let threshold = self.threshold_tokens();
         if rough < threshold {
             return false;
@@ -204,8 +214,8 @@ impl Trigger {
         if real == 0 || real >= threshold || baseline == 0 {
             return false;
         }
-        let tolerance = ((threshold as f64 * DEFER_TOLERANCE_RATIO).floor() as u64)
-            .max(DEFER_TOLERANCE_MIN_TOKENS);
+        let tolerance = ((threshold as f64 * super::DEFER_TOLERANCE_RATIO).floor() as u64)
+            .max(super::DEFER_TOLERANCE_MIN_TOKENS);
         if rough <= baseline.saturating_add(tolerance) {
             self.last_rough_tokens_when_real_prompt_fit = baseline.max(rough);
             true
@@ -222,7 +232,7 @@ impl Trigger {
     /// cooldown: cooldowns belong to the failed route. `window`/`max_tokens`
     /// replace the current values only when given. A call that changes
     /// nothing is a no-op, so calling it on every request is safe.
-    pub fn update_model(
+    pub(crate) fn update_model(
         &mut self,
         model: &str,
         window: Option<u64>,
@@ -305,14 +315,14 @@ impl Trigger {
 
     /// A compaction candidate was rejected (not smaller than its input even
     /// after salvage): one strike.
-    pub fn record_rejected_compaction(&mut self) {
+    pub(crate) fn record_rejected_compaction(&mut self) {
         self.ineffective_compression_count = self.ineffective_compression_count.saturating_add(1);
     }
 
     /// Start a failure cooldown of `secs`. A live cooldown is never shortened
     /// (the deadline is the later of the two); the error text (first 220
     /// chars) follows the deadline that wins.
-    pub fn set_failure_cooldown(&mut self, secs: u64, error: &str) {
+    pub(crate) fn set_failure_cooldown(&mut self, secs: u64, error: &str) {
         let deadline = Instant::now() + Duration::from_secs(secs);
         match self.cooldown_until {
             Some(existing) if existing >= deadline && self.cooldown_remaining().is_some() => {}
@@ -324,37 +334,34 @@ impl Trigger {
     }
 
     /// Clear the failure cooldown.
-    pub fn clear_failure_cooldown(&mut self) {
+    pub(crate) fn clear_failure_cooldown(&mut self) {
         self.cooldown_until = None;
         self.cooldown_error = None;
     }
 
     /// Time left on a live failure cooldown.
-    pub fn cooldown_remaining(&self) -> Option<Duration> {
+    pub(crate) fn cooldown_remaining(&self) -> Option<Duration> {
         let until = self.cooldown_until?;
         let now = Instant::now();
         (until > now).then(|| until - now)
     }
 
     /// Whether a failure cooldown is live.
-    pub fn cooldown_active(&self) -> bool {
+    pub(crate) fn cooldown_active(&self) -> bool {
         self.cooldown_remaining().is_some()
     }
 
-    /// The monotonic cooldown deadline, live or expired.
-    pub fn cooldown_until(&self) -> Option<Instant> {
-        self.cooldown_until
-    }
-
     /// Error text behind the current cooldown.
-    pub fn cooldown_error(&self) -> Option<&str> {
+    // Only tests use it.
+    #[cfg(test)]
+    pub(crate) fn cooldown_error(&self) -> Option<&str> {
         self.cooldown_error.as_deref()
     }
 
     /// Record a failed summary attempt of `class`: advances that class's
     /// ladder counter and sets the matching cooldown (never shortening a live
     /// one). Returns the cooldown chosen, in seconds.
-    pub fn note_summary_failure(&mut self, class: FailureClass, error: &str) -> u64 {
+    pub(crate) fn note_summary_failure(&mut self, class: FailureClass, error: &str) -> u64 {
         let consecutive = match class {
             FailureClass::Timeout | FailureClass::HostStall => {
                 self.timeout_failures = self.timeout_failures.saturating_add(1);
@@ -372,35 +379,32 @@ impl Trigger {
     }
 
     /// A summary succeeded: the ladders restart and the cooldown clears.
-    pub fn note_summary_success(&mut self) {
+    pub(crate) fn note_summary_success(&mut self) {
         self.timeout_failures = 0;
         self.truncated_failures = 0;
         self.clear_failure_cooldown();
     }
 
-    /// Consecutive timeout-class failures (ladder position).
-    pub fn timeout_failures(&self) -> u32 {
-        self.timeout_failures
-    }
-
     /// Consecutive truncated-summary failures (ladder position).
-    pub fn truncated_failures(&self) -> u32 {
+    // Only tests use it.
+    #[cfg(test)]
+    pub(crate) fn truncated_failures(&self) -> u32 {
         self.truncated_failures
     }
 
     /// Nothing to compress: back off 300 s without a strike (in memory only).
-    pub fn set_structural_backoff(&mut self) {
+    pub(crate) fn set_structural_backoff(&mut self) {
         self.structural_backoff_until =
             Some(Instant::now() + Duration::from_secs(STRUCTURAL_BACKOFF_SECS));
     }
 
     /// Clear the structural backoff (forced compaction, committed compaction).
-    pub fn clear_structural_backoff(&mut self) {
+    pub(crate) fn clear_structural_backoff(&mut self) {
         self.structural_backoff_until = None;
     }
 
     /// Time left on a live structural backoff.
-    pub fn structural_backoff_remaining(&self) -> Option<Duration> {
+    pub(crate) fn structural_backoff_remaining(&self) -> Option<Duration> {
         let until = self.structural_backoff_until?;
         let now = Instant::now();
         (until > now).then(|| until - now)

@@ -27,13 +27,11 @@ mod persist;
 #[cfg(test)]
 mod tests;
 
-pub use breakers::{cooldown_for, seed_preflight};
-pub use persist::{TriggerSnapshot, TriggerStatus};
-// At their old paths: the cooldown ladder is chosen by them.
-pub use super::summary_failure::{truncate_error_text, FailureClass, ERROR_TEXT_MAX_CHARS};
+use super::summary_failure::FailureClass;
+pub use persist::TriggerSnapshot;
 
 /// Anti-thrash recovery probe delay (persisted as a wall-clock deadline).
-pub const RECOVERY_PROBE_SECS: u64 = 300;
+pub(crate) const RECOVERY_PROBE_SECS: u64 = 300;
 /// Backoff after a structural no-op (nothing to compress); no strike.
 pub(crate) const STRUCTURAL_BACKOFF_SECS: u64 = 300;
 /// Cooldown when no summary provider is configured.
@@ -49,9 +47,13 @@ pub(crate) const HOST_STALL_MIN_COOLDOWN_SECS: u64 = 120;
 /// Strikes or fallback streak at which automatic compaction is blocked.
 pub(crate) const BREAKER_TRIP: u32 = 2;
 /// Deferral tolerance floor: rough growth allowed over the baseline that fit.
-pub const DEFER_TOLERANCE_MIN_TOKENS: u64 = 4_096;
+// Only tests use it: see `Trigger::should_defer_preflight_to_real_usage`.
+#[cfg(test)]
+pub(crate) const DEFER_TOLERANCE_MIN_TOKENS: u64 = 4_096;
 /// Deferral tolerance as a fraction of the threshold.
-pub const DEFER_TOLERANCE_RATIO: f64 = 0.05;
+// Only tests use it: see `Trigger::should_defer_preflight_to_real_usage`.
+#[cfg(test)]
+pub(crate) const DEFER_TOLERANCE_RATIO: f64 = 0.05;
 
 /// Token usage as the upstream reported it (`usage` object): what the
 /// trigger learns from (missing fields count as 0; the cached part is not
@@ -82,8 +84,9 @@ pub enum WindowSource {
 
 /// Per-conversation trigger, calibration and breaker state.
 ///
-/// The counters are `pub` so callers and tests can read and set them
-/// directly; derived budgets are computed lazily from the window.
+/// Derived budgets are computed lazily from the window. The counters are
+/// the engine's own: outside it they are read and carried through
+/// [`Trigger::snapshot`] and [`Trigger::restore`].
 pub struct Trigger {
     cfg: Arc<CompactionConfig>,
     model: String,
@@ -99,29 +102,29 @@ pub struct Trigger {
     fixed: u64,
 
     /// Last prompt tokens for the trigger: 0 = no real usage yet, −1 = just compacted.
-    pub last_prompt_tokens: i64,
+    pub(crate) last_prompt_tokens: i64,
     /// Last reported completion tokens.
-    pub last_completion_tokens: u64,
+    pub(crate) last_completion_tokens: u64,
     /// Last reported total tokens.
-    pub last_total_tokens: u64,
+    pub(crate) last_total_tokens: u64,
     /// Last positive real `prompt_tokens`.
-    pub last_real_prompt_tokens: u64,
+    pub(crate) last_real_prompt_tokens: u64,
     /// Rough estimate of the request whose real prompt fit under the threshold.
-    pub last_rough_tokens_when_real_prompt_fit: u64,
+    pub(crate) last_rough_tokens_when_real_prompt_fit: u64,
     /// Rough estimate of the request right after the last compaction.
-    pub last_compression_rough_tokens: u64,
+    pub(crate) last_compression_rough_tokens: u64,
     /// A compaction committed and no real usage has arrived since.
-    pub awaiting_real_usage_after_compression: bool,
+    pub(crate) awaiting_real_usage_after_compression: bool,
     /// Ineffective-compaction strikes (breaker trips at 2).
-    pub ineffective_compression_count: u32,
+    pub(crate) ineffective_compression_count: u32,
     /// Consecutive fallback summaries (breaker trips at 2).
-    pub fallback_streak: u32,
+    pub(crate) fallback_streak: u32,
     /// Feasibility skips in this session (observability only).
-    pub prellm_skip_count: u32,
+    pub(crate) prellm_skip_count: u32,
     /// Committed compactions; the compressor's finalization increments it.
-    pub compression_count: u32,
+    pub(crate) compression_count: u32,
     /// The upstream answered without usage; estimates are then the only signal.
-    pub provider_omits_usage: bool,
+    pub(crate) provider_omits_usage: bool,
 
     cooldown_until: Option<Instant>,
     cooldown_error: Option<String>,
@@ -196,38 +199,37 @@ impl Trigger {
 
     /// Record the upstream base URL the conversation goes to (builder form),
     /// so a later [`Trigger::update_model`] can tell a route change.
-    pub fn with_base_url(mut self, base_url: &str) -> Self {
+    pub(crate) fn with_base_url(mut self, base_url: &str) -> Self {
         self.base_url = base_url.to_owned();
         self
     }
 
     /// The configuration.
-    pub fn config(&self) -> &Arc<CompactionConfig> {
+    // Only tests use it.
+    #[cfg(test)]
+    pub(crate) fn config(&self) -> &Arc<CompactionConfig> {
         &self.cfg
     }
 
     /// Current model name.
-    pub fn model(&self) -> &str {
+    pub(crate) fn model(&self) -> &str {
         &self.model
     }
 
-    /// Current upstream base URL (as given to [`Trigger::update_model`]).
-    pub fn base_url(&self) -> &str {
-        &self.base_url
-    }
-
     /// The output reservation in use.
-    pub fn max_tokens(&self) -> Option<u64> {
+    // Only tests use it.
+    #[cfg(test)]
+    pub(crate) fn max_tokens(&self) -> Option<u64> {
         self.max_tokens
     }
 
     /// The configured absolute cap, `None` when disabled.
-    pub fn threshold_tokens_cap(&self) -> Option<u64> {
+    pub(crate) fn threshold_tokens_cap(&self) -> Option<u64> {
         self.cfg.threshold_tokens_cap()
     }
 
     /// Context window, resolving a lazy source on first call (once).
-    pub fn context_length(&mut self) -> u64 {
+    pub(crate) fn context_length(&mut self) -> u64 {
         if let Some(w) = self.window {
             if self.window_resolutions > 0 {
                 return w;
@@ -237,13 +239,15 @@ impl Trigger {
     }
 
     /// The window if already resolved; never probes.
-    pub fn cached_context_length(&self) -> Option<u64> {
+    pub(crate) fn cached_context_length(&self) -> Option<u64> {
         self.window
     }
 
     /// 0 before the window is first resolved, 1 after (later changes through
     /// [`Trigger::set_context_length`] are not resolutions).
-    pub fn window_resolutions(&self) -> u32 {
+    // Only tests use it.
+    #[cfg(test)]
+    pub(crate) fn window_resolutions(&self) -> u32 {
         self.window_resolutions
     }
 
@@ -277,7 +281,7 @@ impl Trigger {
     /// probe). The same value is a no-op, which keeps runtime overrides of the
     /// derived budgets; a new value re-floors the percent and invalidates the
     /// cached threshold, tail budget and summary cap.
-    pub fn set_context_length(&mut self, window: u64) {
+    pub(crate) fn set_context_length(&mut self, window: u64) {
         let window = sanitize_window(window);
         if self.window == Some(window) {
             return;
@@ -294,7 +298,7 @@ impl Trigger {
     /// re-derives the threshold, tail budget and summary cap but, unlike
     /// [`Trigger::update_model`], keeps calibration and breakers: clients
     /// vary `max_tokens` from request to request.
-    pub fn set_max_tokens(&mut self, max_tokens: Option<u64>) {
+    pub(crate) fn set_max_tokens(&mut self, max_tokens: Option<u64>) {
         let max_tokens = max_tokens.filter(|&m| m > 0);
         if max_tokens == self.max_tokens {
             return;
@@ -313,7 +317,7 @@ impl Trigger {
     }
 
     /// Effective threshold percent (per-model override, small-window floor).
-    pub fn threshold_percent(&mut self) -> f64 {
+    pub(crate) fn threshold_percent(&mut self) -> f64 {
         if let Some(p) = self.threshold_percent {
             return p;
         }
@@ -338,7 +342,7 @@ impl Trigger {
     }
 
     /// The fixed part last set (0 = unknown or none).
-    pub fn fixed_tokens(&self) -> u64 {
+    pub(crate) fn fixed_tokens(&self) -> u64 {
         self.fixed
     }
 
@@ -375,13 +379,13 @@ impl Trigger {
 
     /// The fixed part leaves no room to compact into: compaction can only
     /// cut.
-    pub fn no_room(&mut self) -> bool {
+    pub(crate) fn no_room(&mut self) -> bool {
         self.fixed > 0 && self.history_target() < budget::NO_ROOM_TOKENS
     }
 
     /// Tokens the user's own messages may take next to a summary (0 when
     /// `keep_user_messages` is off).
-    pub fn user_messages_budget(&mut self) -> u64 {
+    pub(crate) fn user_messages_budget(&mut self) -> u64 {
         if !self.cfg.keep_user_messages {
             return 0;
         }
@@ -390,7 +394,7 @@ impl Trigger {
     }
 
     /// The threshold if already computed or pinned; never resolves the window.
-    pub fn cached_threshold_tokens(&self) -> Option<u64> {
+    pub(crate) fn cached_threshold_tokens(&self) -> Option<u64> {
         self.threshold
     }
 
@@ -440,7 +444,7 @@ impl Trigger {
 
     /// Prompt budget and reply cap of a summary call (see
     /// [`budget::summariser_budgets`]).
-    pub fn summariser_budgets(&mut self) -> budget::SummariserBudgets {
+    pub(crate) fn summariser_budgets(&mut self) -> budget::SummariserBudgets {
         /// The smallest reply cap sized by the room: a summary's sections
         /// and a few lines of each.
         const MIN_REPLY_CAP: u32 = 128;
@@ -463,21 +467,6 @@ impl Trigger {
             b.reply_tokens = b.reply_tokens.map(|r| r.min(cap.max(MIN_REPLY_CAP)));
         }
         b
-    }
-
-    /// Pin the summary cap (runtime correction or test).
-    pub fn set_max_summary_tokens(&mut self, m: u64) {
-        self.max_summary = Some(m.max(1));
-    }
-
-    /// All budgets as one value (resolves the window).
-    pub fn budgets(&mut self) -> budget::Budgets {
-        budget::Budgets {
-            window: self.context_length(),
-            threshold_tokens: self.threshold_tokens(),
-            tail_token_budget: self.tail_token_budget(),
-            max_summary_tokens: self.max_summary_tokens(),
-        }
     }
 }
 

@@ -32,13 +32,13 @@ pub struct TriggerSnapshot {
 /// Content-free view of a trigger for the admin endpoint and logs. Built
 /// from cached values only: reading it never resolves the window.
 #[derive(Clone, Debug, Default, PartialEq, Serialize)]
-pub struct TriggerStatus {
+pub(crate) struct TriggerStatus {
     /// Model name.
-    pub model: String,
+    pub(crate) model: String,
     /// Context window, if resolved.
-    pub window: Option<u64>,
+    pub(crate) window: Option<u64>,
     /// Compaction trigger, if computed.
-    pub threshold_tokens: Option<u64>,
+    pub(crate) threshold_tokens: Option<u64>,
     /// Output reservation in use.
     pub(crate) max_tokens: Option<u64>,
     /// Last prompt tokens (0 = none, −1 = just compacted).
@@ -50,15 +50,15 @@ pub struct TriggerStatus {
     /// Ineffective-compaction strikes.
     pub(crate) ineffective_compression_count: u32,
     /// Consecutive fallback summaries.
-    pub fallback_streak: u32,
+    pub(crate) fallback_streak: u32,
     /// Feasibility skips.
     pub(crate) prellm_skip_count: u32,
     /// Seconds left on the failure cooldown.
-    pub cooldown_remaining_secs: Option<u64>,
+    pub(crate) cooldown_remaining_secs: Option<u64>,
     /// Seconds left on the structural backoff.
     pub(crate) structural_backoff_remaining_secs: Option<u64>,
     /// Seconds until the anti-thrash recovery probe, if armed.
-    pub recovery_probe_in_secs: Option<u64>,
+    pub(crate) recovery_probe_in_secs: Option<u64>,
     /// Waiting for real usage after a compaction.
     pub(crate) awaiting_real_usage: bool,
     /// The upstream's last response had no usage.
@@ -76,7 +76,10 @@ impl Trigger {
     /// `/new`-style reset: every per-session field, including counters,
     /// cooldowns, backoffs, calibration and the skip count. The
     /// window, model and derived budgets are kept.
-    pub fn reset_session(&mut self) {
+    // Only tests use it: the proxy has no `/new` (a new conversation is a new
+    // history, hence a new record chain).
+    #[cfg(test)]
+    pub(crate) fn reset_session(&mut self) {
         self.last_prompt_tokens = 0;
         self.last_completion_tokens = 0;
         self.last_total_tokens = 0;
@@ -98,7 +101,7 @@ impl Trigger {
     }
 
     /// Content-free status from cached values (never resolves the window).
-    pub fn status(&self) -> TriggerStatus {
+    pub(crate) fn status(&self) -> TriggerStatus {
         let now = Instant::now();
         let target = self
             .threshold

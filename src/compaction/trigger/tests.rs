@@ -8,7 +8,8 @@ use std::time::Duration;
 
 use serde_json::json;
 
-use super::{seed_preflight, Trigger, TriggerSnapshot, Usage, WindowSource};
+use super::breakers::seed_preflight;
+use super::{Trigger, TriggerSnapshot, Usage, WindowSource};
 use crate::compaction::budget::{
     coerce_max_tokens, compute_threshold_tokens, MINIMUM_CONTEXT_LENGTH,
 };
@@ -324,7 +325,7 @@ mod capture {
 
     /// Records the `message` of every event.
     #[derive(Clone, Default)]
-    pub struct Messages(pub Arc<Mutex<Vec<String>>>);
+    pub(super) struct Messages(pub(super) Arc<Mutex<Vec<String>>>);
 
     struct MsgVisitor(String);
     impl Visit for MsgVisitor {
@@ -344,7 +345,7 @@ mod capture {
     }
 
     impl Messages {
-        pub fn count(&self, needle: &str) -> usize {
+        pub(super) fn count(&self, needle: &str) -> usize {
             self.0
                 .lock()
                 .unwrap()
