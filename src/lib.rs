@@ -14,21 +14,21 @@
 //! - [`telemetry`] and [`config`].
 //! - Support: [`session`] (keys, the session store, calibration),
 //!   [`store`] (what outlives a process), [`metrics`].
-//! - Pure leaves: [`window`], [`compaction`] (the engine, synchronous, no
+//! - Pure leaves: `window`, [`compaction`] (the engine, synchronous, no
 //!   I/O), [`codec`] (each API's request mapped onto the engine's
-//!   conversation and back), [`request`], [`error`], [`sync`], [`civil`].
+//!   conversation and back), [`request`], `error`, [`sync`], `civil`.
 //!
 //! `ARCHITECTURE.md` has the walk of a request and the module map;
 //! `scripts/layers.txt` writes the order down and `scripts/check_layers.sh`
 //! keeps the imports to it (no cycle, no import up the order).
 
 pub mod chat;
-pub mod civil;
+pub(crate) mod civil;
 pub mod cli;
 pub mod codec;
 pub mod compaction;
 pub mod config;
-pub mod error;
+pub(crate) mod error;
 pub mod metrics;
 pub mod request;
 pub mod server;
@@ -38,4 +38,4 @@ pub mod sync;
 pub mod telemetry;
 pub mod upstream;
 pub mod usage;
-pub mod window;
+pub(crate) mod window;
