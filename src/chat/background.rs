@@ -26,6 +26,7 @@ use serde_json::value::RawValue;
 use tokio::time::Instant;
 
 use crate::compaction::compressor::micro::MicroState;
+use crate::compaction::compressor::Carry;
 use crate::compaction::config::Strategy;
 use crate::compaction::trigger::{Trigger, WindowSource};
 use crate::compaction::MicroOutcome;
@@ -57,11 +58,8 @@ struct Snapshot {
     engine_window: u64,
     max_out_rough: Option<u64>,
     est_rough: u64,
-    previous_summary: Option<String>,
-    has_user_turn: bool,
-    summary_model: Option<String>,
-    summary_model_fallen_back: bool,
-    compression_count: u32,
+    /// What the conversation's compressor carries (taken by the job's).
+    carry: Option<Carry>,
     /// Set for a micro pass: the conversation's rolling micro state.
     micro: Option<MicroState>,
 }
@@ -203,12 +201,8 @@ fn spawn(
         engine_window: due.engine_window,
         max_out_rough: due.max_out_rough,
         est_rough: due.est_rough,
-        previous_summary: comp.previous_summary.clone(),
-        has_user_turn: comp.summary_has_user_turn,
-        summary_model: comp.summary_model.clone(),
-        summary_model_fallen_back: comp.summary_model_fallen_back,
-        compression_count: comp.trigger.compression_count,
-        micro: micro.then(|| comp.micro.clone()),
+        carry: Some(comp.carry()),
+        micro: micro.then(|| comp.micro_state().clone()),
     };
     let job = Job {
         cfg,
@@ -293,16 +287,11 @@ impl Job {
             s.max_out_rough,
         )
         .with_base_url(&self.label);
-        let mut comp = Compressor::new(Arc::clone(&self.cfg), trigger);
-        comp.previous_summary = s.previous_summary.take();
-        comp.summary_has_user_turn = s.has_user_turn;
-        comp.summary_model = s.summary_model.take();
-        comp.summary_model_fallen_back = s.summary_model_fallen_back;
-        comp.trigger.compression_count = s.compression_count;
-        if let Some(m) = s.micro.take() {
-            comp.micro = m;
+        let cfg = Arc::clone(&self.cfg);
+        match s.carry.take() {
+            Some(carry) => Compressor::resumed(cfg, trigger, carry, s.micro.take()),
+            None => Compressor::new(cfg, trigger),
         }
-        comp
     }
 
     /// The engine pass over the snapshot.
@@ -368,15 +357,14 @@ impl Job {
                 start,
                 end,
                 prefix_hash: *message_hashes(s.outgoing.get(..end)?).last()?,
-                state: comp.micro.clone(),
+                state: comp.micro_state().clone(),
             }),
             None => None,
         };
         Some(Candidate {
             record: record?,
             micro,
-            previous_summary: comp.previous_summary,
-            has_user_turn: comp.summary_has_user_turn,
+            carry: comp.into_carry(),
             fallback_used: result.fallback_used,
             feasibility_skip: result.feasibility_skip,
             tokens_before: result.tokens_before,
@@ -496,15 +484,7 @@ pub(super) async fn turn(
     chat.metrics.chat.compaction("compacted", saved, None);
     chat.metrics.chat.precompaction("used");
     if let Some(comp) = conv.compressor.as_mut() {
-        comp.previous_summary = c.previous_summary;
-        comp.summary_has_user_turn = c.has_user_turn;
-        comp.trigger.compression_count = comp.trigger.compression_count.saturating_add(1);
-        comp.micro = Default::default();
-        comp.trigger.record_completed_compaction(
-            c.fallback_used,
-            c.feasibility_skip,
-            c.tokens_after,
-        );
+        comp.adopt(c.carry, c.fallback_used, c.feasibility_skip, c.tokens_after);
     }
     Some(commit_pending(
         chat,
@@ -569,7 +549,7 @@ async fn micro_from_pending(
         .compaction(MicroOutcome::Absorbed.as_str(), saved, None);
     chat.metrics.chat.precompaction("used");
     if let Some(comp) = conv.compressor.as_mut() {
-        comp.micro = cut.state;
+        comp.set_micro_state(cut.state);
     }
     Some(commit_pending(
         chat,

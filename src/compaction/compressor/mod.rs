@@ -86,6 +86,19 @@ pub struct CompressOptions {
     pub settle_tokens: Option<u64>,
 }
 
+/// What a compressor carries from pass to pass: its running summary and
+/// the summary model in use. A pass run apart from the conversation (the
+/// background pre-compaction) starts from the conversation's and hands its
+/// own back.
+#[derive(Clone, Debug)]
+pub(crate) struct Carry {
+    previous_summary: Option<String>,
+    summary_has_user_turn: bool,
+    summary_model: Option<String>,
+    summary_model_fallen_back: bool,
+    compression_count: u32,
+}
+
 /// The per-conversation compaction engine.
 pub struct Compressor {
     /// Configuration shared by all conversations.
@@ -128,6 +141,81 @@ impl Compressor {
             micro: MicroState::default(),
             rejected: None,
         }
+    }
+
+    /// What this compressor carries into a pass of another (the
+    /// background pre-compaction's).
+    pub(crate) fn carry(&self) -> Carry {
+        Carry {
+            previous_summary: self.previous_summary.clone(),
+            summary_has_user_turn: self.summary_has_user_turn,
+            summary_model: self.summary_model.clone(),
+            summary_model_fallen_back: self.summary_model_fallen_back,
+            compression_count: self.trigger.compression_count,
+        }
+    }
+
+    /// What a pass apart from the conversation's left (the candidate it
+    /// hands back).
+    pub(crate) fn into_carry(self) -> Carry {
+        Carry {
+            compression_count: self.trigger.compression_count,
+            previous_summary: self.previous_summary,
+            summary_has_user_turn: self.summary_has_user_turn,
+            summary_model: self.summary_model,
+            summary_model_fallen_back: self.summary_model_fallen_back,
+        }
+    }
+
+    /// A compressor for a pass apart from the conversation's (the
+    /// background pre-compaction, a task of its own): it resumes `carry`
+    /// and, for a micro pass, the conversation's micro state.
+    pub(crate) fn resumed(
+        cfg: Arc<CompactionConfig>,
+        trigger: Trigger,
+        carry: Carry,
+        micro: Option<MicroState>,
+    ) -> Self {
+        let mut c = Self::new(cfg, trigger);
+        c.previous_summary = carry.previous_summary;
+        c.summary_has_user_turn = carry.summary_has_user_turn;
+        c.summary_model = carry.summary_model;
+        c.summary_model_fallen_back = carry.summary_model_fallen_back;
+        c.trigger.compression_count = carry.compression_count;
+        if let Some(m) = micro {
+            c.micro = m;
+        }
+        c
+    }
+
+    /// The conversation takes the batch compaction a pass apart from it
+    /// made (`pass`, what that pass left): its running summary, one
+    /// compaction more, a fresh micro state, and the trigger told as after
+    /// a pass of its own. The summary model in use stays the
+    /// conversation's.
+    pub(crate) fn adopt(
+        &mut self,
+        pass: Carry,
+        fallback_used: bool,
+        feasibility_skip: bool,
+        tokens_after: u64,
+    ) {
+        self.previous_summary = pass.previous_summary;
+        self.summary_has_user_turn = pass.summary_has_user_turn;
+        self.trigger.compression_count = self.trigger.compression_count.saturating_add(1);
+        self.micro = MicroState::default();
+        self.trigger
+            .record_completed_compaction(fallback_used, feasibility_skip, tokens_after);
+    }
+
+    /// The micro strategy's rolling state.
+    pub(crate) fn micro_state(&self) -> &MicroState {
+        &self.micro
+    }
+
+    /// Takes the micro state a micro pass apart from the conversation left.
+    pub(crate) fn set_micro_state(&mut self, state: MicroState) {
+        self.micro = state;
     }
 
     /// The conversation's trigger: when to compact, and what the last

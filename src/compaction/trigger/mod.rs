@@ -341,6 +341,11 @@ impl Trigger {
         self.max_summary = None;
     }
 
+    /// A compaction was committed and no real usage has arrived since.
+    pub(crate) fn awaiting_real_usage(&self) -> bool {
+        self.awaiting_real_usage_after_compression
+    }
+
     /// The fixed part last set (0 = unknown or none).
     pub(crate) fn fixed_tokens(&self) -> u64 {
         self.fixed
