@@ -1,26 +1,41 @@
 //! The compaction engine: decides when and how a conversation's `messages`
 //! array is compacted. Pure and synchronous except for the summariser trait.
 //!
-//! Modules by role:
-//! - trigger side: `config`, `budget`, `trigger`
-//! - pure leaf functions: `tokens`, `tool_summary`, `args`, `redact`, `markers`,
-//!   `serialize`, `fallback`
-//! - pipeline: `summariser`, `tail`, `prune`, `assemble`, `sanitize`, `view`,
-//!   and `compressor`, a folder of one file per step of a pass (the
-//!   `micro` strategy and the `instructions` pinning among them)
+//! Its surface is what this file re-exports, nothing else:
+//! - [`Compressor`] (one per conversation: [`Compressor::compress`],
+//!   [`Compressor::micro_compact`], its [`Trigger`]), [`CompressOptions`],
+//!   [`Fit`], and what a pass returns: [`CompressResult`] (read-only),
+//!   [`Outcome`], [`AbortReason`], [`NoOpReason`], [`CompressTelemetry`],
+//!   [`MicroOutcome`], [`MicroTelemetry`];
+//! - [`Trigger`] (when to compact; what real usage says), [`Usage`],
+//!   [`WindowSource`], [`TriggerSnapshot`] (what outlives a process);
+//! - [`CompactionConfig`], [`Strategy`];
+//! - the [`Summariser`] trait and its [`SummaryRequest`], [`SummaryReply`],
+//!   [`SummaryError`] ([`SummaryErrorKind`], [`SummaryFailureKind`]);
+//! - the rough token estimates, [`declare_summary`] / [`is_summary`] (only
+//!   a record makes a row a summary), and the texts a summary is framed by.
 //!
-//! Entry point: one [`Compressor`] per conversation (it owns that
-//! conversation's [`trigger::Trigger`]). Per request the proxy asks
-//! `compressor.trigger.should_compress(..)`; when it fires it calls
-//! [`Compressor::compress`] (or [`Compressor::micro_compact`] for the micro
-//! strategy) with its [`Summariser`] and sends `CompressResult::messages`.
-//! The call commits the compressor's own state once, at its end; on
-//! `Outcome::Compacted` the caller records
-//! `trigger.record_completed_compaction(fallback_used, feasibility_skip,
-//! tokens_after)`. `CompressResult::kept_suffix` says how many trailing input
-//! messages were sent unchanged, so the replacement prefix of a compaction
-//! record is `messages[..messages.len() - kept_suffix]` standing for
-//! `input[..input.len() - kept_suffix]`.
+//! The crate's chat path also uses a few `pub(crate)` calls (the background
+//! pass's [`Compressor`] hand-over, the last resort's budget, the token
+//! estimates of a raw message). Inside, the modules import only downward in
+//! the `[compaction]` order of `scripts/layers.txt`: `compressor` (a folder
+//! of one file per step of a pass, the `micro` strategy and the
+//! `instructions` pinning among them); the trigger side `trigger`, `budget`,
+//! `config`; the steps `prune`, `fallback`, `assemble`, `last_resort`,
+//! `user_messages`, `sanitize`, `tail`, `truncated`, `salient`,
+//! `tool_summary`, `args`; the leaves `summariser`, `summary_failure`,
+//! `serialize`, `tokens`, `view`, `markers`, `redact`.
+//!
+//! Per request the proxy asks `compressor.trigger_mut().should_compress(..)`;
+//! when it fires it calls [`Compressor::compress`] (or
+//! [`Compressor::micro_compact`] for the micro strategy) with its
+//! [`Summariser`] and sends [`CompressResult::messages`]. The call commits
+//! the compressor's own state once, at its end; on `Outcome::Compacted` the
+//! caller records `trigger.record_completed_compaction(fallback_used,
+//! feasibility_skip, tokens_after)`. [`CompressResult::kept_suffix`] says
+//! how many trailing input messages were sent unchanged, so the replacement
+//! prefix of a compaction record is `messages[..messages.len() -
+//! kept_suffix]` standing for `input[..input.len() - kept_suffix]`.
 
 // What is `pub` here is the engine's surface: the types and functions
 // re-exported below. Everything else is the crate's, and this lint keeps it
