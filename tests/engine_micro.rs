@@ -189,7 +189,7 @@ fn a_cut_exchange_summary_is_retried_once_with_a_firmer_length() {
     assert!(retry.prompt.starts_with(&s.request(0).prompt));
     assert!(retry.prompt.contains("cut off at the reply limit"));
     assert_eq!(retry.max_tokens, s.request(0).max_tokens, "same cap");
-    let text = marker_text(&r.messages());
+    let text = marker_text(r.messages());
     assert!(
         text.contains("tag: REL-42") && !text.contains(CUT_MARKER),
         "{text}"
@@ -205,7 +205,7 @@ fn without_room_for_the_firmer_prompt_the_cut_exchange_summary_is_kept_without_r
     let s = Stub::reply(cut_reply(CUT)).with_budget(len + 10);
     let r = block_on(c.micro_compact(&conversation(6), &s));
     assert_eq!(s.calls(), 1, "no room for the retry");
-    assert!(marker_text(&r.messages()).contains(CUT_MARKER));
+    assert!(marker_text(r.messages()).contains(CUT_MARKER));
 }
 
 #[test]

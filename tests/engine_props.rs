@@ -228,13 +228,13 @@ proptest! {
             c.trigger_mut().set_threshold_tokens(before.saturating_sub(1).max(1));
             let s = Stub::ok(&format!("## Historical Task Snapshot\nround {r}"));
             let res = block_on(c.compress(&convo, &s, CompressOptions { force: true, ..Default::default() }));
-            if let Err(e) = check_tool_pairs(&res.messages()) {
+            if let Err(e) = check_tool_pairs(res.messages()) {
                 prop_assert!(false, "{}", e);
             }
             prop_assert!(res.messages().iter().filter(|m| is_summary(m)).count() <= 1);
             if res.outcome() == Outcome::Compacted {
                 prop_assert!(res.tokens_after() < before);
-                prop_assert_eq!(same_role_pairs(&res.messages()), 0);
+                prop_assert_eq!(same_role_pairs(res.messages()), 0);
             }
             convo = res.into_messages();
         }

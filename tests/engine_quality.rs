@@ -54,7 +54,7 @@ fn a_cut_summary_is_retried_once_with_a_firmer_length() {
         retry.contains("cut off at the reply limit"),
         "firmer instruction"
     );
-    let text = summary_text(&res.messages());
+    let text = summary_text(res.messages());
     assert!(text.contains("build_id: B7-1234") && !text.contains(CUT_MARKER));
     assert!(res.summary_failure().is_none());
 }
@@ -68,7 +68,7 @@ fn a_cut_summary_is_kept_at_its_last_complete_line_when_the_retry_is_cut_too() {
     assert_eq!(res.outcome(), Outcome::Compacted);
     assert!(!res.fallback_used());
     assert_eq!(s.calls(), 2);
-    let text = summary_text(&res.messages());
+    let text = summary_text(res.messages());
     assert!(text.contains("- tag: REL-42"), "{text}");
     assert!(!text.contains("half a li"), "the partial line goes: {text}");
     assert!(text.contains(CUT_MARKER), "marked as cut: {text}");
@@ -87,7 +87,7 @@ fn without_room_for_the_firmer_prompt_the_cut_summary_is_kept_without_retry() {
     assert_eq!(res.outcome(), Outcome::Compacted);
     assert!(!res.fallback_used());
     assert_eq!(s.calls(), 1, "no room for the retry");
-    assert!(summary_text(&res.messages()).contains(CUT_MARKER));
+    assert!(summary_text(res.messages()).contains(CUT_MARKER));
 }
 
 #[test]
@@ -171,7 +171,7 @@ fn iterative_summaries_keep_what_earlier_ones_said() {
             },
         ));
         assert_eq!(res.outcome(), Outcome::Compacted, "round {round}");
-        summaries.push(summary_text(&res.messages()));
+        summaries.push(summary_text(res.messages()));
         calls_after.push(s.prompts.lock().unwrap().len());
         conv = res.into_messages();
     }

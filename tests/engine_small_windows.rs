@@ -59,7 +59,7 @@ fn fits_after_compaction(window: u64) {
         },
     ));
     assert_eq!(res.outcome(), Outcome::Compacted, "window {window}");
-    let after = estimate_request_tokens_rough(&res.messages(), None);
+    let after = estimate_request_tokens_rough(res.messages(), None);
     assert!(
         after + max_tokens <= window,
         "window {window}: {after} tokens + {max_tokens} reply do not fit"
@@ -142,7 +142,7 @@ fn verbose_summariser_still_fits_a_2048_window() {
         },
     ));
     assert_eq!(res.outcome(), Outcome::Compacted);
-    let after = estimate_request_tokens_rough(&res.messages(), None);
+    let after = estimate_request_tokens_rough(res.messages(), None);
     assert!(
         after + max_tokens <= window,
         "{after} + {max_tokens} > {window}"

@@ -185,9 +185,7 @@ impl RecordStore {
         self.map.len()
     }
 
-    // Only tests read it.
-    #[cfg(test)]
-    pub(crate) fn is_empty(&self) -> bool {
+    pub fn is_empty(&self) -> bool {
         self.map.is_empty()
     }
 
