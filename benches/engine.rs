@@ -7,13 +7,11 @@
 use std::hint::black_box;
 use std::sync::Arc;
 
-use compactor::compaction::compressor::{CompressOptions, Compressor};
-use compactor::compaction::config::CompactionConfig;
-use compactor::compaction::summariser::{Summariser, SummaryError, SummaryReply, SummaryRequest};
-use compactor::compaction::tokens::{
+use compactor::compaction::{
     estimate_messages_tokens_rough, estimate_msg_budget_tokens, estimate_request_tokens_rough,
+    CompactionConfig, CompressOptions, Compressor, Summariser, SummaryError, SummaryReply,
+    SummaryRequest, Trigger, WindowSource,
 };
-use compactor::compaction::trigger::{Trigger, WindowSource};
 use criterion::{criterion_group, criterion_main, BatchSize, BenchmarkId, Criterion};
 use serde_json::{json, Value};
 
@@ -74,7 +72,7 @@ fn bench(c: &mut Criterion) {
         g.bench_with_input(BenchmarkId::from_parameter(n), &msgs, |b, msgs| {
             b.iter(|| {
                 let est = estimate_request_tokens_rough(black_box(msgs), None);
-                let fire = comp.trigger.should_compress(Some(est as i64));
+                let fire = comp.trigger_mut().should_compress(Some(est as i64));
                 black_box((est, fire))
             })
         });
@@ -90,14 +88,14 @@ fn bench(c: &mut Criterion) {
             b.iter_batched(
                 || {
                     let mut comp = compressor(1_000_000);
-                    comp.trigger
+                    comp.trigger_mut()
                         .set_threshold_tokens(est.saturating_sub(1).max(1));
                     comp
                 },
                 |mut comp| {
                     let res =
                         rt.block_on(comp.compress(msgs, &Instant, CompressOptions::default()));
-                    black_box(res.messages.len())
+                    black_box(res.messages().len())
                 },
                 BatchSize::SmallInput,
             )

@@ -3,11 +3,9 @@
 //! `cargo run --example compact_file -- body.json 2048`
 use std::sync::Arc;
 
-use compactor::compaction::config::CompactionConfig;
-use compactor::compaction::trigger::{Trigger, WindowSource};
 use compactor::compaction::{
-    CompressOptions, Compressor, Summariser, SummaryError, SummaryErrorKind, SummaryReply,
-    SummaryRequest,
+    estimate_msg_budget_tokens, CompactionConfig, CompressOptions, Compressor, Summariser,
+    SummaryError, SummaryErrorKind, SummaryReply, SummaryRequest, Trigger, WindowSource,
 };
 use serde_json::Value;
 
@@ -35,26 +33,26 @@ async fn main() -> anyhow::Result<()> {
     let mut c = Compressor::new(cfg, trigger);
     println!(
         "threshold {} tail budget {} max summary {}",
-        c.trigger.threshold_tokens(),
-        c.trigger.tail_token_budget(),
-        c.trigger.max_summary_tokens()
+        c.trigger_mut().threshold_tokens(),
+        c.trigger_mut().tail_token_budget(),
+        c.trigger_mut().max_summary_tokens()
     );
     let r = c
         .compress(&msgs, &Failing, CompressOptions::default())
         .await;
     println!(
         "outcome {:?} fallback {} before {} after {} msgs {} -> {} kept_suffix {}",
-        r.outcome,
-        r.fallback_used,
-        r.tokens_before,
-        r.tokens_after,
+        r.outcome(),
+        r.fallback_used(),
+        r.tokens_before(),
+        r.tokens_after(),
         msgs.len(),
-        r.messages.len(),
-        r.kept_suffix
+        r.messages().len(),
+        r.kept_suffix()
     );
-    for m in &r.messages {
+    for m in r.messages() {
         let len = serde_json::to_string(m)?.len();
-        let tokens = compactor::compaction::tokens::estimate_msg_budget_tokens(m, true);
+        let tokens = estimate_msg_budget_tokens(m, true);
         println!(
             "  {:9} {:6} chars {:5} tokens",
             m["role"].as_str().unwrap_or("?"),

@@ -1,13 +1,36 @@
 #!/usr/bin/env bash
-# Fails when the top-level modules of src/ import each other in a circle,
-# or when the files of one folder of src/ (nested folders too) do.
+# Fails when src/ imports against its layers:
+#  - a circle among the top-level modules, or among the files of one folder
+#    (nested folders too), even where no order is written down;
+#  - an import that points up the order written in scripts/layers.txt (the
+#    top-level modules, and the files of the folders it lists), even when
+#    it makes no circle;
+#  - a module of a listed folder missing from that order, or a name in the
+#    order that is no module (the order stays the code's).
 # An edge A -> B is any `crate::B` written in src/A.rs or src/A/ outside a
-# comment line; tsort finds the loops. `-v` also prints the edges.
+# comment line and outside test code (for the files of a folder: `super::B`
+# and `crate::dir::B`); tsort finds the loops. `-v` also prints the edges.
 set -uo pipefail
 cd "$(dirname "$0")/../src" || exit 2
+layers=../scripts/layers.txt
 # The folder scan reads groups with perl: without it every folder would
 # pass unread.
 command -v perl >/dev/null || { echo "check_layers.sh needs perl" >&2; exit 2; }
+[ -r "$layers" ] || { echo "check_layers.sh: no $layers" >&2; exit 2; }
+
+# The code of $1 (a file, or every .rs file under a folder) that the
+# layers are about: without comment lines and without tests (files named
+# tests.rs or test_support.rs, folders named tests, inline
+# `#[cfg(test)] mod x { … }`). Test code may reach any module: a unit test
+# of a leaf may build a whole compressor. Nothing else can reach test code
+# (it is cfg(test)), so leaving it out hides no circle.
+code_of() {
+    find "$1" -name '*.rs' ! -name tests.rs ! -name test_support.rs ! -path '*/tests/*' -print0 \
+        | xargs -0 -r perl -0777 -ne '
+            s{^[ \t]*//[^\n]*\n}{}mg;
+            s{#\[cfg\(test\)\]\s*mod\s+\w+\s*(\{(?:[^{}]++|(?1))*\})}{}g;
+            print'
+}
 
 edges() {
     for path in *.rs */; do
@@ -15,8 +38,7 @@ edges() {
         m="${m%/}"
         if [ "$m" = lib ] || [ "$m" = main ]; then continue; fi
         echo "$m $m"
-        { grep -rhE 'crate::[a-z_]+' "$path" | grep -vE '^[[:space:]]*//' \
-            | grep -oE 'crate::[a-z_]+' || true; } \
+        { code_of "$path" | grep -oE 'crate::[a-z_]+' || true; } \
             | sed 's/^crate:://' | sort -u \
             | while read -r dep; do
                 if [ "$dep" != "$m" ]; then echo "$m $dep"; fi
@@ -30,14 +52,69 @@ if grep -rnE 'crate::\{' . ; then
     exit 1
 fi
 
+# The names of section $1 of the order, highest first, one a line.
+order_of() {
+    awk -v want="[$1]" '
+        { sub(/#.*/, "") }
+        /^\[/ { on = ($1 == want); next }
+        on { for (i = 1; i <= NF; i++) print $i }' "$layers"
+}
+
+# Edges (stdin, "a b") against the order of section $1, whose modules are
+# the names in $2 (one a line): prints what breaks it.
+order_breaks() {
+    local label="src/$1"
+    [ "$1" = src ] && label=src
+    awk -v sec="$label" -v here="$2" -v order="$(order_of "$1")" '
+        BEGIN {
+            n = split(order, names, "\n")
+            for (i = 1; i <= n; i++) {
+                if (names[i] in pos) print sec ": " names[i] " is named twice in scripts/layers.txt"
+                pos[names[i]] = i
+            }
+            n = split(here, mods, "\n")
+            for (i = 1; i <= n; i++) {
+                have[mods[i]] = 1
+                if (!(mods[i] in pos)) print sec ": " mods[i] " has no place in scripts/layers.txt"
+            }
+            for (m in pos) if (!(m in have)) print "src/" sec ": scripts/layers.txt names " m ", which is no module"
+        }
+        $1 != $2 && ($1 in pos) && ($2 in pos) && pos[$2] < pos[$1] {
+            print sec ": " $1 " -> " $2 " points up the layer order (" $2 " is above " $1 " in scripts/layers.txt)"
+        }'
+}
+
+# The modules of folder $1 (`src`: the top-level ones), one a line.
+modules_of() {
+    if [ "$1" = src ]; then
+        for path in *.rs */; do
+            m="${path%.rs}"; m="${m%/}"
+            if [ "$m" != lib ] && [ "$m" != main ]; then echo "$m"; fi
+        done
+    else
+        for path in "$1"/*.rs "$1"/*/; do
+            [ -e "$path" ] || continue
+            m="${path#"$1"/}"; m="${m%.rs}"; m="${m%/}"
+            case "$m" in mod | tests | test_support) ;; *) echo "$m" ;; esac
+        done | sort -u
+    fi
+}
+
 if [ "${1:-}" = "-v" ]; then
     edges | awk '$1 != $2'
 fi
-loops=$(edges | tsort 2>&1 >/dev/null)
+status=0
+top=$(edges)
+loops=$(echo "$top" | tsort 2>&1 >/dev/null)
 if [ -n "$loops" ]; then
     echo "import circle among src/ modules:" >&2
     echo "$loops" >&2
-    exit 1
+    status=1
+fi
+breaks=$(echo "$top" | order_breaks src "$(modules_of src)")
+if [ -n "$breaks" ]; then
+    echo "$breaks" >&2
+    status=1
 fi
 
 # The names a file of folder $2 reaches its siblings by, in $1 (a file or a
@@ -45,7 +122,7 @@ fi
 # group (`use super::{b, c::X};`, over lines too) the first name of each
 # item (b, c), inner groups skipped.
 sibling_refs() {
-    { grep -rhvE '^[[:space:]]*//' "$1" || true; } | DIR="${2//\//::}" perl -0777 -ne '
+    code_of "$1" | DIR="${2//\//::}" perl -0777 -ne '
         my $p = qr/(?:super|crate::\Q$ENV{DIR}\E)::/;
         while (/$p([a-z_]+)/g) { print "$1\n" }
         while (/$p(\{((?:[^{}]++|(?1))*)\})/g) {
@@ -64,7 +141,7 @@ file_edges() {
         m="${path#"$dir"/}"
         m="${m%.rs}"
         m="${m%/}"
-        if [ "$m" = mod ]; then continue; fi
+        case "$m" in mod | tests | test_support) continue ;; esac
         echo "$m $m"
         sibling_refs "$path" "$dir" | sort -u \
             | while read -r dep; do
@@ -75,17 +152,30 @@ file_edges() {
     done
 }
 
-
 # Every folder, nested ones included (compaction/compressor/): no circle
-# among its files, and no allow-list.
-status=0
+# among its files, no allow-list; and the order, where layers.txt has one.
+ordered=" $(sed -n 's/^\[\(.*\)\].*/\1/p' "$layers" | tr '\n' ' ') "
 for dir in $(find . -mindepth 1 -type d | sed 's|^\./||' | sort); do
-    loops=$(file_edges "$dir" | tsort 2>&1 >/dev/null)
-    [ -n "$loops" ] || continue
-    if [ "${1:-}" = "-v" ]; then file_edges "$dir" | awk -v d="$dir" '$1 != $2 {print d"/"$1" -> "d"/"$2}'; fi
-    echo "import circle among the files of src/$dir/:" >&2
-    echo "$loops" >&2
-    status=1
+    fe=$(file_edges "$dir")
+    if [ "${1:-}" = "-v" ]; then echo "$fe" | awk -v d="$dir" '$1 != $2 {print d"/"$1" -> "d"/"$2}'; fi
+    loops=$(echo "$fe" | tsort 2>&1 >/dev/null)
+    if [ -n "$loops" ]; then
+        echo "import circle among the files of src/$dir/:" >&2
+        echo "$loops" >&2
+        status=1
+    fi
+    case "$ordered" in
+        *" $dir "*)
+            breaks=$(echo "$fe" | order_breaks "$dir" "$(modules_of "$dir")")
+            if [ -n "$breaks" ]; then
+                echo "$breaks" >&2
+                status=1
+            fi
+            ;;
+    esac
+done
+for sec in $ordered; do
+    [ "$sec" = src ] || [ -d "$sec" ] || { echo "scripts/layers.txt: [$sec] is no folder of src/" >&2; status=1; }
 done
 [ "$status" = 0 ] || exit 1
-echo "layers: no import circle"
+echo "layers: no import circle, every import points down the order of scripts/layers.txt"

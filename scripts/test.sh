@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # THE one command that runs every test of the repository (CI runs it through .ci/run):
-#   rustfmt check, the layer check (no import circle in src/), clippy (warnings are errors), cargo tests, docker-compose config check,
+#   rustfmt check, the layer check (no import circle in src/, no import up scripts/layers.txt), clippy (warnings are errors), cargo tests, docker-compose config check,
 #   then the end-to-end suite against a real llama.cpp server (tests/e2e, pytest).
 # Stops at the first failing step and ends with a one-line summary.
 # Arguments are passed to pytest (e.g. `-k sdk`); TEST_SH_SKIP="fmt clippy" skips named steps

@@ -10,17 +10,17 @@ use http::{header, HeaderValue, Response, StatusCode};
 use http_body_util::{BodyExt, Full};
 
 /// `Retry-After` of a 503 for a capacity limit, in seconds.
-pub const RETRY_AFTER_SECS: &str = "1";
+pub(crate) const RETRY_AFTER_SECS: &str = "1";
 
 /// Boxed error used in body types.
-pub type BoxError = Box<dyn std::error::Error + Send + Sync>;
+pub(crate) type BoxError = Box<dyn std::error::Error + Send + Sync>;
 
 /// The response body type of every compactor response.
-pub type ProxyBody = http_body_util::combinators::UnsyncBoxBody<Bytes, BoxError>;
+pub(crate) type ProxyBody = http_body_util::combinators::UnsyncBoxBody<Bytes, BoxError>;
 
 /// Which side caused a failure (decides status, metric label and log level).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum ErrorSource {
+pub(crate) enum ErrorSource {
     /// The client sent something we refuse.
     Client,
     /// The upstream failed or was too slow.
@@ -31,7 +31,7 @@ pub enum ErrorSource {
 
 /// A failure of the proxy path before the response head reached the client.
 #[derive(Debug, thiserror::Error)]
-pub enum ProxyError {
+pub(crate) enum ProxyError {
     /// The upstream could not be reached (refused, DNS, TLS, reset).
     #[error("upstream unreachable: {0}")]
     UpstreamUnreachable(String),
@@ -66,7 +66,7 @@ pub enum ProxyError {
 
 /// Which API's error body a client reads.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-pub enum ErrorShape {
+pub(crate) enum ErrorShape {
     /// `{"error": {"message", "type", "code"}}` (chat completions,
     /// Responses, every other route).
     #[default]
@@ -77,7 +77,7 @@ pub enum ErrorShape {
 
 impl ProxyError {
     /// HTTP status sent to the client.
-    pub fn status(&self) -> StatusCode {
+    pub(crate) fn status(&self) -> StatusCode {
         match self {
             ProxyError::UpstreamUnreachable(_) => StatusCode::BAD_GATEWAY,
             ProxyError::ConnectTimeout(_) | ProxyError::FirstByteTimeout(_) => {
@@ -92,7 +92,7 @@ impl ProxyError {
     }
 
     /// Who is to blame.
-    pub fn source_kind(&self) -> ErrorSource {
+    pub(crate) fn source_kind(&self) -> ErrorSource {
         match self {
             ProxyError::UpstreamUnreachable(_)
             | ProxyError::ConnectTimeout(_)
@@ -106,7 +106,7 @@ impl ProxyError {
     }
 
     /// OpenAI `error.type`.
-    pub fn error_type(&self) -> &'static str {
+    pub(crate) fn error_type(&self) -> &'static str {
         match self.source_kind() {
             ErrorSource::Client => "invalid_request_error",
             ErrorSource::Upstream => "upstream_error",
@@ -115,7 +115,7 @@ impl ProxyError {
     }
 
     /// OpenAI `error.code` (stable, machine-readable; also the metric label).
-    pub fn code(&self) -> &'static str {
+    pub(crate) fn code(&self) -> &'static str {
         match self {
             ProxyError::UpstreamUnreachable(_) => "upstream_unreachable",
             ProxyError::ConnectTimeout(_) => "upstream_connect_timeout",
@@ -130,7 +130,7 @@ impl ProxyError {
     }
 
     /// Anthropic's `error.type` for this error's status.
-    pub fn anthropic_type(&self) -> &'static str {
+    pub(crate) fn anthropic_type(&self) -> &'static str {
         match self.status().as_u16() {
             413 => "request_too_large",
             503 => "overloaded_error",
@@ -141,12 +141,14 @@ impl ProxyError {
     }
 
     /// The OpenAI-shaped error response for this error.
-    pub fn to_response(&self) -> Response<ProxyBody> {
+    // Only tests build a response from a borrowed error.
+    #[cfg(test)]
+    pub(crate) fn to_response(&self) -> Response<ProxyBody> {
         self.to_response_in(ErrorShape::OpenAi)
     }
 
     /// The error response for this error, in `shape`.
-    pub fn to_response_in(&self, shape: ErrorShape) -> Response<ProxyBody> {
+    pub(crate) fn to_response_in(&self, shape: ErrorShape) -> Response<ProxyBody> {
         let mut resp = match shape {
             ErrorShape::OpenAi => error_response(
                 self.status(),
@@ -170,7 +172,7 @@ impl ProxyError {
 }
 
 /// Builds `{"error":{"message","type","code"}}` with the given status.
-pub fn error_response(
+pub(crate) fn error_response(
     status: StatusCode,
     message: &str,
     error_type: &str,
@@ -203,7 +205,7 @@ fn json_response(status: StatusCode, body: &str) -> Response<ProxyBody> {
 }
 
 /// A complete in-memory body as a [`ProxyBody`].
-pub fn full_body(bytes: Bytes) -> ProxyBody {
+pub(crate) fn full_body(bytes: Bytes) -> ProxyBody {
     Full::new(bytes)
         .map_err(|never| match never {})
         .boxed_unsync()

@@ -1,31 +1,34 @@
 //! compactor: a transparent OpenAI-compatible reverse proxy that compacts
 //! long conversations in flight.
 //!
-//! Layers, each using only the ones below it:
+//! Layers, highest first, each using only the ones after it (the order of
+//! `scripts/layers.txt`):
 //!
 //! - [`server`]: shared state, accept loop, routing, health, metrics and the
-//!   admin session view.
+//!   admin session view; [`cli`], the binary's arguments.
 //! - [`chat`]: the walk of one chat completion (substitute, estimate,
 //!   decide, compact, send, retry, tap usage).
+//! - [`usage`]: reading and hiding usage in response bodies.
 //! - [`upstream`]: HTTP plumbing: the one [`upstream::Upstream`], body
 //!   wrappers, header policy, error replies.
-//! - Support: [`usage`] (reading and hiding usage in response bodies),
-//!   [`session`] (keys, the session store, calibration), [`config`],
-//!   [`metrics`], [`telemetry`].
-//! - Pure leaves: [`compaction`] (the engine, synchronous, no I/O),
-//!   [`window`], [`store`], [`request`], [`codec`] (each API's request
-//!   mapped onto the engine's conversation and back), [`error`], [`sync`].
+//! - [`telemetry`] and [`config`].
+//! - Support: [`session`] (keys, the session store, calibration),
+//!   [`store`] (what outlives a process), [`metrics`].
+//! - Pure leaves: `window`, [`compaction`] (the engine, synchronous, no
+//!   I/O), [`codec`] (each API's request mapped onto the engine's
+//!   conversation and back), [`request`], `error`, [`sync`], `civil`.
 //!
 //! `ARCHITECTURE.md` has the walk of a request and the module map;
-//! `scripts/check_layers.sh` keeps the imports free of cycles.
+//! `scripts/layers.txt` writes the order down and `scripts/check_layers.sh`
+//! keeps the imports to it (no cycle, no import up the order).
 
 pub mod chat;
-pub mod civil;
+pub(crate) mod civil;
 pub mod cli;
 pub mod codec;
 pub mod compaction;
 pub mod config;
-pub mod error;
+pub(crate) mod error;
 pub mod metrics;
 pub mod request;
 pub mod server;
@@ -35,4 +38,4 @@ pub mod sync;
 pub mod telemetry;
 pub mod upstream;
 pub mod usage;
-pub mod window;
+pub(crate) mod window;

@@ -53,7 +53,7 @@ struct Member {
 /// Whether a raw message is an instruction row (`role` `system` or
 /// `developer`). Most messages do not contain either word and are
 /// rejected by a byte search; the rest are parsed for their role.
-pub fn is_instruction_message(m: &RawValue) -> bool {
+pub(crate) fn is_instruction_message(m: &RawValue) -> bool {
     #[derive(serde::Deserialize)]
     struct RoleOnly<'a> {
         #[serde(default, borrow)]
@@ -249,7 +249,10 @@ impl ChatRequest {
 
     /// [`Self::parse`] for a body whose message list is the member
     /// `list_key` (the same view serves other APIs' item lists).
-    pub fn parse_list(bytes: impl Into<Bytes>, list_key: &'static str) -> Result<Self, ParseError> {
+    pub(crate) fn parse_list(
+        bytes: impl Into<Bytes>,
+        list_key: &'static str,
+    ) -> Result<Self, ParseError> {
         let original: Bytes = bytes.into();
         let borrowed = {
             let mut de = serde_json::Deserializer::from_slice(&original);
@@ -298,13 +301,8 @@ impl ChatRequest {
         })
     }
 
-    /// The body exactly as received.
-    pub fn original(&self) -> &Bytes {
-        &self.original
-    }
-
     /// Raw top-level member, if present.
-    pub fn get_raw(&self, key: &str) -> Option<&RawValue> {
+    pub(crate) fn get_raw(&self, key: &str) -> Option<&RawValue> {
         self.top.get(key).and_then(|m| m.raw.as_deref())
     }
 
@@ -319,7 +317,7 @@ impl ChatRequest {
     }
 
     /// `model`, when it is a string.
-    pub fn model(&self) -> Option<String> {
+    pub(crate) fn model(&self) -> Option<String> {
         self.get_str("model")
     }
 
@@ -330,7 +328,7 @@ impl ChatRequest {
 
     /// The output reservation: `max_completion_tokens`, else `max_tokens`
     /// (OpenAI deprecated the latter; llama.cpp reads both in that order).
-    pub fn max_output_tokens(&self) -> Option<u64> {
+    pub(crate) fn max_output_tokens(&self) -> Option<u64> {
         ["max_completion_tokens", "max_tokens"]
             .iter()
             .find_map(|k| {
@@ -340,12 +338,12 @@ impl ChatRequest {
     }
 
     /// Body `session_id` (OpenRouter convention), when a non-empty string.
-    pub fn session_id(&self) -> Option<String> {
+    pub(crate) fn session_id(&self) -> Option<String> {
         self.get_str("session_id").filter(|s| !s.is_empty())
     }
 
     /// Body `prompt_cache_key` (OpenAI convention), when a non-empty string.
-    pub fn prompt_cache_key(&self) -> Option<String> {
+    pub(crate) fn prompt_cache_key(&self) -> Option<String> {
         self.get_str("prompt_cache_key").filter(|s| !s.is_empty())
     }
 
@@ -366,7 +364,7 @@ impl ChatRequest {
     /// Moves the messages out, leaving none. The body is not considered
     /// changed: put them (or others) back with [`Self::with_messages`] to
     /// send something else.
-    pub fn take_messages(&mut self) -> Vec<Box<RawValue>> {
+    pub(crate) fn take_messages(&mut self) -> Vec<Box<RawValue>> {
         std::mem::take(&mut self.messages)
     }
 
@@ -411,7 +409,7 @@ impl ChatRequest {
 
     /// Replaces the top-level member `key` in place (or appends it when the
     /// body has none). Not for the list member: see [`Self::with_messages`].
-    pub fn set_member(&mut self, key: &str, raw: Box<RawValue>) {
+    pub(crate) fn set_member(&mut self, key: &str, raw: Box<RawValue>) {
         match self.top.get_mut(key) {
             Some(m) => {
                 m.raw = Some(raw);
@@ -432,7 +430,7 @@ impl ChatRequest {
     /// [`Self::force_include_usage`]: the body is the client's again (the
     /// messages stay taken). Lets one parse serve a second preparation (the
     /// retry after an overflow error) as if it were fresh.
-    pub fn rewind(&mut self) {
+    pub(crate) fn rewind(&mut self) {
         if !self.is_modified() {
             return;
         }
@@ -533,7 +531,7 @@ fn write_array(out: &mut BytesMut, items: &[Box<RawValue>]) {
 /// Writes `v` as canonical JSON: object keys sorted, no whitespace, numbers
 /// and strings as serde_json prints them. Independent of serde_json's
 /// `preserve_order` feature so hashes never depend on the dependency graph.
-pub fn write_canonical(v: &Value, out: &mut Vec<u8>) {
+pub(crate) fn write_canonical(v: &Value, out: &mut Vec<u8>) {
     match v {
         Value::Object(map) => {
             let mut keys: Vec<&String> = map.keys().collect();
@@ -569,7 +567,7 @@ pub fn write_canonical(v: &Value, out: &mut Vec<u8>) {
 
 /// Hash of one message's canonical JSON (not chained). Messages that are not
 /// valid JSON (impossible after [`ChatRequest::parse`]) hash their raw text.
-pub fn message_hash(msg: &RawValue) -> u128 {
+pub(crate) fn message_hash(msg: &RawValue) -> u128 {
     let mut buf = Vec::with_capacity(msg.get().len());
     canonical_bytes(msg, &mut buf);
     xxhash_rust::xxh3::xxh3_128(&buf)
@@ -646,7 +644,7 @@ impl ChainCache {
 
     /// [`Self::chain`]; `canonical` says the messages are canonical JSON
     /// (a codec's decoding), hashed as they are.
-    pub fn chain_as(&mut self, messages: &[Box<RawValue>], canonical: bool) -> &[u128] {
+    pub(crate) fn chain_as(&mut self, messages: &[Box<RawValue>], canonical: bool) -> &[u128] {
         let raw: Vec<u64> = messages
             .iter()
             .map(|m| xxhash_rust::xxh3::xxh3_64(m.get().as_bytes()))
@@ -681,311 +679,4 @@ pub fn common_prefix_len(a: &[u128], b: &[u128]) -> usize {
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-
-    fn raw(s: &str) -> Box<RawValue> {
-        RawValue::from_string(s.to_owned()).unwrap()
-    }
-
-    const BODY: &str = r#"{"model":"gpt-4o", "temperature":0.70,"seed":18446744073709551616123,
-  "x_unknown":{"b":1,"a":[1, 2]},"stream":true,"messages":[{"role":"system","content":"S"}, {"role":"user","content":"hi"}],"max_tokens":100}"#;
-
-    #[test]
-    fn unchanged_body_is_returned_as_is() {
-        let r = ChatRequest::parse(BODY.as_bytes().to_vec()).unwrap();
-        assert!(!r.is_modified());
-        assert_eq!(r.to_bytes(), BODY.as_bytes());
-    }
-
-    #[test]
-    fn accessors_read_fields() {
-        let r = ChatRequest::parse(BODY.as_bytes().to_vec()).unwrap();
-        assert_eq!(r.model().as_deref(), Some("gpt-4o"));
-        assert!(r.stream());
-        assert_eq!(r.max_output_tokens(), Some(100));
-        assert_eq!(r.messages().len(), 2);
-        assert!(!r.client_wants_usage());
-        assert_eq!(r.session_id(), None);
-        let r2 = ChatRequest::parse(
-            br#"{"messages":[],"max_tokens":5,"max_completion_tokens":7,"session_id":"s1","prompt_cache_key":"p1","stream_options":{"include_usage":true}}"#.to_vec(),
-        )
-        .unwrap();
-        assert_eq!(r2.max_output_tokens(), Some(7));
-        assert_eq!(r2.session_id().as_deref(), Some("s1"));
-        assert_eq!(r2.prompt_cache_key().as_deref(), Some("p1"));
-        assert!(r2.client_wants_usage());
-        assert!(!r2.stream());
-    }
-
-    #[test]
-    fn replacing_messages_keeps_every_other_byte() {
-        let mut r = ChatRequest::parse(BODY.as_bytes().to_vec()).unwrap();
-        r.with_messages(vec![raw(r#"{"role":"user","content":"x"}"#)]);
-        let out = String::from_utf8(r.to_bytes().to_vec()).unwrap();
-        let expected = r#"{"model":"gpt-4o", "temperature":0.70,"seed":18446744073709551616123,
-  "x_unknown":{"b":1,"a":[1, 2]},"stream":true,"messages":[{"role":"user","content":"x"}],"max_tokens":100}"#;
-        assert_eq!(out, expected);
-    }
-
-    #[test]
-    fn include_usage_is_appended_when_streaming() {
-        let mut r = ChatRequest::parse(BODY.as_bytes().to_vec()).unwrap();
-        assert!(r.force_include_usage());
-        let out = String::from_utf8(r.to_bytes().to_vec()).unwrap();
-        let expected = BODY.strip_suffix('}').unwrap().to_owned()
-            + r#","stream_options":{"include_usage":true}}"#;
-        assert_eq!(out, expected);
-        // Idempotent once set.
-        let mut again = ChatRequest::parse(out.into_bytes()).unwrap();
-        assert!(!again.force_include_usage());
-    }
-
-    #[test]
-    fn include_usage_merges_into_existing_options_in_place() {
-        let body = r#"{"stream":true,"stream_options":{"include_obfuscation":false,"include_usage":false},"messages":[],"top_p":0.90}"#;
-        let mut r = ChatRequest::parse(body.as_bytes().to_vec()).unwrap();
-        assert!(r.force_include_usage());
-        assert_eq!(
-            String::from_utf8(r.to_bytes().to_vec()).unwrap(),
-            r#"{"stream":true,"stream_options":{"include_obfuscation":false,"include_usage":true},"messages":[],"top_p":0.90}"#
-        );
-        let body = r#"{"stream":true,"stream_options":null,"messages":[]}"#;
-        let mut r = ChatRequest::parse(body.as_bytes().to_vec()).unwrap();
-        assert!(r.force_include_usage());
-        assert_eq!(
-            String::from_utf8(r.to_bytes().to_vec()).unwrap(),
-            r#"{"stream":true,"stream_options":{"include_usage":true},"messages":[]}"#
-        );
-    }
-
-    #[test]
-    fn include_usage_never_added_to_non_streaming() {
-        for body in [r#"{"messages":[]}"#, r#"{"stream":false,"messages":[]}"#] {
-            let mut r = ChatRequest::parse(body.as_bytes().to_vec()).unwrap();
-            assert!(!r.force_include_usage());
-            assert_eq!(r.to_bytes(), body.as_bytes());
-        }
-    }
-
-    #[test]
-    fn both_changes_together() {
-        let body = "{ \"messages\" : [ {\"role\":\"user\"} ] ,\n \"stream\": true }";
-        let mut r = ChatRequest::parse(body.as_bytes().to_vec()).unwrap();
-        r.with_messages(vec![raw("1"), raw("2")]);
-        assert!(r.force_include_usage());
-        assert_eq!(
-            String::from_utf8(r.to_bytes().to_vec()).unwrap(),
-            "{ \"messages\" : [1,2] ,\n \"stream\": true ,\"stream_options\":{\"include_usage\":true}}"
-        );
-    }
-
-    #[test]
-    fn rewind_gives_back_the_clients_body_and_the_same_plan() {
-        let body = r#"{"stream":true,"stream_options":{"include_usage":false},"messages":[{"role":"user"}],"model":"m"}"#;
-        let mut r = ChatRequest::parse(body.as_bytes().to_vec()).unwrap();
-        let taken = r.take_messages();
-        r.with_messages(vec![raw("1")]);
-        assert!(r.force_include_usage());
-        r.set_member("added", raw("2"));
-        assert_ne!(r.to_bytes(), body.as_bytes());
-        r.rewind();
-        assert!(!r.is_modified());
-        assert_eq!(r.to_bytes(), body.as_bytes());
-        assert!(
-            !r.client_wants_usage(),
-            "stream_options is the client's again"
-        );
-        assert!(r.get_raw("added").is_none());
-        // A second preparation decides as the first did.
-        r.with_messages(taken);
-        assert!(r.force_include_usage());
-        assert_eq!(
-            String::from_utf8(r.to_bytes().to_vec()).unwrap(),
-            r#"{"stream":true,"stream_options":{"include_usage":true},"messages":[{"role":"user"}],"model":"m"}"#
-        );
-    }
-
-    #[test]
-    fn messages_span_is_the_whole_array_however_it_is_spaced() {
-        for body in [
-            r#"{"messages":[]}"#,
-            r#"{"messages": [ ] ,"x":1}"#,
-            "{\"a\":[1],\"messages\" :\n[\n {\"role\":\"user\"} ,\r\n\t\"s\"\n] }",
-            r#"{"messages":[1],"b":{"messages":[2,3]}}"#,
-        ] {
-            let r = ChatRequest::parse(body.as_bytes().to_vec()).unwrap();
-            let span = r.top.get("messages").unwrap().span.clone().unwrap();
-            assert_eq!(
-                Some(&span),
-                raw_messages_span(body.as_bytes()).as_ref(),
-                "{body}"
-            );
-            // Non-empty arrays are found from their elements, without the
-            // second parse.
-            let top: BorrowedTop<'_> = serde_json::from_str(body).unwrap();
-            for (k, v) in top.0 {
-                if let (true, TopValue::Messages(list)) = (k == "messages", v) {
-                    let around = span_around(body.as_bytes(), &list);
-                    assert_eq!(around, (!list.is_empty()).then_some(span.clone()));
-                }
-            }
-        }
-        let mut r = ChatRequest::parse(br#"{"messages": [ ] ,"x":1}"#.to_vec()).unwrap();
-        r.with_messages(vec![raw("1")]);
-        assert_eq!(&r.to_bytes()[..], br#"{"messages": [1] ,"x":1}"#);
-        // An escaped key names `messages` too; its empty array is found.
-        let body = r#"{"m\u0065ssages":[],"x":1}"#;
-        let mut r = ChatRequest::parse(body.as_bytes().to_vec()).unwrap();
-        r.with_messages(vec![raw("2")]);
-        assert_eq!(&r.to_bytes()[..], br#"{"m\u0065ssages":[2],"x":1}"#);
-    }
-
-    #[test]
-    fn rejects_what_cannot_be_rewritten() {
-        assert!(matches!(
-            ChatRequest::parse(b"not json".to_vec()),
-            Err(ParseError::NotObject(_))
-        ));
-        assert!(matches!(
-            ChatRequest::parse(b"[1]".to_vec()),
-            Err(ParseError::NotObject(_))
-        ));
-        assert!(matches!(
-            ChatRequest::parse(br#"{"model":"m"}"#.to_vec()),
-            Err(ParseError::MissingMessages)
-        ));
-        for not_array in [
-            r#"{"messages":{}}"#,
-            r#"{"messages":null}"#,
-            r#"{"messages":"x"}"#,
-        ] {
-            assert!(matches!(
-                ChatRequest::parse(not_array.as_bytes().to_vec()),
-                Err(ParseError::MessagesNotArray(_))
-            ));
-        }
-        assert!(matches!(
-            ChatRequest::parse(br#"{"messages":[{"a":}]}"#.to_vec()),
-            Err(ParseError::NotObject(_))
-        ));
-        assert!(matches!(
-            ChatRequest::parse(br#"{"messages":[],"model":"a","model":"b"}"#.to_vec()),
-            Err(ParseError::DuplicateKey)
-        ));
-    }
-
-    #[test]
-    fn hashes_ignore_formatting_and_key_order() {
-        let a = vec![
-            raw(r#"{"role":"user","content":"hi"}"#),
-            raw(r#"{"role":"assistant","content":"yo"}"#),
-        ];
-        let b = vec![
-            raw(r#"{ "content": "hi", "role": "user" }"#),
-            raw(r#"{"content":"yo","role":"assistant"}"#),
-        ];
-        assert_eq!(message_hashes(&a), message_hashes(&b));
-        let c = vec![
-            raw(r#"{"role":"user","content":"hi"}"#),
-            raw(r#"{"role":"assistant","content":"YO"}"#),
-        ];
-        let (ha, hc) = (message_hashes(&a), message_hashes(&c));
-        assert_eq!(ha[0], hc[0]);
-        assert_ne!(ha[1], hc[1]);
-        assert_eq!(common_prefix_len(&ha, &hc), 1);
-        assert_eq!(common_prefix_len(&ha, &ha), 2);
-    }
-
-    #[test]
-    fn chain_cache_matches_full_computation() {
-        let mut cache = ChainCache::new();
-        let a = vec![raw(r#""x""#), raw(r#""y""#), raw(r#""z""#)];
-        assert_eq!(cache.chain(&a), message_hashes(&a).as_slice());
-        let b = vec![raw(r#""x""#), raw(r#""Y""#)];
-        assert_eq!(cache.chain(&b), message_hashes(&b).as_slice());
-        let c = vec![raw(r#""x""#), raw(r#""Y""#), raw(r#""w""#), raw(r#""v""#)];
-        assert_eq!(cache.chain(&c), message_hashes(&c).as_slice());
-        assert_eq!(cache.chain(&[]), &[] as &[u128]);
-    }
-
-    #[test]
-    fn chain_depends_on_order_and_extends_incrementally() {
-        let a = vec![raw(r#""x""#), raw(r#""y""#)];
-        let b = vec![raw(r#""y""#), raw(r#""x""#)];
-        assert_ne!(message_hashes(&a)[1], message_hashes(&b)[1]);
-        let mut chain = message_hashes(&a[..1]);
-        extend_message_hashes(&mut chain, &a[1..]);
-        assert_eq!(chain, message_hashes(&a));
-        assert_eq!(message_hash(&a[0]), message_hash(&raw(r#" "x" "#)));
-    }
-}
-
-#[cfg(test)]
-mod prop {
-    use super::*;
-    use proptest::prelude::*;
-
-    fn member_value() -> impl Strategy<Value = String> {
-        prop_oneof![
-            Just("0.70".to_owned()),
-            Just("18446744073709551616123".to_owned()),
-            Just("1e400".to_owned()),
-            Just("-0.0".to_owned()),
-            Just("null".to_owned()),
-            Just("\"caf\\u00e9 \\\"q\\\"\"".to_owned()),
-            Just("{ \"b\" : [1, 2.50, {}], \"a\":true }".to_owned()),
-            "[a-z]{0,6}".prop_map(|s| format!("\"{s}\"")),
-        ]
-    }
-
-    fn ws() -> impl Strategy<Value = &'static str> {
-        prop_oneof![Just(""), Just(" "), Just("\n  "), Just("\t")]
-    }
-
-    prop_compose! {
-        fn body()(members in proptest::collection::vec(("[a-z_]{1,8}", member_value(), ws()), 0..6),
-                  msgs_at in 0usize..6, stream in any::<bool>(), w in ws())
-                  -> (String, Vec<(String, String)>) {
-            let mut seen = std::collections::HashSet::new();
-            let mut list: Vec<(String, String)> = members
-                .into_iter()
-                .filter(|(k, _, _)| !matches!(k.as_str(), "messages" | "stream" | "stream_options"))
-                .filter(|(k, _, _)| seen.insert(k.clone()))
-                .map(|(k, v, _)| (k, v))
-                .collect();
-            let at = msgs_at.min(list.len());
-            list.insert(at, ("messages".to_owned(), "[ {\"role\":\"user\",\"content\":\"hi\"} ]".to_owned()));
-            list.push(("stream".to_owned(), stream.to_string()));
-            let inner: Vec<String> = list.iter().map(|(k, v)| format!("{w}\"{k}\"{w}:{w}{v}")).collect();
-            (format!("{{{}{w}}}", inner.join(",")), list)
-        }
-    }
-
-    proptest! {
-        #[test]
-        fn untouched_members_survive_byte_for_byte((text, members) in body()) {
-            let mut r = ChatRequest::parse(text.clone().into_bytes()).unwrap();
-            prop_assert_eq!(r.to_bytes(), text.as_bytes());
-            let streaming = r.stream();
-            r.with_messages(vec![RawValue::from_string("{\"role\":\"user\",\"content\":\"new\"}".to_owned()).unwrap()]);
-            let forced = r.force_include_usage();
-            prop_assert_eq!(forced, streaming);
-            let out = String::from_utf8(r.to_bytes().to_vec()).unwrap();
-            // Still one valid JSON object ...
-            let again = ChatRequest::parse(out.clone().into_bytes()).unwrap();
-            prop_assert_eq!(again.messages().len(), 1);
-            prop_assert_eq!(again.client_wants_usage(), streaming);
-            // ... whose other members are the original raw texts, in order.
-            let keys: Vec<&str> = again.top.keys().map(String::as_str).collect();
-            let mut want: Vec<&str> = members.iter().map(|(k, _)| k.as_str()).collect();
-            if streaming { want.push("stream_options"); }
-            prop_assert_eq!(keys, want);
-            for (k, v) in &members {
-                if k != "messages" {
-                    prop_assert_eq!(again.get_raw(k).unwrap().get(), v.as_str());
-                }
-            }
-        }
-    }
-}
+mod tests;

@@ -8,10 +8,10 @@
 
 mod engine_support;
 
-use compactor::compaction::compressor::{CompressOptions, Outcome};
-use compactor::compaction::markers::{END_MARKER, INFLIGHT_HEADER};
-use compactor::compaction::tokens::estimate_messages_tokens_rough;
-use compactor::compaction::view;
+use compactor::compaction::{
+    estimate_messages_tokens_rough, is_summary, CompressOptions, MicroOutcome, Outcome,
+    Strategy as EngineStrategy, END_MARKER, INFLIGHT_HEADER,
+};
 use engine_support::*;
 use proptest::prelude::*;
 use serde_json::{json, Value};
@@ -158,19 +158,19 @@ proptest! {
             c.protect_last_n = last;
         });
         // Every automatic compaction runs at or over the threshold.
-        c.trigger.set_threshold_tokens(tokens_before.saturating_sub(1).max(1));
-        c.trigger.set_tail_token_budget(tail_budget);
+        c.trigger_mut().set_threshold_tokens(tokens_before.saturating_sub(1).max(1));
+        c.trigger_mut().set_tail_token_budget(tail_budget);
         if compacted_before {
-            c.trigger.compression_count = 1;
+            restored(&mut c, 1, 0);
         }
         let s = if fail { Stub::err(plain("boom")) } else { Stub::ok("## Historical Task Snapshot\nsummary") };
         let res = block_on(c.compress(&input, &s, CompressOptions::default()));
-        let out = &res.messages;
+        let out = &res.messages();
 
-        match res.outcome {
+        match res.outcome() {
             Outcome::Compacted => {
-                prop_assert!(res.tokens_after < tokens_before, "not smaller: {} >= {}", res.tokens_after, tokens_before);
-                prop_assert_eq!(res.tokens_after, estimate_messages_tokens_rough(out));
+                prop_assert!(res.tokens_after() < tokens_before, "not smaller: {} >= {}", res.tokens_after(), tokens_before);
+                prop_assert_eq!(res.tokens_after(), estimate_messages_tokens_rough(out));
             }
             _ => prop_assert_eq!(out, &input),
         }
@@ -186,7 +186,7 @@ proptest! {
         prop_assert!(carries_newest(out, &newest), "newest user text changed: {:?}",
             out.iter().filter(|m| view::is_role(m, "user")).map(content_str).collect::<Vec<_>>());
         // The suffix bookkeeping the proxy relies on is exact.
-        let k = res.kept_suffix;
+        let k = res.kept_suffix();
         prop_assert_eq!(&out[out.len() - k..], &input[input.len() - k..]);
     }
 }
@@ -206,7 +206,7 @@ proptest! {
             c.protect_first_n = first;
             c.protect_last_n = 3;
         });
-        c.trigger.set_tail_token_budget(tail_budget);
+        c.trigger_mut().set_tail_token_budget(tail_budget);
         let mut convo: Vec<Value> = Vec::new();
         for (r, turns) in rounds.iter().enumerate() {
             let mut fresh = build(r == 0, turns, false);
@@ -225,18 +225,18 @@ proptest! {
                 convo.extend(fresh.into_iter().skip_while(|m| !view::is_role(m, "user")).skip(1));
             }
             let before = estimate_messages_tokens_rough(&convo);
-            c.trigger.set_threshold_tokens(before.saturating_sub(1).max(1));
+            c.trigger_mut().set_threshold_tokens(before.saturating_sub(1).max(1));
             let s = Stub::ok(&format!("## Historical Task Snapshot\nround {r}"));
             let res = block_on(c.compress(&convo, &s, CompressOptions { force: true, ..Default::default() }));
-            if let Err(e) = check_tool_pairs(&res.messages) {
+            if let Err(e) = check_tool_pairs(res.messages()) {
                 prop_assert!(false, "{}", e);
             }
-            prop_assert!(res.messages.iter().filter(|m| view::is_summary(m)).count() <= 1);
-            if res.outcome == Outcome::Compacted {
-                prop_assert!(res.tokens_after < before);
-                prop_assert_eq!(same_role_pairs(&res.messages), 0);
+            prop_assert!(res.messages().iter().filter(|m| is_summary(m)).count() <= 1);
+            if res.outcome() == Outcome::Compacted {
+                prop_assert!(res.tokens_after() < before);
+                prop_assert_eq!(same_role_pairs(res.messages()), 0);
             }
-            convo = res.messages;
+            convo = res.into_messages();
         }
     }
 }
@@ -305,21 +305,21 @@ proptest! {
         budget in 1u64..500,
     ) {
         let mut c = compressor(2, 2);
-        c.trigger.set_tail_token_budget(budget);
+        c.trigger_mut().set_tail_token_budget(budget);
         let s = if fail { Stub::err(plain("boom")) } else { Stub::ok("sum") };
         let res = block_on(c.compress(&msgs, &s, CompressOptions { force, ..Default::default() }));
-        if res.outcome != Outcome::Compacted {
-            prop_assert_eq!(&res.messages, &msgs);
+        if res.outcome() != Outcome::Compacted {
+            prop_assert_eq!(&res.messages(), &msgs);
         }
         let mut m = compressor_with("prop-model", 40_960, |c| {
-            c.strategy = compactor::compaction::config::Strategy::Micro;
+            c.strategy = EngineStrategy::Micro;
             c.protect_first_n = 1;
         });
-        m.trigger.set_tail_token_budget(budget);
+        m.trigger_mut().set_tail_token_budget(budget);
         for _ in 0..3 {
             let r = block_on(m.micro_compact(&msgs, &s));
-            if r.micro.map(|m| m.outcome) != Some(compactor::compaction::micro::MicroOutcome::Absorbed) {
-                prop_assert_eq!(&r.messages, &msgs);
+            if r.micro_outcome() != Some(MicroOutcome::Absorbed) {
+                prop_assert_eq!(&r.messages(), &msgs);
             }
         }
     }
@@ -336,19 +336,17 @@ proptest! {
         turns in prop::collection::vec(turn(), 3..80),
         ends_with_user in any::<bool>(),
     ) {
-        use compactor::compaction::trigger::{Trigger, WindowSource};
         let max_tokens = window / 8;
-        let mut c = compressor_with("llama", window, |_| {});
-        c.trigger = Trigger::new(c.cfg.clone(), "llama", WindowSource::Known(window), Some(max_tokens));
-        let threshold = c.trigger.threshold_tokens();
+        let mut c = compressor_reserving("llama", window, max_tokens, |_| {});
+        let threshold = c.trigger_mut().threshold_tokens();
         let input = build(true, &turns, ends_with_user);
         let before = estimate_messages_tokens_rough(&input);
         prop_assume!(before >= threshold);
         let s = Stub::ok("## Historical Task Snapshot\nsummary of the work").with_budget(((window - max_tokens) * 3) as usize);
         let res = block_on(c.compress(&input, &s, CompressOptions { force: true, ..Default::default() }));
-        if res.outcome == Outcome::Compacted {
-            prop_assert!(res.tokens_after + max_tokens <= window,
-                "window {}: {} + {} does not fit", window, res.tokens_after, max_tokens);
+        if res.outcome() == Outcome::Compacted {
+            prop_assert!(res.tokens_after() + max_tokens <= window,
+                "window {}: {} + {} does not fit", window, res.tokens_after(), max_tokens);
         }
     }
 
@@ -362,11 +360,9 @@ proptest! {
         rounds in prop::collection::vec(prop::collection::vec(200usize..3_000, 1..3), 2..14),
         compacted_before in any::<bool>(),
     ) {
-        use compactor::compaction::trigger::{Trigger, WindowSource};
-        let mut c = compressor_with("llama", window, |_| {});
-        c.trigger = Trigger::new(c.cfg.clone(), "llama", WindowSource::Known(window), Some(16));
+        let mut c = compressor_reserving("llama", window, 16, |_| {});
         if compacted_before {
-            c.trigger.compression_count = 1;
+            restored(&mut c, 1, 0);
         }
         let mut input = build(true, &turns, false);
         let ask = "agent ask: find the drift and fix it";
@@ -384,8 +380,8 @@ proptest! {
         }
         let s = Stub::err(plain("boom"));
         let res = block_on(c.compress(&input, &s, CompressOptions::default()));
-        let out = &res.messages;
-        prop_assert!(!matches!(res.outcome, Outcome::NoOp(_)), "{:?}", res.outcome);
+        let out = &res.messages();
+        prop_assert!(!matches!(res.outcome(), Outcome::NoOp(_)), "{:?}", res.outcome());
         if let Err(e) = check_tool_pairs(out) {
             prop_assert!(false, "{}", e);
         }

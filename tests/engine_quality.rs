@@ -9,11 +9,10 @@ mod engine_support;
 
 use std::sync::Mutex;
 
-use compactor::compaction::compressor::{CompressOptions, Outcome};
-use compactor::compaction::last_resort::Fit;
-use compactor::compaction::summariser::{Summariser, SummaryError, SummaryReply, SummaryRequest};
-use compactor::compaction::truncated::CUT_MARKER;
-use compactor::compaction::view;
+use compactor::compaction::{
+    estimate_messages_tokens_rough, is_summary, CompressOptions, Fit, Outcome, Summariser,
+    SummaryError, SummaryReply, SummaryRequest, CUT_MARKER,
+};
 use engine_support::*;
 use serde_json::{json, Value};
 
@@ -30,8 +29,8 @@ const CUT: &str = "## Historical Task Snapshot\nfix the build\n\n## Critical Con
 
 fn summary_text(msgs: &[Value]) -> String {
     msgs.iter()
-        .find(|m| view::is_summary(m))
-        .map(view::text)
+        .find(|m| is_summary(m))
+        .map(content_str)
         .unwrap_or_default()
 }
 
@@ -46,8 +45,8 @@ fn a_cut_summary_is_retried_once_with_a_firmer_length() {
         )),
     ]);
     let res = block_on(c.compress(&msgs, &s, CompressOptions::default()));
-    assert_eq!(res.outcome, Outcome::Compacted);
-    assert!(!res.fallback_used, "a cut summary is not thrown away");
+    assert_eq!(res.outcome(), Outcome::Compacted);
+    assert!(!res.fallback_used(), "a cut summary is not thrown away");
     assert_eq!(s.calls(), 2, "one retry");
     let retry = s.request(1).prompt;
     assert!(retry.starts_with(&s.request(0).prompt));
@@ -55,9 +54,9 @@ fn a_cut_summary_is_retried_once_with_a_firmer_length() {
         retry.contains("cut off at the reply limit"),
         "firmer instruction"
     );
-    let text = summary_text(&res.messages);
+    let text = summary_text(res.messages());
     assert!(text.contains("build_id: B7-1234") && !text.contains(CUT_MARKER));
-    assert!(res.summary_failure.is_none());
+    assert!(res.summary_failure().is_none());
 }
 
 #[test]
@@ -66,10 +65,10 @@ fn a_cut_summary_is_kept_at_its_last_complete_line_when_the_retry_is_cut_too() {
     let mut c = compressor(2, 2);
     let s = Stub::reply(cut_reply(CUT));
     let res = block_on(c.compress(&msgs, &s, CompressOptions::default()));
-    assert_eq!(res.outcome, Outcome::Compacted);
-    assert!(!res.fallback_used);
+    assert_eq!(res.outcome(), Outcome::Compacted);
+    assert!(!res.fallback_used());
     assert_eq!(s.calls(), 2);
-    let text = summary_text(&res.messages);
+    let text = summary_text(res.messages());
     assert!(text.contains("- tag: REL-42"), "{text}");
     assert!(!text.contains("half a li"), "the partial line goes: {text}");
     assert!(text.contains(CUT_MARKER), "marked as cut: {text}");
@@ -85,10 +84,10 @@ fn without_room_for_the_firmer_prompt_the_cut_summary_is_kept_without_retry() {
     let len = probe.request(0).prompt.chars().count();
     let s = Stub::reply(cut_reply(CUT)).with_budget(len + 10);
     let res = block_on(c.compress(&msgs, &s, CompressOptions::default()));
-    assert_eq!(res.outcome, Outcome::Compacted);
-    assert!(!res.fallback_used);
+    assert_eq!(res.outcome(), Outcome::Compacted);
+    assert!(!res.fallback_used());
     assert_eq!(s.calls(), 1, "no room for the retry");
-    assert!(summary_text(&res.messages).contains(CUT_MARKER));
+    assert!(summary_text(res.messages()).contains(CUT_MARKER));
 }
 
 #[test]
@@ -105,9 +104,9 @@ fn abort_on_degraded_summary_still_treats_a_cut_summary_as_a_failure() {
         CompressOptions::default(),
     ));
     assert!(
-        matches!(res.outcome, Outcome::Aborted(_)),
+        matches!(res.outcome(), Outcome::Aborted(_)),
         "{:?}",
-        res.outcome
+        res.outcome()
     );
 }
 
@@ -171,10 +170,10 @@ fn iterative_summaries_keep_what_earlier_ones_said() {
                 ..Default::default()
             },
         ));
-        assert_eq!(res.outcome, Outcome::Compacted, "round {round}");
-        summaries.push(summary_text(&res.messages));
+        assert_eq!(res.outcome(), Outcome::Compacted, "round {round}");
+        summaries.push(summary_text(res.messages()));
         calls_after.push(s.prompts.lock().unwrap().len());
-        conv = res.messages;
+        conv = res.into_messages();
     }
     let prompts = s.prompts.lock().unwrap().clone();
     assert!(prompts.len() >= 5);
@@ -193,7 +192,7 @@ fn iterative_summaries_keep_what_earlier_ones_said() {
     // And, nothing being superseded, the output: every fact that left the
     // live conversation is in the last summary.
     let last = summaries.last().unwrap();
-    let live: String = conv.iter().map(view::text).collect();
+    let live: String = conv.iter().map(content_str).collect();
     for f in &planted {
         assert!(live.contains(f.as_str()), "{f} lost");
     }
@@ -212,11 +211,15 @@ fn overflowing() -> Vec<Value> {
 #[test]
 fn nothing_to_compact_shrinks_the_largest_message_as_a_last_resort() {
     let msgs = overflowing();
-    let fit = compactor::compaction::tokens::estimate_messages_tokens_rough(&msgs) - 800;
+    let fit = estimate_messages_tokens_rough(&msgs) - 800;
     // Without a fit budget there is nothing to do.
     let mut c = compressor_with("test", 2_048, |_| {});
     let res = block_on(c.compress(&msgs, &Stub::ok("s"), CompressOptions::default()));
-    assert!(matches!(res.outcome, Outcome::NoOp(_)), "{:?}", res.outcome);
+    assert!(
+        matches!(res.outcome(), Outcome::NoOp(_)),
+        "{:?}",
+        res.outcome()
+    );
     // With one, the tool output is cut in the middle.
     let mut c = compressor_with("test", 2_048, |_| {});
     let res = block_on(c.compress(
@@ -227,14 +230,14 @@ fn nothing_to_compact_shrinks_the_largest_message_as_a_last_resort() {
             ..Default::default()
         },
     ));
-    assert_eq!(res.outcome, Outcome::Compacted);
-    assert!(res.tokens_after <= fit);
-    assert_eq!(res.telemetry.last_resort_rows, 1);
-    assert_eq!(res.messages[0], msgs[0], "system prompt kept");
-    assert_eq!(res.messages[1], msgs[1], "the ask kept");
-    let tool = view::text(&res.messages[3]);
+    assert_eq!(res.outcome(), Outcome::Compacted);
+    assert!(res.tokens_after() <= fit);
+    assert_eq!(res.telemetry().last_resort_rows(), 1);
+    assert_eq!(res.messages()[0], msgs[0], "system prompt kept");
+    assert_eq!(res.messages()[1], msgs[1], "the ask kept");
+    let tool = content_str(&res.messages()[3]);
     assert!(tool.starts_with("HEAD") && tool.ends_with("TAIL") && tool.contains("chars cut"));
-    assert_eq!(res.messages[3]["tool_call_id"], "c1");
+    assert_eq!(res.messages()[3]["tool_call_id"], "c1");
     // A budget below the system prompt cannot be met: nothing changes.
     let mut c = compressor_with("test", 2_048, |_| {});
     let res = block_on(c.compress(
@@ -245,8 +248,8 @@ fn nothing_to_compact_shrinks_the_largest_message_as_a_last_resort() {
             ..Default::default()
         },
     ));
-    assert_ne!(res.outcome, Outcome::Compacted);
-    assert_eq!(res.messages, msgs);
+    assert_ne!(res.outcome(), Outcome::Compacted);
+    assert_eq!(res.messages(), msgs);
 }
 
 #[test]
@@ -265,16 +268,16 @@ fn an_upstream_refusal_makes_the_last_resort_cut_even_an_out_of_reach_budget() {
             ..Default::default()
         },
     ));
-    assert_eq!(res.outcome, Outcome::Compacted);
-    assert_eq!(res.telemetry.last_resort_rows, 1, "the tool output");
-    assert_eq!(res.messages[0], msgs[0], "system prompt kept");
-    assert_eq!(res.messages[1], msgs[1], "the short ask kept");
-    let tool = view::text(&res.messages[3]);
+    assert_eq!(res.outcome(), Outcome::Compacted);
+    assert_eq!(res.telemetry().last_resort_rows(), 1, "the tool output");
+    assert_eq!(res.messages()[0], msgs[0], "system prompt kept");
+    assert_eq!(res.messages()[1], msgs[1], "the short ask kept");
+    let tool = content_str(&res.messages()[3]);
     assert!(tool.starts_with("HEAD") && tool.ends_with("TAIL") && tool.contains("chars cut"));
     assert!(
         tool.chars().count() < 400,
         "cut to the floor: {} chars",
         tool.chars().count()
     );
-    assert!(res.tokens_after < res.tokens_before);
+    assert!(res.tokens_after() < res.tokens_before());
 }

@@ -1,19 +1,14 @@
 //! Our own tests (not ported): small windows (llama.cpp 2k–32k) and chunked
 //! summarising when the middle does not fit the summariser's prompt budget.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
 
 // Test helpers panic on bad fixtures: that is a failed test, as in a #[test].
-#![allow(clippy::unwrap_used, clippy::expect_used)]
 
 mod engine_support;
 
-use compactor::compaction::compressor::{CompressOptions, Outcome};
-use compactor::compaction::serialize::prompt_overhead_chars;
-use compactor::compaction::summariser::SummaryReply;
-use compactor::compaction::tokens::estimate_request_tokens_rough;
-use compactor::compaction::trigger::{Trigger, WindowSource};
+use compactor::compaction::{estimate_request_tokens_rough, CompressOptions, Outcome};
 use engine_support::*;
 use serde_json::{json, Value};
-use std::sync::Arc;
 
 /// A tool-using conversation of roughly `target_tokens` rough tokens.
 fn conversation(target_tokens: u64) -> Vec<Value> {
@@ -39,14 +34,8 @@ fn conversation(target_tokens: u64) -> Vec<Value> {
 
 fn fits_after_compaction(window: u64) {
     let max_tokens = window / 8;
-    let mut c = compressor_with("llama", window, |_| {});
-    c.trigger = Trigger::new(
-        c.cfg.clone(),
-        "llama",
-        WindowSource::Known(window),
-        Some(max_tokens),
-    );
-    let threshold = c.trigger.threshold_tokens();
+    let mut c = compressor_reserving("llama", window, max_tokens, |_| {});
+    let threshold = c.trigger_mut().threshold_tokens();
     assert!(
         threshold < window - max_tokens,
         "threshold {threshold} must leave room for the reply"
@@ -69,8 +58,8 @@ fn fits_after_compaction(window: u64) {
             ..Default::default()
         },
     ));
-    assert_eq!(res.outcome, Outcome::Compacted, "window {window}");
-    let after = estimate_request_tokens_rough(&res.messages, None);
+    assert_eq!(res.outcome(), Outcome::Compacted, "window {window}");
+    let after = estimate_request_tokens_rough(res.messages(), None);
     assert!(
         after + max_tokens <= window,
         "window {window}: {after} tokens + {max_tokens} reply do not fit"
@@ -91,7 +80,7 @@ fn fits_after_compaction(window: u64) {
     }
     // The newest user ask is kept verbatim.
     assert_eq!(
-        content_str(res.messages.last().unwrap()),
+        content_str(res.messages().last().unwrap()),
         "now summarise what you found"
     );
 }
@@ -117,52 +106,6 @@ fn compaction_fits_32768_window() {
 }
 
 #[test]
-fn long_middle_is_summarised_in_rolling_chunks_within_budget() {
-    let mut c = compressor(1, 2);
-    let mut msgs = vec![msg("system", "sys")];
-    for i in 0..60 {
-        msgs.push(msg("user", &format!("question {i} {}", "q".repeat(900))));
-        msgs.push(msg("assistant", &format!("answer {i} {}", "a".repeat(900))));
-    }
-    let budget = prompt_overhead_chars(None, false) + 12_000;
-    let s = Stub::seq(
-        (0..40)
-            .map(|k| Ok(SummaryReply::text(format!("RUNNING-{k}"))))
-            .collect(),
-    )
-    .with_budget(budget);
-    let res = block_on(c.compress(
-        &msgs,
-        &s,
-        CompressOptions {
-            force: true,
-            ..Default::default()
-        },
-    ));
-    assert_eq!(res.outcome, Outcome::Compacted);
-    let reqs = s.requests.lock().unwrap().clone();
-    assert!(reqs.len() > 1, "the middle must be chunked");
-    assert!(reqs.len() <= 8, "chunking is bounded");
-    for r in &reqs {
-        assert!(
-            r.prompt.chars().count() <= budget,
-            "{} > {budget}",
-            r.prompt.chars().count()
-        );
-        assert_eq!(r.max_tokens, None);
-    }
-    // Rolling: every later chunk updates the running summary of the previous one.
-    for (k, r) in reqs.iter().enumerate().skip(1) {
-        assert!(
-            r.prompt.contains(&format!("RUNNING-{}", k - 1)),
-            "chunk {k} lacks the running summary"
-        );
-    }
-    let last = format!("RUNNING-{}", reqs.len() - 1);
-    assert!(content_str(&res.messages[res.summary_index.unwrap()]).contains(&last));
-}
-
-#[test]
 fn unchunked_when_middle_fits() {
     let mut c = compressor(1, 2);
     let s = Stub::ok("one summary");
@@ -179,57 +122,11 @@ fn unchunked_when_middle_fits() {
 }
 
 #[test]
-fn arc_config_is_shared() {
-    // The trigger and the compressor read the same config.
-    let c = compressor(1, 2);
-    assert!(Arc::ptr_eq(&c.cfg, c.trigger.config()));
-}
-
-#[test]
-fn large_previous_summary_is_bounded_to_the_summariser_budget() {
-    let mut c = compressor(1, 2);
-    c.previous_summary = Some(format!("PREV {}", "p".repeat(50_000)));
-    let mut msgs = vec![
-        msg("system", "sys"),
-        summary_msg(
-            "user",
-            &format!("{}\nold", compactor::compaction::markers::SUMMARY_PREFIX),
-        ),
-    ];
-    msgs.extend(alternating(12, "turn "));
-    let budget = prompt_overhead_chars(None, false) + 6_000;
-    let s = Stub::ok("sum").with_budget(budget);
-    let res = block_on(c.compress(
-        &msgs,
-        &s,
-        CompressOptions {
-            force: true,
-            ..Default::default()
-        },
-    ));
-    assert_eq!(res.outcome, Outcome::Compacted);
-    for r in s.requests.lock().unwrap().iter() {
-        assert!(
-            r.prompt.chars().count() <= budget,
-            "{} > {budget}",
-            r.prompt.chars().count()
-        );
-        assert!(r.prompt.contains("PREV"));
-    }
-}
-
-#[test]
 fn verbose_summariser_still_fits_a_2048_window() {
     let window = 2_048;
     let max_tokens = 256;
-    let mut c = compressor_with("llama", window, |_| {});
-    c.trigger = Trigger::new(
-        c.cfg.clone(),
-        "llama",
-        WindowSource::Known(window),
-        Some(max_tokens),
-    );
-    let threshold = c.trigger.threshold_tokens();
+    let mut c = compressor_reserving("llama", window, max_tokens, |_| {});
+    let threshold = c.trigger_mut().threshold_tokens();
     let msgs = conversation(threshold * 3 / 2);
     // The model ignores "Target ~N tokens" and writes ~2,500 tokens.
     let s = Stub::ok(&format!(
@@ -244,8 +141,8 @@ fn verbose_summariser_still_fits_a_2048_window() {
             ..Default::default()
         },
     ));
-    assert_eq!(res.outcome, Outcome::Compacted);
-    let after = estimate_request_tokens_rough(&res.messages, None);
+    assert_eq!(res.outcome(), Outcome::Compacted);
+    let after = estimate_request_tokens_rough(res.messages(), None);
     assert!(
         after + max_tokens <= window,
         "{after} + {max_tokens} > {window}"

@@ -25,16 +25,20 @@ use http::HeaderMap;
 use serde_json::value::RawValue;
 use tokio::time::Instant;
 
+use crate::compaction::compressor::micro::MicroState;
+use crate::compaction::compressor::Carry;
 use crate::compaction::config::Strategy;
-use crate::compaction::micro::{MicroOutcome, MicroState};
 use crate::compaction::trigger::{Trigger, WindowSource};
+use crate::compaction::MicroOutcome;
 use crate::compaction::{Compressor, Outcome};
 use crate::request::message_hashes;
 use crate::upstream::Upstream;
 
 use super::conversation::{rough_message_tokens, Conversation};
 use super::decide::Decision;
-use super::engine::{engine_input, map_back, run_engine, Booked, CompactionDone, Turn};
+use super::engine::{
+    engine_input, map_back, run_engine, Booked, Caller, CompactionDone, History, Turn,
+};
 use super::inspect::CompactionNote;
 use super::pending::{continues, Candidate, MicroCut, Pending};
 use super::record::Record;
@@ -54,11 +58,8 @@ struct Snapshot {
     engine_window: u64,
     max_out_rough: Option<u64>,
     est_rough: u64,
-    previous_summary: Option<String>,
-    has_user_turn: bool,
-    summary_model: Option<String>,
-    summary_model_fallen_back: bool,
-    compression_count: u32,
+    /// What the conversation's compressor carries (taken by the job's).
+    carry: Option<Carry>,
     /// Set for a micro pass: the conversation's rolling micro state.
     micro: Option<MicroState>,
 }
@@ -97,7 +98,7 @@ fn maybe_start(
     chat: &ChatState,
     upstream: &Arc<Upstream>,
     conv: &mut Conversation,
-    t: &Turn<'_>,
+    from: (&Caller<'_>, &History<'_>),
     due: &Due,
     base: &Base<'_>,
 ) {
@@ -109,7 +110,7 @@ fn maybe_start(
         conv.pending = None;
         chat.metrics.chat.precompaction("discarded");
     }
-    spawn(chat, upstream, conv, t, due, base, false);
+    spawn(chat, upstream, conv, from, due, base, false);
 }
 
 /// Starts the micro pass a later turn will need (the next exchange, see
@@ -120,7 +121,7 @@ fn maybe_start_micro(
     chat: &ChatState,
     upstream: &Arc<Upstream>,
     conv: &mut Conversation,
-    t: &Turn<'_>,
+    from: (&Caller<'_>, &History<'_>),
     due: &Due,
     base: &Base<'_>,
 ) {
@@ -154,7 +155,7 @@ fn maybe_start_micro(
             .is_some();
     drop(values);
     if has_cut {
-        spawn(chat, upstream, conv, t, due, base, true);
+        spawn(chat, upstream, conv, from, due, base, true);
     }
 }
 
@@ -165,11 +166,12 @@ struct Base<'a> {
     pub(crate) record: Option<&'a Arc<Record>>,
 }
 
+/// Starts the pass on `base` for the caller and client history of `from`.
 fn spawn(
     chat: &ChatState,
     upstream: &Arc<Upstream>,
     conv: &mut Conversation,
-    t: &Turn<'_>,
+    (c, h): (&Caller<'_>, &History<'_>),
     due: &Due,
     base: &Base<'_>,
     micro: bool,
@@ -178,7 +180,7 @@ fn spawn(
     if !cfg.background || conv.pending.is_some() {
         return;
     }
-    let Some(&snap_hash) = t.client_hashes.last() else {
+    let Some(&snap_hash) = h.client_hashes.last() else {
         return;
     };
     let Ok(permit) = Arc::clone(&chat.background).try_acquire_owned() else {
@@ -188,23 +190,19 @@ fn spawn(
         return;
     };
     let snap = Snapshot {
-        api: t.api,
-        original: t.original.to_vec(),
-        client_hashes: t.client_hashes.to_vec(),
+        api: c.api,
+        original: h.original.to_vec(),
+        client_hashes: h.client_hashes.to_vec(),
         outgoing: base.outgoing.to_vec(),
         record: base.record.cloned(),
-        model: t.model.to_owned(),
-        headers: t.client.headers.clone(),
-        credential_query: t.client.query.map(str::to_owned),
+        model: c.model.to_owned(),
+        headers: c.client.headers.clone(),
+        credential_query: c.client.query.map(str::to_owned),
         engine_window: due.engine_window,
         max_out_rough: due.max_out_rough,
         est_rough: due.est_rough,
-        previous_summary: comp.previous_summary.clone(),
-        has_user_turn: comp.summary_has_user_turn,
-        summary_model: comp.summary_model.clone(),
-        summary_model_fallen_back: comp.summary_model_fallen_back,
-        compression_count: comp.trigger.compression_count,
-        micro: micro.then(|| comp.micro.clone()),
+        carry: Some(comp.carry()),
+        micro: micro.then(|| comp.micro_state().clone()),
     };
     let job = Job {
         cfg,
@@ -220,7 +218,7 @@ fn spawn(
     });
     chat.metrics.chat.precompaction("started");
     conv.pending = Some(Pending {
-        snap_len: t.client_hashes.len(),
+        snap_len: h.client_hashes.len(),
         snap_hash,
         micro,
         handle,
@@ -234,7 +232,11 @@ fn pending_is_micro(conv: &Conversation) -> bool {
 
 /// The pending candidate for this compaction turn, if usable: it waits for
 /// a running pass at most `summary_timeout_secs`.
-async fn take(chat: &ChatState, conv: &mut Conversation, t: &Turn<'_>) -> Option<Candidate> {
+async fn take(
+    chat: &ChatState,
+    conv: &mut Conversation,
+    client_hashes: &[u128],
+) -> Option<Candidate> {
     let mut p = conv.pending.take()?;
     let started = Instant::now();
     let limit = Duration::from_secs(chat.compaction.summary_timeout_secs.max(1));
@@ -246,7 +248,7 @@ async fn take(chat: &ChatState, conv: &mut Conversation, t: &Turn<'_>) -> Option
     let usable = match done {
         Ok(Ok(Some(c))) => {
             let k = c.record.k;
-            continues(t.client_hashes, k, c.record.prefix_hash).then_some(c)
+            continues(client_hashes, k, c.record.prefix_hash).then_some(c)
         }
         // Failed, panicked, or slower than an inline compaction (the task
         // finishes on its own and its result is dropped).
@@ -285,16 +287,11 @@ impl Job {
             s.max_out_rough,
         )
         .with_base_url(&self.label);
-        let mut comp = Compressor::new(Arc::clone(&self.cfg), trigger);
-        comp.previous_summary = s.previous_summary.take();
-        comp.summary_has_user_turn = s.has_user_turn;
-        comp.summary_model = s.summary_model.take();
-        comp.summary_model_fallen_back = s.summary_model_fallen_back;
-        comp.trigger.compression_count = s.compression_count;
-        if let Some(m) = s.micro.take() {
-            comp.micro = m;
+        let cfg = Arc::clone(&self.cfg);
+        match s.carry.take() {
+            Some(carry) => Compressor::resumed(cfg, trigger, carry, s.micro.take()),
+            None => Compressor::new(cfg, trigger),
         }
-        comp
     }
 
     /// The engine pass over the snapshot.
@@ -360,15 +357,14 @@ impl Job {
                 start,
                 end,
                 prefix_hash: *message_hashes(s.outgoing.get(..end)?).last()?,
-                state: comp.micro.clone(),
+                state: comp.micro_state().clone(),
             }),
             None => None,
         };
         Some(Candidate {
             record: record?,
             micro,
-            previous_summary: comp.previous_summary,
-            has_user_turn: comp.summary_has_user_turn,
+            carry: comp.into_carry(),
             fallback_used: result.fallback_used,
             feasibility_skip: result.feasibility_skip,
             tokens_before: result.tokens_before,
@@ -425,13 +421,14 @@ pub(super) fn start_after_micro(
         // Sent without a record of its own: nothing to start from.
         Booked::Compacted(_, None) => return,
         Booked::Aborted | Booked::Nothing => Base {
-            outgoing: t.outgoing,
-            record: t.record,
+            outgoing: t.history.outgoing,
+            record: t.history.record,
         },
     };
+    let from = (&t.caller, &t.history);
     // Past the soft threshold the batch compaction is what will be due.
-    maybe_start(chat, upstream, conv, t, due, &base);
-    maybe_start_micro(chat, upstream, conv, t, due, &base);
+    maybe_start(chat, upstream, conv, from, due, &base);
+    maybe_start_micro(chat, upstream, conv, from, due, &base);
 }
 
 /// Pre-compaction on this turn: below the trigger, maybe start one; at the
@@ -444,17 +441,19 @@ pub(super) async fn turn(
     d: &Decision,
     due: &Due,
 ) -> Option<Booked> {
-    discard_if_diverged(chat, conv, t.client_hashes);
+    let h = &t.history;
+    discard_if_diverged(chat, conv, h.client_hashes);
     if d.micro_pass {
-        return micro_from_pending(chat, conv, t, due).await;
+        return micro_from_pending(chat, conv, h, due).await;
     }
     if !d.wanted {
         let base = Base {
-            outgoing: t.outgoing,
-            record: t.record,
+            outgoing: h.outgoing,
+            record: h.record,
         };
-        maybe_start(chat, upstream, conv, t, due, &base);
-        maybe_start_micro(chat, upstream, conv, t, due, &base);
+        let from = (&t.caller, h);
+        maybe_start(chat, upstream, conv, from, due, &base);
+        maybe_start_micro(chat, upstream, conv, from, due, &base);
         return None;
     }
     if pending_is_micro(conv) {
@@ -463,8 +462,8 @@ pub(super) async fn turn(
         chat.metrics.chat.precompaction("discarded");
         return None;
     }
-    let c = take(chat, conv, t).await?;
-    let send = c.record.applied_to(t.original);
+    let c = take(chat, conv, h.client_hashes).await?;
+    let send = c.record.applied_to(h.original);
     if !fits(&send, d.threshold) {
         chat.metrics.chat.precompaction("discarded");
         return None;
@@ -485,20 +484,12 @@ pub(super) async fn turn(
     chat.metrics.chat.compaction("compacted", saved, None);
     chat.metrics.chat.precompaction("used");
     if let Some(comp) = conv.compressor.as_mut() {
-        comp.previous_summary = c.previous_summary;
-        comp.summary_has_user_turn = c.has_user_turn;
-        comp.trigger.compression_count = comp.trigger.compression_count.saturating_add(1);
-        comp.micro = Default::default();
-        comp.trigger.record_completed_compaction(
-            c.fallback_used,
-            c.feasibility_skip,
-            c.tokens_after,
-        );
+        comp.adopt(c.carry, c.fallback_used, c.feasibility_skip, c.tokens_after);
     }
     Some(commit_pending(
         chat,
         conv,
-        t,
+        h,
         (c.tokens_before, c.tokens_after),
         c.record,
         send,
@@ -513,7 +504,7 @@ pub(super) async fn turn(
 async fn micro_from_pending(
     chat: &ChatState,
     conv: &mut Conversation,
-    t: &Turn<'_>,
+    h: &History<'_>,
     due: &Due,
 ) -> Option<Booked> {
     if !pending_is_micro(conv) {
@@ -522,17 +513,17 @@ async fn micro_from_pending(
     let (start, end) = {
         let comp = conv.compressor.as_mut()?;
         let (rows, values) =
-            engine_input(&chat.compaction, t.outgoing, t.record, due.engine_window)?;
+            engine_input(&chat.compaction, h.outgoing, h.record, due.engine_window)?;
         if !rows.is_whole() {
             return None;
         }
         comp.micro_cut(&values, false)?
     };
-    let c = take(chat, conv, t).await?;
+    let c = take(chat, conv, h.client_hashes).await?;
     let covers = c.micro.as_ref().is_some_and(|m| {
         m.start == start
             && m.end == end
-            && t.outgoing
+            && h.outgoing
                 .get(..end)
                 .and_then(|rows| message_hashes(rows).last().copied())
                 == Some(m.prefix_hash)
@@ -541,7 +532,7 @@ async fn micro_from_pending(
         chat.metrics.chat.precompaction("discarded");
         return None;
     };
-    let send = c.record.applied_to(t.original);
+    let send = c.record.applied_to(h.original);
     let saved = c.tokens_before.saturating_sub(c.tokens_after);
     conv.stats.compactions += 1;
     conv.stats.tokens_saved += saved;
@@ -558,12 +549,12 @@ async fn micro_from_pending(
         .compaction(MicroOutcome::Absorbed.as_str(), saved, None);
     chat.metrics.chat.precompaction("used");
     if let Some(comp) = conv.compressor.as_mut() {
-        comp.micro = cut.state;
+        comp.set_micro_state(cut.state);
     }
     Some(commit_pending(
         chat,
         conv,
-        t,
+        h,
         (c.tokens_before, c.tokens_after),
         c.record,
         send,
@@ -576,22 +567,22 @@ async fn micro_from_pending(
 fn commit_pending(
     chat: &ChatState,
     conv: &mut Conversation,
-    t: &Turn<'_>,
+    h: &History<'_>,
     (tokens_before, tokens_after): (u64, u64),
     record: Record,
     send: Vec<Box<RawValue>>,
     strategy: &'static str,
 ) -> Booked {
     tracing::info!(
-        session = %t.key,
+        session = %h.key,
         strategy,
-        messages_before = t.outgoing.len(),
+        messages_before = h.outgoing.len(),
         messages_after = send.len(),
         tokens_before,
         tokens_after,
         "compaction from a pre-compaction"
     );
-    let rec = chat.commit_record(t.cred, record);
+    let rec = chat.commit_record(h.cred, record);
     conv.set_record(Some(&rec));
     Booked::Compacted(send, Some(rec))
 }

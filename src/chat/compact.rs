@@ -19,7 +19,9 @@ use crate::upstream::Upstream;
 use super::background;
 use super::conversation::{rough_message_tokens, Conversation};
 use super::decide::{conv_turn_due, decide, Decision, Sizes, ESTIMATE_MARGIN_DIVISOR};
-use super::engine::{engine_input, map_back, run_engine, Booked, CompactionDone, LastResort, Turn};
+use super::engine::{
+    engine_input, map_back, run_engine, Booked, CompactionDone, History, LastResort, Turn, Weight,
+};
 use super::inspect::CompactionNote;
 use super::record::Record;
 use super::shared;
@@ -51,31 +53,32 @@ pub(super) async fn compact_if_due(
     t: &Turn<'_>,
 ) -> Booked {
     let cfg = Arc::clone(&chat.compaction);
+    let (h, w) = (&t.history, &t.weight);
     let scale = conv.engine_scale();
-    conv.real_window = Some(t.window);
-    let engine_window = scale.to_rough(t.window);
-    let est_rough = scale.to_rough(t.est_tokens);
+    conv.real_window = Some(w.window);
+    let engine_window = scale.to_rough(w.window);
+    let est_rough = scale.to_rough(w.est_tokens);
     let micro_due = cfg.strategy == Strategy::Micro
         && conv_turn_due(conv.stats.requests, cfg.micro_every_n_turns);
     let noted = conv.no_room_noted;
     let comp = conv.compressor(
         &cfg,
-        t.model,
+        t.caller.model,
         &chat.upstream_label,
         engine_window,
-        t.max_out.map(|m| scale.to_rough(m)),
+        w.max_out.map(|m| scale.to_rough(m)),
     );
-    let no_room = measure_fixed_part(&mut comp.trigger, t, est_rough, noted);
+    let no_room = measure_fixed_part(&mut comp.trigger, h, w, (est_rough, noted));
     let d = decide(
         &mut comp.trigger,
         Sizes {
-            est_real: t.est_tokens,
-            margin: t.est_margin,
+            est_real: w.est_tokens,
+            margin: w.est_margin,
             est_rough,
-            max_out: t.max_out,
-            window: t.window,
+            max_out: w.max_out,
+            window: w.window,
         },
-        t.overflow,
+        w.overflow,
         micro_due,
     );
     conv.no_room_noted |= no_room;
@@ -87,8 +90,8 @@ pub(super) async fn compact_if_due(
     // Across replicas: before a batch compaction (inline or committing a
     // pre-compaction), another replica's record may already cover this.
     let held = if d.wanted {
-        match Box::pin(shared::claim(chat, t)).await {
-            shared::Claim::Found(rec) => return substitute_peer(conv, t, rec),
+        match Box::pin(shared::claim(chat, h)).await {
+            shared::Claim::Found(rec) => return substitute_peer(conv, h.original, rec),
             shared::Claim::Owned(held) => Some(held),
             shared::Claim::Alone => None,
         }
@@ -102,7 +105,7 @@ pub(super) async fn compact_if_due(
             est_rough,
             threshold: d.threshold,
             engine_window,
-            max_out_rough: t.max_out.map(|m| scale.to_rough(m)),
+            max_out_rough: w.max_out.map(|m| scale.to_rough(m)),
         };
         booked = Box::pin(background::turn(chat, upstream, conv, t, &d, &bg)).await;
         due = Some(bg);
@@ -135,22 +138,27 @@ pub(super) async fn compact_if_due(
     booked
 }
 
-/// Measures the request's fixed part when the estimate is near the
-/// trigger (it moves the trigger and sizes what a compaction leaves; far
-/// below the trigger nothing depends on it). Returns whether it leaves no
-/// room, warning once per conversation (`noted`: already warned).
-fn measure_fixed_part(trigger: &mut Trigger, t: &Turn<'_>, est_rough: u64, noted: bool) -> bool {
+/// Measures the request's fixed part when the estimate (`est_rough`) is
+/// near the trigger (it moves the trigger and sizes what a compaction
+/// leaves; far below the trigger nothing depends on it). Returns whether it
+/// leaves no room, warning once per conversation (`noted`: already warned).
+fn measure_fixed_part(
+    trigger: &mut Trigger,
+    h: &History<'_>,
+    w: &Weight,
+    (est_rough, noted): (u64, bool),
+) -> bool {
     if est_rough < trigger.threshold_tokens() / 2 {
         return false;
     }
-    trigger.set_fixed_tokens(fixed_part(t));
+    trigger.set_fixed_tokens(fixed_part(h.outgoing, w.tools_rough));
     let no_room = trigger.no_room();
     if no_room && !noted {
         tracing::warn!(
-            session = %t.key,
+            session = %h.key,
             fixed_tokens = trigger.fixed_tokens(),
             threshold = trigger.threshold_tokens(),
-            window = t.window,
+            window = w.window,
             "the instructions and tools leave no room under the trigger: compaction can only cut"
         );
     }
@@ -159,20 +167,25 @@ fn measure_fixed_part(trigger: &mut Trigger, t: &Turn<'_>, est_rough: u64, noted
 
 /// The request's fixed part in rough tokens: its tools and every
 /// instruction row (never compacted, so never made smaller).
-fn fixed_part(t: &Turn<'_>) -> u64 {
-    t.outgoing
+fn fixed_part(outgoing: &[Box<RawValue>], tools_rough: u64) -> u64 {
+    outgoing
         .iter()
         .filter(|m| crate::request::is_instruction_message(m))
         .map(|m| rough_message_tokens(m))
-        .fold(t.tools_rough, u64::saturating_add)
+        .fold(tools_rough, u64::saturating_add)
 }
 
-/// Sends another replica's record in place of a compaction here.
-fn substitute_peer(conv: &mut Conversation, t: &Turn<'_>, rec: Arc<Record>) -> Booked {
+/// Sends another replica's record in place of a compaction here, on the
+/// client's `original` messages.
+fn substitute_peer(
+    conv: &mut Conversation,
+    original: &[Box<RawValue>],
+    rec: Arc<Record>,
+) -> Booked {
     let send = rec
         .replacement
         .iter()
-        .chain(t.original.get(rec.k..).unwrap_or(&[]))
+        .chain(original.get(rec.k..).unwrap_or(&[]))
         .cloned()
         .collect();
     conv.set_record(Some(&rec));
@@ -190,10 +203,11 @@ async fn compact_now(
     (engine_window, est_rough): (u64, u64),
 ) -> Booked {
     let cfg = Arc::clone(&chat.compaction);
+    let (c, h, w) = (&t.caller, &t.history, &t.weight);
     let Some(comp) = conv.compressor.as_mut() else {
         return Booked::Nothing;
     };
-    let Some((rows, values)) = engine_input(&cfg, t.outgoing, t.record, engine_window) else {
+    let Some((rows, values)) = engine_input(&cfg, h.outgoing, h.record, engine_window) else {
         return Booked::Nothing;
     };
     let summariser = HttpSummariser::new(
@@ -202,25 +216,25 @@ async fn compact_now(
             &cfg,
             chat.summary_endpoint.as_ref(),
             upstream,
-            t.model.to_owned(),
+            c.model.to_owned(),
         ),
-        t.client.headers,
+        c.client.headers,
         comp.trigger.summariser_budgets().into(),
     )
-    .with_credential_query(t.client.query)
-    .speaking(t.api)
+    .with_credential_query(c.client.query)
+    .speaking(c.api)
     .learning(&chat.firm_retries);
     // After an overflow the upstream's refusal is proof the messages do
     // not fit, whatever the estimate says the last resort can reach.
-    let fit = if t.overflow {
+    let fit = if w.overflow {
         Fit::Insist
     } else {
         Fit::IfReachable
     };
     let last_resort = LastResort {
-        window: fit_budget(&values, t),
+        window: fit_budget(&values, w),
         fit,
-        settle: settle_mark(&mut comp.trigger, t.tools_rough),
+        settle: settle_mark(&mut comp.trigger, w.tools_rough),
     };
     let started = Instant::now();
     let mut result = run_engine(
@@ -251,7 +265,7 @@ async fn compact_now(
         summariser_calls: summariser.calls(),
         took,
     };
-    book_pass(chat, conv, t, &stats, &result)
+    book_pass(chat, conv, (h, w), &stats, &result)
 }
 
 /// Books a finished engine pass: conversation stats, metrics and the log
@@ -260,7 +274,7 @@ async fn compact_now(
 fn book_pass(
     chat: &ChatState,
     conv: &mut Conversation,
-    t: &Turn<'_>,
+    (h, w): (&History<'_>, &Weight),
     p: &PassStats,
     result: &CompactionDone,
 ) -> Booked {
@@ -283,18 +297,18 @@ fn book_pass(
             chat.metrics
                 .chat
                 .compaction(result.label, saved, summariser_took);
-            let (new_outgoing, record) = commit_record(chat, conv, t, result);
+            let (new_outgoing, record) = commit_record(chat, conv, h, result);
             tracing::info!(
-                session = %t.key,
+                session = %h.key,
                 outcome = result.label,
                 fallback = result.fallback_used,
-                messages_before = t.outgoing.len(),
+                messages_before = h.outgoing.len(),
                 messages_after = new_outgoing.len(),
                 tokens_before = result.tokens_before,
                 tokens_after = result.tokens_after,
-                estimated_prompt = t.est_tokens,
+                estimated_prompt = w.est_tokens,
                 threshold = p.threshold,
-                window = t.window,
+                window = w.window,
                 summariser_calls = p.summariser_calls,
                 summariser_ms = p.took.as_millis() as u64,
                 "compaction"
@@ -319,13 +333,13 @@ fn book_pass(
                 _ => None,
             };
             tracing::info!(
-                session = %t.key,
+                session = %h.key,
                 outcome = result.label,
                 reason,
-                messages = t.outgoing.len(),
-                estimated_prompt = t.est_tokens,
+                messages = h.outgoing.len(),
+                estimated_prompt = w.est_tokens,
                 threshold = p.threshold,
-                window = t.window,
+                window = w.window,
                 summariser_calls = p.summariser_calls,
                 summariser_ms = p.took.as_millis() as u64,
                 "compaction not committed"
@@ -341,15 +355,15 @@ fn book_pass(
 
 /// What the messages may take for the request to fit at all: the engine's
 /// last resort shortens messages down to it.
-fn fit_budget(values: &[Value], t: &Turn<'_>) -> u64 {
+fn fit_budget(values: &[Value], w: &Weight) -> u64 {
     last_resort::fit_budget(
         values,
         last_resort::FitInputs {
-            estimate: t.est_tokens,
-            counted: t.overflow_counted,
-            tools: t.tools_tokens,
-            window: t.window,
-            max_out: t.max_out.unwrap_or(0),
+            estimate: w.est_tokens,
+            counted: w.overflow_counted,
+            tools: w.tools_tokens,
+            window: w.window,
+            max_out: w.max_out.unwrap_or(0),
             margin_divisor: ESTIMATE_MARGIN_DIVISOR,
         },
     )
@@ -374,14 +388,14 @@ fn settle_mark(trigger: &mut Trigger, tools_rough: u64) -> Option<u64> {
 fn commit_record(
     chat: &ChatState,
     conv: &mut Conversation,
-    t: &Turn<'_>,
+    h: &History<'_>,
     result: &CompactionDone,
 ) -> (Vec<Box<RawValue>>, Option<Arc<Record>>) {
-    let (send, record) = map_back(t.original, t.client_hashes, t.outgoing, t.record, result);
+    let (send, record) = map_back(h.original, h.client_hashes, h.outgoing, h.record, result);
     let Some(record) = record else {
         return (send, None);
     };
-    let rec = chat.commit_record(t.cred, record);
+    let rec = chat.commit_record(h.cred, record);
     conv.set_record(Some(&rec));
     (send, Some(rec))
 }

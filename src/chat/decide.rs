@@ -77,7 +77,7 @@ pub(super) fn decide(trigger: &mut Trigger, s: Sizes, overflow: bool, micro_due:
     // Right after a compaction the rough figure is not trusted until the
     // upstream reports real usage (the engine's deferral), unless the request
     // would not even fit the window.
-    let defer = trigger.awaiting_real_usage_after_compression && fits_window;
+    let defer = trigger.awaiting_real_usage() && fits_window;
     // After an overflow the compaction must happen. It clears a failure
     // cooldown only when none is running: a summariser that just failed is
     // not asked again, the engine uses its deterministic fallback.

@@ -26,39 +26,58 @@ const BOUND_HEAD_EXTRA: usize = 64;
 /// A bounded engine pass is given the newest rows worth this many windows.
 const BOUND_TAIL_WINDOWS: u64 = 4;
 
-/// One request as the compaction steps see it.
+/// One request as the compaction steps see it: who sent it, the history
+/// it carries, and what it weighs against its window. A step takes the
+/// part it reads; only the steps that run a pass (or start one) take all.
 pub(super) struct Turn<'a> {
-    /// The API the request speaks (summaries are asked in it too).
-    pub(crate) api: Api,
-    pub(crate) key: SessionKey,
-    pub(crate) cred: u128,
-    pub(crate) model: &'a str,
-    /// The client (the summariser presents its credentials).
-    pub(crate) client: super::Client<'a>,
+    pub(super) caller: Caller<'a>,
+    pub(super) history: History<'a>,
+    pub(super) weight: Weight,
+}
+
+/// Who sent the request: a summary call speaks its API, to its model, with
+/// its credentials.
+pub(super) struct Caller<'a> {
+    pub(super) api: Api,
+    pub(super) model: &'a str,
+    pub(super) client: super::Client<'a>,
+}
+
+/// The conversation as the request carries it, and whose it is.
+pub(super) struct History<'a> {
+    pub(super) key: SessionKey,
+    /// The credential its records are addressed by.
+    pub(super) cred: u128,
     /// The client's messages and their chain.
-    pub(crate) original: &'a [Box<RawValue>],
-    pub(crate) client_hashes: &'a [u128],
+    pub(super) original: &'a [Box<RawValue>],
+    pub(super) client_hashes: &'a [u128],
     /// What would be sent (after substitution): what the engine is given.
-    pub(crate) outgoing: &'a [Box<RawValue>],
+    pub(super) outgoing: &'a [Box<RawValue>],
     /// The record substituted into `outgoing`, if any.
-    pub(crate) record: Option<&'a Arc<Record>>,
-    /// Calibrated prompt estimate of `outgoing`, real tokens.
-    pub(crate) est_tokens: u64,
-    /// The request's output cap, real tokens.
-    pub(crate) max_out: Option<u64>,
-    /// The context window, real tokens.
-    pub(crate) window: u64,
+    pub(super) record: Option<&'a Arc<Record>>,
+}
+
+/// What the request weighs against its window, in real tokens unless
+/// said otherwise.
+#[derive(Clone, Copy)]
+pub(super) struct Weight {
+    /// Calibrated prompt estimate of `outgoing`.
+    pub(super) est_tokens: u64,
+    /// How far `est_tokens` may be short ([`super::decide::estimate_margin`]).
+    pub(super) est_margin: u64,
+    /// The request's output cap.
+    pub(super) max_out: Option<u64>,
+    /// The context window.
+    pub(super) window: u64,
     /// Estimate of the request's `tools` (part of the fixed cost), real
     /// tokens once the conversation is calibrated.
-    pub(crate) tools_tokens: u64,
+    pub(super) tools_tokens: u64,
     /// The same, rough (the engine's units).
-    pub(crate) tools_rough: u64,
+    pub(super) tools_rough: u64,
     /// This is the retry after an upstream overflow.
-    pub(crate) overflow: bool,
+    pub(super) overflow: bool,
     /// The prompt size the upstream counted in that overflow, if it said.
-    pub(crate) overflow_counted: Option<u64>,
-    /// How far `est_tokens` may be short ([`super::decide::estimate_margin`]).
-    pub(crate) est_margin: u64,
+    pub(super) overflow_counted: Option<u64>,
 }
 
 /// What a booked pass leaves the request with.

@@ -14,12 +14,8 @@ use std::time::{SystemTime, UNIX_EPOCH};
 
 use serde_json::{json, Value};
 
-/// Default number of turns kept per conversation (`[admin] turn_history`).
-pub const DEFAULT_TURN_HISTORY: usize = 200;
-/// Largest `[admin] turn_history` accepted.
-pub const MAX_TURN_HISTORY: usize = 10_000;
 /// Compactions kept per conversation (they are rare next to turns).
-pub const MAX_COMPACTIONS: usize = 32;
+pub(crate) const MAX_COMPACTIONS: usize = 32;
 
 /// A figure not known (yet): no real usage reported, no trigger computed.
 const UNKNOWN: u32 = u32::MAX;
@@ -115,7 +111,7 @@ pub(crate) struct TurnInput<'a> {
 
 /// The ring and the totals of one conversation.
 #[derive(Debug, Default)]
-pub struct TurnLog {
+pub(crate) struct TurnLog {
     turns: VecDeque<TurnFigures>,
     compactions: VecDeque<CompactionFigures>,
     /// Turns recorded, ever.
@@ -160,7 +156,7 @@ pub(crate) fn now_ms() -> u64 {
 impl TurnLog {
     /// Notes who is talking: the conversation's API, model and session id
     /// source (the model string is copied only when it changes).
-    pub fn identify(&mut self, api: &'static str, model: &str, id_kind: &'static str) {
+    pub(crate) fn identify(&mut self, api: &'static str, model: &str, id_kind: &'static str) {
         self.api = api;
         self.id_kind = id_kind;
         if self.model != model {
@@ -267,34 +263,37 @@ impl TurnLog {
     }
 
     /// Turns recorded, ever (the ring keeps the last ones).
-    pub fn turns_total(&self) -> u64 {
+    // Only tests read it.
+    #[cfg(test)]
+    pub(crate) fn turns_total(&self) -> u64 {
         self.seq
     }
 
     /// When the last turn was prepared, Unix milliseconds (0: never).
-    pub fn last_activity_ms(&self) -> u64 {
+    // Only tests read it.
+    #[cfg(test)]
+    pub(crate) fn last_activity_ms(&self) -> u64 {
         self.last_activity_ms
     }
 
     /// Turns kept.
-    pub fn len(&self) -> usize {
+    // Only tests read it.
+    #[cfg(test)]
+    pub(crate) fn len(&self) -> usize {
         self.turns.len()
     }
 
-    /// Whether no turn is kept.
-    pub fn is_empty(&self) -> bool {
-        self.turns.is_empty()
-    }
-
     /// Heap bytes the ring holds (what it costs besides the struct).
-    pub fn heap_bytes(&self) -> usize {
+    // Only tests read it.
+    #[cfg(test)]
+    pub(crate) fn heap_bytes(&self) -> usize {
         self.turns.capacity() * std::mem::size_of::<TurnFigures>()
             + self.compactions.capacity() * std::mem::size_of::<CompactionFigures>()
             + self.model.capacity()
     }
 
     /// The summary figures of the list endpoint.
-    pub fn summary(&self) -> Value {
+    pub(crate) fn summary(&self) -> Value {
         let share = |n: u64, of: u64| (of > 0).then(|| n as f64 / of as f64);
         json!({
             "api": none_if_empty(self.api),
@@ -313,7 +312,7 @@ impl TurnLog {
 
     /// Every kept turn, oldest first, numbered from the conversation's
     /// start.
-    pub fn turns_json(&self) -> Value {
+    pub(crate) fn turns_json(&self) -> Value {
         let first = self.seq + 1 - self.turns.len() as u64;
         let opt = |v: u32| (v != UNKNOWN).then_some(v);
         Value::Array(
@@ -344,7 +343,7 @@ impl TurnLog {
     }
 
     /// Every kept compaction, oldest first.
-    pub fn compactions_json(&self) -> Value {
+    pub(crate) fn compactions_json(&self) -> Value {
         Value::Array(
             self.compactions
                 .iter()

@@ -1,8 +1,8 @@
 //! The chat-completions path: what happens to `POST /v1/chat/completions`
 //! between the client and the upstream.
 //!
-//! Each file imports only files below it in this list
-//! (`scripts/check_layers.sh`):
+//! Each file imports only files below it in this list (the `[chat]`
+//! order of `scripts/layers.txt`, which `scripts/check_layers.sh` enforces):
 //!
 //! - [`walk`]: the walk of one request (read, prepare, send, retry on
 //!   overflow, tap usage on the way back).
@@ -39,20 +39,20 @@
 
 mod background;
 mod compact;
-pub mod conversation;
+pub(crate) mod conversation;
 mod count;
 mod decide;
 mod durable;
 mod engine;
 mod held;
-pub mod inspect;
+pub(crate) mod inspect;
 mod pending;
 mod persist;
 mod prepare;
 pub mod record;
 mod respond;
 mod shared;
-pub mod summarise;
+pub(crate) mod summarise;
 pub mod walk;
 mod worker;
 
@@ -80,7 +80,7 @@ use record::RecordStore;
 /// Everything the chat path shares across requests.
 pub struct ChatState {
     /// Engine configuration (`[compaction]`).
-    pub compaction: Arc<CompactionConfig>,
+    pub(crate) compaction: Arc<CompactionConfig>,
     /// Session key derivation.
     pub(crate) keyer: SessionKeyer,
     /// Conversations.
@@ -114,7 +114,7 @@ pub struct ChatState {
 
 impl ChatState {
     /// Builds the chat state from the validated proxy configuration.
-    pub fn from_config(cfg: &Config, metrics: Arc<Metrics>) -> Result<Self, ConfigError> {
+    pub(crate) fn from_config(cfg: &Config, metrics: Arc<Metrics>) -> Result<Self, ConfigError> {
         let compaction = cfg.compaction.clone();
         let store = crate::store::open(&cfg.store);
         metrics.register_store(Arc::clone(&store.health), store.name());
@@ -172,7 +172,7 @@ impl ChatState {
     }
 
     /// Drops idle sessions and records; run periodically.
-    pub fn sweep(&self) {
+    pub(crate) fn sweep(&self) {
         self.sessions.sweep(tokio::time::Instant::now());
         self.records.sweep();
         worker::trim_if_due();

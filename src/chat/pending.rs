@@ -5,7 +5,8 @@
 
 use tokio::task::JoinHandle;
 
-use crate::compaction::micro::MicroState;
+use crate::compaction::compressor::micro::MicroState;
+use crate::compaction::compressor::Carry;
 
 use super::record::Record;
 
@@ -25,9 +26,8 @@ pub(super) struct Candidate {
     pub(crate) record: Record,
     /// Set for a micro pass: the exchange it absorbed.
     pub(crate) micro: Option<MicroCut>,
-    /// The engine's running summary after the pass.
-    pub(crate) previous_summary: Option<String>,
-    pub(crate) has_user_turn: bool,
+    /// What the pass's compressor left (its running summary).
+    pub(crate) carry: Carry,
     pub(crate) fallback_used: bool,
     pub(crate) feasibility_skip: bool,
     pub(crate) tokens_before: u64,

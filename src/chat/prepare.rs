@@ -18,7 +18,7 @@ use crate::window::overflow::Overflow;
 
 use super::compact::compact_if_due;
 use super::conversation::{rough_message_tokens, Conversation, Inbox};
-use super::engine::{Booked, Turn};
+use super::engine::{Booked, Caller, History, Turn, Weight};
 use super::inspect::TurnInput;
 use super::record::Record;
 use super::{ChatState, Client, Discovery};
@@ -131,23 +131,29 @@ pub(super) async fn prepare(
     let mut action = Action::Passthrough;
     let (rows_before, est_before) = (out.messages.len(), est.tokens);
     let turn = Turn {
-        api: creq.api(),
-        key,
-        cred,
-        model: &model,
-        client,
-        original: &original,
-        client_hashes: &out.client_hashes,
-        outgoing: &out.messages,
-        record: out.record.as_ref(),
-        est_tokens: est.tokens,
-        max_out,
-        window,
-        tools_tokens: real_tools_tokens(conv, overhead),
-        tools_rough: overhead,
-        overflow: overflow.is_some(),
-        overflow_counted: overflow.and_then(|o| o.prompt_tokens.or(o.requested)),
-        est_margin: margin,
+        caller: Caller {
+            api: creq.api(),
+            model: &model,
+            client,
+        },
+        history: History {
+            key,
+            cred,
+            original: &original,
+            client_hashes: &out.client_hashes,
+            outgoing: &out.messages,
+            record: out.record.as_ref(),
+        },
+        weight: Weight {
+            est_tokens: est.tokens,
+            est_margin: margin,
+            max_out,
+            window,
+            tools_tokens: real_tools_tokens(conv, overhead),
+            tools_rough: overhead,
+            overflow: overflow.is_some(),
+            overflow_counted: overflow.and_then(|o| o.prompt_tokens.or(o.requested)),
+        },
     };
     match compact_if_due(chat, upstream, conv, &turn).await {
         Booked::Compacted(messages, record) => {

@@ -22,7 +22,7 @@ use tokio::time::Instant;
 
 use crate::session::store::{LruIndex, LruSlot};
 
-pub use crate::config::DEFAULT_MAX_RECORD_BYTES;
+pub(crate) use crate::config::DEFAULT_MAX_RECORD_BYTES;
 
 /// What one record costs besides its replacement's JSON text: the record
 /// itself, its map slot and index entry.
@@ -114,19 +114,21 @@ impl Record {
     }
 
     /// Total bytes held by the replacement's JSON text.
-    pub fn bytes(&self) -> usize {
+    pub(crate) fn bytes(&self) -> usize {
         self.replacement.iter().map(|m| m.get().len()).sum()
     }
 
     /// What the record costs in memory (the replacement and bookkeeping);
     /// the store's byte bound counts this.
-    pub fn footprint(&self) -> usize {
+    // Only tests read it.
+    #[cfg(test)]
+    pub(crate) fn footprint(&self) -> usize {
         self.footprint
     }
 }
 
 /// Key of a record: (credential fingerprint, prefix hash).
-pub type RecordKey = (u128, u128);
+pub(crate) type RecordKey = (u128, u128);
 
 /// Bounded, content-addressed store of compaction records: at most `max`
 /// records and `max_bytes` of [`Record::footprint`], the least recently
@@ -318,7 +320,7 @@ impl RecordStore {
     }
 
     /// Drop records idle longer than the TTL.
-    pub fn sweep(&self) {
+    pub(crate) fn sweep(&self) {
         let now = self.tick();
         let mut dropped = Vec::new();
         self.map.retain(|_, r| {

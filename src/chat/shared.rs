@@ -12,7 +12,7 @@ use std::time::Duration;
 
 use tokio::time::Instant;
 
-use super::engine::Turn;
+use super::engine::History;
 use super::record::Record;
 use super::ChatState;
 
@@ -53,13 +53,13 @@ fn token() -> u64 {
 /// polls for the owner's record and for the lock: an owner whose
 /// compaction failed releases it without a record, and then this replica
 /// takes over instead of waiting out the summary timeout.
-pub(super) async fn claim(chat: &ChatState, t: &Turn<'_>) -> Claim {
-    let Some(&name) = t.client_hashes.last() else {
+pub(super) async fn claim(chat: &ChatState, h: &History<'_>) -> Claim {
+    let Some(&name) = h.client_hashes.last() else {
         return Claim::Alone;
     };
-    let have = t.record.map_or(0, |r| r.k);
+    let have = h.record.map_or(0, |r| r.k);
     if !chat.store.shared() {
-        return alone(chat, t, have).await;
+        return alone(chat, h, have).await;
     }
     let wait = Duration::from_secs(chat.compaction.summary_timeout_secs.max(1));
     let token = token();
@@ -67,29 +67,29 @@ pub(super) async fn claim(chat: &ChatState, t: &Turn<'_>) -> Claim {
     loop {
         match chat
             .store
-            .try_lock(t.cred, name, token, wait + LOCK_SLACK)
+            .try_lock(h.cred, name, token, wait + LOCK_SLACK)
             .await
         {
             None => return Claim::Alone,
             Some(true) => {
                 // The owner before us may have finished between our look and our lock.
-                if let Some(rec) = newer(chat, t, have).await {
-                    chat.store.unlock(t.cred, name, token).await;
+                if let Some(rec) = newer(chat, h, have).await {
+                    chat.store.unlock(h.cred, name, token).await;
                     return Claim::Found(rec);
                 }
                 return Claim::Owned(Held {
-                    cred: t.cred,
+                    cred: h.cred,
                     name,
                     token,
                 });
             }
             Some(false) => {}
         }
-        if let Some(rec) = newer(chat, t, have).await {
+        if let Some(rec) = newer(chat, h, have).await {
             return Claim::Found(rec);
         }
         if Instant::now() >= deadline {
-            tracing::info!(session = %t.key, "no record from the lock owner in time; compacting here");
+            tracing::info!(session = %h.key, "no record from the lock owner in time; compacting here");
             return Claim::Alone;
         }
         tokio::time::sleep(POLL).await;
@@ -102,11 +102,11 @@ pub(super) async fn claim(chat: &ChatState, t: &Turn<'_>) -> Claim {
 /// that one in memory). So before a compaction, one read asks the store
 /// for a longer record of the same credential's history, which another
 /// session wrote before the restart.
-async fn alone(chat: &ChatState, t: &Turn<'_>, have: usize) -> Claim {
-    if chat.store.name() == "memory" || !chat.store.may_have(t.client_hashes.len()) {
+async fn alone(chat: &ChatState, h: &History<'_>, have: usize) -> Claim {
+    if chat.store.name() == "memory" || !chat.store.may_have(h.client_hashes.len()) {
         return Claim::Alone;
     }
-    match longer_stored(chat, t, have).await {
+    match longer_stored(chat, h, have).await {
         Some(rec) => Claim::Found(rec),
         None => Claim::Alone,
     }
@@ -114,19 +114,19 @@ async fn alone(chat: &ChatState, t: &Turn<'_>, have: usize) -> Claim {
 
 /// A stored record of this history longer than the `have` substituted,
 /// another replica's (counted as such).
-async fn newer(chat: &ChatState, t: &Turn<'_>, have: usize) -> Option<Arc<Record>> {
-    let rec = longer_stored(chat, t, have).await?;
+async fn newer(chat: &ChatState, h: &History<'_>, have: usize) -> Option<Arc<Record>> {
+    let rec = longer_stored(chat, h, have).await?;
     chat.store.health.peer_record();
     Some(rec)
 }
 
 /// A stored record of this history longer than the `have` substituted.
-async fn longer_stored(chat: &ChatState, t: &Turn<'_>, have: usize) -> Option<Arc<Record>> {
-    let stored = chat.store.find(t.cred, t.client_hashes).await?;
+async fn longer_stored(chat: &ChatState, h: &History<'_>, have: usize) -> Option<Arc<Record>> {
+    let stored = chat.store.find(h.cred, h.client_hashes).await?;
     if stored.k <= have {
         return None;
     }
-    chat.adopt_record(t.cred, t.client_hashes, stored)
+    chat.adopt_record(h.cred, h.client_hashes, stored)
 }
 
 /// Writes the owner's record (when the compaction made one) and then

@@ -17,8 +17,8 @@
 //! bytes (the system member too, unless the engine changed the system
 //! message).
 
-pub mod anthropic;
-pub mod responses;
+pub(crate) mod anthropic;
+pub(crate) mod responses;
 mod tools;
 
 use std::collections::HashMap;
@@ -45,7 +45,7 @@ pub enum Api {
 
 impl Api {
     /// Metric and log label.
-    pub fn label(self) -> &'static str {
+    pub(crate) fn label(self) -> &'static str {
         match self {
             Api::Chat => "chat",
             Api::Messages => "messages",
@@ -307,7 +307,7 @@ impl ApiRequest {
     /// [`Self::parse`], estimating each decoded engine message with `rough`
     /// from the value the decode holds ([`Self::rough`]): a caller that
     /// estimates every message would otherwise parse each one again.
-    pub fn parse_with(
+    pub(crate) fn parse_with(
         api: Api,
         bytes: impl Into<Bytes>,
         rough: Option<Rough>,

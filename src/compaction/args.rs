@@ -12,16 +12,13 @@ use serde::ser::{Serialize, SerializeMap, SerializeSeq, Serializer};
 use std::fmt;
 
 /// Default maximum characters kept of a string leaf.
-pub const DEFAULT_MAX_LEAF_CHARS: usize = 200;
-
-/// Arguments shorter than this are never shrunk by the prune pass.
-pub const ARGS_SHRINK_MIN_CHARS: usize = 500;
+pub(super) const DEFAULT_MAX_LEAF_CHARS: usize = 200;
 
 /// Suffix every shortened leaf ends with. The head of the marker is loud and
 /// clearly not prose: models imitated a bare `...[truncated]` in new tool
 /// calls and wrote it to disk. The tail keeps the common
 /// `...[truncated]` ending that downstream checks recognise.
-pub const TRUNCATION_TAG: &str = "...[truncated]";
+pub(super) const TRUNCATION_TAG: &str = "...[truncated]";
 
 /// The marker appended to a shortened leaf.
 pub(crate) fn truncation_marker(omitted: usize, original: usize) -> String {
@@ -196,7 +193,7 @@ fn shrink_leaves(v: &mut OrderedJson, max_leaf: usize) -> bool {
 /// the arguments are not JSON, nothing shrinks, or the result would not be
 /// shorter, the original string comes back byte for byte (so unchanged
 /// messages stay byte-stable for prompt caches).
-pub fn truncate_tool_call_args_json(args: &str, max_leaf: usize) -> String {
+pub(super) fn truncate_tool_call_args_json(args: &str, max_leaf: usize) -> String {
     let Ok(mut parsed) = OrderedJson::parse(args) else {
         return args.to_string();
     };
@@ -211,74 +208,4 @@ pub fn truncate_tool_call_args_json(args: &str, max_leaf: usize) -> String {
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn key_order_kept() {
-        let args = format!(r#"{{"zeta":"{}","alpha":1}}"#, "q".repeat(600));
-        let out = truncate_tool_call_args_json(&args, 200);
-        assert!(out.starts_with(r#"{"zeta":""#), "{out}");
-        assert!(out.ends_with(r#","alpha":1}"#), "{out}");
-        let parsed: serde_json::Value = serde_json::from_str(&out).unwrap();
-        let z = parsed["zeta"].as_str().unwrap();
-        assert!(z.starts_with(&"q".repeat(200)));
-        assert!(!z.starts_with(&"q".repeat(201)));
-        assert!(z.ends_with(TRUNCATION_TAG));
-        assert!(z.contains("400 of 600 chars omitted"));
-    }
-
-    #[test]
-    fn invalid_json_returned_unchanged() {
-        let bad = format!("{{\"a\": \"{}", "x".repeat(1000));
-        assert_eq!(truncate_tool_call_args_json(&bad, 200), bad);
-    }
-
-    #[test]
-    fn nothing_to_shrink_returns_original_bytes() {
-        // Spacing would change on a re-serialisation; it must not.
-        let args = "{ \"a\" : \"short\",   \"b\": [1, 2] }";
-        assert_eq!(truncate_tool_call_args_json(args, 200), args);
-    }
-
-    #[test]
-    fn already_truncated_leaf_is_stable() {
-        let args = format!(r#"{{"c":"{}"}}"#, "w".repeat(1000));
-        let once = truncate_tool_call_args_json(&args, 200);
-        let twice = truncate_tool_call_args_json(&once, 200);
-        assert_eq!(once, twice);
-    }
-
-    #[test]
-    fn leaf_not_replaced_unless_it_saves_bytes() {
-        // 220 chars: over the limit, but the marker is longer than the saving.
-        let args = format!(r#"{{"c":"{}"}}"#, "w".repeat(220));
-        assert_eq!(truncate_tool_call_args_json(&args, 200), args);
-    }
-
-    #[test]
-    fn nested_and_unicode_leaves() {
-        let long = "é".repeat(400);
-        let args = format!(r#"{{"outer":{{"list":["{long}", 5, true, null]}}}}"#);
-        let out = truncate_tool_call_args_json(&args, 200);
-        let v: serde_json::Value = serde_json::from_str(&out).unwrap();
-        let s = v["outer"]["list"][0].as_str().unwrap();
-        assert!(s.starts_with(&"é".repeat(200)));
-        assert!(!out.contains("\\u00e9"));
-        assert_eq!(v["outer"]["list"][1], 5);
-        assert_eq!(v["outer"]["list"][2], true);
-        assert!(v["outer"]["list"][3].is_null());
-    }
-
-    #[test]
-    fn numbers_round_trip_exactly() {
-        let args = format!(
-            r#"{{"f":1.5,"big":18446744073709551615,"neg":-3,"s":"{}"}}"#,
-            "a".repeat(900)
-        );
-        let out = truncate_tool_call_args_json(&args, 200);
-        assert!(out.contains(r#""f":1.5"#));
-        assert!(out.contains(r#""big":18446744073709551615"#));
-        assert!(out.contains(r#""neg":-3"#));
-    }
-}
+mod tests;

@@ -10,7 +10,8 @@ use super::view;
 
 /// User message appended when a conversation has no human-authored turn at
 /// all, so strict chat templates ("No user query found") accept it.
-pub const NO_USER_TURN_MARKER: &str = "Continue from the compressed conversation context above. \
+pub(super) const NO_USER_TURN_MARKER: &str =
+    "Continue from the compressed conversation context above. \
 This marker exists because no human user turn was available.";
 
 /// Where the summary went.
@@ -287,7 +288,7 @@ fn append_user_text(messages: &mut Vec<Value>, text: &str) {
 /// The caller's guarantee: some real user row survives. The newest one
 /// from the original is re-inserted when none does; a fixed marker is used
 /// when the conversation never had one. Returns true when something was added.
-pub fn ensure_user_turn(messages: &mut Vec<Value>, original: &[Value]) -> bool {
+pub(super) fn ensure_user_turn(messages: &mut Vec<Value>, original: &[Value]) -> bool {
     if messages
         .iter()
         .any(|m| view::is_real_user(m) || view::text(m).contains(NO_USER_TURN_MARKER))
@@ -302,73 +303,4 @@ pub fn ensure_user_turn(messages: &mut Vec<Value>, original: &[Value]) -> bool {
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-
-    fn m(role: &str, c: &str) -> Value {
-        json!({"role": role, "content": c})
-    }
-
-    fn tc() -> Value {
-        json!({"role": "assistant", "content": null, "tool_calls": [{"id": "a", "function": {"name": "f", "arguments": "{}"}}]})
-    }
-
-    #[test]
-    fn forced_user_never_puts_an_assistant_first() {
-        let head = vec![m("system", "s")];
-        let tail = vec![
-            tc(),
-            json!({"role": "tool", "tool_call_id": "a", "content": "r"}),
-            m("user", "u"),
-        ];
-        assert_eq!(
-            choose_placement(&head, &tail),
-            Placement::Standalone("user")
-        );
-    }
-
-    #[test]
-    fn forced_user_merges_into_a_leading_user_row() {
-        let head = vec![m("system", "s")];
-        let tail = vec![m("user", "u"), m("assistant", "a")];
-        assert_eq!(choose_placement(&head, &tail), Placement::MergeUserLeading);
-        let out = assemble(head, "SUM", tail);
-        assert_eq!(out.summary_index, 1);
-        let t = view::text(&out.messages[1]);
-        assert!(t.starts_with("SUM") && t.ends_with("u"));
-    }
-
-    #[test]
-    fn double_collision_merges_into_tail_and_flip_is_used_when_free() {
-        let head = vec![m("system", "s"), m("user", "u"), m("assistant", "a")];
-        assert_eq!(
-            choose_placement(&head, &[m("user", "u2")]),
-            Placement::MergeIntoTail
-        );
-        assert_eq!(
-            choose_placement(&head, &[m("assistant", "a2")]),
-            Placement::Standalone("user")
-        );
-        let head = vec![m("system", "s"), m("user", "u")];
-        assert_eq!(
-            choose_placement(&head, &[m("user", "u2")]),
-            Placement::Standalone("assistant")
-        );
-    }
-
-    #[test]
-    fn tool_rows_are_invisible_but_raw_neighbours_still_count() {
-        // head ends user → assistant(tc) → tool: the visible last head role is
-        // user, the raw one is tool; a following user row forbids a user summary.
-        let head = vec![
-            m("system", "s"),
-            m("user", "u"),
-            tc(),
-            json!({"role": "tool", "tool_call_id": "a", "content": "r"}),
-        ];
-        assert_eq!(
-            choose_placement(&head, &[m("user", "next")]),
-            Placement::Standalone("assistant")
-        );
-    }
-}
+mod tests;

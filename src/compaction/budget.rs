@@ -7,12 +7,10 @@
 //! get a trigger below the usable window and a tail + summary that fit under
 //! the trigger with room for the reply.
 
-use serde_json::Value;
-
 use super::config::{sanitize_percent, CompactionConfig};
 
 /// The absolute floor of the trigger on windows that can afford it.
-pub const MINIMUM_CONTEXT_LENGTH: u64 = 64_000;
+pub(crate) const MINIMUM_CONTEXT_LENGTH: u64 = 64_000;
 /// Trigger ratio used when the 64k floor would exceed the usable window.
 pub(crate) const MIN_WINDOW_TRIGGER_RATIO: f64 = 0.85;
 /// Windows below this get the small-context percent floor.
@@ -33,16 +31,22 @@ pub(crate) const TAIL_WINDOW_CAP_RATIO: f64 = 0.20;
 /// The tail walk may overshoot its budget by this factor (soft ceiling).
 pub(crate) const SOFT_CEILING_FACTOR: f64 = 1.5;
 /// Lean tail mode: fraction of the window.
-pub const LEAN_TAIL_WINDOW_RATIO: f64 = 0.025;
+// Only the ported tests use it: the proxy demotes its tail by pruning instead (lean mode).
+#[cfg(test)]
+pub(crate) const LEAN_TAIL_WINDOW_RATIO: f64 = 0.025;
 /// Lean tail mode: floor (clamped for small windows, see [`lean_tail_token_budget`]).
-pub const LEAN_TAIL_FLOOR: u64 = 10_000;
+// Only the ported tests use it: see `lean_tail_token_budget`.
+#[cfg(test)]
+pub(crate) const LEAN_TAIL_FLOOR: u64 = 10_000;
 /// Lean tail mode: ceiling.
-pub const LEAN_TAIL_CEILING: u64 = 25_000;
+// Only the ported tests use it: see `lean_tail_token_budget`.
+#[cfg(test)]
+pub(crate) const LEAN_TAIL_CEILING: u64 = 25_000;
 /// Window assumed when nothing else is known: the binary's documented
 /// `default_context_length`, llama.cpp's common small window. Guessing
 /// small costs an early compaction; guessing large costs an overflow round
 /// trip on every request until the real window is learned.
-pub const DEFAULT_CONTEXT_LENGTH: u64 = 8_192;
+pub(crate) const DEFAULT_CONTEXT_LENGTH: u64 = 8_192;
 
 fn floor_mul(n: u64, f: f64) -> u64 {
     // Truncation toward zero, so budgets never round up past a cap.
@@ -61,7 +65,7 @@ fn floor_mul(n: u64, f: f64) -> u64 {
 /// but never above 85% of the usable window, and never equal to it.
 /// `cap` (the absolute `threshold_tokens`) then applies, itself
 /// bounded by the window. The result is at least 1.
-pub fn compute_threshold_tokens(
+pub(crate) fn compute_threshold_tokens(
     window: u64,
     max_tokens: Option<u64>,
     percent: f64,
@@ -161,7 +165,7 @@ pub(crate) fn user_messages_budget(window: u64, history_target: u64) -> u64 {
 /// Threshold percent for `model` at `window`: the longest `model_thresholds`
 /// key contained in the model name overrides the configured percent, then
 /// windows below 512k raise it to at least 0.75 (a higher value wins).
-pub fn effective_percent(cfg: &CompactionConfig, model: &str, window: u64) -> f64 {
+pub(crate) fn effective_percent(cfg: &CompactionConfig, model: &str, window: u64) -> f64 {
     let base = model_override(cfg, model).unwrap_or(cfg.threshold_percent);
     apply_small_window_floor(sanitize_percent(base), window)
 }
@@ -169,7 +173,7 @@ pub fn effective_percent(cfg: &CompactionConfig, model: &str, window: u64) -> f6
 /// The longest `model_thresholds` key that is a substring of `model`
 /// (case-insensitive), if any. Ties go to the lexicographically first key so
 /// the choice is deterministic.
-pub fn model_override(cfg: &CompactionConfig, model: &str) -> Option<f64> {
+pub(crate) fn model_override(cfg: &CompactionConfig, model: &str) -> Option<f64> {
     let lower = model.to_ascii_lowercase();
     let mut best: Option<(usize, f64)> = None;
     for (key, &pct) in &cfg.model_thresholds {
@@ -194,7 +198,7 @@ pub(crate) fn apply_small_window_floor(percent: f64, window: u64) -> f64 {
 
 /// Tail token budget: `floor(threshold × ratio)`, reduced to at most 20% of the
 /// window, at least 1. `ratio` is clamped to [0.10, 0.80].
-pub fn tail_token_budget(threshold: u64, window: u64, ratio: f64) -> u64 {
+pub(crate) fn tail_token_budget(threshold: u64, window: u64, ratio: f64) -> u64 {
     let ratio = super::config::clamp_ratio(ratio);
     floor_mul(threshold, ratio)
         .min(floor_mul(window, TAIL_WINDOW_CAP_RATIO))
@@ -204,7 +208,9 @@ pub fn tail_token_budget(threshold: u64, window: u64, ratio: f64) -> u64 {
 /// Lean-mode tail budget (not used by the engine's default path): `clamp(2.5% of window, 10,000, 25,000)`, reduced to 20% of
 /// the window. The 10,000 floor is itself clamped to 10% of the window so a
 /// small window keeps room for head, summary and reply.
-pub fn lean_tail_token_budget(window: u64) -> u64 {
+// Only the ported tests use it: the proxy demotes its tail by pruning instead.
+#[cfg(test)]
+pub(crate) fn lean_tail_token_budget(window: u64) -> u64 {
     let floor = LEAN_TAIL_FLOOR.min(floor_mul(window, 0.10));
     floor_mul(window, LEAN_TAIL_WINDOW_RATIO)
         .clamp(floor, LEAN_TAIL_CEILING.max(floor))
@@ -213,7 +219,7 @@ pub fn lean_tail_token_budget(window: u64) -> u64 {
 }
 
 /// Upper bound of one summary: `min(5% of window, 10,000)`, at least 1.
-pub fn max_summary_tokens(window: u64) -> u64 {
+pub(crate) fn max_summary_tokens(window: u64) -> u64 {
     floor_mul(window, MAX_SUMMARY_WINDOW_RATIO).clamp(1, MAX_SUMMARY_TOKENS_CAP)
 }
 
@@ -235,7 +241,7 @@ pub(crate) fn max_summary_tokens_for(window: u64, threshold: u64) -> u64 {
 /// small windows that floor alone could exceed the trigger, so it is clamped
 /// to `2 × max_summary` (10% of the window whenever `max_summary` comes from
 /// [`max_summary_tokens`]); from 20k windows up the floor applies unchanged.
-pub fn summary_budget(middle_tokens: u64, max_summary: u64) -> u64 {
+pub(crate) fn summary_budget(middle_tokens: u64, max_summary: u64) -> u64 {
     let floor = SUMMARY_BUDGET_FLOOR
         .min(max_summary.saturating_mul(2))
         .max(1);
@@ -244,7 +250,7 @@ pub fn summary_budget(middle_tokens: u64, max_summary: u64) -> u64 {
 
 /// Soft ceiling of the tail walk: 1.5 × budget, capped at 20% of the window,
 /// never below the budget itself.
-pub fn soft_tail_ceiling(budget: u64, window: u64) -> u64 {
+pub(crate) fn soft_tail_ceiling(budget: u64, window: u64) -> u64 {
     let soft = floor_mul(budget, SOFT_CEILING_FACTOR).min(floor_mul(window, TAIL_WINDOW_CAP_RATIO));
     soft.max(budget)
 }
@@ -254,7 +260,11 @@ pub fn soft_tail_ceiling(budget: u64, window: u64) -> u64 {
 /// anything else (absent, null, zero, negative, fractional, non-numeric)
 /// means none, so the threshold math never sees garbage. Numeric strings
 /// are accepted: some clients send them.
-pub fn coerce_max_tokens(v: Option<&Value>) -> Option<u64> {
+// Only the ported tests use it: the proxy reads the reservation with the request
+// (`ChatRequest::max_output_tokens`, the codec).
+#[cfg(test)]
+pub(crate) fn coerce_max_tokens(v: Option<&serde_json::Value>) -> Option<u64> {
+    use serde_json::Value;
     match v? {
         Value::Number(n) => {
             if let Some(u) = n.as_u64() {
@@ -273,21 +283,24 @@ pub fn coerce_max_tokens(v: Option<&Value>) -> Option<u64> {
 
 /// The budgets derived from one (config, model, window, reservation).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct Budgets {
+// Only tests use it: the budgets one by one are the trigger's.
+#[cfg(test)]
+pub(crate) struct Budgets {
     /// Context window in tokens.
     pub(crate) window: u64,
     /// Prompt size at which compaction triggers.
-    pub threshold_tokens: u64,
+    pub(crate) threshold_tokens: u64,
     /// Tokens the protected tail aims for.
-    pub tail_token_budget: u64,
+    pub(crate) tail_token_budget: u64,
     /// Upper bound of one summary in tokens.
-    pub max_summary_tokens: u64,
+    pub(crate) max_summary_tokens: u64,
 }
 
+#[cfg(test)]
 impl Budgets {
     /// Derive every budget from the raw config (per-model override, small
     /// window floor, trigger math, cap), whenever the model or window changes.
-    pub fn compute(
+    pub(crate) fn compute(
         cfg: &CompactionConfig,
         model: &str,
         window: u64,
@@ -310,12 +323,12 @@ impl Budgets {
     }
 
     /// Soft ceiling of the tail walk for these budgets.
-    pub fn soft_tail_ceiling(&self) -> u64 {
+    pub(crate) fn soft_tail_ceiling(&self) -> u64 {
         soft_tail_ceiling(self.tail_token_budget, self.window)
     }
 
     /// Summary target for a middle of `middle_tokens`.
-    pub fn summary_budget(&self, middle_tokens: u64) -> u64 {
+    pub(crate) fn summary_budget(&self, middle_tokens: u64) -> u64 {
         summary_budget(middle_tokens, self.max_summary_tokens)
     }
 }
@@ -323,7 +336,7 @@ impl Budgets {
 /// Below this window a summary call gets a wire reply cap; at and above it
 /// the reply is left to the model (a hard cap once produced empty summaries
 /// from reasoning models, and such windows are not at risk of overflow).
-pub const SUMMARY_REPLY_CAP_WINDOW: u64 = MINIMUM_CONTEXT_LENGTH;
+pub(crate) const SUMMARY_REPLY_CAP_WINDOW: u64 = MINIMUM_CONTEXT_LENGTH;
 /// Characters per token the summariser's prompt budget is counted at
 /// (conservative: prompts quote code and tool output).
 pub(crate) const SUMMARY_PROMPT_CHARS_PER_TOKEN: u64 = 3;
@@ -332,11 +345,11 @@ pub(crate) const SUMMARY_CALL_MARGIN: u64 = 64;
 
 /// Prompt budget and reply cap of one summary call.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct SummariserBudgets {
+pub(crate) struct SummariserBudgets {
     /// Characters of prompt the summariser reads.
-    pub prompt_chars: usize,
+    pub(crate) prompt_chars: usize,
     /// Wire `max_tokens` of the reply; `None` = no cap.
-    pub reply_tokens: Option<u32>,
+    pub(crate) reply_tokens: Option<u32>,
 }
 
 impl From<SummariserBudgets> for (usize, Option<u32>) {
@@ -396,115 +409,4 @@ pub(crate) fn summariser_budgets(window: u64, threshold: u64, ratio: f64) -> Sum
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn summariser_budgets_follow_the_trigger() {
-        // (window, reply cap, prompt chars) with the default ratio, no reservation.
-        let cfg = CompactionConfig::default();
-        let ratio = cfg.effective_summary_target_ratio();
-        let at = |w: u64| {
-            let t = Budgets::compute(&cfg, "m", w, None).threshold_tokens;
-            summariser_budgets(w, t, ratio)
-        };
-        for (w, reply) in [(2048u64, 348u32), (4096, 696), (8192, 1392), (32_768, 5570)] {
-            let b = at(w);
-            assert_eq!(b.reply_tokens, Some(reply), "{w}");
-            // The prompt (at 3 chars/token) plus the reply fit the window.
-            assert!(
-                b.prompt_chars as u64 / 3 + u64::from(reply) <= w,
-                "{w}: {b:?}"
-            );
-            // The reply holds the largest summary target with room to spare.
-            let ms =
-                max_summary_tokens_for(w, Budgets::compute(&cfg, "m", w, None).threshold_tokens);
-            assert!(
-                u64::from(reply) >= summary_budget(u64::MAX / 8, ms) * 5 / 4,
-                "{w}"
-            );
-        }
-        assert_eq!(
-            at(131_072),
-            SummariserBudgets {
-                prompt_chars: 160_000,
-                reply_tokens: None
-            }
-        );
-        // A larger ratio gives the summary a larger share.
-        let t = Budgets::compute(&cfg, "m", 8192, None).threshold_tokens;
-        assert!(summariser_budgets(8192, t, 0.4).reply_tokens > at(8192).reply_tokens);
-    }
-
-    /// The trigger keeps its share of the room above the fixed part.
-    #[test]
-    fn the_trigger_follows_the_fixed_part() {
-        let t0 = compute_threshold_tokens(8_192, None, 0.75, None);
-        assert_eq!(t0, 6_963);
-        assert_eq!(threshold_over_fixed(t0, 8_192, 0), t0);
-        // Codex: ~6,300 tokens of instructions and tools.
-        let t = threshold_over_fixed(t0, 8_192, 6_300);
-        assert_eq!(t, 8_126);
-        // Half the room above the fixed part is the history target: at
-        // 500 tokens a turn, two turns pass before the next compaction.
-        let h = history_target(t, 6_300, 0.5);
-        assert_eq!(h, 913);
-        assert!(6_300 + h + 500 < t && 6_300 + h + 1_000 >= t);
-        // A fixed part past the window: just under it, never at or over.
-        assert_eq!(threshold_over_fixed(t0, 8_192, 20_000), 8_191);
-        // Small fixed parts barely move it.
-        assert!(threshold_over_fixed(t0, 8_192, 400) < t0 + 150);
-    }
-
-    #[test]
-    fn the_user_messages_budget_follows_the_window() {
-        assert_eq!(user_messages_budget(2_048, 10_000), 81);
-        assert_eq!(user_messages_budget(8_192, 10_000), 327);
-        assert_eq!(user_messages_budget(32_768, 100_000), 1_310);
-        assert_eq!(user_messages_budget(1_000_000, 1_000_000), 4_000);
-        // Never more than a fifth of what the history may take.
-        assert_eq!(user_messages_budget(8_192, 800), 160);
-    }
-
-    #[test]
-    fn worked_examples_from_notes() {
-        assert_eq!(
-            compute_threshold_tokens(1_000_000, Some(32_000), 0.50, None),
-            484_000
-        );
-        assert_eq!(
-            compute_threshold_tokens(200_000, Some(80_000), 0.75, None),
-            90_000
-        );
-        assert_eq!(compute_threshold_tokens(64_000, None, 0.75, None), 54_400);
-        assert_eq!(compute_threshold_tokens(80_000, None, 0.75, None), 64_000);
-        assert_eq!(compute_threshold_tokens(128_000, None, 0.75, None), 96_000);
-    }
-
-    #[test]
-    fn reservation_covering_window_uses_whole_window() {
-        assert_eq!(
-            compute_threshold_tokens(64_000, Some(64_000), 0.5, None),
-            compute_threshold_tokens(64_000, None, 0.5, None)
-        );
-    }
-
-    #[test]
-    fn degenerate_windows_stay_positive_and_below_window() {
-        for w in [1u64, 2, 3, 10, 100] {
-            let t = compute_threshold_tokens(w, None, 0.5, None);
-            assert!(t >= 1);
-            assert!(t < w || w == 1, "w={w} t={t}");
-        }
-    }
-
-    #[test]
-    fn summary_budget_reference_floor_above_40k() {
-        // 32k window: max_summary 1,600 but the 2,000 floor still wins.
-        assert_eq!(summary_budget(1_000, max_summary_tokens(32_000)), 2_000);
-        assert_eq!(summary_budget(100_000, max_summary_tokens(200_000)), 10_000);
-        assert_eq!(summary_budget(30_000, max_summary_tokens(200_000)), 6_000);
-        // 2k window: the floor is clamped to 10% of the window.
-        assert_eq!(summary_budget(0, max_summary_tokens(2_048)), 204);
-    }
-}
+mod tests;

@@ -8,6 +8,8 @@ use std::collections::BTreeMap;
 
 use serde::{Deserialize, Deserializer};
 
+use super::tokens;
+
 /// Default trigger ratio: 0.85 left too little room for the reply and the
 /// summary call on busy agent turns.
 pub(crate) const DEFAULT_THRESHOLD_PERCENT: f64 = 0.50;
@@ -33,9 +35,9 @@ pub(crate) const DEFAULT_TARGET_RATIO: f64 = 0.5;
 /// user sees; the config layer turns this into one of its problems.
 #[derive(Debug, thiserror::Error)]
 #[error("invalid setting compaction{}: {message}", key.as_deref().map(|k| format!(".{k}")).unwrap_or_default())]
-pub struct InvalidSetting {
+pub(crate) struct InvalidSetting {
     /// The offending key inside `[compaction]`, when known.
-    pub key: Option<String>,
+    pub(crate) key: Option<String>,
     /// What is wrong with it.
     pub(crate) message: String,
 }
@@ -174,7 +176,7 @@ impl Default for CompactionConfig {
             summary_api_key: None,
             summary_timeout_secs: DEFAULT_SUMMARY_TIMEOUT_SECS,
             strategy: Strategy::Batch,
-            charge_stale_thinking: true,
+            charge_stale_thinking: tokens::DEFAULT_CHARGE_STALE_THINKING,
             micro_every_n_turns: 1,
             background: false,
             background_threshold_percent: 80.0,
@@ -189,7 +191,7 @@ impl CompactionConfig {
     /// Build from the raw `[compaction]` table of `proxy.toml` (missing keys
     /// take their defaults; unknown keys and wrong types are errors naming
     /// the key), then check the values that have no safe reading.
-    pub fn from_table(table: &toml::Table) -> Result<Self, InvalidSetting> {
+    pub(crate) fn from_table(table: &toml::Table) -> Result<Self, InvalidSetting> {
         let parse = |t: toml::Table| -> Result<CompactionConfig, toml::de::Error> {
             toml::Value::Table(t).try_into()
         };
@@ -271,13 +273,15 @@ impl CompactionConfig {
     }
 
     /// `summary_target_ratio` clamped to [0.10, 0.80]; a non-finite value means the default.
-    pub fn effective_summary_target_ratio(&self) -> f64 {
+    pub(crate) fn effective_summary_target_ratio(&self) -> f64 {
         clamp_ratio(self.summary_target_ratio)
     }
 
     /// `threshold_percent` made usable: non-finite or ≤ 0 means the default,
     /// above 1 means 1 (the trigger math keeps the result below the window).
-    pub fn effective_threshold_percent(&self) -> f64 {
+    // Only tests use it.
+    #[cfg(test)]
+    pub(crate) fn effective_threshold_percent(&self) -> f64 {
         sanitize_percent(self.threshold_percent)
     }
 
@@ -336,3 +340,6 @@ fn de_positive_cap<'de, D: Deserializer<'de>>(d: D) -> Result<Option<u64>, D::Er
         _ => None,
     })
 }
+
+#[cfg(test)]
+mod tests;

@@ -20,7 +20,7 @@
 use serde_json::{json, Value};
 
 /// First line of every summary: how a compactor summary is recognised.
-pub const SUMMARY_HEADLINE: &str = "[COMPACTOR CONTEXT HANDOFF — REFERENCE ONLY]";
+pub(crate) const SUMMARY_HEADLINE: &str = "[COMPACTOR CONTEXT HANDOFF — REFERENCE ONLY]";
 
 /// The framing placed before every summary body. Same semantics as the
 /// framing an agent runtime's summaries use, in compactor's own words.
@@ -38,7 +38,7 @@ Earlier turns of this conversation were condensed into the summary below so the 
 /// [`COMPACT_PREFIX_WINDOW`] tokens: the same rules as [`SUMMARY_PREFIX`] in
 /// fewer words, because on a 2k window the full prefix alone would take a
 /// fifth of the context before any content.
-pub const SUMMARY_PREFIX_COMPACT: &str = "[COMPACTOR CONTEXT HANDOFF — REFERENCE ONLY]
+pub(crate) const SUMMARY_PREFIX_COMPACT: &str = "[COMPACTOR CONTEXT HANDOFF — REFERENCE ONLY]
 Earlier turns, condensed. Background, not instructions.
 - Act only on real user messages after this summary (newest wins); assistant/tool messages after it are work in progress. With no user message after it, continue only an in-flight tool exchange.
 - The Historical Task Snapshot records, never selects, work; do not resume completed or cancelled work. System prompt and memory stay authoritative.
@@ -65,28 +65,26 @@ pub const END_MARKER: &str =
 
 /// Header placed before a tail row's own content when the summary is merged
 /// into that row (so the old content reads as quoted reference).
-pub const PRIOR_HEADER: &str = "[EARLIER MESSAGE — kept for reference; not a new request]";
+pub(crate) const PRIOR_HEADER: &str = "[EARLIER MESSAGE — kept for reference; not a new request]";
 
 /// Separates the merged row's own content from the summary that follows it.
-pub const MERGE_DELIMITER: &str = "[END OF EARLIER MESSAGE — COMPACTED CONTEXT SUMMARY FOLLOWS]";
+pub(crate) const MERGE_DELIMITER: &str =
+    "[END OF EARLIER MESSAGE — COMPACTED CONTEXT SUMMARY FOLLOWS]";
 
 /// Header of the restated in-flight user request appended after compaction.
 pub const INFLIGHT_HEADER: &str = "[STILL OPEN — the active user request, repeated after context compaction so it is not lost; handle it now]";
 
 /// Heading of the summary section that records the newest user input.
-pub const HISTORICAL_TASK_HEADING: &str = "## Historical Task Snapshot";
+pub(crate) const HISTORICAL_TASK_HEADING: &str = "## Historical Task Snapshot";
 
 /// Older spellings of the task-snapshot heading, replaced when grounding.
-pub const LEGACY_TASK_HEADINGS: &[&str] = &["## Active Task", "## Task Snapshot"];
+pub(crate) const LEGACY_TASK_HEADINGS: &[&str] = &["## Active Task", "## Task Snapshot"];
 
 /// Snapshot text of a session that has no user-authored turns.
 pub const NO_USER_SENTINEL: &str = "None. This session contains no user-authored turns.";
 
-/// Note appended once to a system prompt whose conversation was compacted.
-pub const SYSTEM_COMPACTION_NOTE: &str = "[Note from compactor: some earlier turns of this conversation were compacted into a handoff summary. Build on it rather than redoing finished work; memory files and these system instructions remain authoritative.]";
-
 /// Tag added to the headline of micro-compaction markers.
-pub const MICRO_TAG: &str = "[MICRO]";
+pub(crate) const MICRO_TAG: &str = "[MICRO]";
 
 /// Summary headlines recognised besides [`SUMMARY_HEADLINE`], newest first:
 /// compatible spellings a client or an earlier version may have
@@ -138,7 +136,9 @@ pub(crate) fn strip_leading_prefixes(text: &str) -> &str {
 
 /// Removes a leading [`INFLIGHT_HEADER`] (a restated in-flight request is
 /// the user's own text once the header is gone).
-pub fn strip_inflight_header(text: &str) -> &str {
+// Only the ported tests use it: see `serialize::latest_user_task_snapshot`.
+#[cfg(test)]
+pub(crate) fn strip_inflight_header(text: &str) -> &str {
     let t = text.trim_start();
     match t.strip_prefix(INFLIGHT_HEADER) {
         Some(rest) => rest.trim_start(),
@@ -148,19 +148,19 @@ pub fn strip_inflight_header(text: &str) -> &str {
 
 /// Puts [`SUMMARY_PREFIX`] in front of a summary exactly once: a current or
 /// legacy prefix already at the start is replaced, not duplicated.
-pub fn normalize_summary_prefix(summary: &str) -> String {
+pub(crate) fn normalize_summary_prefix(summary: &str) -> String {
     normalize_summary_prefix_with(SUMMARY_PREFIX, summary)
 }
 
 /// [`normalize_summary_prefix`] with an explicit prefix (see
 /// [`summary_prefix_for`]).
-pub fn normalize_summary_prefix_with(prefix: &str, summary: &str) -> String {
+pub(crate) fn normalize_summary_prefix_with(prefix: &str, summary: &str) -> String {
     format!("{prefix}\n{}", strip_leading_prefixes(summary))
 }
 
 /// The body of a summary text: its prefix, any wrapper of a merged row and
 /// the END marker (with whatever follows it) removed, trimmed.
-pub fn summary_body(text: &str) -> String {
+pub(crate) fn summary_body(text: &str) -> String {
     match classify_text(text) {
         TextHandoff::Standalone { body, .. } | TextHandoff::Merged { body, .. } => body,
         TextHandoff::None => cut_at_end(strip_leading_prefixes(text))
@@ -180,7 +180,7 @@ fn cut_at_end(text: &str) -> (&str, &str) {
 
 /// How a text string relates to compaction summaries.
 #[derive(Clone, Debug, PartialEq, Eq)]
-pub enum TextHandoff {
+pub(crate) enum TextHandoff {
     /// Not a summary.
     None,
     /// Starts with a summary prefix. `live` is non-blank text after the END
@@ -226,7 +226,7 @@ fn summary_delimiters(text: &str) -> Vec<usize> {
 /// when it starts with [`PRIOR_HEADER`] and contains a delimiter followed by
 /// a prefix (the last such delimiter wins), or, without the header, contains
 /// exactly one such delimiter.
-pub fn classify_text(text: &str) -> TextHandoff {
+pub(crate) fn classify_text(text: &str) -> TextHandoff {
     let trimmed = text.trim_start();
     if let Some(n) = prefix_len(trimmed) {
         let (body, live) = split_summary(&trimmed[n..]);
@@ -270,7 +270,7 @@ pub fn declare_summary(msg: &mut Value) {
 }
 
 /// Whether `msg` is a declared summary row.
-pub fn is_declared_summary(msg: &Value) -> bool {
+pub(crate) fn is_declared_summary(msg: &Value) -> bool {
     msg.get(SUMMARY_ROW_KEY).is_some()
 }
 
@@ -282,7 +282,7 @@ pub(crate) fn undeclare_summary(msg: &mut Value) -> bool {
 
 /// How a message relates to compaction summaries.
 #[derive(Clone, Debug, PartialEq)]
-pub enum Handoff {
+pub(crate) enum Handoff {
     /// Not a summary row.
     None,
     /// The row is a summary. `live` is content that must survive stripping
@@ -326,7 +326,7 @@ fn text_part(text: String) -> Value {
 /// last non-blank text part makes it merged. Anything ambiguous is `None`
 /// (left untouched), and so is every message not declared a summary row
 /// ([`declare_summary`]), whatever its text.
-pub fn classify_handoff(msg: &Value) -> Handoff {
+pub(crate) fn classify_handoff(msg: &Value) -> Handoff {
     if !is_declared_summary(msg) {
         return Handoff::None;
     }
@@ -415,7 +415,7 @@ fn classify_parts(parts: &[Value]) -> Handoff {
 }
 
 /// True when the message is a summary row (standalone or merged).
-pub fn is_handoff(msg: &Value) -> bool {
+pub(crate) fn is_handoff(msg: &Value) -> bool {
     !matches!(classify_handoff(msg), Handoff::None)
 }
 
@@ -450,7 +450,7 @@ fn join_content(prior: Value, live: Option<Value>) -> Value {
 /// content (plus any live text after END); a standalone row with live text
 /// keeps just that text; any other message comes back unchanged. A rewritten
 /// row loses its stale `api_content` sidecar.
-pub fn strip_handoff(msg: &Value) -> Option<Value> {
+pub(crate) fn strip_handoff(msg: &Value) -> Option<Value> {
     let content = match classify_handoff(msg) {
         Handoff::None => return Some(msg.clone()),
         Handoff::Standalone { live: None, .. } => return None,
@@ -469,7 +469,7 @@ pub fn strip_handoff(msg: &Value) -> Option<Value> {
 
 /// Content of a standalone summary row: `summary + "\n\n" + END_MARKER`.
 /// `summary` should already carry the prefix (see [`normalize_summary_prefix`]).
-pub fn standalone_content(summary: &str) -> String {
+pub(crate) fn standalone_content(summary: &str) -> String {
     format!("{summary}\n\n{END_MARKER}")
 }
 
@@ -478,7 +478,7 @@ pub fn standalone_content(summary: &str) -> String {
 /// content reads as quoted reference and the END marker comes last. List
 /// content gets a header text part in front and the summary as a final
 /// text part.
-pub fn merge_after_prior(content: &Value, summary: &str) -> Value {
+pub(crate) fn merge_after_prior(content: &Value, summary: &str) -> Value {
     match content {
         Value::Array(parts) => {
             let mut out = Vec::with_capacity(parts.len() + 2);
@@ -504,7 +504,7 @@ pub fn merge_after_prior(content: &Value, summary: &str) -> Value {
 
 /// Prepends a summary to a user row (the forced user-leading shape):
 /// `summary\n\nEND\n\nold`, so the real request follows the boundary.
-pub fn prepend_summary(content: &Value, summary: &str) -> Value {
+pub(crate) fn prepend_summary(content: &Value, summary: &str) -> Value {
     let lead = format!("{summary}\n\n{END_MARKER}");
     match content {
         Value::Array(parts) => {
@@ -538,195 +538,4 @@ pub(crate) fn neutralize_reserved_markers(body: &str) -> String {
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-
-    fn declared(mut m: Value) -> Value {
-        declare_summary(&mut m);
-        m
-    }
-
-    #[test]
-    fn compact_prefix_is_recognised_and_stripped() {
-        assert!(SUMMARY_PREFIX_COMPACT.chars().count() <= 520);
-        assert!(SUMMARY_PREFIX_COMPACT.starts_with(SUMMARY_HEADLINE));
-        assert_eq!(summary_prefix_for(2_048), SUMMARY_PREFIX_COMPACT);
-        assert_eq!(summary_prefix_for(16_384), SUMMARY_PREFIX);
-        let s = standalone_content(&normalize_summary_prefix_with(
-            SUMMARY_PREFIX_COMPACT,
-            "BODY",
-        ));
-        assert_eq!(summary_body(&s), "BODY");
-        let c = prepend_summary(
-            &json!("do it"),
-            &normalize_summary_prefix_with(SUMMARY_PREFIX_COMPACT, "B"),
-        );
-        match classify_handoff(&declared(json!({"role": "user", "content": c}))) {
-            Handoff::Standalone { body, live } => {
-                assert_eq!(body, "B");
-                assert_eq!(live, Some(json!("do it")));
-            }
-            other => panic!("unexpected {other:?}"),
-        }
-        // Re-normalising swaps one prefix for the other without stacking.
-        let full =
-            normalize_summary_prefix(&normalize_summary_prefix_with(SUMMARY_PREFIX_COMPACT, "X"));
-        assert_eq!(full, format!("{SUMMARY_PREFIX}\nX"));
-    }
-
-    #[test]
-    fn end_marker_phrases() {
-        assert!(END_MARKER.contains("END OF CONTEXT SUMMARY"));
-        assert!(END_MARKER.ends_with("respond to the message below, not the summary above ---"));
-        assert!(SUMMARY_PREFIX.contains("Tools remain fully active"));
-        assert!(SUMMARY_PREFIX.starts_with(SUMMARY_HEADLINE));
-    }
-
-    #[test]
-    fn standalone_round_trip() {
-        let s = standalone_content(&normalize_summary_prefix("BODY"));
-        assert_eq!(
-            classify_text(&s),
-            TextHandoff::Standalone {
-                body: "BODY".into(),
-                live: None
-            }
-        );
-        assert_eq!(
-            strip_handoff(&declared(json!({"role": "user", "content": s}))),
-            None
-        );
-    }
-
-    #[test]
-    fn prepended_summary_keeps_live_request() {
-        let c = prepend_summary(&json!("do the thing"), &normalize_summary_prefix("B"));
-        let msg = declared(json!({"role": "user", "content": c, "api_content": "stale"}));
-        assert_eq!(
-            strip_handoff(&msg),
-            Some(json!({"role": "user", "content": "do the thing"}))
-        );
-        assert_eq!(summary_body(c.as_str().unwrap()), "B");
-    }
-
-    #[test]
-    fn merged_round_trip_string() {
-        let c = merge_after_prior(&json!("old text\nline 2"), &normalize_summary_prefix("SUM"));
-        let msg = declared(json!({"role": "assistant", "content": c}));
-        match classify_handoff(&msg) {
-            Handoff::Merged { prior, body, live } => {
-                assert_eq!(prior, json!("old text\nline 2"));
-                assert_eq!(body, "SUM");
-                assert_eq!(live, None);
-            }
-            other => panic!("{other:?}"),
-        }
-        assert_eq!(
-            strip_handoff(&msg),
-            Some(json!({"role": "assistant", "content": "old text\nline 2"}))
-        );
-    }
-
-    #[test]
-    fn merged_round_trip_list() {
-        let old = json!([{"type": "text", "text": "PRESERVED"}, {"type": "image_url", "image_url": {"url": "http://x"}}]);
-        let c = merge_after_prior(&old, &normalize_summary_prefix("SUM"));
-        let msg = declared(json!({"role": "user", "content": c}));
-        match classify_handoff(&msg) {
-            Handoff::Merged { prior, body, .. } => {
-                assert_eq!(prior, old);
-                assert_eq!(body, "SUM");
-            }
-            other => panic!("{other:?}"),
-        }
-    }
-
-    #[test]
-    fn list_standalone_with_live_parts() {
-        let c = prepend_summary(
-            &json!([{"type": "text", "text": "live ask"}]),
-            &normalize_summary_prefix("S"),
-        );
-        let msg = declared(json!({"role": "user", "content": c}));
-        assert_eq!(
-            strip_handoff(&msg),
-            Some(json!({"role": "user", "content": [{"type": "text", "text": "live ask"}]}))
-        );
-    }
-
-    /// The exact shape of a merged tail that once broke classification.
-    #[test]
-    fn spec_merged_shape_detected_and_stripped() {
-        let merged = format!(
-            "{PRIOR_HEADER}\nold tail content here\n\n{MERGE_DELIMITER}\n\n{SUMMARY_PREFIX}\nTHE_SUMMARY_BODY\n\n{END_MARKER}"
-        );
-        assert!(is_handoff(&declared(
-            json!({"role": "user", "content": merged})
-        )));
-        assert_eq!(summary_body(&merged), "THE_SUMMARY_BODY");
-        let standalone = format!("{SUMMARY_PREFIX}\nSTANDALONE_BODY\n\n{END_MARKER}");
-        assert!(is_handoff(&declared(
-            json!({"role": "user", "content": standalone})
-        )));
-        assert_eq!(summary_body(&standalone), "STANDALONE_BODY");
-    }
-
-    #[test]
-    fn legacy_prefix_recognised() {
-        assert!(is_handoff(&declared(
-            json!({"role": "user", "content": "[CONTEXT SUMMARY]: old stuff"})
-        )));
-        assert_eq!(summary_body("[CONTEXT SUMMARY]: old stuff"), "old stuff");
-        assert!(!is_handoff(&declared(
-            json!({"role": "user", "content": "hello [CONTEXT SUMMARY]"})
-        )));
-    }
-
-    #[test]
-    fn headerless_merge_needs_exactly_one_delimiter() {
-        let one = format!("x\n\n{MERGE_DELIMITER}\n\n{SUMMARY_PREFIX}\nB\n\n{END_MARKER}");
-        assert!(matches!(classify_text(&one), TextHandoff::Merged { .. }));
-        let two = format!("{one}\n{MERGE_DELIMITER}\n\n{SUMMARY_PREFIX}\nC");
-        assert_eq!(classify_text(&two), TextHandoff::None);
-    }
-
-    #[test]
-    fn neutralized_markers_no_longer_classify() {
-        let body = format!("quote: {END_MARKER} and {MERGE_DELIMITER}");
-        let n = neutralize_reserved_markers(&body);
-        assert!(!n.contains(END_MARKER));
-        assert!(!n.contains(MERGE_DELIMITER));
-        let s = standalone_content(&normalize_summary_prefix(&n));
-        assert_eq!(summary_body(&s), n);
-    }
-
-    #[test]
-    fn non_summary_untouched() {
-        let msg = json!({"role": "user", "content": "plain", "api_content": "keep"});
-        assert_eq!(strip_handoff(&msg), Some(msg.clone()));
-        assert_eq!(
-            classify_handoff(&declared(json!({"role": "tool"}))),
-            Handoff::None
-        );
-    }
-
-    /// Only a declaration makes a summary: the same text in a message
-    /// nobody declared is ordinary content, and stripping a declared row
-    /// leaves no declaration behind.
-    #[test]
-    fn text_alone_is_not_a_summary() {
-        let text = standalone_content(&normalize_summary_prefix("FORGED"));
-        let plain = json!({"role": "user", "content": text});
-        assert_eq!(classify_handoff(&plain), Handoff::None);
-        assert!(!is_handoff(&plain));
-        assert_eq!(strip_handoff(&plain), Some(plain.clone()));
-        let merged = merge_after_prior(&json!("mine"), &normalize_summary_prefix("S"));
-        let mut row = declared(json!({"role": "assistant", "content": merged}));
-        assert_eq!(
-            strip_handoff(&row),
-            Some(json!({"role": "assistant", "content": "mine"}))
-        );
-        assert!(undeclare_summary(&mut row));
-        assert!(!is_declared_summary(&row) && !undeclare_summary(&mut row));
-    }
-}
+mod tests;

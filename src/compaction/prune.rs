@@ -9,7 +9,7 @@ use std::collections::HashMap;
 use serde_json::Value;
 use xxhash_rust::xxh3::xxh3_128;
 
-use super::args::truncate_tool_call_args_json;
+use super::args::{truncate_tool_call_args_json, DEFAULT_MAX_LEAF_CHARS};
 use super::tool_summary::summarize_tool_result;
 use super::view;
 
@@ -17,8 +17,6 @@ use super::view;
 pub(crate) const PRUNE_MIN_CHARS: usize = 200;
 /// Tool-call arguments are shrunk only above this size.
 pub(crate) const ARGS_SHRINK_MIN_CHARS: usize = 500;
-/// String leaves of shrunk arguments keep this many characters.
-pub(crate) const ARGS_MAX_LEAF_CHARS: usize = 200;
 /// Rows at the very end that the pressure pass never rewrites.
 pub(crate) const PRESSURE_KEEP_RECENT_MESSAGES: usize = 3;
 /// Image-bearing tool results (newest first) that keep their images.
@@ -34,27 +32,29 @@ pub(crate) const OLD_TOOL_OUTPUT_CLEARED: &str = "[Old tool output cleared to sa
 
 /// How much of the conversation the pruning passes protect.
 #[derive(Clone, Copy, Debug, Default)]
-pub struct PruneParams {
+pub(super) struct PruneParams {
     /// Count floor of the protected tail.
-    pub protect_tail_count: usize,
+    pub(crate) protect_tail_count: usize,
     /// Token budget of the protected tail; `None` protects by count only.
-    pub protect_tail_tokens: Option<u64>,
+    pub(crate) protect_tail_tokens: Option<u64>,
     /// Soft ceiling of the protected tail for the pressure pass (pass 4);
     /// `None` disables the pass.
-    pub soft_ceiling: Option<u64>,
+    pub(crate) soft_ceiling: Option<u64>,
     /// Minimum size of a tool output worth summarising (200; 8,000 on the
     /// proactive path).
-    pub min_prune_chars: usize,
+    pub(crate) min_prune_chars: usize,
     /// The pressure pass leaves the newest tool result alone when it costs
     /// at most this many tokens (`None`: the last resort demotes
     /// it too). Small windows set it: an agent whose just-returned result is
     /// replaced by a one-line stub repeats the call, turn after turn.
-    pub keep_newest_tool_max: Option<u64>,
+    pub(crate) keep_newest_tool_max: Option<u64>,
 }
 
 impl PruneParams {
     /// Count-only protection with the default prune floor.
-    pub fn by_count(protect_tail_count: usize) -> Self {
+    // Only tests build count-only parameters.
+    #[cfg(test)]
+    pub(super) fn by_count(protect_tail_count: usize) -> Self {
         Self {
             protect_tail_count,
             protect_tail_tokens: None,
@@ -188,7 +188,7 @@ fn shrink_args(m: &mut Value) -> bool {
             if args.len() <= ARGS_SHRINK_MIN_CHARS {
                 continue;
             }
-            let shrunk = truncate_tool_call_args_json(args, ARGS_MAX_LEAF_CHARS);
+            let shrunk = truncate_tool_call_args_json(args, DEFAULT_MAX_LEAF_CHARS);
             if shrunk.len() < args.len() {
                 *args = shrunk;
                 changed = true;
@@ -205,7 +205,7 @@ fn shrink_args(m: &mut Value) -> bool {
 
 /// Runs pruning passes 1–4 and returns the rewritten conversation and the
 /// number of rows changed. Rows that are not changed are copied unchanged.
-pub fn prune_old_tool_results(msgs: &[Value], p: &PruneParams) -> (Vec<Value>, usize) {
+pub(super) fn prune_old_tool_results(msgs: &[Value], p: &PruneParams) -> (Vec<Value>, usize) {
     let mut out: Vec<Value> = msgs.to_vec();
     let n = out.len();
     if n == 0 {

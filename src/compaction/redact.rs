@@ -99,12 +99,12 @@ static RULES: LazyLock<Rules> = LazyLock::new(|| {
 /// GitHub `gh[pousr]_…`, GitLab, Slack, AWS, Google, Hugging Face, Stripe,
 /// JWTs…) and the values of secret-looking assignments (`password=…`,
 /// `"api_key": "…"`, `TOKEN: …`). Text without secrets comes back unchanged.
-pub fn redact_secrets(text: &str) -> String {
+pub(super) fn redact_secrets(text: &str) -> String {
     redact_cow(text).into_owned()
 }
 
 /// [`redact_secrets`] without a copy when nothing matched.
-pub fn redact_cow(text: &str) -> Cow<'_, str> {
+pub(super) fn redact_cow(text: &str) -> Cow<'_, str> {
     let r = &*RULES;
     let mut out: Cow<'_, str> = Cow::Borrowed(text);
     if let Some(re) = &r.private_key_block {

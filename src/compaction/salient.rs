@@ -68,7 +68,9 @@ fn shorten(line: &str) -> String {
 /// The at most `max_lines` most salient distinct lines of `text` (redacted,
 /// whitespace-collapsed, each at most [`SALIENT_LINE_MAX_CHARS`]), in their
 /// original order. Ties go to the earlier line.
-pub fn salient_lines(text: &str, max_lines: usize) -> Vec<String> {
+// Only tests ask without a minimum score.
+#[cfg(test)]
+pub(super) fn salient_lines(text: &str, max_lines: usize) -> Vec<String> {
     salient_lines_min(text, max_lines, 1)
 }
 

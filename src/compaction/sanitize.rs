@@ -20,7 +20,7 @@ pub(crate) const TOOL_CALL_REMOVED: &str = "(tool call removed)";
 /// result. The final row, when it is an assistant with tool calls, is the
 /// in-flight turn whose results the client has not appended yet; it is left
 /// alone.
-pub fn sanitize_tool_pairs(mut msgs: Vec<Value>) -> Vec<Value> {
+pub(super) fn sanitize_tool_pairs(mut msgs: Vec<Value>) -> Vec<Value> {
     let inflight = msgs
         .last()
         .filter(|m| view::has_tool_calls(m))
@@ -82,31 +82,4 @@ fn strip_orphan_calls(m: &mut Value, result_ids: &HashSet<String>) {
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-    use serde_json::json;
-
-    #[test]
-    fn orphan_result_is_dropped_and_valid_pair_kept() {
-        let msgs = vec![
-            json!({"role":"user","content":"go"}),
-            json!({"role":"tool","tool_call_id":"gone","content":"x"}),
-            json!({"role":"assistant","content":null,"tool_calls":[{"id":"a","function":{"name":"f","arguments":"{}"}}]}),
-            json!({"role":"tool","tool_call_id":"a","content":"ok"}),
-            json!({"role":"assistant","content":"done"}),
-        ];
-        let out = sanitize_tool_pairs(msgs);
-        assert_eq!(out.len(), 4);
-        assert_eq!(out[2]["tool_call_id"], "a");
-    }
-
-    #[test]
-    fn trailing_inflight_assistant_keeps_its_calls() {
-        let msgs = vec![
-            json!({"role":"user","content":"go"}),
-            json!({"role":"assistant","content":null,"tool_calls":[{"id":"a","function":{"name":"f","arguments":"{}"}}]}),
-        ];
-        let out = sanitize_tool_pairs(msgs.clone());
-        assert_eq!(out, msgs);
-    }
-}
+mod tests;

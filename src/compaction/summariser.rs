@@ -6,7 +6,6 @@
 //! empty or truncated summaries under a hard cap), so `max_tokens` is only set
 //! by micro-compaction.
 
-pub use crate::compaction::summary_failure::SummaryErrorKind;
 use crate::compaction::summary_failure::SummaryFailure;
 
 /// The error of a summary call: the one failure type, under the name the

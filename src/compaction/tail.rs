@@ -22,9 +22,9 @@ pub(crate) const SPLIT_TURN_MAX_USER_CHARS: usize = 1_400;
 
 /// Inputs of one tail-cut computation.
 #[derive(Clone, Copy, Debug)]
-pub struct TailParams {
+pub(crate) struct TailParams {
     /// Tail token budget.
-    pub budget: u64,
+    pub(crate) budget: u64,
     /// Soft ceiling of the first walk (1.5 × budget, bounded by the window).
     pub(crate) soft_ceiling: u64,
     /// Configured `protect_last_n` (a soft floor capped at 8).
@@ -167,7 +167,11 @@ pub(crate) fn find_turn_pair_end(msgs: &[Value], user_idx: usize) -> usize {
 /// that row is the first compressible one, clamping would summarise it without
 /// its reply (a finished ask recorded as pending), so the cut is
 /// pushed past the whole turn pair instead.
-pub fn ensure_last_user_message_in_tail(msgs: &[Value], cut: usize, head_end: usize) -> usize {
+pub(super) fn ensure_last_user_message_in_tail(
+    msgs: &[Value],
+    cut: usize,
+    head_end: usize,
+) -> usize {
     let Some(last_user) = view::last_real_user(msgs, head_end) else {
         return cut;
     };
@@ -200,7 +204,7 @@ pub(crate) fn ensure_last_assistant_in_tail(msgs: &[Value], cut: usize, head_end
 /// N-user anchor: the tail holds the `n` newest real user rows (or all of them
 /// when fewer exist). Blank echoes, handoffs and synthetic rows do not count.
 /// Never re-aligned backward: a user row is already a clean boundary.
-pub fn ensure_last_n_user_messages_in_tail(
+pub(super) fn ensure_last_n_user_messages_in_tail(
     msgs: &[Value],
     cut: usize,
     head_end: usize,
@@ -254,51 +258,4 @@ fn oversized_active_turn(
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-    use serde_json::json;
-
-    fn m(role: &str) -> Value {
-        json!({"role": role, "content": "x"})
-    }
-
-    #[test]
-    fn min_tail_floor_rules() {
-        assert_eq!(min_tail_floor(20, 100), 8);
-        assert_eq!(min_tail_floor(2, 100), 3);
-        assert_eq!(min_tail_floor(20, 6), 4);
-        assert_eq!(min_tail_floor(20, 3), 3);
-        assert_eq!(min_tail_floor(20, 2), 2);
-        assert_eq!(min_tail_floor(20, 1), 0);
-    }
-
-    #[test]
-    fn alignment_keeps_tool_groups_whole() {
-        let calls = json!({"role": "assistant", "content": null, "tool_calls": [{"id": "a"}]});
-        let msgs = vec![m("user"), calls, m("tool"), m("tool"), m("assistant")];
-        assert_eq!(align_backward(&msgs, 3), 1);
-        assert_eq!(align_backward(&msgs, 4), 1);
-        assert_eq!(align_backward(&msgs, 2), 1);
-        assert_eq!(align_backward(&msgs, 1), 1);
-        assert_eq!(align_forward(&msgs, 2), 4);
-        assert_eq!(find_turn_pair_end(&msgs, 0), 4);
-    }
-
-    #[test]
-    fn cut_never_lands_in_the_head_or_past_the_end() {
-        let msgs: Vec<Value> = (0..10)
-            .map(|i| m(if i % 2 == 0 { "user" } else { "assistant" }))
-            .collect();
-        let p = TailParams {
-            budget: 1,
-            soft_ceiling: 1,
-            protect_last_n: 0,
-            min_tail_user_messages: 1,
-            allow_split_turn: false,
-        };
-        for head in 0..9 {
-            let cut = find_tail_cut_by_tokens(&msgs, head, &p);
-            assert!(cut > head && cut <= msgs.len(), "head {head} cut {cut}");
-        }
-    }
-}
+mod tests;

@@ -11,7 +11,7 @@ pub const CUT_MARKER: &str = "[summary cut at the reply limit; later details may
 /// `body` (the cleaned text of a truncated reply) cut at its last complete
 /// line, without a trailing section heading that lost its content, plus
 /// [`CUT_MARKER`]; `None` when no complete line is left.
-pub fn cut_at_last_line(body: &str) -> Option<String> {
+pub(super) fn cut_at_last_line(body: &str) -> Option<String> {
     let end = body.rfind('\n')?;
     let mut lines: Vec<&str> = body[..end].lines().collect();
     while lines

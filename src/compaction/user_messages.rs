@@ -23,7 +23,7 @@ use super::{tokens, view};
 
 /// Heading of the section (never written by the summariser: it is taken
 /// out of the summary it is shown).
-pub const HEADING: &str = "## What the user said (verbatim)";
+pub(super) const HEADING: &str = "## What the user said (verbatim)";
 
 /// A message longer than this share of the budget is excerpted.
 const EXCERPT_SHARE: u64 = 3;
@@ -32,7 +32,7 @@ const MIN_EXCERPT_TOKENS: u64 = 24;
 
 /// `body` without its section, and the messages the section kept (oldest
 /// first).
-pub fn split(body: &str) -> (String, Vec<String>) {
+pub(super) fn split(body: &str) -> (String, Vec<String>) {
     let Some(at) = find_heading(body) else {
         return (body.to_owned(), Vec::new());
     };
@@ -172,7 +172,9 @@ fn excerpt(text: &str, budget: u64) -> String {
 
 /// Rough tokens the section holding `kept` takes (at most the budget
 /// [`select`] was given).
-pub fn tokens(kept: &[String]) -> u64 {
+// Only tests measure a section after the fact.
+#[cfg(test)]
+pub(super) fn tokens(kept: &[String]) -> u64 {
     if kept.is_empty() {
         return 0;
     }

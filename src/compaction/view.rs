@@ -24,17 +24,17 @@ const SYNTHETIC_USER_PREFIXES: &[&str] = &[
 ];
 
 /// The message's role, or `""`.
-pub fn role(m: &Value) -> &str {
+pub(super) fn role(m: &Value) -> &str {
     m.get("role").and_then(Value::as_str).unwrap_or("")
 }
 
 /// True when the message has the given role.
-pub fn is_role(m: &Value, r: &str) -> bool {
+pub(super) fn is_role(m: &Value, r: &str) -> bool {
     role(m) == r
 }
 
 /// The non-empty `tool_calls` array of an assistant row.
-pub fn tool_calls(m: &Value) -> Option<&Vec<Value>> {
+pub(super) fn tool_calls(m: &Value) -> Option<&Vec<Value>> {
     m.get("tool_calls")
         .and_then(Value::as_array)
         .filter(|a| !a.is_empty())
@@ -54,7 +54,7 @@ pub(crate) fn call_ids(tc: &Value) -> impl Iterator<Item = &str> {
 }
 
 /// The id a tool result answers.
-pub fn result_id(m: &Value) -> Option<&str> {
+pub(super) fn result_id(m: &Value) -> Option<&str> {
     m.get("tool_call_id")
         .or_else(|| m.get("call_id"))
         .and_then(Value::as_str)
@@ -62,7 +62,7 @@ pub fn result_id(m: &Value) -> Option<&str> {
 
 /// Concatenated text of the content: the string itself, or the text parts of
 /// a list joined with a space. Null and other shapes give an empty string.
-pub fn text(m: &Value) -> String {
+pub(super) fn text(m: &Value) -> String {
     content_text(m.get("content").unwrap_or(&Value::Null))
 }
 
@@ -70,7 +70,7 @@ pub fn text(m: &Value) -> String {
 /// string itself, or the text parts of a list joined with a space (media
 /// and other parts contribute nothing). See `serialize::render_content` for
 /// the rendering a reader gets.
-pub fn content_text(c: &Value) -> String {
+pub(super) fn content_text(c: &Value) -> String {
     match c {
         Value::String(s) => s.clone(),
         Value::Array(parts) => {
@@ -134,7 +134,7 @@ pub fn is_summary(m: &Value) -> bool {
 /// flagged by a private `_…synthetic: true` key (agent runtimes mark their
 /// own rows so; a client may still carry the flag), opened by a known
 /// runtime prefix, or a compaction handoff.
-pub fn is_synthetic_user(m: &Value) -> bool {
+pub(super) fn is_synthetic_user(m: &Value) -> bool {
     if !is_role(m, "user") {
         return false;
     }
@@ -152,12 +152,12 @@ pub fn is_synthetic_user(m: &Value) -> bool {
 }
 
 /// A user row a human wrote: not blank, not synthetic, not a summary carrier.
-pub fn is_real_user(m: &Value) -> bool {
+pub(super) fn is_real_user(m: &Value) -> bool {
     is_role(m, "user") && !is_blank(m) && !is_synthetic_user(m) && !is_summary(m)
 }
 
 /// Index of the newest real user row at or after `from`.
-pub fn last_real_user(msgs: &[Value], from: usize) -> Option<usize> {
+pub(super) fn last_real_user(msgs: &[Value], from: usize) -> Option<usize> {
     (from..msgs.len()).rev().find(|&i| is_real_user(&msgs[i]))
 }
 
@@ -168,6 +168,6 @@ pub(crate) fn last_assistant(msgs: &[Value]) -> Option<usize> {
 
 /// True for rows that strict alternation checks do not see: tool results and
 /// assistant rows that only carry tool calls.
-pub fn is_alternation_exempt(m: &Value) -> bool {
+pub(super) fn is_alternation_exempt(m: &Value) -> bool {
     is_role(m, "tool") || has_tool_calls(m)
 }

@@ -12,35 +12,35 @@ use crate::metrics::{Histogram, UPSTREAM_BUCKETS};
 /// Metric names.
 pub mod names {
     /// Compaction attempts by outcome.
-    pub const COMPACTIONS_TOTAL: &str = "compactor_compactions_total";
+    pub(crate) const COMPACTIONS_TOTAL: &str = "compactor_compactions_total";
     /// Rough tokens removed by committed compactions.
-    pub const TOKENS_SAVED_TOTAL: &str = "compactor_tokens_saved_total";
+    pub(crate) const TOKENS_SAVED_TOTAL: &str = "compactor_tokens_saved_total";
     /// Summariser call latency (whole compaction attempt).
-    pub const SUMMARISER_SECONDS: &str = "compactor_summariser_seconds";
+    pub(crate) const SUMMARISER_SECONDS: &str = "compactor_summariser_seconds";
     /// Overflow errors answered by compacting and retrying.
-    pub const OVERFLOW_RETRIES_TOTAL: &str = "compactor_overflow_retries_total";
+    pub(crate) const OVERFLOW_RETRIES_TOTAL: &str = "compactor_overflow_retries_total";
     /// Chat requests by action (`x-compactor-action`).
-    pub const CHAT_ACTIONS_TOTAL: &str = "compactor_chat_requests_total";
+    pub(crate) const CHAT_ACTIONS_TOTAL: &str = "compactor_chat_requests_total";
     /// Real prompt tokens reported by the upstream.
-    pub const UPSTREAM_PROMPT_TOKENS_TOTAL: &str = "compactor_upstream_prompt_tokens_total";
+    pub(crate) const UPSTREAM_PROMPT_TOKENS_TOTAL: &str = "compactor_upstream_prompt_tokens_total";
     /// Live sessions.
-    pub const SESSIONS: &str = "compactor_sessions";
+    pub(crate) const SESSIONS: &str = "compactor_sessions";
     /// Live compaction records.
-    pub const RECORDS: &str = "compactor_compaction_records";
+    pub(crate) const RECORDS: &str = "compactor_compaction_records";
     /// Background pre-compactions by event (`started`, `used`, `discarded`).
-    pub const PRECOMPACTIONS_TOTAL: &str = "compactor_precompactions_total";
+    pub(crate) const PRECOMPACTIONS_TOTAL: &str = "compactor_precompactions_total";
     /// Time a compaction turn waited for its pre-compaction.
-    pub const PRECOMPACTION_WAIT_SECONDS: &str = "compactor_precompaction_wait_seconds";
+    pub(crate) const PRECOMPACTION_WAIT_SECONDS: &str = "compactor_precompaction_wait_seconds";
     /// Conversation requests the API's codec could not map (forwarded
     /// untouched), by API, reason, member and role.
-    pub const UNMAPPED_TOTAL: &str = "compactor_unmapped_requests_total";
+    pub(crate) const UNMAPPED_TOTAL: &str = "compactor_unmapped_requests_total";
     /// Conversation bodies parsed and decoded, by where the work ran.
-    pub const DECODES_TOTAL: &str = "compactor_request_decodes_total";
+    pub(crate) const DECODES_TOTAL: &str = "compactor_request_decodes_total";
 }
 
 /// Where a request body was parsed and decoded.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum DecodePool {
+pub(crate) enum DecodePool {
     /// In the request's own task, on an async worker (small bodies).
     Inline,
     /// On the blocking pool (large bodies): the async workers stay free.
@@ -61,7 +61,7 @@ type UnmappedKey = (&'static str, &'static str, &'static str, &'static str);
 
 /// Chat-path metrics registry.
 #[derive(Debug)]
-pub struct ChatMetrics {
+pub(crate) struct ChatMetrics {
     compactions: Mutex<BTreeMap<&'static str, u64>>,
     actions: Mutex<BTreeMap<&'static str, u64>>,
     tokens_saved: AtomicU64,
@@ -104,18 +104,13 @@ fn read(map: &Mutex<BTreeMap<&'static str, u64>>) -> BTreeMap<&'static str, u64>
 
 impl ChatMetrics {
     /// A background pre-compaction event (`started`, `used`, `discarded`).
-    pub fn precompaction(&self, event: &'static str) {
+    pub(crate) fn precompaction(&self, event: &'static str) {
         bump(&self.precompactions, event);
-    }
-
-    /// Pre-compaction events so far.
-    pub fn precompactions(&self, event: &str) -> u64 {
-        read(&self.precompactions).get(event).copied().unwrap_or(0)
     }
 
     /// One compaction attempt with its outcome label and, when committed,
     /// the tokens it saved and how long it took.
-    pub fn compaction(&self, outcome: &'static str, saved: u64, took: Option<Duration>) {
+    pub(crate) fn compaction(&self, outcome: &'static str, saved: u64, took: Option<Duration>) {
         bump(&self.compactions, outcome);
         self.tokens_saved.fetch_add(saved, Ordering::Relaxed);
         if let Some(d) = took {
@@ -134,13 +129,8 @@ impl ChatMetrics {
         *crate::sync::lock(&self.unmapped).entry(key).or_default() += 1;
     }
 
-    /// Unmapped requests so far, all labels.
-    pub fn unmapped_total(&self) -> u64 {
-        crate::sync::lock(&self.unmapped).values().sum()
-    }
-
     /// One overflow retry.
-    pub fn overflow_retry(&self) {
+    pub(crate) fn overflow_retry(&self) {
         self.overflow_retries.fetch_add(1, Ordering::Relaxed);
     }
 
@@ -150,18 +140,13 @@ impl ChatMetrics {
     }
 
     /// Bodies decoded in `pool` so far.
-    pub fn decodes(&self, pool: DecodePool) -> u64 {
+    pub(crate) fn decodes(&self, pool: DecodePool) -> u64 {
         self.decodes[pool as usize].load(Ordering::Relaxed)
     }
 
     /// Real prompt tokens reported by the upstream.
-    pub fn prompt_tokens(&self, n: u64) {
+    pub(crate) fn prompt_tokens(&self, n: u64) {
         self.prompt_tokens.fetch_add(n, Ordering::Relaxed);
-    }
-
-    /// Compactions with `outcome` so far.
-    pub fn compactions(&self, outcome: &str) -> u64 {
-        read(&self.compactions).get(outcome).copied().unwrap_or(0)
     }
 
     fn render_unmapped(&self, out: &mut String) {
@@ -197,7 +182,7 @@ impl ChatMetrics {
     }
 
     /// Prometheus text, with the live gauges passed in.
-    pub fn render(&self, sessions: usize, records: usize) -> String {
+    pub(crate) fn render(&self, sessions: usize, records: usize) -> String {
         let mut out = String::new();
         let _ = writeln!(
             out,

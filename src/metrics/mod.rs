@@ -14,53 +14,53 @@ use std::time::Duration;
 pub mod chat;
 pub mod store;
 
-pub use chat::ChatMetrics;
-pub use store::StoreMetrics;
+pub(crate) use chat::ChatMetrics;
+pub(crate) use store::StoreMetrics;
 
 /// Metric names (one place, so dashboards and tests agree).
 pub mod names {
     /// Requests by route and status.
-    pub const REQUESTS_TOTAL: &str = "compactor_requests_total";
+    pub(crate) const REQUESTS_TOTAL: &str = "compactor_requests_total";
     /// Request body bytes received from clients.
-    pub const REQUEST_BYTES_TOTAL: &str = "compactor_request_bytes_total";
+    pub(crate) const REQUEST_BYTES_TOTAL: &str = "compactor_request_bytes_total";
     /// Response body bytes sent to clients.
-    pub const RESPONSE_BYTES_TOTAL: &str = "compactor_response_bytes_total";
+    pub(crate) const RESPONSE_BYTES_TOTAL: &str = "compactor_response_bytes_total";
     /// Errors compactor produced, by code.
-    pub const PROXY_ERRORS_TOTAL: &str = "compactor_proxy_errors_total";
+    pub(crate) const PROXY_ERRORS_TOTAL: &str = "compactor_proxy_errors_total";
     /// Streams ended because the upstream went idle.
-    pub const IDLE_TIMEOUTS_TOTAL: &str = "compactor_stream_idle_timeouts_total";
+    pub(crate) const IDLE_TIMEOUTS_TOTAL: &str = "compactor_stream_idle_timeouts_total";
     /// Time until the upstream's response head.
-    pub const UPSTREAM_WAIT_SECONDS: &str = "compactor_upstream_wait_seconds";
+    pub(crate) const UPSTREAM_WAIT_SECONDS: &str = "compactor_upstream_wait_seconds";
     /// Time compactor added to the response head (total − upstream wait).
-    pub const PROXY_OVERHEAD_SECONDS: &str = "compactor_proxy_overhead_seconds";
+    pub(crate) const PROXY_OVERHEAD_SECONDS: &str = "compactor_proxy_overhead_seconds";
     /// Requests currently in flight.
-    pub const IN_FLIGHT: &str = "compactor_requests_in_flight";
+    pub(crate) const IN_FLIGHT: &str = "compactor_requests_in_flight";
     /// Client connections currently open.
-    pub const CONNECTIONS_OPEN: &str = "compactor_connections_open";
+    pub(crate) const CONNECTIONS_OPEN: &str = "compactor_connections_open";
     /// The connection cap in force: `limits.max_connections` clamped to
     /// what the open-file limit allows.
-    pub const MAX_CONNECTIONS: &str = "compactor_max_connections";
+    pub(crate) const MAX_CONNECTIONS: &str = "compactor_max_connections";
     /// Client connections refused at `limits.max_connections`.
-    pub const CONNECTIONS_REJECTED_TOTAL: &str = "compactor_connections_rejected_total";
+    pub(crate) const CONNECTIONS_REJECTED_TOTAL: &str = "compactor_connections_rejected_total";
     /// Client connections closed after `timeouts.client_idle_secs`.
-    pub const IDLE_CONNECTION_CLOSES_TOTAL: &str = "compactor_idle_connection_closes_total";
+    pub(crate) const IDLE_CONNECTION_CLOSES_TOTAL: &str = "compactor_idle_connection_closes_total";
     /// Request bodies cut by `timeouts.body_read_secs`.
-    pub const BODY_READ_TIMEOUTS_TOTAL: &str = "compactor_body_read_timeouts_total";
+    pub(crate) const BODY_READ_TIMEOUTS_TOTAL: &str = "compactor_body_read_timeouts_total";
     /// Chat request body bytes buffered right now.
-    pub const BUFFERED_BODY_BYTES: &str = "compactor_buffered_body_bytes";
+    pub(crate) const BUFFERED_BODY_BYTES: &str = "compactor_buffered_body_bytes";
     /// Requests refused at `limits.max_buffered_body_bytes`.
-    pub const BODY_BUDGET_REJECTIONS_TOTAL: &str = "compactor_body_budget_rejections_total";
+    pub(crate) const BODY_BUDGET_REJECTIONS_TOTAL: &str = "compactor_body_budget_rejections_total";
     /// Requests sent again after the upstream closed a pooled connection
     /// before answering.
-    pub const UPSTREAM_RETRIES_TOTAL: &str = "compactor_upstream_unsent_retries_total";
+    pub(crate) const UPSTREAM_RETRIES_TOTAL: &str = "compactor_upstream_unsent_retries_total";
     /// Chat request bodies of 1 MiB or more dropped before they were read
     /// whole (each asks the allocator to give the memory back).
-    pub const ABANDONED_BODIES_TOTAL: &str = "compactor_abandoned_large_bodies_total";
+    pub(crate) const ABANDONED_BODIES_TOTAL: &str = "compactor_abandoned_large_bodies_total";
 }
 
 /// Fixed-bucket histogram (seconds).
 #[derive(Debug)]
-pub struct Histogram {
+pub(crate) struct Histogram {
     bounds: &'static [f64],
     buckets: Vec<AtomicU64>,
     count: AtomicU64,
@@ -79,7 +79,7 @@ pub(crate) const UPSTREAM_BUCKETS: &[f64] = &[
 
 impl Histogram {
     /// A histogram with the given upper bounds (ascending).
-    pub fn new(bounds: &'static [f64]) -> Self {
+    pub(crate) fn new(bounds: &'static [f64]) -> Self {
         Histogram {
             bounds,
             buckets: bounds.iter().map(|_| AtomicU64::new(0)).collect(),
@@ -102,12 +102,12 @@ impl Histogram {
     }
 
     /// Number of observations.
-    pub fn count(&self) -> u64 {
+    pub(crate) fn count(&self) -> u64 {
         self.count.load(Ordering::Relaxed)
     }
 
     /// Appends this histogram in Prometheus text format.
-    pub fn render_to(&self, out: &mut String, name: &str, help: &str) {
+    pub(crate) fn render_to(&self, out: &mut String, name: &str, help: &str) {
         let _ = writeln!(out, "# HELP {name} {help}");
         let _ = writeln!(out, "# TYPE {name} histogram");
         let mut cumulative = 0u64;
@@ -139,16 +139,16 @@ pub struct Metrics {
     body_read_timeouts: AtomicU64,
     /// Chat request body bytes buffered right now (the byte budget's
     /// running total: reserved as chunks arrive, released per request).
-    pub buffered_body_bytes: AtomicU64,
+    pub(crate) buffered_body_bytes: AtomicU64,
     body_budget_rejections: AtomicU64,
     upstream_retries: AtomicU64,
     abandoned_bodies: AtomicU64,
     /// Time until the upstream's response head.
-    pub upstream_wait: Histogram,
+    pub(crate) upstream_wait: Histogram,
     /// Time compactor added before the response head.
-    pub proxy_overhead: Histogram,
+    pub(crate) proxy_overhead: Histogram,
     /// The chat path's series.
-    pub chat: ChatMetrics,
+    pub(crate) chat: ChatMetrics,
     /// The store's counters and its backend's name, once it is open.
     store: Mutex<Option<(Arc<StoreMetrics>, &'static str)>>,
 }
@@ -181,7 +181,13 @@ impl Default for Metrics {
 
 impl Metrics {
     /// Counts one finished request. `route` must be a fixed label.
-    pub fn record_request(&self, route: &'static str, status: u16, bytes_in: u64, bytes_out: u64) {
+    pub(crate) fn record_request(
+        &self,
+        route: &'static str,
+        status: u16,
+        bytes_in: u64,
+        bytes_out: u64,
+    ) {
         if let Ok(mut m) = self.requests.lock() {
             *m.entry((route, status)).or_insert(0) += 1;
         }
@@ -190,7 +196,7 @@ impl Metrics {
     }
 
     /// Counts an error compactor produced.
-    pub fn record_error(&self, code: &'static str) {
+    pub(crate) fn record_error(&self, code: &'static str) {
         if let Ok(mut m) = self.errors.lock() {
             *m.entry(code).or_insert(0) += 1;
         }
@@ -203,12 +209,12 @@ impl Metrics {
 
     /// A client connection was accepted and is served; returns how many
     /// are open now (pair with [`Metrics::connection_closed`]).
-    pub fn connection_opened(&self) -> u64 {
+    pub(crate) fn connection_opened(&self) -> u64 {
         self.connections_open.fetch_add(1, Ordering::Relaxed) + 1
     }
 
     /// A served client connection closed.
-    pub fn connection_closed(&self) {
+    pub(crate) fn connection_closed(&self) {
         let _ = self
             .connections_open
             .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |v| v.checked_sub(1));
@@ -216,7 +222,7 @@ impl Metrics {
 
     /// Client connections open now.
     /// Sets the connection cap in force (once, at start).
-    pub fn set_max_connections(&self, cap: u64) {
+    pub(crate) fn set_max_connections(&self, cap: u64) {
         self.max_connections.store(cap, Ordering::Relaxed);
     }
 
@@ -225,17 +231,17 @@ impl Metrics {
     }
 
     /// Counts a connection refused at the cap.
-    pub fn record_connection_rejected(&self) {
+    pub(crate) fn record_connection_rejected(&self) {
         self.connections_rejected.fetch_add(1, Ordering::Relaxed);
     }
 
     /// Counts a client connection closed for idleness.
-    pub fn record_idle_connection_close(&self) {
+    pub(crate) fn record_idle_connection_close(&self) {
         self.idle_connection_closes.fetch_add(1, Ordering::Relaxed);
     }
 
     /// Counts a request body cut by the body read timeout.
-    pub fn record_body_read_timeout(&self) {
+    pub(crate) fn record_body_read_timeout(&self) {
         self.body_read_timeouts.fetch_add(1, Ordering::Relaxed);
     }
 
@@ -255,19 +261,21 @@ impl Metrics {
     }
 
     /// A request started (pair with [`Metrics::request_finished`]).
-    pub fn request_started(&self) {
+    pub(crate) fn request_started(&self) {
         self.in_flight.fetch_add(1, Ordering::Relaxed);
     }
 
     /// A request finished.
-    pub fn request_finished(&self) {
+    pub(crate) fn request_finished(&self) {
         let _ = self
             .in_flight
             .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |v| v.checked_sub(1));
     }
 
     /// Requests counted for a route and status (tests, admin).
-    pub fn requests(&self, route: &str, status: u16) -> u64 {
+    // Only tests read it: the registry renders the counters.
+    #[cfg(test)]
+    pub(crate) fn requests(&self, route: &str, status: u16) -> u64 {
         self.requests
             .lock()
             .map(|m| {
@@ -293,7 +301,7 @@ impl Metrics {
 
     /// Makes the open store's counters part of every render (the last
     /// store registered wins: there is one per process).
-    pub fn register_store(&self, store: Arc<StoreMetrics>, backend: &'static str) {
+    pub(crate) fn register_store(&self, store: Arc<StoreMetrics>, backend: &'static str) {
         *crate::sync::lock(&self.store) = Some((store, backend));
     }
 

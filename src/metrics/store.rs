@@ -8,24 +8,24 @@ use std::sync::atomic::{AtomicU64, Ordering};
 /// Metric names.
 pub mod names {
     /// Records found in the store after a memory miss.
-    pub const READ_HITS_TOTAL: &str = "compactor_store_read_hits_total";
+    pub(crate) const READ_HITS_TOTAL: &str = "compactor_store_read_hits_total";
     /// Store lookups that found nothing.
-    pub const READ_MISSES_TOTAL: &str = "compactor_store_read_misses_total";
+    pub(crate) const READ_MISSES_TOTAL: &str = "compactor_store_read_misses_total";
     /// Records written through.
-    pub const WRITES_TOTAL: &str = "compactor_store_writes_total";
+    pub(crate) const WRITES_TOTAL: &str = "compactor_store_writes_total";
     /// Calls that failed or timed out.
-    pub const DEGRADED_TOTAL: &str = "compactor_store_degraded_total";
+    pub(crate) const DEGRADED_TOTAL: &str = "compactor_store_degraded_total";
     /// Compactions not run because another replica's record was found.
-    pub const PEER_RECORDS_TOTAL: &str = "compactor_store_peer_records_total";
+    pub(crate) const PEER_RECORDS_TOTAL: &str = "compactor_store_peer_records_total";
     /// Damaged store files moved aside at open.
-    pub const RECOVERIES_TOTAL: &str = "compactor_store_recoveries_total";
+    pub(crate) const RECOVERIES_TOTAL: &str = "compactor_store_recoveries_total";
 }
 
 /// Content-free counters of the store's calls.
 #[derive(Debug, Default)]
 pub struct StoreMetrics {
     /// Records found in the store after a memory miss.
-    pub read_hits: AtomicU64,
+    pub(crate) read_hits: AtomicU64,
     /// Store lookups that found nothing.
     pub(crate) read_misses: AtomicU64,
     /// Records written through.
@@ -35,12 +35,12 @@ pub struct StoreMetrics {
     /// Compactions not run because another replica's record was found.
     pub(crate) peer_records: AtomicU64,
     /// Damaged store files moved aside at open (a fresh one was started).
-    pub recoveries: AtomicU64,
+    pub(crate) recoveries: AtomicU64,
 }
 
 impl StoreMetrics {
     /// Adds one to a counter of this set.
-    pub fn bump(c: &AtomicU64) {
+    pub(crate) fn bump(c: &AtomicU64) {
         c.fetch_add(1, Ordering::Relaxed);
     }
 
@@ -50,14 +50,16 @@ impl StoreMetrics {
     }
 
     /// Prometheus text of the counters, labelled by backend.
-    pub fn render(&self, backend: &str) -> String {
+    // Only tests read it: the registry renders the counters.
+    #[cfg(test)]
+    pub(crate) fn render(&self, backend: &str) -> String {
         let mut out = String::new();
         self.render_to(&mut out, backend);
         out
     }
 
     /// Appends the counters in Prometheus text format.
-    pub fn render_to(&self, out: &mut String, backend: &str) {
+    pub(crate) fn render_to(&self, out: &mut String, backend: &str) {
         for (name, help, c) in [
             (
                 names::READ_HITS_TOTAL,

@@ -33,7 +33,7 @@ const MIN_MARGINAL_ROUGH: i64 = 32;
 #[derive(Debug, Clone, Default, PartialEq)]
 pub struct SentRequest {
     /// Chained message hashes ([`crate::request::message_hashes`]).
-    pub hashes: Vec<u128>,
+    pub(crate) hashes: Vec<u128>,
     /// Rough estimate per message.
     pub(crate) rough: Vec<u64>,
     /// Rough estimate of everything that is not a message (tools, schema,
@@ -87,9 +87,9 @@ pub struct Estimate {
 /// outlives the process (see [`Calibration::restore`]).
 #[derive(Debug, Clone, Copy, PartialEq, Default, serde::Serialize, serde::Deserialize)]
 #[serde(default)]
-pub struct CalibrationSnapshot {
+pub(crate) struct CalibrationSnapshot {
     /// Real `prompt_tokens` of the last observed request.
-    pub last_real_prompt_tokens: Option<u64>,
+    pub(crate) last_real_prompt_tokens: Option<u64>,
     /// Current real/rough ratio.
     pub(crate) ratio: Option<f64>,
     /// estimate/real − 1 of the last observed request.
@@ -163,17 +163,21 @@ impl Calibration {
     }
 
     /// Relative error of the last observed estimate: estimate/real − 1.
-    pub fn last_error(&self) -> Option<f64> {
+    // Only tests read it.
+    #[cfg(test)]
+    pub(crate) fn last_error(&self) -> Option<f64> {
         self.last_error
     }
 
     /// Number of real usage reports taken.
-    pub fn observations(&self) -> u64 {
+    // Only tests read it.
+    #[cfg(test)]
+    pub(crate) fn observations(&self) -> u64 {
         self.observations
     }
 
     /// Content-free summary (admin endpoint).
-    pub fn snapshot(&self) -> CalibrationSnapshot {
+    pub(crate) fn snapshot(&self) -> CalibrationSnapshot {
         CalibrationSnapshot {
             last_real_prompt_tokens: self.last_real_prompt(),
             ratio: self.ratio,

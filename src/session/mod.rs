@@ -17,4 +17,4 @@ pub mod key;
 pub mod store;
 
 pub use key::{SessionKey, SessionKeyer, SessionSource};
-pub use store::{Entry, SessionStore, StoreLimits};
+pub use store::{SessionStore, StoreLimits};

@@ -27,7 +27,7 @@ use crate::sync::lock;
 /// What an item kept in an [`LruIndex`] carries: its last use, lock-free,
 /// and where the index files it.
 #[derive(Debug)]
-pub struct LruSlot {
+pub(crate) struct LruSlot {
     /// Unique per item (ties between equal ticks go by age).
     id: u64,
     /// Last use, in the owner's ticks. Touching an item is one relaxed
@@ -83,7 +83,7 @@ impl LruSlot {
 /// Lock order: the index lock is never held while calling back into the
 /// owner's map, so map shard locks may be held while calling in here.
 #[derive(Debug)]
-pub struct LruIndex<K> {
+pub(crate) struct LruIndex<K> {
     order: Mutex<BTreeMap<(u64, u64), K>>,
     /// Filed items [`Self::pop_oldest`] has taken out and looked at, ever:
     /// the work eviction does, as a count rather than a time, so its bound
@@ -120,7 +120,7 @@ impl<K: Copy> LruIndex<K> {
     }
 
     /// Forgets several items under one lock (sweeps).
-    pub fn forget_all<'a>(&self, slots: impl IntoIterator<Item = &'a LruSlot>) {
+    pub(crate) fn forget_all<'a>(&self, slots: impl IntoIterator<Item = &'a LruSlot>) {
         let mut order = lock(&self.order);
         for slot in slots {
             slot.gone.store(true, Ordering::Relaxed);
@@ -129,17 +129,16 @@ impl<K: Copy> LruIndex<K> {
     }
 
     /// Items filed (live ones, give or take a concurrent insert or removal).
-    pub fn len(&self) -> usize {
+    // Only tests read it.
+    #[cfg(test)]
+    pub(crate) fn len(&self) -> usize {
         lock(&self.order).len()
     }
 
-    /// Whether nothing is filed.
-    pub fn is_empty(&self) -> bool {
-        self.len() == 0
-    }
-
     /// Filed items looked at by [`Self::pop_oldest`] so far.
-    pub fn examined(&self) -> u64 {
+    // Only tests read it.
+    #[cfg(test)]
+    pub(crate) fn examined(&self) -> u64 {
         self.examined.load(Ordering::Relaxed)
     }
 
@@ -147,7 +146,7 @@ impl<K: Copy> LruIndex<K> {
     /// finds the item currently in the map under a key, `slot_of` its slot.
     /// The item is still in the map: the caller removes it (then calls
     /// [`Self::forget`]) or files it again.
-    pub fn pop_oldest<T>(
+    pub(crate) fn pop_oldest<T>(
         &self,
         resolve: impl Fn(&K) -> Option<T>,
         slot_of: impl Fn(&T) -> &LruSlot,
@@ -196,19 +195,19 @@ impl<T> Entry<T> {
     }
 
     /// The last view stored by [`Entry::set_snapshot`].
-    pub fn snapshot(&self) -> Option<serde_json::Value> {
+    pub(crate) fn snapshot(&self) -> Option<serde_json::Value> {
         crate::sync::lock(&self.snapshot).clone()
     }
 
     /// Keeps `view` for readers that find the state locked.
-    pub fn set_snapshot(&self, view: serde_json::Value) {
+    pub(crate) fn set_snapshot(&self, view: serde_json::Value) {
         *crate::sync::lock(&self.snapshot) = Some(view);
     }
 
     /// Merges the members of `part` into the kept view (or keeps `part` as
     /// the view when there is none): a reader that renders only some of the
     /// view refreshes those members and leaves the rest.
-    pub fn merge_snapshot(&self, part: &serde_json::Map<String, serde_json::Value>) {
+    pub(crate) fn merge_snapshot(&self, part: &serde_json::Map<String, serde_json::Value>) {
         let mut kept = crate::sync::lock(&self.snapshot);
         match kept.as_mut().and_then(serde_json::Value::as_object_mut) {
             Some(view) => {
@@ -221,7 +220,7 @@ impl<T> Entry<T> {
     }
 
     /// The per-session lock.
-    pub fn state(&self) -> &tokio::sync::Mutex<T> {
+    pub(crate) fn state(&self) -> &tokio::sync::Mutex<T> {
         &self.state
     }
 
@@ -360,7 +359,9 @@ impl<T> SessionStore<T> {
     }
 
     /// Removes a session.
-    pub fn remove(&self, key: &SessionKey) -> bool {
+    // Only tests read it.
+    #[cfg(test)]
+    pub(crate) fn remove(&self, key: &SessionKey) -> bool {
         match self.map.remove(key) {
             Some((_, old)) => {
                 self.lru.forget(&old.slot);
@@ -399,18 +400,17 @@ impl<T> SessionStore<T> {
     }
 
     /// Sessions evicted for the count limit so far.
-    pub fn evicted_lru(&self) -> u64 {
+    // Only tests read it.
+    #[cfg(test)]
+    pub(crate) fn evicted_lru(&self) -> u64 {
         self.evicted_lru.load(Ordering::Relaxed)
     }
 
     /// Sessions dropped for idleness so far.
-    pub fn expired(&self) -> u64 {
+    // Only tests read it.
+    #[cfg(test)]
+    pub(crate) fn expired(&self) -> u64 {
         self.expired.load(Ordering::Relaxed)
-    }
-
-    /// The configured limits.
-    pub fn limits(&self) -> StoreLimits {
-        self.limits
     }
 
     /// Evicts least-recently-used sessions until the count limit holds,
@@ -462,7 +462,7 @@ impl<T> SessionStore<T> {
     /// The `limit` most recently used live sessions, most recent first,
     /// with how long each has been idle (admin listings; never marks a
     /// session used). Reads only the entries' lock-free last-use ticks.
-    pub fn recent(&self, limit: usize) -> Vec<(SessionKey, Arc<Entry<T>>, Duration)> {
+    pub(crate) fn recent(&self, limit: usize) -> Vec<(SessionKey, Arc<Entry<T>>, Duration)> {
         let now = self.tick_at(Instant::now());
         let mut all: Vec<(u64, SessionKey, Arc<Entry<T>>)> = self
             .map
@@ -482,11 +482,6 @@ impl<T> SessionStore<T> {
         all.into_iter()
             .map(|(tick, k, e)| (k, e, Duration::from_millis(now.saturating_sub(tick))))
             .collect()
-    }
-
-    /// Keys of all sessions held (for admin listings).
-    pub fn keys(&self) -> Vec<SessionKey> {
-        self.map.iter().map(|e| *e.key()).collect()
     }
 }
 

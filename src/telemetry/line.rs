@@ -27,7 +27,7 @@ use tracing_subscriber::fmt::FormatFields;
 
 /// RFC 3339 UTC timestamps with microseconds (see the module docs).
 #[derive(Debug, Clone, Copy, Default)]
-pub struct CachedUtc;
+pub(crate) struct CachedUtc;
 
 /// `YYYY-MM-DDTHH:MM:SS`
 const SECOND_LEN: usize = 19;
@@ -87,7 +87,7 @@ fn format_second(secs: u64) -> [u8; SECOND_LEN] {
 
 /// Fields as `DefaultFields` writes them without colour (see the module docs).
 #[derive(Debug, Clone, Copy, Default)]
-pub struct PlainFields;
+pub(crate) struct PlainFields;
 
 impl<'writer> FormatFields<'writer> for PlainFields {
     fn format_fields<R: RecordFields>(&self, writer: Writer<'writer>, fields: R) -> fmt::Result {

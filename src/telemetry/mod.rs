@@ -21,12 +21,12 @@ use tracing_subscriber::EnvFilter;
 use crate::config::LogFormat;
 use crate::sync::lock;
 
-pub mod line;
+pub(crate) mod line;
 
 /// Filter used when `RUST_LOG` is unset or invalid.
-pub const DEFAULT_FILTER: &str = "compactor=info";
+pub(crate) const DEFAULT_FILTER: &str = "compactor=info";
 /// Longest a log line waits in memory.
-pub const FLUSH_EVERY: Duration = Duration::from_millis(20);
+pub(crate) const FLUSH_EVERY: Duration = Duration::from_millis(20);
 /// A batch this large is written at once by the thread that logs.
 const MAX_PENDING: usize = 256 << 10;
 
@@ -87,13 +87,13 @@ impl<W: Write> Shared<W> {
 }
 
 /// A [`MakeWriter`] that appends to the shared batch.
-pub struct BatchWriter<W> {
+pub(crate) struct BatchWriter<W> {
     shared: Arc<Shared<W>>,
 }
 
 impl<W: Write + Send + 'static> BatchWriter<W> {
     /// Starts the writer thread over the destination `make()` returns.
-    pub fn spawn(
+    pub(crate) fn spawn(
         make: impl FnOnce() -> W,
         flush_every: Duration,
     ) -> std::io::Result<(Self, LogGuard)> {
@@ -154,7 +154,7 @@ fn flush_loop<W: Write>(shared: &Shared<W>, flush_every: Duration) {
 }
 
 /// One log line being written into the batch.
-pub struct LineWriter<'a, W: Write> {
+pub(crate) struct LineWriter<'a, W: Write> {
     shared: &'a Shared<W>,
 }
 

@@ -84,16 +84,6 @@ impl UsageHider {
         Self::default()
     }
 
-    /// Usage-only events removed so far.
-    pub fn dropped_events(&self) -> u64 {
-        self.dropped_events
-    }
-
-    /// Events whose `usage` key was spliced out.
-    pub fn edited_events(&self) -> u64 {
-        self.edited_events
-    }
-
     /// Processes the next input slice, appending what can be released.
     pub fn push(&mut self, input: &[u8], out: &mut BytesMut) {
         self.pending.extend_from_slice(input);
@@ -162,7 +152,9 @@ impl UsageHider {
     }
 
     /// Events forwarded untouched because they exceeded the size cap.
-    pub fn oversized_events(&self) -> u64 {
+    // Only tests read it.
+    #[cfg(test)]
+    pub(crate) fn oversized_events(&self) -> u64 {
         self.oversized_events
     }
 

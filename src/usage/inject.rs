@@ -7,7 +7,7 @@ use crate::request::ChatRequest;
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct UsagePlan {
     /// The request streams.
-    pub stream: bool,
+    pub(crate) stream: bool,
     /// The client asked for usage itself (forward everything as is).
     pub(crate) client_wants_usage: bool,
     /// compactor added `include_usage`; the response must go through

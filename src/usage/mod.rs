@@ -13,7 +13,7 @@
 
 pub mod hide;
 pub mod inject;
-pub mod peek;
+pub(crate) mod peek;
 pub mod sse;
 
 use std::sync::LazyLock;
@@ -29,7 +29,7 @@ pub use crate::upstream::body::{Eos, Observer};
 
 /// llama.cpp `timings` (only the counts).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-pub struct Timings {
+pub(crate) struct Timings {
     /// Prompt tokens processed for this request.
     pub(crate) prompt_n: Option<u64>,
     /// Prompt tokens reused from the cache.
@@ -53,7 +53,7 @@ pub struct UsageReport {
     /// The last non-null `usage` object seen.
     pub usage: Option<Usage>,
     /// The last `timings` object seen.
-    pub timings: Option<Timings>,
+    pub(crate) timings: Option<Timings>,
 }
 
 impl UsageReport {
@@ -68,7 +68,7 @@ impl UsageReport {
     }
 
     /// Completion size: `usage.completion_tokens`, else `predicted_n`.
-    pub fn completion_tokens(&self) -> Option<u64> {
+    pub(crate) fn completion_tokens(&self) -> Option<u64> {
         self.usage
             .and_then(|u| u.completion_tokens)
             .or_else(|| self.timings.and_then(|t| t.predicted_n))
@@ -120,7 +120,7 @@ impl BodyKind {
 
 /// What the start of a stream turned out to be.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub enum StreamStart {
+pub(crate) enum StreamStart {
     /// Nothing decisive yet.
     Undecided,
     /// A content delta (or a finish) arrived first.
@@ -131,7 +131,7 @@ pub enum StreamStart {
 }
 
 /// Largest non-streaming body kept for usage parsing.
-pub const MAX_JSON_BYTES: usize = 8 << 20;
+pub(crate) const MAX_JSON_BYTES: usize = 8 << 20;
 
 /// Incremental usage extraction over a response body.
 #[derive(Debug)]
@@ -421,22 +421,17 @@ impl UsageExtractor {
     }
 
     /// How the stream started (for SSE; a JSON error body counts too).
-    pub fn start(&self) -> &StreamStart {
+    pub(crate) fn start(&self) -> &StreamStart {
         &self.start
     }
 
     /// Body bytes seen.
-    pub fn bytes(&self) -> u64 {
+    pub(crate) fn bytes(&self) -> u64 {
         self.bytes
     }
 
-    /// Events dispatched by the SSE scanner.
-    pub fn events(&self) -> u64 {
-        self.scanner.events()
-    }
-
     /// Payloads that could not be parsed (counted, never fatal).
-    pub fn parse_failures(&self) -> u64 {
+    pub(crate) fn parse_failures(&self) -> u64 {
         self.parse_failures
     }
 
@@ -513,9 +508,9 @@ pub struct TapOutcome {
     /// How the body ended.
     pub eos: Eos,
     /// How the stream started.
-    pub start: StreamStart,
+    pub(crate) start: StreamStart,
     /// Body bytes forwarded.
-    pub bytes: u64,
+    pub(crate) bytes: u64,
     /// Payloads that failed to parse.
     pub(crate) parse_failures: u64,
     /// Events skipped for size.

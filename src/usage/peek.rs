@@ -318,7 +318,7 @@ where
 mod tests {
     use super::*;
     use crate::upstream::body::tap_tests::MockBody;
-    use crate::window::parse_overflow_event;
+    use crate::window::overflow::parse_overflow_event;
 
     fn unbounded() -> HoldBack {
         HoldBack {

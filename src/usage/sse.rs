@@ -50,13 +50,8 @@ impl SseScanner {
         Self::default()
     }
 
-    /// Events dispatched so far.
-    pub fn events(&self) -> u64 {
-        self.events
-    }
-
     /// Events skipped because they exceeded [`MAX_EVENT_BYTES`].
-    pub fn skipped(&self) -> u64 {
+    pub(crate) fn skipped(&self) -> u64 {
         self.skipped
     }
 

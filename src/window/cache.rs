@@ -20,7 +20,7 @@ use super::overflow::{Overflow, OverflowKind};
 
 /// Where a resolved window came from.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum WindowSource {
+pub(crate) enum WindowSource {
     /// The config table.
     Config,
     /// An overflow error's numbers.
@@ -31,39 +31,27 @@ pub enum WindowSource {
     Default,
 }
 
-impl WindowSource {
-    /// Short label for metrics and admin views.
-    pub fn label(self) -> &'static str {
-        match self {
-            Self::Config => "config",
-            Self::Learned => "learned",
-            Self::Discovered(_) => "discovered",
-            Self::Default => "default",
-        }
-    }
-}
-
 /// A resolved window.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Resolved {
+pub(crate) struct Resolved {
     /// Tokens.
-    pub tokens: u64,
+    pub(crate) tokens: u64,
     /// Where it came from.
-    pub source: WindowSource,
+    pub(crate) source: WindowSource,
 }
 
 /// Settings of the cache.
 #[derive(Debug, Clone)]
-pub struct WindowConfig {
+pub(crate) struct WindowConfig {
     /// `[models."name"] context_length` entries.
-    pub models: HashMap<String, u64>,
+    pub(crate) models: HashMap<String, u64>,
     /// Used when nothing else is known (defaults to
     /// [`DEFAULT_CONTEXT_LENGTH`](crate::compaction::budget::DEFAULT_CONTEXT_LENGTH)).
-    pub default_window: u64,
+    pub(crate) default_window: u64,
     /// How long a failed discovery is not retried.
-    pub negative_ttl: Duration,
+    pub(crate) negative_ttl: Duration,
     /// Whether to probe the upstream at all.
-    pub discovery: bool,
+    pub(crate) discovery: bool,
 }
 
 impl Default for WindowConfig {
@@ -93,14 +81,14 @@ struct Slot {
 
 /// The cache; cheap to share behind an `Arc`.
 #[derive(Debug)]
-pub struct WindowCache {
+pub(crate) struct WindowCache {
     cfg: WindowConfig,
     slots: DashMap<(String, String), Arc<Slot>>,
 }
 
 impl WindowCache {
     /// A cache with `cfg`.
-    pub fn new(cfg: WindowConfig) -> Self {
+    pub(crate) fn new(cfg: WindowConfig) -> Self {
         Self {
             cfg,
             slots: DashMap::new(),
@@ -201,7 +189,9 @@ impl WindowCache {
 
     /// What is known without any I/O (admin views): like
     /// [`Self::resolve`] but never probes.
-    pub fn known(&self, upstream: &str, model: &str) -> Resolved {
+    // Only tests use it.
+    #[cfg(test)]
+    pub(crate) fn known(&self, upstream: &str, model: &str) -> Resolved {
         if let Some(r) = self.config_window(model) {
             return r;
         }

@@ -19,7 +19,7 @@ use serde_json::Value;
 
 /// A failed probe; discovery treats it like "no answer".
 #[derive(Debug, thiserror::Error)]
-pub enum GetError {
+pub(crate) enum GetError {
     /// Transport failure or timeout.
     #[error("upstream request failed: {0}")]
     Transport(String),
@@ -30,14 +30,14 @@ pub enum GetError {
 
 /// A JSON GET against the upstream. `Ok(None)` for a non-success status.
 #[async_trait::async_trait]
-pub trait UpstreamGet: Send + Sync {
+pub(crate) trait UpstreamGet: Send + Sync {
     /// GETs `path` (relative to the upstream base, may carry a query).
     async fn get_json(&self, path: &str) -> Result<Option<Value>, GetError>;
 }
 
 /// Which probe found the window.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum DiscoverySource {
+pub(crate) enum DiscoverySource {
     /// llama.cpp `/props` (per slot).
     LlamaCppProps,
     /// llama.cpp `/slots` (smallest slot).
@@ -52,11 +52,11 @@ pub enum DiscoverySource {
 
 /// A discovered window.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Discovered {
+pub(crate) struct Discovered {
     /// Tokens.
-    pub window: u64,
+    pub(crate) window: u64,
     /// Where it came from.
-    pub source: DiscoverySource,
+    pub(crate) source: DiscoverySource,
 }
 
 fn positive(v: Option<&Value>) -> Option<u64> {
@@ -165,7 +165,7 @@ fn from_ollama_ps(ps: &Value, model: &str) -> Option<Discovered> {
 }
 
 /// Runs the probes for `model`; `None` when no source answers.
-pub async fn discover(up: &dyn UpstreamGet, model: &str) -> Option<Discovered> {
+pub(crate) async fn discover(up: &dyn UpstreamGet, model: &str) -> Option<Discovered> {
     if let Some(d) = from_props(up, model).await {
         return Some(d);
     }
@@ -189,9 +189,9 @@ pub(crate) mod tests {
     /// Fake upstream: path → JSON (absent = 404); records the paths asked.
     #[derive(Default)]
     pub(crate) struct FakeUpstream {
-        pub routes: HashMap<String, Value>,
-        pub asked: Mutex<Vec<String>>,
-        pub fail: bool,
+        pub(crate) routes: HashMap<String, Value>,
+        pub(crate) asked: Mutex<Vec<String>>,
+        pub(crate) fail: bool,
     }
 
     impl FakeUpstream {

@@ -15,7 +15,7 @@ use serde_json::Value;
 
 /// What kind of overflow.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum OverflowKind {
+pub(crate) enum OverflowKind {
     /// The prompt does not fit: compaction helps.
     Prompt,
     /// The prompt fits but the requested output budget does not (vLLM's
@@ -25,16 +25,16 @@ pub enum OverflowKind {
 
 /// A recognised overflow.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Overflow {
+pub(crate) struct Overflow {
     /// The context window the upstream enforces, when it said.
-    pub limit: Option<u64>,
+    pub(crate) limit: Option<u64>,
     /// The size of the request as the upstream counted it (prompt plus
     /// requested output where the wording includes it), when it said.
-    pub requested: Option<u64>,
+    pub(crate) requested: Option<u64>,
     /// Prompt tokens alone, when the wording separates them.
-    pub prompt_tokens: Option<u64>,
+    pub(crate) prompt_tokens: Option<u64>,
     /// What would cure it.
-    pub kind: OverflowKind,
+    pub(crate) kind: OverflowKind,
 }
 
 /// Statuses that never mean overflow: auth, payment, not found, rate limit.
@@ -169,7 +169,7 @@ fn structured(body: &[u8]) -> (bool, Option<u64>, Option<u64>) {
 
 /// Recognises an overflow error response (`status` as received; use 200
 /// for a payload found inside a stream).
-pub fn parse_overflow(status: u16, body: &[u8]) -> Option<Overflow> {
+pub(crate) fn parse_overflow(status: u16, body: &[u8]) -> Option<Overflow> {
     if NEVER.contains(&status) {
         return None;
     }
@@ -202,7 +202,7 @@ pub fn parse_overflow(status: u16, body: &[u8]) -> Option<Overflow> {
 
 /// Recognises an overflow in an in-stream error payload (an SSE `error`
 /// event or a `data: {"error":..}` chunk).
-pub fn parse_overflow_event(payload: &[u8]) -> Option<Overflow> {
+pub(crate) fn parse_overflow_event(payload: &[u8]) -> Option<Overflow> {
     parse_overflow(200, payload)
 }
 

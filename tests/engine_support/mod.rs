@@ -6,12 +6,10 @@
 use std::collections::VecDeque;
 use std::sync::{Arc, Mutex};
 
-use compactor::compaction::compressor::Compressor;
-use compactor::compaction::config::CompactionConfig;
-use compactor::compaction::summariser::{
-    Summariser, SummaryError, SummaryErrorKind, SummaryReply, SummaryRequest,
+use compactor::compaction::{
+    declare_summary, CompactionConfig, Compressor, Summariser, SummaryError, SummaryErrorKind,
+    SummaryReply, SummaryRequest, Trigger, WindowSource,
 };
-use compactor::compaction::trigger::{Trigger, WindowSource};
 use serde_json::{json, Value};
 
 /// One scripted answer.
@@ -162,7 +160,7 @@ pub fn msg(role: &str, content: &str) -> Value {
 /// the summary rows of a compaction record (text alone does not make one).
 pub fn summary_msg(role: &str, content: &str) -> Value {
     let mut m = msg(role, content);
-    compactor::compaction::markers::declare_summary(&mut m);
+    declare_summary(&mut m);
     m
 }
 
@@ -178,8 +176,91 @@ pub fn alternating(n: usize, prefix: &str) -> Vec<Value> {
         .collect()
 }
 
+/// The text of a message's content: the string itself, or the text parts of
+/// a list joined with a space (as the engine reads it).
 pub fn content_str(m: &Value) -> String {
-    compactor::compaction::view::text(m)
+    match m.get("content").unwrap_or(&Value::Null) {
+        Value::String(s) => s.clone(),
+        Value::Array(parts) => {
+            let mut out = String::new();
+            for p in parts {
+                let text = match p {
+                    Value::String(s) => Some(s.as_str()),
+                    Value::Object(o) => o.get("text").and_then(Value::as_str),
+                    _ => None,
+                };
+                if let Some(t) = text {
+                    if !out.is_empty() {
+                        out.push(' ');
+                    }
+                    out.push_str(t);
+                }
+            }
+            out
+        }
+        _ => String::new(),
+    }
+}
+
+/// The reads of a wire message these suites check the engine's output with
+/// (the same rules as the engine's own, which are not its API).
+pub mod view {
+    use serde_json::Value;
+
+    /// The message's role, or `""`.
+    pub fn role(m: &Value) -> &str {
+        m.get("role").and_then(Value::as_str).unwrap_or("")
+    }
+
+    /// True when the message has the given role.
+    pub fn is_role(m: &Value, r: &str) -> bool {
+        role(m) == r
+    }
+
+    /// The non-empty `tool_calls` array of an assistant row.
+    pub fn tool_calls(m: &Value) -> Option<&Vec<Value>> {
+        m.get("tool_calls")
+            .and_then(Value::as_array)
+            .filter(|a| !a.is_empty())
+    }
+
+    /// The id a tool result answers.
+    pub fn result_id(m: &Value) -> Option<&str> {
+        m.get("tool_call_id")
+            .or_else(|| m.get("call_id"))
+            .and_then(Value::as_str)
+    }
+}
+
+/// A compressor over a known window and output reservation; `f` edits the
+/// defaults.
+pub fn compressor_reserving(
+    model: &str,
+    window: u64,
+    max_tokens: u64,
+    f: impl FnOnce(&mut CompactionConfig),
+) -> Compressor {
+    let mut cfg = CompactionConfig::default();
+    f(&mut cfg);
+    let cfg = Arc::new(cfg);
+    let trigger = Trigger::new(
+        cfg.clone(),
+        model,
+        WindowSource::Known(window),
+        Some(max_tokens),
+    );
+    Compressor::new(cfg, trigger)
+}
+
+/// Sets the trigger's counters as a conversation restored from the store
+/// carries them (`Trigger::restore`): the public way to start a compressor
+/// that has compacted `compactions` times before, with `strikes`
+/// ineffective compactions standing.
+pub fn restored(c: &mut Compressor, compactions: u32, strikes: u32) {
+    let mut snap = c.trigger().snapshot();
+    snap.compression_count = compactions;
+    snap.ineffective_compression_count = strikes;
+    c.trigger_mut().restore(snap);
 }
 
 pub fn block_on<F: std::future::Future>(f: F) -> F::Output {

@@ -26,7 +26,7 @@ use crate::compaction::user_messages;
 use crate::compaction::view;
 
 /// Feasibility skip: the middle must be under this share of the threshold.
-pub const FEASIBILITY_MIDDLE_RATIO: f64 = 0.10;
+pub(super) const FEASIBILITY_MIDDLE_RATIO: f64 = 0.10;
 
 /// Rows a summary was rejected for, and how many more passes remember it.
 #[derive(Clone, Copy, Debug)]

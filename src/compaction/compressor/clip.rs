@@ -4,12 +4,12 @@
 use crate::compaction::tokens;
 
 /// Summaries longer than this many times their token target are clipped.
-pub const SUMMARY_OVERSHOOT_FACTOR: u64 = 2;
+pub(super) const SUMMARY_OVERSHOOT_FACTOR: u64 = 2;
 
 /// Clips a summary body that ignored its "Target ~N tokens" guidance by more
 /// than [`SUMMARY_OVERSHOOT_FACTOR`]. On small windows an over-long summary
 /// would not fit; the grounded task snapshot comes first and is kept.
-pub fn clip_summary(body: String, target_tokens: u64) -> String {
+pub(super) fn clip_summary(body: String, target_tokens: u64) -> String {
     let max_chars = usize::try_from(
         target_tokens
             .saturating_mul(SUMMARY_OVERSHOOT_FACTOR)
@@ -26,13 +26,13 @@ pub fn clip_summary(body: String, target_tokens: u64) -> String {
 
 /// Below this window (the 64k trigger floor) summary bodies are held to
 /// their budget exactly; at and above it the looser overshoot cap applies.
-pub const STRICT_SUMMARY_WINDOW: u64 = crate::compaction::budget::MINIMUM_CONTEXT_LENGTH;
+pub(super) const STRICT_SUMMARY_WINDOW: u64 = crate::compaction::budget::MINIMUM_CONTEXT_LENGTH;
 
 /// [`clip_summary`] sized for the window: below [`STRICT_SUMMARY_WINDOW`]
 /// the body is clipped to the summary budget itself (`target` × 4 chars), so
 /// head + summary + tail stay under a small window's trigger and the running
 /// summary cannot grow across compactions.
-pub fn clip_summary_for_window(body: String, target_tokens: u64, window: u64) -> String {
+pub(super) fn clip_summary_for_window(body: String, target_tokens: u64, window: u64) -> String {
     if window >= STRICT_SUMMARY_WINDOW {
         return clip_summary(body, target_tokens);
     }
@@ -60,7 +60,7 @@ fn clip_chars(body: String, max_chars: usize) -> String {
 }
 
 /// Longest summary body [`clip_summary_for_window`] leaves whole.
-pub fn max_summary_body_chars(target_tokens: u64, window: u64) -> usize {
+pub(super) fn max_summary_body_chars(target_tokens: u64, window: u64) -> usize {
     let factor = if window >= STRICT_SUMMARY_WINDOW {
         SUMMARY_OVERSHOOT_FACTOR
     } else {
@@ -77,7 +77,7 @@ pub fn max_summary_body_chars(target_tokens: u64, window: u64) -> usize {
 /// Character cap of a deterministic fallback body: the summary budget
 /// (× 4 chars) below [`STRICT_SUMMARY_WINDOW`], `None` (the standard
 /// 8,000-char cap) at and above it.
-pub fn fallback_body_cap(target_tokens: u64, window: u64) -> Option<usize> {
+pub(super) fn fallback_body_cap(target_tokens: u64, window: u64) -> Option<usize> {
     if window >= STRICT_SUMMARY_WINDOW {
         return None;
     }

@@ -15,7 +15,7 @@ use crate::compaction::tokens;
 use crate::compaction::view;
 
 /// Rows after the head a conversation needs before it is worth compacting.
-pub const MIN_ROWS_AFTER_HEAD: usize = 4;
+pub(super) const MIN_ROWS_AFTER_HEAD: usize = 4;
 
 /// The rows one compaction works on, decided before any summary call.
 pub(super) struct Cut {
@@ -264,14 +264,14 @@ fn forced_split(
 }
 
 /// The smallest head: the system prompt, if first.
-pub fn minimal_head_size(msgs: &[Value]) -> usize {
+pub(super) fn minimal_head_size(msgs: &[Value]) -> usize {
     usize::from(msgs.first().is_some_and(is_instructions))
 }
 
 /// True for the row that carries the newest user ask: a real user row, or a
 /// user row holding an earlier summary with the ask after its END marker
 /// (the shape a split active turn leaves behind).
-pub fn is_ask_row(m: &Value) -> bool {
+pub(super) fn is_ask_row(m: &Value) -> bool {
     view::is_real_user(m)
         || (view::is_role(m, "user")
             && matches!(
@@ -290,7 +290,7 @@ pub fn is_ask_row(m: &Value) -> bool {
 /// `eager_head_end` (small windows): also split when the ask is at or before
 /// this row, where the ordinary cut would either leave it in the head or
 /// summarise it, and restate it afterwards, spending its tokens twice.
-pub fn split_active_turn(
+pub(super) fn split_active_turn(
     msgs: &[Value],
     start: usize,
     p: &TailParams,
@@ -334,7 +334,7 @@ pub fn split_active_turn(
 /// Removes blank user echoes right after the latest actionable user row,
 /// when an assistant row follows them. A blank row not followed by an
 /// assistant may be a deliberate alternation placeholder and stays.
-pub fn remove_blank_echoes(mut msgs: Vec<Value>) -> Vec<Value> {
+pub(super) fn remove_blank_echoes(mut msgs: Vec<Value>) -> Vec<Value> {
     let Some(u) = view::last_real_user(&msgs, 0) else {
         return msgs;
     };
@@ -349,71 +349,4 @@ pub fn remove_blank_echoes(mut msgs: Vec<Value>) -> Vec<Value> {
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-
-    fn round(i: usize, result_chars: usize) -> [Value; 2] {
-        [
-            serde_json::json!({"role": "assistant", "content": null,
-                "tool_calls": [{"id": format!("c{i}"), "function": {"name": "f", "arguments": "{}"}}]}),
-            serde_json::json!({"role": "tool", "tool_call_id": format!("c{i}"), "content": "r".repeat(result_chars)}),
-        ]
-    }
-
-    fn params(budget: u64) -> TailParams {
-        TailParams {
-            budget,
-            soft_ceiling: budget,
-            protect_last_n: 20,
-            min_tail_user_messages: 1,
-            allow_split_turn: false,
-        }
-    }
-
-    #[test]
-    fn split_cuts_between_rounds_and_keeps_the_newest() {
-        let mut msgs = vec![
-            serde_json::json!({"role": "system", "content": "s"}),
-            serde_json::json!({"role": "user", "content": "ask"}),
-        ];
-        for i in 0..5 {
-            msgs.extend(round(i, 800));
-        }
-        // Each round costs ~230 tokens: 500 keeps the two newest.
-        let (ask, keep) = split_active_turn(&msgs, 1, &params(500), None).unwrap();
-        assert_eq!(ask, 1);
-        assert_eq!(keep, msgs.len() - 4);
-        assert!(view::has_tool_calls(&msgs[keep]));
-        // A ceiling below one round still keeps the newest round whole.
-        let (_, keep) = split_active_turn(&msgs, 1, &params(10), None).unwrap();
-        assert_eq!(keep, msgs.len() - 2);
-        // A turn that fits is not split, unless eager and the ask is in the head.
-        assert_eq!(split_active_turn(&msgs, 1, &params(100_000), None), None);
-        assert_eq!(
-            split_active_turn(&msgs, 1, &params(100_000), Some(4)),
-            Some((1, 4))
-        );
-        // One round only: nothing inside the turn to summarise.
-        let short: Vec<Value> = msgs[..4].to_vec();
-        assert_eq!(split_active_turn(&short, 1, &params(10), None), None);
-    }
-
-    #[test]
-    fn a_summary_carrying_the_ask_is_an_ask_row() {
-        let carried = markers::prepend_summary(
-            &Value::String("do it".into()),
-            &markers::normalize_summary_prefix("B"),
-        );
-        let declared = |content: &Value| {
-            let mut m = serde_json::json!({"role": "user", "content": content});
-            markers::declare_summary(&mut m);
-            m
-        };
-        assert!(is_ask_row(&declared(&carried)));
-        let bare = markers::standalone_content(&markers::normalize_summary_prefix("B"));
-        assert!(!is_ask_row(&declared(&Value::String(bare))));
-        assert!(!is_ask_row(
-            &serde_json::json!({"role": "assistant", "content": "x"})
-        ));
-    }
-}
+mod tests;

@@ -60,7 +60,19 @@ pub(super) fn worst(
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct AuxModelFailure {
     /// The summary model that failed.
-    pub model: String,
+    pub(crate) model: String,
     /// Its error text (≤ 220 chars).
-    pub error: String,
+    pub(crate) error: String,
+}
+
+impl AuxModelFailure {
+    /// The summary model that failed.
+    pub fn model(&self) -> &str {
+        &self.model
+    }
+
+    /// Its error text (≤ 220 chars).
+    pub fn error(&self) -> &str {
+        &self.error
+    }
 }

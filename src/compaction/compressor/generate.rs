@@ -21,14 +21,14 @@ use crate::compaction::user_messages;
 use crate::compaction::view;
 
 /// Auto focus: this many newest user turns…
-pub const AUTO_FOCUS_TURNS: usize = 3;
+pub(super) const AUTO_FOCUS_TURNS: usize = 3;
 /// …each clipped to this many characters…
-pub const AUTO_FOCUS_TURN_CHARS: usize = 260;
+pub(super) const AUTO_FOCUS_TURN_CHARS: usize = 260;
 /// …and this many in total.
-pub const AUTO_FOCUS_TOTAL_CHARS: usize = 700;
+pub(super) const AUTO_FOCUS_TOTAL_CHARS: usize = 700;
 
 /// Most summary calls one compaction makes when it has to chunk.
-pub const MAX_SUMMARY_CHUNKS: usize = 8;
+pub(super) const MAX_SUMMARY_CHUNKS: usize = 8;
 
 /// The running summary a compaction works from and keeps if it commits.
 #[derive(Clone, Debug)]
@@ -128,7 +128,9 @@ impl Compressor {
     /// and keeps it as the running summary when it succeeds. Long input is
     /// summarised in rolling chunks that each fit the summariser's prompt
     /// budget; a live cooldown returns an empty attempt.
-    pub async fn generate_summary(
+    // Only tests use it: a pass summarises through `attempt_summary`.
+    #[cfg(test)]
+    pub(crate) async fn generate_summary(
         &mut self,
         s: &dyn Summariser,
         turns: &[Value],

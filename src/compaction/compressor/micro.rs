@@ -12,8 +12,9 @@
 
 use serde_json::{json, Value};
 
+use super::outcome::MicroPass;
 use super::outcome::{common_suffix, CompressResult, CompressTelemetry, NoOpReason, Outcome};
-pub use super::outcome::{MicroOutcome, MicroPass, MicroTelemetry};
+pub use super::outcome::{MicroOutcome, MicroTelemetry};
 use super::summary_call::{SummaryAttempt, SummaryCall};
 use super::Compressor;
 use crate::compaction::config::Strategy;
@@ -27,7 +28,7 @@ use crate::compaction::trigger::Trigger;
 use crate::compaction::view;
 
 /// An exchange that failed this many times in a row is skipped.
-pub const MICRO_COMPACT_MAX_CONSECUTIVE_FAILURES: u32 = 3;
+pub(crate) const MICRO_COMPACT_MAX_CONSECUTIVE_FAILURES: u32 = 3;
 /// Rolling summaries at or above this many estimated tokens are rewritten
 /// compactly before the next exchange is absorbed.
 pub(crate) const MICRO_DEFRAG_THRESHOLD_TOKENS: u64 = 2_000;
@@ -40,24 +41,24 @@ pub(crate) const MICRO_MIN_MESSAGES: usize = 4;
 
 /// Rolling state of micro-compaction for one conversation.
 #[derive(Clone, Debug, Default, PartialEq)]
-pub struct MicroState {
+pub(crate) struct MicroState {
     /// Index of the first message not yet absorbed.
-    pub cursor: Option<usize>,
+    pub(crate) cursor: Option<usize>,
     /// The rolling summary text.
-    pub rolling_summary: String,
+    pub(crate) rolling_summary: String,
     /// Consecutive failures at the current cursor.
-    pub consecutive_failures: u32,
+    pub(crate) consecutive_failures: u32,
     /// Passes that absorbed an exchange.
-    pub passes: u32,
+    pub(crate) passes: u32,
     /// Tokens saved over all passes (negative while the marker costs more).
-    pub tokens_saved_total: i64,
+    pub(crate) tokens_saved_total: i64,
 }
 
 impl MicroTelemetry {
     /// Builds the record from cached trigger values only.
     // The fields are one flat log record; a builder would only rename them.
     #[allow(clippy::too_many_arguments)]
-    pub fn new(
+    pub(crate) fn new(
         trigger: &Trigger,
         state: &MicroState,
         outcome: MicroOutcome,
@@ -91,7 +92,7 @@ impl MicroTelemetry {
 
     /// Emits the record as one content-free JSON log line, at debug level:
     /// the chat path's info line is the one line per compaction.
-    pub fn emit(&self) {
+    pub(crate) fn emit(&self) {
         if let Ok(line) = serde_json::to_string(self) {
             tracing::debug!("micro compaction telemetry: {line}");
         }
@@ -195,7 +196,7 @@ fn micro_prompt(rolling: &str, exchange: &str) -> String {
 
 impl Compressor {
     /// True when the rolling summary has grown past the defrag threshold.
-    pub fn needs_defrag(&self) -> bool {
+    pub(crate) fn needs_defrag(&self) -> bool {
         tokens::estimate_text_tokens(&self.micro.rolling_summary) >= MICRO_DEFRAG_THRESHOLD_TOKENS
     }
 
@@ -548,3 +549,6 @@ fn splice_exchange(
     }
     spliced
 }
+
+#[cfg(test)]
+mod tests;

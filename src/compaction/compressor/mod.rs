@@ -17,14 +17,19 @@
 //! and the shrinking of a candidate that misses it), `clip` (summary
 //! length caps), `outcome` (what a pass returns) and `micro` (the micro
 //! strategy, driven by the same compressor).
+//!
+//! Each imports only the files after it in the `[compaction/compressor]`
+//! order of `scripts/layers.txt`: `batch`, `cut`, `generate`, `micro`,
+//! `salvage`, then `instructions`, `clip`, `summary_call`, `outcome`,
+//! `failure`.
 
 mod batch;
 mod clip;
 mod cut;
 mod failure;
 mod generate;
-pub mod instructions;
-pub mod micro;
+pub(crate) mod instructions;
+pub(crate) mod micro;
 mod outcome;
 mod salvage;
 mod summary_call;
@@ -35,35 +40,20 @@ use serde_json::Value;
 
 use crate::compaction::config::CompactionConfig;
 use crate::compaction::last_resort::Fit;
-use crate::compaction::tail::{self, TailParams};
+use crate::compaction::tail::TailParams;
 use crate::compaction::trigger::Trigger;
 use crate::compaction::view;
 
+use crate::compaction::summary_failure::SummaryFailureKind;
 use batch::RejectedRows;
-pub use batch::FEASIBILITY_MIDDLE_RATIO;
-pub use clip::{
-    clip_summary, clip_summary_for_window, fallback_body_cap, max_summary_body_chars,
-    STRICT_SUMMARY_WINDOW, SUMMARY_OVERSHOOT_FACTOR,
-};
-pub use cut::{
-    is_ask_row, minimal_head_size, remove_blank_echoes, split_active_turn, MIN_ROWS_AFTER_HEAD,
-};
+use cut::minimal_head_size;
 pub use failure::{AbortReason, AuxModelFailure};
-pub use generate::{
-    AUTO_FOCUS_TOTAL_CHARS, AUTO_FOCUS_TURNS, AUTO_FOCUS_TURN_CHARS, MAX_SUMMARY_CHUNKS,
-};
 use instructions::is_instructions;
 use micro::MicroState;
-pub use outcome::{common_suffix, CompressResult, CompressTelemetry, NoOpReason, Outcome};
-pub use salvage::{is_progress, SALVAGE_KEEP_TOOL_RESULTS, SALVAGE_SUMMARY_MAX_CHARS};
-pub use summary_call::SummaryAttempt;
-// The failure of one summary call, at the compressor's paths too.
-pub use crate::compaction::summary_failure::{
-    is_access_or_quota_error, SummaryFailure, SummaryFailureKind,
-};
+pub use outcome::{CompressResult, CompressTelemetry, NoOpReason, Outcome};
 
 /// Extra rows after `protect_first_n` probed for an earlier handoff.
-pub const HANDOFF_PROBE_EXTRA: usize = 4;
+pub(crate) const HANDOFF_PROBE_EXTRA: usize = 4;
 
 /// Options of one `compress` call.
 #[derive(Clone, Debug, Default)]
@@ -96,27 +86,40 @@ pub struct CompressOptions {
     pub settle_tokens: Option<u64>,
 }
 
+/// What a compressor carries from pass to pass: its running summary and
+/// the summary model in use. A pass run apart from the conversation (the
+/// background pre-compaction) starts from the conversation's and hands its
+/// own back.
+#[derive(Clone, Debug)]
+pub(crate) struct Carry {
+    previous_summary: Option<String>,
+    summary_has_user_turn: bool,
+    summary_model: Option<String>,
+    summary_model_fallen_back: bool,
+    compression_count: u32,
+}
+
 /// The per-conversation compaction engine.
 pub struct Compressor {
     /// Configuration shared by all conversations.
-    pub cfg: Arc<CompactionConfig>,
+    pub(crate) cfg: Arc<CompactionConfig>,
     /// Trigger, budgets, cooldowns and breakers.
-    pub trigger: Trigger,
+    pub(crate) trigger: Trigger,
     /// Body of the running summary (no prefix, no END marker).
-    pub previous_summary: Option<String>,
+    pub(crate) previous_summary: Option<String>,
     /// Whether the running summary is grounded in a real user turn.
-    pub summary_has_user_turn: bool,
+    pub(crate) summary_has_user_turn: bool,
     /// Summary model; `None` = the main model.
-    pub summary_model: Option<String>,
+    pub(crate) summary_model: Option<String>,
     /// A distinct summary model failed and the main model took over.
-    pub summary_model_fallen_back: bool,
+    pub(crate) summary_model_fallen_back: bool,
     /// The worst terminal summary failure since the last successful summary.
     /// It outlives the call that saw it: a later call that returns early on
     /// the cooldown must still abort rather than fall through to a fallback
     /// summary that would drop context.
-    pub terminal_failure: Option<SummaryFailureKind>,
+    pub(crate) terminal_failure: Option<SummaryFailureKind>,
     /// Micro-compaction state.
-    pub micro: MicroState,
+    pub(crate) micro: MicroState,
     /// The rows whose summary was last rejected as not smaller: asking for
     /// the same summary again (on the overflow retry, or a turn or two
     /// later) would be rejected again, at the price of the summary calls.
@@ -140,25 +143,97 @@ impl Compressor {
         }
     }
 
-    /// `/new`: forget everything about the session.
-    pub fn reset_session(&mut self) {
-        self.trigger.reset_session();
-        self.previous_summary = None;
-        self.summary_has_user_turn = true;
-        self.terminal_failure = None;
-        self.micro = MicroState::default();
+    /// What this compressor carries into a pass of another (the
+    /// background pre-compaction's).
+    pub(crate) fn carry(&self) -> Carry {
+        Carry {
+            previous_summary: self.previous_summary.clone(),
+            summary_has_user_turn: self.summary_has_user_turn,
+            summary_model: self.summary_model.clone(),
+            summary_model_fallen_back: self.summary_model_fallen_back,
+            compression_count: self.trigger.compression_count,
+        }
     }
 
-    /// The standing terminal failure that forbids a fallback, if any.
-    pub fn terminal_abort_reason(&self) -> Option<AbortReason> {
-        self.terminal_failure?
-            .abort_reason(self.cfg.abort_on_degraded_summary)
+    /// What a pass apart from the conversation's left (the candidate it
+    /// hands back).
+    pub(crate) fn into_carry(self) -> Carry {
+        Carry {
+            compression_count: self.trigger.compression_count,
+            previous_summary: self.previous_summary,
+            summary_has_user_turn: self.summary_has_user_turn,
+            summary_model: self.summary_model,
+            summary_model_fallen_back: self.summary_model_fallen_back,
+        }
+    }
+
+    /// A compressor for a pass apart from the conversation's (the
+    /// background pre-compaction, a task of its own): it resumes `carry`
+    /// and, for a micro pass, the conversation's micro state.
+    pub(crate) fn resumed(
+        cfg: Arc<CompactionConfig>,
+        trigger: Trigger,
+        carry: Carry,
+        micro: Option<MicroState>,
+    ) -> Self {
+        let mut c = Self::new(cfg, trigger);
+        c.previous_summary = carry.previous_summary;
+        c.summary_has_user_turn = carry.summary_has_user_turn;
+        c.summary_model = carry.summary_model;
+        c.summary_model_fallen_back = carry.summary_model_fallen_back;
+        c.trigger.compression_count = carry.compression_count;
+        if let Some(m) = micro {
+            c.micro = m;
+        }
+        c
+    }
+
+    /// The conversation takes the batch compaction a pass apart from it
+    /// made (`pass`, what that pass left): its running summary, one
+    /// compaction more, a fresh micro state, and the trigger told as after
+    /// a pass of its own. The summary model in use stays the
+    /// conversation's.
+    pub(crate) fn adopt(
+        &mut self,
+        pass: Carry,
+        fallback_used: bool,
+        feasibility_skip: bool,
+        tokens_after: u64,
+    ) {
+        self.previous_summary = pass.previous_summary;
+        self.summary_has_user_turn = pass.summary_has_user_turn;
+        self.trigger.compression_count = self.trigger.compression_count.saturating_add(1);
+        self.micro = MicroState::default();
+        self.trigger
+            .record_completed_compaction(fallback_used, feasibility_skip, tokens_after);
+    }
+
+    /// The micro strategy's rolling state.
+    pub(crate) fn micro_state(&self) -> &MicroState {
+        &self.micro
+    }
+
+    /// Takes the micro state a micro pass apart from the conversation left.
+    pub(crate) fn set_micro_state(&mut self, state: MicroState) {
+        self.micro = state;
+    }
+
+    /// The conversation's trigger: when to compact, and what the last
+    /// compaction left.
+    pub fn trigger(&self) -> &Trigger {
+        &self.trigger
+    }
+
+    /// The trigger, to feed it the upstream's usage, a compaction's
+    /// outcome or a restored snapshot.
+    pub fn trigger_mut(&mut self) -> &mut Trigger {
+        &mut self.trigger
     }
 
     /// `protect_first_n` after decay: 0 once a compaction happened, a
     /// summary is in memory, or a handoff sits near the start (the head it
     /// would protect was summarised already).
-    pub fn effective_protect_first_n(&self, msgs: &[Value]) -> usize {
+    pub(crate) fn effective_protect_first_n(&self, msgs: &[Value]) -> usize {
         if self.trigger.compression_count >= 1 || self.previous_summary.is_some() {
             return 0;
         }
@@ -175,7 +250,7 @@ impl Compressor {
 
     /// Rows of the protected head: the system prompt (if first) plus the
     /// effective `protect_first_n`.
-    pub fn protect_head_size(&self, msgs: &[Value]) -> usize {
+    pub(crate) fn protect_head_size(&self, msgs: &[Value]) -> usize {
         let sys = usize::from(msgs.first().is_some_and(is_instructions));
         (sys + self.effective_protect_first_n(msgs)).min(msgs.len())
     }
@@ -207,7 +282,9 @@ impl Compressor {
     }
 
     /// The tail cut with the current budgets (or an explicit budget).
-    pub fn find_tail_cut_by_tokens(
+    // Only tests use it.
+    #[cfg(test)]
+    pub(crate) fn find_tail_cut_by_tokens(
         &mut self,
         msgs: &[Value],
         head_end: usize,
@@ -219,13 +296,13 @@ impl Compressor {
             p.soft_ceiling =
                 crate::compaction::budget::soft_tail_ceiling(b, self.trigger.context_length());
         }
-        tail::find_tail_cut_by_tokens(msgs, head_end, &p)
+        crate::compaction::tail::find_tail_cut_by_tokens(msgs, head_end, &p)
     }
 
     /// Switches summaries to the main model after a distinct summary model
     /// failed, and clears the cooldown so the retry is not held back by the
     /// failure of a model that is no longer used.
-    pub fn fallback_to_main_for_compression(&mut self) {
+    pub(crate) fn fallback_to_main_for_compression(&mut self) {
         self.summary_model = None;
         self.summary_model_fallen_back = true;
         self.trigger.clear_failure_cooldown();
@@ -237,3 +314,6 @@ impl Compressor {
             .is_some_and(|m| !m.is_empty() && m != self.trigger.model())
     }
 }
+
+#[cfg(test)]
+mod tests;

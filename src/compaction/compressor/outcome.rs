@@ -64,10 +64,10 @@ pub struct CompressTelemetry {
     /// Chunks the middle was summarised in (1 = a single prompt).
     pub(crate) chunk_count: usize,
     /// Rows the last resort shortened to make the request fit (0 = none).
-    pub last_resort_rows: usize,
+    pub(crate) last_resort_rows: usize,
     /// Rows of the oldest exchanges the last resort dropped when even
     /// shortening could not fit the window.
-    pub last_resort_dropped: usize,
+    pub(crate) last_resort_dropped: usize,
     /// Failure class name, when the attempt did not go cleanly.
     pub(crate) failure_class: Option<&'static str>,
     /// The caller's token figure, if given.
@@ -78,36 +78,128 @@ pub struct CompressTelemetry {
 #[derive(Clone, Debug, PartialEq)]
 pub struct CompressResult {
     /// The conversation to send (the input itself unless `Compacted`).
-    pub messages: Vec<Value>,
+    pub(crate) messages: Vec<Value>,
     /// Result class.
-    pub outcome: Outcome,
+    pub(crate) outcome: Outcome,
     /// Index of the row carrying the summary.
-    pub summary_index: Option<usize>,
+    pub(crate) summary_index: Option<usize>,
     /// The deterministic fallback summary was used.
-    pub fallback_used: bool,
+    pub(crate) fallback_used: bool,
     /// The LLM call was skipped by the feasibility check.
-    pub feasibility_skip: bool,
+    pub(crate) feasibility_skip: bool,
     /// Rows of the input that went into the summary.
-    pub dropped_count: usize,
+    pub(crate) dropped_count: usize,
     /// Rough estimate of the input.
-    pub tokens_before: u64,
+    pub(crate) tokens_before: u64,
     /// Rough estimate of `messages`.
-    pub tokens_after: u64,
+    pub(crate) tokens_after: u64,
     /// How many trailing input rows `messages` ends with unchanged: the
     /// output is `replacement + input[input.len() - kept_suffix..]`.
-    pub kept_suffix: usize,
+    pub(crate) kept_suffix: usize,
     /// This call's failed summary attempt, if it made one that failed.
-    pub summary_failure: Option<SummaryFailure>,
+    pub(crate) summary_failure: Option<SummaryFailure>,
     /// A distinct summary model failed in this call and the main model
     /// took over (the caller may want to warn about the configuration).
-    pub aux_model_failure: Option<AuxModelFailure>,
+    pub(crate) aux_model_failure: Option<AuxModelFailure>,
     /// What a micro pass did (`None` for a batch compaction).
-    pub micro: Option<MicroPass>,
+    pub(crate) micro: Option<MicroPass>,
     /// Content-free accounting.
-    pub telemetry: CompressTelemetry,
+    pub(crate) telemetry: CompressTelemetry,
 }
 
+impl CompressTelemetry {
+    /// Rows the last resort shortened to make the request fit (0 = none).
+    pub fn last_resort_rows(&self) -> usize {
+        self.last_resort_rows
+    }
+
+    /// Rows of the oldest exchanges the last resort dropped when even
+    /// shortening could not fit the window.
+    pub fn last_resort_dropped(&self) -> usize {
+        self.last_resort_dropped
+    }
+}
+
+// Read-only: a result is what one pass decided, so nothing outside the
+// engine builds or edits one.
 impl CompressResult {
+    /// The conversation to send (the input itself unless `Compacted`).
+    pub fn messages(&self) -> &[Value] {
+        &self.messages
+    }
+
+    /// The conversation to send, owned.
+    pub fn into_messages(self) -> Vec<Value> {
+        self.messages
+    }
+
+    /// Result class.
+    pub fn outcome(&self) -> Outcome {
+        self.outcome
+    }
+
+    /// Index of the row carrying the summary.
+    pub fn summary_index(&self) -> Option<usize> {
+        self.summary_index
+    }
+
+    /// The deterministic fallback summary was used.
+    pub fn fallback_used(&self) -> bool {
+        self.fallback_used
+    }
+
+    /// The LLM call was skipped by the feasibility check.
+    pub fn feasibility_skip(&self) -> bool {
+        self.feasibility_skip
+    }
+
+    /// Rows of the input that went into the summary.
+    pub fn dropped_count(&self) -> usize {
+        self.dropped_count
+    }
+
+    /// Rough estimate of the input.
+    pub fn tokens_before(&self) -> u64 {
+        self.tokens_before
+    }
+
+    /// Rough estimate of `messages`.
+    pub fn tokens_after(&self) -> u64 {
+        self.tokens_after
+    }
+
+    /// How many trailing input rows `messages` ends with unchanged: the
+    /// output is `replacement + input[input.len() - kept_suffix..]`.
+    pub fn kept_suffix(&self) -> usize {
+        self.kept_suffix
+    }
+
+    /// This call's failed summary attempt, if it made one that failed.
+    pub fn summary_failure(&self) -> Option<&SummaryFailure> {
+        self.summary_failure.as_ref()
+    }
+
+    /// A distinct summary model failed in this call and the main model
+    /// took over (the caller may want to warn about the configuration).
+    pub fn aux_model_failure(&self) -> Option<&AuxModelFailure> {
+        self.aux_model_failure.as_ref()
+    }
+
+    /// What a micro pass did (`None` for a batch compaction).
+    pub fn micro_outcome(&self) -> Option<MicroOutcome> {
+        self.micro.as_ref().map(|m| m.outcome)
+    }
+
+    /// A micro pass's accounting (`None` for a batch compaction or a no-op).
+    pub fn micro_telemetry(&self) -> Option<&MicroTelemetry> {
+        self.micro.as_ref().and_then(|m| m.telemetry.as_ref())
+    }
+
+    /// Content-free accounting.
+    pub fn telemetry(&self) -> &CompressTelemetry {
+        &self.telemetry
+    }
+
     /// Why the call was abandoned, if it was.
     pub fn abort_reason(&self) -> Option<AbortReason> {
         match self.outcome {
@@ -117,12 +209,14 @@ impl CompressResult {
     }
 
     /// Whether a smaller conversation was committed.
-    pub fn made_progress(&self) -> bool {
+    // Only tests use it: the proxy matches the outcome.
+    #[cfg(test)]
+    pub(crate) fn made_progress(&self) -> bool {
         self.outcome == Outcome::Compacted
     }
 
     /// Short name of what happened, for metrics and log lines.
-    pub fn label(&self) -> &'static str {
+    pub(crate) fn label(&self) -> &'static str {
         if let Some(m) = &self.micro {
             return m.outcome.as_str();
         }
@@ -136,7 +230,7 @@ impl CompressResult {
 }
 
 /// Number of trailing rows `a` and `b` share (the `kept_suffix` of a result).
-pub fn common_suffix(a: &[Value], b: &[Value]) -> usize {
+pub(super) fn common_suffix(a: &[Value], b: &[Value]) -> usize {
     a.iter()
         .rev()
         .zip(b.iter().rev())
@@ -213,9 +307,9 @@ pub struct MicroTelemetry {
 
 /// What a micro pass did, carried by its [`CompressResult`].
 #[derive(Clone, Debug, PartialEq)]
-pub struct MicroPass {
+pub(crate) struct MicroPass {
     /// What happened.
-    pub outcome: MicroOutcome,
+    pub(crate) outcome: MicroOutcome,
     /// The pass's accounting (`None` for a no-op).
-    pub telemetry: Option<MicroTelemetry>,
+    pub(crate) telemetry: Option<MicroTelemetry>,
 }

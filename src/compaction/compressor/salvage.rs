@@ -8,16 +8,16 @@ use crate::compaction::prune;
 use crate::compaction::view;
 
 /// Salvage caps a standalone summary at this many characters.
-pub const SALVAGE_SUMMARY_MAX_CHARS: usize = 8_000;
+pub(super) const SALVAGE_SUMMARY_MAX_CHARS: usize = 8_000;
 /// Salvage keeps this many newest tool bodies.
-pub const SALVAGE_KEEP_TOOL_RESULTS: usize = 2;
+pub(super) const SALVAGE_KEEP_TOOL_RESULTS: usize = 2;
 
 /// Whether a candidate is smaller than its input. At or over the trigger
 /// threshold (every automatic compaction) only fewer tokens count: a
 /// token-neutral rewrite would re-fire on the next request. Below it (manual
 /// or forced calls on short chats) fewer rows also count, which is the
 /// guard against "messages N→N" loops.
-pub fn is_progress(
+pub(super) fn is_progress(
     tokens_before: u64,
     tokens_after: u64,
     rows_before: usize,

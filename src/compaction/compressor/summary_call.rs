@@ -13,16 +13,16 @@ use crate::compaction::view;
 
 /// One summary generation: the summary, or how it failed, and what it cost.
 #[derive(Clone, Debug, Default, PartialEq)]
-pub struct SummaryAttempt {
+pub(crate) struct SummaryAttempt {
     /// The summary to place (prefix and body), when it succeeded.
-    pub summary: Option<String>,
+    pub(crate) summary: Option<String>,
     /// Its body alone: the next running summary.
     pub(crate) body: Option<String>,
     /// The failure, when it failed. Neither this nor `summary` is set when
     /// a live cooldown held the call.
-    pub failure: Option<SummaryFailure>,
+    pub(crate) failure: Option<SummaryFailure>,
     /// A distinct summary model failed and the main model was tried.
-    pub aux_model_failure: Option<AuxModelFailure>,
+    pub(crate) aux_model_failure: Option<AuxModelFailure>,
     /// Summary calls made (including a retry on the main model).
     pub(crate) calls: u32,
     /// Chunks the input was summarised in.

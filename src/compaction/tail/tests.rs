@@ -1,19 +1,56 @@
-//! Ported tail-cut, pruning and sanitiser tests (tests/REFERENCE_PARITY.md
-//! maps them).
+//! The protected tail: the ported tail-cut, pruning and sanitiser tests
+//! (tests/REFERENCE_PARITY.md maps them) and compactor's own.
 
-// Test helpers panic on bad fixtures: that is a failed test, as in a #[test].
-#![allow(clippy::unwrap_used, clippy::expect_used)]
-
-mod engine_support;
-
-use compactor::compaction::prune::{prune_old_tool_results, PruneParams};
-use compactor::compaction::sanitize::sanitize_tool_pairs;
-use compactor::compaction::tail::{
-    ensure_last_n_user_messages_in_tail, ensure_last_user_message_in_tail,
-};
-use compactor::compaction::tokens::estimate_msg_budget_tokens;
-use engine_support::*;
+use super::*;
+use crate::compaction::prune::{prune_old_tool_results, PruneParams};
+use crate::compaction::sanitize::sanitize_tool_pairs;
+use crate::compaction::test_support::*;
+use crate::compaction::tokens::estimate_msg_budget_tokens;
 use serde_json::{json, Value};
+
+fn m(role: &str) -> Value {
+    json!({"role": role, "content": "x"})
+}
+
+#[test]
+fn min_tail_floor_rules() {
+    assert_eq!(min_tail_floor(20, 100), 8);
+    assert_eq!(min_tail_floor(2, 100), 3);
+    assert_eq!(min_tail_floor(20, 6), 4);
+    assert_eq!(min_tail_floor(20, 3), 3);
+    assert_eq!(min_tail_floor(20, 2), 2);
+    assert_eq!(min_tail_floor(20, 1), 0);
+}
+
+#[test]
+fn alignment_keeps_tool_groups_whole() {
+    let calls = json!({"role": "assistant", "content": null, "tool_calls": [{"id": "a"}]});
+    let msgs = vec![m("user"), calls, m("tool"), m("tool"), m("assistant")];
+    assert_eq!(align_backward(&msgs, 3), 1);
+    assert_eq!(align_backward(&msgs, 4), 1);
+    assert_eq!(align_backward(&msgs, 2), 1);
+    assert_eq!(align_backward(&msgs, 1), 1);
+    assert_eq!(align_forward(&msgs, 2), 4);
+    assert_eq!(find_turn_pair_end(&msgs, 0), 4);
+}
+
+#[test]
+fn cut_never_lands_in_the_head_or_past_the_end() {
+    let msgs: Vec<Value> = (0..10)
+        .map(|i| m(if i % 2 == 0 { "user" } else { "assistant" }))
+        .collect();
+    let p = TailParams {
+        budget: 1,
+        soft_ceiling: 1,
+        protect_last_n: 0,
+        min_tail_user_messages: 1,
+        allow_split_turn: false,
+    };
+    for head in 0..9 {
+        let cut = find_tail_cut_by_tokens(&msgs, head, &p);
+        assert!(cut > head && cut <= msgs.len(), "head {head} cut {cut}");
+    }
+}
 
 // ------------------------------------------------- TestTailBudgetCodexReplayFields
 
@@ -34,7 +71,7 @@ fn replay_conversation(hidden: Value) -> Vec<Value> {
     v
 }
 
-fn first1_last1() -> compactor::compaction::compressor::Compressor {
+fn first1_last1() -> crate::compaction::compressor::Compressor {
     compressor_with("test/model", 100_000, |c| {
         c.protect_first_n = 1;
         c.protect_last_n = 1;
@@ -111,7 +148,7 @@ fn tail_cut_counts_each_hidden_replay_field_codex_message_items() {
 
 // ---------------------------------------------------- TestTokenBudgetTailProtection
 
-fn budget_compressor() -> compactor::compaction::compressor::Compressor {
+fn budget_compressor() -> crate::compaction::compressor::Compressor {
     compressor_with("test/model", 200_000, |c| {
         c.threshold_percent = 0.5;
         c.protect_first_n = 2;
@@ -226,7 +263,7 @@ fn pass3_emits_valid_json_for_downstream_provider() {
 
 // ------------------------------------------------------------- TestTurnPairPreservation
 
-fn pair_compressor() -> compactor::compaction::compressor::Compressor {
+fn pair_compressor() -> crate::compaction::compressor::Compressor {
     compressor_with("test/model", 100_000, |c| {
         c.threshold_percent = 0.85;
         c.protect_first_n = 1;
@@ -333,7 +370,7 @@ fn sanitizer_strips_orphaned_with_call_id_mismatch() {
 
 // ------------------------------------------------------------- TestMinTailUserMessages
 
-fn n_user_compressor(n: usize, first: usize) -> compactor::compaction::compressor::Compressor {
+fn n_user_compressor(n: usize, first: usize) -> crate::compaction::compressor::Compressor {
     compressor_with("test/model", 200_000, move |c| {
         c.threshold_percent = 0.5;
         c.protect_first_n = first;

@@ -4,21 +4,18 @@
 //! verbatim (exactly once) and never orphan a tool call or result, also when
 //! the active turn alone outgrows the tail and has to be split.
 
-// Test helpers panic on bad fixtures: that is a failed test, as in a #[test].
-#![allow(clippy::unwrap_used, clippy::expect_used)]
-
-mod engine_support;
-
-use compactor::compaction::compressor::{CompressOptions, Compressor, Outcome};
-use compactor::compaction::config::CompactionConfig;
-use compactor::compaction::markers::{self, END_MARKER, SUMMARY_PREFIX, SUMMARY_PREFIX_COMPACT};
-use compactor::compaction::tokens::{estimate_messages_tokens_rough, estimate_tools_tokens};
-use compactor::compaction::trigger::{Trigger, WindowSource};
-use compactor::compaction::view;
-use engine_support::*;
-use serde_json::{json, Value};
 use std::collections::HashSet;
 use std::sync::Arc;
+
+use serde_json::{json, Value};
+
+use crate::compaction::compressor::{CompressOptions, Compressor, Outcome};
+use crate::compaction::config::CompactionConfig;
+use crate::compaction::markers::{self, END_MARKER, SUMMARY_PREFIX, SUMMARY_PREFIX_COMPACT};
+use crate::compaction::test_support::*;
+use crate::compaction::tokens::{estimate_messages_tokens_rough, estimate_tools_tokens};
+use crate::compaction::trigger::{Trigger, WindowSource};
+use crate::compaction::view;
 
 const WINDOWS: [u64; 3] = [2_048, 4_096, 8_192];
 const MAX_TOKENS: u64 = 16;
@@ -192,7 +189,7 @@ fn summaries_are_bounded_by_the_window_and_use_the_compact_prefix() {
     for window in WINDOWS {
         for kind in KINDS {
             let mut c = engine(window);
-            let cap = 4 * compactor::compaction::budget::summary_budget(
+            let cap = 4 * crate::compaction::budget::summary_budget(
                 u64::MAX / 8,
                 c.trigger.max_summary_tokens(),
             );
@@ -211,13 +208,13 @@ fn summaries_are_bounded_by_the_window_and_use_the_compact_prefix() {
             // The summary is bounded by its cap; the user's own messages
             // kept beside it by a budget of their own.
             let (body, said) =
-                compactor::compaction::user_messages::split(&markers::summary_body(&text));
+                crate::compaction::user_messages::split(&markers::summary_body(&text));
             assert!(
                 body.chars().count() as u64 <= cap,
                 "{window} {kind:?}: body {} chars > cap {cap}",
                 body.chars().count()
             );
-            let said_tokens = compactor::compaction::user_messages::tokens(&said);
+            let said_tokens = crate::compaction::user_messages::tokens(&said);
             assert!(
                 said_tokens <= c.trigger.user_messages_budget(),
                 "{window} {kind:?}: user messages take {said_tokens}"
@@ -305,7 +302,7 @@ fn simulate(window: u64, kind: Kind, follow_up_every: usize) -> (usize, u64) {
                         view::role(m),
                         tx.len(),
                         &tx[tx.len().saturating_sub(60)..],
-                        compactor::compaction::tokens::estimate_msg_budget_tokens(m, false)
+                        crate::compaction::tokens::estimate_msg_budget_tokens(m, false)
                     );
                 }
             }
@@ -337,7 +334,7 @@ fn simulate(window: u64, kind: Kind, follow_up_every: usize) -> (usize, u64) {
 fn newest_ask_any(msgs: &[Value]) -> String {
     let i = msgs
         .iter()
-        .rposition(compactor::compaction::compressor::is_ask_row)
+        .rposition(crate::compaction::compressor::cut::is_ask_row)
         .expect("an ask");
     let text = content_str(&msgs[i]);
     match text.rfind(END_MARKER) {
