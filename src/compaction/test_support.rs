@@ -1,36 +1,35 @@
-//! Shared helpers of the engine's unit tests that drive a whole compressor:
-//! a scripted summariser standing in for the ported tests' patched LLM call,
-//! and compressor builders mirroring their fixtures (the same helpers as
-//! `tests/engine_support`, for the tests that need the engine's insides).
-#![allow(dead_code)]
+//! Shared helpers of the engine's tests that drive a whole compressor: a
+//! scripted summariser standing in for the ported tests' patched LLM call,
+//! and compressor builders mirroring their fixtures. One file for both
+//! sides: the unit tests in the crate include it as a module of
+//! `compaction`, `tests/engine_support` by `#[path]`; either parent
+//! provides the engine's public names it reads through `super::`.
+#![allow(dead_code, unreachable_pub)]
 
 use std::collections::VecDeque;
 use std::sync::{Arc, Mutex};
 
 use serde_json::{json, Value};
 
-use super::compressor::Compressor;
-use super::config::CompactionConfig;
-use super::markers;
-use super::summariser::{Summariser, SummaryError, SummaryReply, SummaryRequest};
-use super::summary_failure::SummaryErrorKind;
-use super::trigger::{Trigger, WindowSource};
-use super::view;
+use super::{
+    declare_summary, CompactionConfig, Compressor, Summariser, SummaryError, SummaryErrorKind,
+    SummaryReply, SummaryRequest, Trigger, WindowSource,
+};
 
 /// One scripted answer.
-pub(crate) type Answer = Result<SummaryReply, SummaryError>;
+pub type Answer = Result<SummaryReply, SummaryError>;
 
 /// A summariser that plays back scripted answers (the last one repeats) and
 /// records every request.
-pub(crate) struct Stub {
+pub struct Stub {
     script: Mutex<VecDeque<Answer>>,
     last: Mutex<Option<Answer>>,
-    pub(crate) requests: Mutex<Vec<SummaryRequest>>,
-    pub(crate) budget: usize,
+    pub requests: Mutex<Vec<SummaryRequest>>,
+    pub budget: usize,
 }
 
 impl Stub {
-    pub(crate) fn seq(answers: Vec<Answer>) -> Self {
+    pub fn seq(answers: Vec<Answer>) -> Self {
         Self {
             script: Mutex::new(answers.into()),
             last: Mutex::new(None),
@@ -38,26 +37,26 @@ impl Stub {
             budget: 160_000,
         }
     }
-    pub(crate) fn ok(text: &str) -> Self {
+    pub fn ok(text: &str) -> Self {
         Self::seq(vec![Ok(SummaryReply::text(text))])
     }
-    pub(crate) fn reply(r: SummaryReply) -> Self {
+    pub fn reply(r: SummaryReply) -> Self {
         Self::seq(vec![Ok(r)])
     }
-    pub(crate) fn err(e: SummaryError) -> Self {
+    pub fn err(e: SummaryError) -> Self {
         Self::seq(vec![Err(e)])
     }
-    pub(crate) fn with_budget(mut self, chars: usize) -> Self {
+    pub fn with_budget(mut self, chars: usize) -> Self {
         self.budget = chars;
         self
     }
-    pub(crate) fn calls(&self) -> usize {
+    pub fn calls(&self) -> usize {
         self.requests.lock().unwrap().len()
     }
-    pub(crate) fn request(&self, i: usize) -> SummaryRequest {
+    pub fn request(&self, i: usize) -> SummaryRequest {
         self.requests.lock().unwrap()[i].clone()
     }
-    pub(crate) fn last_request(&self) -> SummaryRequest {
+    pub fn last_request(&self) -> SummaryRequest {
         self.requests.lock().unwrap().last().cloned().unwrap()
     }
 }
@@ -88,23 +87,23 @@ impl Summariser for Stub {
 // Provider errors as the summariser reports them.
 
 /// `RuntimeError("no provider")`: no summary provider configured.
-pub(crate) fn no_provider() -> SummaryError {
+pub fn no_provider() -> SummaryError {
     SummaryError::new(SummaryErrorKind::NoProvider, None, "no provider")
 }
 /// `Exception(msg)` without a status.
-pub(crate) fn plain(msg: &str) -> SummaryError {
+pub fn plain(msg: &str) -> SummaryError {
     SummaryError::new(SummaryErrorKind::Http, None, msg)
 }
 /// `StubProviderError(msg, status_code=status)`.
-pub(crate) fn status(code: u16, msg: &str) -> SummaryError {
+pub fn status(code: u16, msg: &str) -> SummaryError {
     SummaryError::http(code, msg)
 }
 /// `ConnectionError("Connection error.")`.
-pub(crate) fn connection() -> SummaryError {
+pub fn connection() -> SummaryError {
     SummaryError::new(SummaryErrorKind::Network, None, "Connection error.")
 }
 /// `json.JSONDecodeError("Expecting value", "<!DOCTYPE html>…", 0)`.
-pub(crate) fn json_decode() -> SummaryError {
+pub fn json_decode() -> SummaryError {
     SummaryError::new(
         SummaryErrorKind::Decode,
         None,
@@ -112,11 +111,11 @@ pub(crate) fn json_decode() -> SummaryError {
     )
 }
 /// A premature close of the response stream (a connection error).
-pub(crate) fn stream_closed(msg: &str) -> SummaryError {
+pub fn stream_closed(msg: &str) -> SummaryError {
     SummaryError::new(SummaryErrorKind::StreamClosed, None, msg)
 }
 /// A reply whose `message.content` is null.
-pub(crate) fn null_content() -> SummaryReply {
+pub fn null_content() -> SummaryReply {
     SummaryReply {
         content: Some(Value::Null),
         finish_reason: Some("stop".into()),
@@ -126,7 +125,7 @@ pub(crate) fn null_content() -> SummaryReply {
 }
 
 /// A compressor over a known window; `f` edits the defaults.
-pub(crate) fn compressor_with(
+pub fn compressor_with(
     model: &str,
     window: u64,
     f: impl FnOnce(&mut CompactionConfig),
@@ -139,7 +138,7 @@ pub(crate) fn compressor_with(
 }
 
 /// `ContextCompressor(model="test", quiet_mode=True, protect_first_n=a, protect_last_n=b)` at 100k.
-pub(crate) fn compressor(first: usize, last: usize) -> Compressor {
+pub fn compressor(first: usize, last: usize) -> Compressor {
     compressor_with("test", 100_000, |c| {
         c.protect_first_n = first;
         c.protect_last_n = last;
@@ -148,7 +147,7 @@ pub(crate) fn compressor(first: usize, last: usize) -> Compressor {
 
 /// The ported `compressor` fixture: model "test/model", 100k window,
 /// threshold 0.85, protect_first_n=2, protect_last_n=2.
-pub(crate) fn fixture() -> Compressor {
+pub fn fixture() -> Compressor {
     compressor_with("test/model", 100_000, |c| {
         c.threshold_percent = 0.85;
         c.protect_first_n = 2;
@@ -156,20 +155,20 @@ pub(crate) fn fixture() -> Compressor {
     })
 }
 
-pub(crate) fn msg(role: &str, content: &str) -> Value {
+pub fn msg(role: &str, content: &str) -> Value {
     json!({"role": role, "content": content})
 }
 
 /// A row that is compactor's own summary, declared as the proxy declares
 /// the summary rows of a compaction record (text alone does not make one).
-pub(crate) fn summary_msg(role: &str, content: &str) -> Value {
+pub fn summary_msg(role: &str, content: &str) -> Value {
     let mut m = msg(role, content);
-    markers::declare_summary(&mut m);
+    declare_summary(&mut m);
     m
 }
 
 /// `[{"role": "user" if i % 2 == 0 else "assistant", "content": f"msg {i}"} for i in range(n)]`
-pub(crate) fn alternating(n: usize, prefix: &str) -> Vec<Value> {
+pub fn alternating(n: usize, prefix: &str) -> Vec<Value> {
     (0..n)
         .map(|i| {
             msg(
@@ -180,11 +179,33 @@ pub(crate) fn alternating(n: usize, prefix: &str) -> Vec<Value> {
         .collect()
 }
 
-pub(crate) fn content_str(m: &Value) -> String {
-    view::text(m)
+/// The text of a message's content: the string itself, or the text parts of
+/// a list joined with a space (as the engine reads it).
+pub fn content_str(m: &Value) -> String {
+    match m.get("content").unwrap_or(&Value::Null) {
+        Value::String(s) => s.clone(),
+        Value::Array(parts) => {
+            let mut out = String::new();
+            for p in parts {
+                let text = match p {
+                    Value::String(s) => Some(s.as_str()),
+                    Value::Object(o) => o.get("text").and_then(Value::as_str),
+                    _ => None,
+                };
+                if let Some(t) = text {
+                    if !out.is_empty() {
+                        out.push(' ');
+                    }
+                    out.push_str(t);
+                }
+            }
+            out
+        }
+        _ => String::new(),
+    }
 }
 
-pub(crate) fn block_on<F: std::future::Future>(f: F) -> F::Output {
+pub fn block_on<F: std::future::Future>(f: F) -> F::Output {
     tokio::runtime::Builder::new_current_thread()
         .build()
         .unwrap()
