@@ -263,6 +263,19 @@ impl Trigger {
             None => self.invalidate_budgets(),
         }
 
+        self.forget_usage();
+        if runtime_changed {
+            self.fallback_streak = 0;
+            self.clear_failure_cooldown();
+            self.timeout_failures = 0;
+            self.truncated_failures = 0;
+        }
+    }
+
+    /// Forgets the usage seen and the verdicts drawn from it (a new model
+    /// or window, a new session): counts from another runtime mean nothing
+    /// here.
+    pub(super) fn forget_usage(&mut self) {
         self.last_prompt_tokens = 0;
         self.last_completion_tokens = 0;
         self.last_total_tokens = 0;
@@ -273,12 +286,6 @@ impl Trigger {
         self.ineffective_compression_count = 0;
         self.prellm_skip_count = 0;
         self.verify_pending = false;
-        if runtime_changed {
-            self.fallback_streak = 0;
-            self.clear_failure_cooldown();
-            self.timeout_failures = 0;
-            self.truncated_failures = 0;
-        }
     }
 
     /// A compaction was committed and sent. Sets the −1 sentinel, awaits

@@ -80,22 +80,13 @@ impl Trigger {
     // history, hence a new record chain).
     #[cfg(test)]
     pub(crate) fn reset_session(&mut self) {
-        self.last_prompt_tokens = 0;
-        self.last_completion_tokens = 0;
-        self.last_total_tokens = 0;
-        self.last_real_prompt_tokens = 0;
-        self.last_rough_tokens_when_real_prompt_fit = 0;
-        self.last_compression_rough_tokens = 0;
-        self.awaiting_real_usage_after_compression = false;
-        self.ineffective_compression_count = 0;
+        self.forget_usage();
         self.fallback_streak = 0;
-        self.prellm_skip_count = 0;
         self.compression_count = 0;
         self.provider_omits_usage = false;
         self.clear_failure_cooldown();
         self.structural_backoff_until = None;
         self.recovery_deadline = None;
-        self.verify_pending = false;
         self.timeout_failures = 0;
         self.truncated_failures = 0;
     }
