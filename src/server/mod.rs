@@ -7,6 +7,7 @@
 
 pub mod admin;
 pub mod conn;
+pub mod cores;
 pub mod fdlimit;
 pub mod router;
 pub mod ui;
@@ -76,6 +77,9 @@ pub enum AppError {
     /// The configuration is invalid (found while building the state).
     #[error(transparent)]
     Config(#[from] ConfigError),
+    /// A serving thread or its runtime could not be started.
+    #[error("cannot start a serving thread: {0}")]
+    Runtime(#[source] std::io::Error),
     /// The listen address could not be bound.
     #[error("cannot listen on {addr}: {source}")]
     Bind {
@@ -100,9 +104,49 @@ pub async fn bind(config: Config) -> Result<(TcpListener, Arc<AppState>), AppErr
     Ok((listener, state))
 }
 
+/// What a serving loop does besides accepting.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Duties {
+    /// Runs the periodic sweep of idle sessions and records (one loop of
+    /// the process does).
+    pub(crate) sweep: bool,
+    /// Open client connections allowed, process-wide.
+    pub(crate) max_connections: u64,
+}
+
+/// The connection cap in force (the open-file limit raised first),
+/// published as a metric.
+pub(crate) fn max_connections(state: &AppState) -> u64 {
+    let max = fdlimit::effective_max_connections(state.config.limits.max_connections) as u64;
+    state.metrics.set_max_connections(max);
+    max
+}
+
 /// Accepts connections until `shutdown` resolves, then stops accepting and
 /// lets in-flight requests finish for at most `shutdown_grace`.
 pub async fn serve<F>(listener: TcpListener, state: Arc<AppState>, shutdown: F)
+where
+    F: Future<Output = ()>,
+{
+    let duties = Duties {
+        sweep: true,
+        max_connections: max_connections(&state),
+    };
+    if serve_on(listener, state, shutdown, duties).await {
+        tracing::info!("all connections closed");
+    } else {
+        tracing::warn!("shutdown grace period elapsed, aborting remaining connections");
+    }
+}
+
+/// [`serve`]'s loop with its `duties`; false when the shutdown grace ended
+/// before the connections did.
+pub(crate) async fn serve_on<F>(
+    listener: TcpListener,
+    state: Arc<AppState>,
+    shutdown: F,
+    duties: Duties,
+) -> bool
 where
     F: Future<Output = ()>,
 {
@@ -124,15 +168,13 @@ where
     tokio::pin!(shutdown);
     // Idle sessions and records are dropped by this loop, so the sweep
     // stops with the server.
-    let max_connections =
-        fdlimit::effective_max_connections(state.config.limits.max_connections) as u64;
-    state.metrics.set_max_connections(max_connections);
+    let max_connections = duties.max_connections;
     let mut sweep = tokio::time::interval(SWEEP_EVERY);
     sweep.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
 
     loop {
         tokio::select! {
-            _ = sweep.tick() => state.chat.sweep(),
+            _ = sweep.tick(), if duties.sweep => state.chat.sweep(),
             accepted = listener.accept() => {
                 let (stream, _peer) = match accepted {
                     Ok(a) => a,
@@ -181,13 +223,15 @@ where
     }
     drop(listener);
     let grace = state.config.timeouts.shutdown_grace;
-    tracing::info!(
-        grace_secs = grace.as_secs(),
-        "shutting down, draining in-flight requests"
-    );
+    if duties.sweep {
+        tracing::info!(
+            grace_secs = grace.as_secs(),
+            "shutting down, draining in-flight requests"
+        );
+    }
     tokio::select! {
-        () = graceful.shutdown() => tracing::info!("all connections closed"),
-        () = tokio::time::sleep(grace) => tracing::warn!("shutdown grace period elapsed, aborting remaining connections"),
+        () = graceful.shutdown() => true,
+        () = tokio::time::sleep(grace) => false,
     }
 }
 
