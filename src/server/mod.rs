@@ -162,7 +162,14 @@ where
     // and its upstream connection. A compaction the request started
     // finishes and is recorded either way (chat::worker). HTTP/2 is not
     // affected: a stream's END_STREAM is not a connection close.
-    builder.http1().timer(TokioTimer::new()).half_close(true);
+    // writev(false): a batch of small frames (an SSE burst the coalescer
+    // gathered) is copied into one buffer and written at once; queued, hyper
+    // writes at most 16 of them per `writev`.
+    builder
+        .http1()
+        .timer(TokioTimer::new())
+        .half_close(true)
+        .writev(false);
     builder.http2().timer(TokioTimer::new());
     let graceful = GracefulShutdown::new();
     tokio::pin!(shutdown);

@@ -22,7 +22,6 @@ use crate::metrics::Metrics;
 use crate::upstream::body::{
     observed, ByteBudget, Eos, FlushBeforeError, LimitedBody, ProxyReqBody,
 };
-use crate::upstream::coalesce::CoalesceBody;
 use crate::upstream::{replayable_len, RequestStats};
 
 /// Exact path intercepted for compaction.
@@ -205,8 +204,9 @@ pub async fn handle_on(
             "request"
         );
     });
-    // Frames gathered by the coalescer must be written before an error.
-    let body = observed(FlushBeforeError::new(CoalesceBody::new(body)), on_eos).boxed_unsync();
+    // Frames gathered by the coalescer (`upstream::coalesce`, next to the
+    // upstream's body) must be written before an error.
+    let body = observed(FlushBeforeError::new(body), on_eos).boxed_unsync();
     Ok(Response::from_parts(parts, body))
 }
 
