@@ -14,7 +14,8 @@
 //!   [`metrics`], [`telemetry`].
 //! - Pure leaves: [`compaction`] (the engine, synchronous, no I/O),
 //!   [`window`], [`store`], [`request`], [`codec`] (each API's request
-//!   mapped onto the engine's conversation and back), [`error`], [`sync`].
+//!   mapped onto the engine's conversation and back), [`error`], [`sync`],
+//!   `skim` (a validating skim of a JSON object's members).
 //!
 //! `ARCHITECTURE.md` has the walk of a request and the module map;
 //! `scripts/check_layers.sh` keeps the imports free of cycles.
@@ -30,6 +31,7 @@ pub mod metrics;
 pub mod request;
 pub mod server;
 pub mod session;
+mod skim;
 pub mod store;
 pub mod sync;
 pub mod telemetry;

@@ -251,6 +251,11 @@ impl ChatRequest {
     /// `list_key` (the same view serves other APIs' item lists).
     pub fn parse_list(bytes: impl Into<Bytes>, list_key: &'static str) -> Result<Self, ParseError> {
         let original: Bytes = bytes.into();
+        // The skim reads what serde_json reads, several times faster; what
+        // it leaves to serde_json (errors among it) takes the path below.
+        if let Some(parsed) = Self::skimmed(&original, list_key) {
+            return Ok(parsed);
+        }
         let borrowed = {
             let mut de = serde_json::Deserializer::from_slice(&original);
             de::DeserializeSeed::deserialize(TopSeed(list_key), &mut de).and_then(|t| {
@@ -291,6 +296,39 @@ impl ChatRequest {
         let messages = messages.ok_or(ParseError::MissingMessages)?;
         Ok(Self {
             original,
+            top,
+            messages,
+            messages_replaced: false,
+            list_key,
+        })
+    }
+
+    /// [`Self::parse_list`] by [`crate::skim`]: `None` leaves the body to
+    /// serde_json.
+    fn skimmed(original: &Bytes, list_key: &'static str) -> Option<Self> {
+        let text = std::str::from_utf8(original).ok()?;
+        let skimmed = crate::skim::object(text, Some(list_key))?;
+        let mut top = Members(Vec::with_capacity(skimmed.members.len()));
+        for (k, span) in skimmed.members {
+            let raw = if k == list_key {
+                None
+            } else {
+                Some(crate::skim::raw_boxed(text.get(span.clone())?)?)
+            };
+            let member = Member {
+                raw,
+                span: Some(span),
+                changed: false,
+            };
+            top.insert(k.to_owned(), member);
+        }
+        let messages = skimmed
+            .list?
+            .into_iter()
+            .map(|r| crate::skim::raw_boxed(text.get(r)?))
+            .collect::<Option<Vec<_>>>()?;
+        Some(Self {
+            original: original.clone(),
             top,
             messages,
             messages_replaced: false,
