@@ -132,7 +132,7 @@ where
         sweep: true,
         max_connections: max_connections(&state),
     };
-    if serve_on(listener, state, shutdown, duties).await {
+    if serve_on(listener, state, shutdown, duties, None).await {
         tracing::info!("all connections closed");
     } else {
         tracing::warn!("shutdown grace period elapsed, aborting remaining connections");
@@ -146,6 +146,7 @@ pub(crate) async fn serve_on<F>(
     state: Arc<AppState>,
     shutdown: F,
     duties: Duties,
+    mut balance: Option<cores::Balance>,
 ) -> bool
 where
     F: Future<Output = ()>,
@@ -180,8 +181,11 @@ where
     sweep.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
 
     loop {
-        tokio::select! {
-            _ = sweep.tick(), if duties.sweep => state.chat.sweep(),
+        let (stream, load) = tokio::select! {
+            _ = sweep.tick(), if duties.sweep => {
+                state.chat.sweep();
+                continue;
+            }
             accepted = listener.accept() => {
                 let (stream, _peer) = match accepted {
                     Ok(a) => a,
@@ -199,34 +203,22 @@ where
                     tokio::spawn(conn::reject(stream));
                     continue;
                 }
-                if let Err(e) = stream.set_nodelay(true) {
-                    tracing::debug!(error = %e, "set_nodelay failed");
+                let Some(b) = balance.as_ref() else {
+                    serve_connection(&builder, &graceful, &state, stream, None);
+                    continue;
+                };
+                match b.place(stream) {
+                    cores::Placed::Here(stream, load) => (stream, Some(load)),
+                    cores::Placed::Elsewhere => continue,
                 }
-                metrics.connection_opened();
-                let activity = Arc::new(conn::Activity::default());
-                let io = conn::IdleIo::new(
-                    stream,
-                    state.config.timeouts.client_idle,
-                    Arc::clone(&activity),
-                    Arc::clone(metrics),
-                );
-                let st = Arc::clone(&state);
-                let service = service_fn(move |req| {
-                    let active = conn::Active::new(&activity);
-                    router::handle_on(Arc::clone(&st), req, Some(active))
-                });
-                let conn = builder.serve_connection(TokioIo::new(io), service);
-                let conn = graceful.watch(conn.into_owned());
-                let metrics = Arc::clone(metrics);
-                tokio::spawn(async move {
-                    if let Err(e) = conn.await {
-                        tracing::debug!(error = %e, "connection ended with error");
-                    }
-                    metrics.connection_closed();
-                });
             }
+            handed = cores::handed_over(&mut balance) => match handed {
+                Some(placed) => placed,
+                None => continue,
+            },
             () = &mut shutdown => break,
-        }
+        };
+        serve_connection(&builder, &graceful, &state, stream, load);
     }
     drop(listener);
     let grace = state.config.timeouts.shutdown_grace;
@@ -240,6 +232,44 @@ where
         () = graceful.shutdown() => true,
         () = tokio::time::sleep(grace) => false,
     }
+}
+
+/// Serves one accepted client connection in a task of its own; `load`
+/// (its thread's share of the connections) is given back when it ends.
+fn serve_connection(
+    builder: &auto::Builder<TokioExecutor>,
+    graceful: &GracefulShutdown,
+    state: &Arc<AppState>,
+    stream: tokio::net::TcpStream,
+    load: Option<cores::Load>,
+) {
+    if let Err(e) = stream.set_nodelay(true) {
+        tracing::debug!(error = %e, "set_nodelay failed");
+    }
+    let metrics = &state.metrics;
+    metrics.connection_opened();
+    let activity = Arc::new(conn::Activity::default());
+    let io = conn::IdleIo::new(
+        stream,
+        state.config.timeouts.client_idle,
+        Arc::clone(&activity),
+        Arc::clone(metrics),
+    );
+    let st = Arc::clone(state);
+    let service = service_fn(move |req| {
+        let active = conn::Active::new(&activity);
+        router::handle_on(Arc::clone(&st), req, Some(active))
+    });
+    let conn = builder.serve_connection(TokioIo::new(io), service);
+    let conn = graceful.watch(conn.into_owned());
+    let metrics = Arc::clone(metrics);
+    tokio::spawn(async move {
+        if let Err(e) = conn.await {
+            tracing::debug!(error = %e, "connection ended with error");
+        }
+        metrics.connection_closed();
+        drop(load);
+    });
 }
 
 /// Binds, logs `listening on <addr>`, serves until `shutdown`.
