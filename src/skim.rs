@@ -39,7 +39,10 @@ pub(crate) fn object<'a>(text: &'a str, list: Option<&str>) -> Option<Skimmed<'a
         i: 0,
         stack: Vec::new(),
     };
-    let mut out = Skimmed::default();
+    let mut out = Skimmed {
+        members: Vec::with_capacity(16),
+        list: None,
+    };
     s.ws();
     s.eat(b'{')?;
     s.ws();
@@ -84,9 +87,8 @@ pub(crate) fn object<'a>(text: &'a str, list: Option<&str>) -> Option<Skimmed<'a
     (s.i == body.len()).then_some(out)
 }
 
-/// `json` as an owned raw value without parsing it again. Only for text
-/// [`object`] skimmed (a member's or an element's range), which is valid
-/// JSON.
+/// `json` as a raw value without parsing it again. Only for text [`object`]
+/// skimmed (a member's or an element's range), which is valid JSON.
 ///
 /// serde_json checks a raw value it builds from a string by parsing it;
 /// its own deserializers hand one over through a private newtype protocol
@@ -94,6 +96,11 @@ pub(crate) fn object<'a>(text: &'a str, list: Option<&str>) -> Option<Skimmed<'a
 /// serde_json release change the protocol, this returns `None` and the
 /// caller parses as before (`tests::trusted_raw_values_are_built` fails
 /// first).
+pub(crate) fn raw(json: &str) -> Option<&RawValue> {
+    <&RawValue as de::Deserialize>::deserialize(Trusted(json)).ok()
+}
+
+/// [`raw`], owned.
 pub(crate) fn raw_boxed(json: &str) -> Option<Box<RawValue>> {
     <Box<RawValue> as de::Deserialize>::deserialize(Trusted(json)).ok()
 }
@@ -180,6 +187,7 @@ impl Scan<'_> {
     }
 
     /// A string from its opening quote; whether it holds an escape.
+    #[inline]
     fn string(&mut self) -> Option<bool> {
         self.i += 1;
         let mut escaped = false;
@@ -351,45 +359,51 @@ impl Scan<'_> {
 }
 
 /// Where the next byte that ends a run of string text is: a quote, a
-/// backslash or a control character (not allowed unescaped).
+/// backslash or a control character (not allowed unescaped). Keys, roles
+/// and short values end within a few bytes: the first 16 are tested eight
+/// at a time in a word, which costs less than setting up `memchr2`, which
+/// takes longer text (its control characters found by a minimum the
+/// compiler vectorises, two instructions per 16 bytes).
+#[inline]
 fn special(s: &[u8]) -> Option<usize> {
-    let end = quote_or_backslash(s)?;
-    // A minimum the compiler vectorises (two instructions per 16 bytes);
-    // the rare control character is then looked for again.
-    if s[..end].iter().fold(u8::MAX, |m, &b| m.min(b)) < 0x20 {
-        return s[..end].iter().position(|&b| b < 0x20);
-    }
-    Some(end)
-}
-
-/// Keys, roles and short values end within a few bytes: their first 16
-/// are tested eight at a time in a word (a quote or a backslash is a zero
-/// byte of the word xor'ed with it), which costs less than setting up
-/// `memchr2`, which takes the longer text.
-fn quote_or_backslash(s: &[u8]) -> Option<usize> {
     const SHORT: usize = 16;
-    const ONES: u64 = u64::MAX / 255;
-    const HIGH: u64 = ONES << 7;
-    // Marks a word's zero bytes; the lowest mark is always a true one.
-    let zeros = |x: u64| x.wrapping_sub(ONES) & !x & HIGH;
     let mut at = 0;
     while at < SHORT {
         let Some(word) = s.get(at..at + 8) else {
-            return s[at..]
-                .iter()
-                .position(|&b| b == b'"' || b == b'\\')
-                .map(|p| at + p);
+            return s[at..].iter().position(|&b| is_special(b)).map(|p| at + p);
         };
         let mut bytes = [0u8; 8];
         bytes.copy_from_slice(word);
-        let x = u64::from_le_bytes(bytes);
-        let hit = zeros(x ^ (ONES * u64::from(b'"'))) | zeros(x ^ (ONES * u64::from(b'\\')));
+        let hit = special_bytes(u64::from_le_bytes(bytes));
         if hit != 0 {
             return Some(at + (hit.trailing_zeros() / 8) as usize);
         }
         at += 8;
     }
-    memchr::memchr2(b'"', b'\\', &s[SHORT..]).map(|p| p + SHORT)
+    let rest = &s[SHORT..];
+    let end = memchr::memchr2(b'"', b'\\', rest)?;
+    let end = if rest[..end].iter().fold(u8::MAX, |m, &b| m.min(b)) < 0x20 {
+        rest[..end].iter().position(|&b| b < 0x20)?
+    } else {
+        end
+    };
+    Some(SHORT + end)
+}
+
+fn is_special(b: u8) -> bool {
+    b == b'"' || b == b'\\' || b < 0x20
+}
+
+/// Marks the quotes, backslashes and control characters among a word's
+/// bytes; the lowest mark is always a true one (a borrow only carries a
+/// false mark upwards, past a true one).
+fn special_bytes(x: u64) -> u64 {
+    const ONES: u64 = u64::MAX / 255;
+    const HIGH: u64 = ONES << 7;
+    let zeros = |y: u64| y.wrapping_sub(ONES) & !y & HIGH;
+    zeros(x ^ (ONES * u64::from(b'"')))
+        | zeros(x ^ (ONES * u64::from(b'\\')))
+        | (x.wrapping_sub(ONES * 0x20) & !x & HIGH)
 }
 
 #[cfg(test)]
@@ -491,11 +505,10 @@ mod tests {
                 let mut s = vec![b'a'; len];
                 s.push(end);
                 s.extend_from_slice(b"\"xyz\\");
-                assert_eq!(quote_or_backslash(&s), Some(len), "{len}");
                 assert_eq!(special(&s), Some(len), "{len}");
             }
             let plain = vec![b'a'; len];
-            assert_eq!(quote_or_backslash(&plain), None);
+            assert_eq!(special(&plain), None);
             let mut ctl = vec![b'a'; len];
             ctl.push(b'\n');
             ctl.push(b'"');
@@ -505,7 +518,7 @@ mod tests {
 
     #[test]
     fn trusted_raw_values_are_built() {
-        let r = raw_boxed(r#"{"a": [1, 2]}"#).expect("serde_json's raw value protocol");
+        let r = raw(r#"{"a": [1, 2]}"#).expect("serde_json's raw value protocol");
         assert_eq!(r.get(), r#"{"a": [1, 2]}"#);
         let b = raw_boxed("\"x\"").expect("serde_json's raw value protocol");
         assert_eq!(b.get(), "\"x\"");

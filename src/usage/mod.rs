@@ -146,7 +146,7 @@ pub struct UsageExtractor {
     parse_failures: u64,
 }
 
-#[derive(Deserialize)]
+#[derive(Deserialize, Default)]
 struct ChunkLite<'a> {
     #[serde(default, borrow)]
     usage: Option<&'a RawValue>,
@@ -164,6 +164,46 @@ struct ChunkLite<'a> {
     /// Responses `response.completed` carries its usage in `response`.
     #[serde(default, borrow)]
     response: Option<&'a RawValue>,
+}
+
+impl<'a> ChunkLite<'a> {
+    /// `payload` read as serde_json reads it into this struct: skimmed
+    /// (`crate::skim`) when it can be, else parsed by serde_json, which also
+    /// decides what the skim leaves to it (escaped or repeated keys, invalid
+    /// text), so the outcome is the same either way. The skim is several
+    /// times cheaper: for a small completion, 5,500 instructions of
+    /// serde_json against ~1,000.
+    fn read(payload: &'a [u8]) -> Result<Self, ()> {
+        match Self::skimmed(payload) {
+            Some(c) => Ok(c),
+            None => serde_json::from_slice(payload).map_err(|_| ()),
+        }
+    }
+
+    fn skimmed(payload: &'a [u8]) -> Option<Self> {
+        let text = std::str::from_utf8(payload).ok()?;
+        let top = crate::skim::object(text, None)?;
+        let mut c = ChunkLite::default();
+        for (key, span) in top.members {
+            let slot = match key {
+                "usage" => &mut c.usage,
+                "timings" => &mut c.timings,
+                "error" => &mut c.error,
+                "choices" => &mut c.choices,
+                "type" => &mut c.kind,
+                "message" => &mut c.message,
+                "response" => &mut c.response,
+                _ => continue,
+            };
+            let raw = text.get(span)?;
+            // serde_json reads `null` into an `Option` as `None`.
+            *slot = match raw {
+                "null" => None,
+                raw => Some(crate::skim::raw(raw)?),
+            };
+        }
+        Some(c)
+    }
 }
 
 /// An object's `usage` member, for the nested places it hides in.
@@ -407,7 +447,7 @@ impl UsageExtractor {
                 if body.is_empty() {
                     return;
                 }
-                match serde_json::from_slice::<ChunkLite<'_>>(&body) {
+                match ChunkLite::read(&body) {
                     Ok(c) => apply_chunk(&c, &body, &mut self.report, &mut self.start, true),
                     Err(_) => self.parse_failures += 1,
                 }
@@ -466,7 +506,7 @@ fn on_event(
     if ev.data == b"[DONE]" {
         return;
     }
-    match serde_json::from_slice::<ChunkLite<'_>>(ev.data) {
+    match ChunkLite::read(ev.data) {
         Ok(c) => apply_chunk(&c, ev.data, report, start, false),
         Err(_) => *parse_failures += 1,
     }
