@@ -190,19 +190,17 @@ pub async fn handle_on(
         drop(active);
         let bytes_in = stats.bytes_in.load(Ordering::Relaxed);
         metrics.record_request(route.label(), status.as_u16(), bytes_in, bytes_out);
-        let upstream_ms = upstream_wait.map(millis);
-        tracing::info!(
-            %method,
-            path = %path,
-            route = route.label(),
-            status = status.as_u16(),
+        crate::telemetry::request::log(&crate::telemetry::request::RequestLine {
+            method: method.as_str(),
+            path: &path,
+            route: route.label(),
+            status: status.as_u16(),
             bytes_in,
             bytes_out,
-            upstream_ms,
-            total_ms = millis(stats.start.elapsed()),
-            eos = eos.as_str(),
-            "request"
-        );
+            upstream_ms: upstream_wait.map(millis),
+            total_ms: millis(stats.start.elapsed()),
+            eos: eos.as_str(),
+        });
     });
     // Frames gathered by the coalescer (`upstream::coalesce`, next to the
     // upstream's body) must be written before an error.
