@@ -352,8 +352,15 @@ impl ChatRequest {
     }
 
     fn get_str(&self, key: &str) -> Option<String> {
-        self.get_raw(key)
-            .and_then(|r| serde_json::from_str::<String>(r.get()).ok())
+        let raw = self.get_raw(key)?.get();
+        // A raw value is valid JSON: quoted without a backslash, it is the
+        // text between its quotes.
+        if let Some(text) = raw.strip_prefix('"').and_then(|r| r.strip_suffix('"')) {
+            if !text.contains('\\') {
+                return Some(text.to_owned());
+            }
+        }
+        serde_json::from_str::<String>(raw).ok()
     }
 
     /// `model`, when it is a string.

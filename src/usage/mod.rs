@@ -108,8 +108,9 @@ impl BodyKind {
         match ct {
             Some(v)
                 if v.trim_start()
-                    .to_ascii_lowercase()
-                    .starts_with("text/event-stream") =>
+                    .as_bytes()
+                    .get(..17)
+                    .is_some_and(|p| p.eq_ignore_ascii_case(b"text/event-stream")) =>
             {
                 Self::Sse
             }
