@@ -668,6 +668,13 @@ fn extend_hashes(chain: &mut Vec<u128>, more: &[Box<RawValue>], canonical: bool)
     }
 }
 
+/// A fast hash of a message's raw bytes (not canonical): what
+/// [`ChainCache`] matches resent messages by, and the session key's memo of
+/// a conversation's opening; made once per request for both.
+pub fn raw_hash(m: &RawValue) -> u64 {
+    xxhash_rust::xxh3::xxh3_64(m.get().as_bytes())
+}
+
 /// Per-session memo of the last chain, keyed by a fast hash of each
 /// message's raw bytes: a client that resends its history byte for byte
 /// (the usual case) only pays the canonical hashing for new messages.
@@ -692,10 +699,21 @@ impl ChainCache {
     /// [`Self::chain`]; `canonical` says the messages are canonical JSON
     /// (a codec's decoding), hashed as they are.
     pub fn chain_as(&mut self, messages: &[Box<RawValue>], canonical: bool) -> &[u128] {
-        let raw: Vec<u64> = messages
-            .iter()
-            .map(|m| xxhash_rust::xxh3::xxh3_64(m.get().as_bytes()))
-            .collect();
+        let raw: Vec<u64> = messages.iter().map(|m| raw_hash(m)).collect();
+        self.chain_hashed(messages, &raw, canonical)
+    }
+
+    /// [`Self::chain_as`] with each message's [`raw_hash`] already made
+    /// (`raw[i]` of `messages[i]`).
+    pub fn chain_hashed(
+        &mut self,
+        messages: &[Box<RawValue>],
+        raw: &[u64],
+        canonical: bool,
+    ) -> &[u128] {
+        if raw.len() != messages.len() {
+            return self.chain_as(messages, canonical);
+        }
         let same = raw
             .iter()
             .zip(&self.raw)
@@ -703,7 +721,9 @@ impl ChainCache {
             .count();
         self.chain.truncate(same);
         extend_hashes(&mut self.chain, &messages[same..], canonical);
-        self.raw = raw;
+        // The buffer kept, not reallocated, turn after turn.
+        self.raw.clear();
+        self.raw.extend_from_slice(raw);
         &self.chain
     }
 }
