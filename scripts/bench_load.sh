@@ -178,6 +178,51 @@ run() {
   echo "$p50 $p99 $rps $(awk -v d=$((after - before)) -v n="$n" 'BEGIN{printf "%.1f", (n > 0 ? d / n : 0)}')"
 }
 
+# issue_table FILE: the table of issue 25 from the per-mode figures run()
+# gathered (one line per mode and concurrency: direct p50 p99 rps, then
+# p50 p99 rps cpu for the bare hop, nginx and compactor).
+issue_table() {
+  awk '
+    { k = $1 "/" $2; for (i = 3; i <= NF; i++) v[k, i] = $i; seen[$1] = 1 }
+    function ms(x) { return sprintf("%.3f", x / 1000) }
+    function lat(mode, col, label,   d, h, n, c) {
+      if (!((mode "/1", 3) in v)) return
+      d = v[mode "/1", col]; h = v[mode "/1", col + 3]; n = v[mode "/1", col + 7]; c = v[mode "/1", col + 11]
+      if (col == 3)
+        printf "| %s | %s | %s (+%.0f µs) | %s (+%.0f µs) | %s (+%.0f µs) |\n", label, ms(d), ms(h), h - d, ms(n), n - d, ms(c), c - d
+      else
+        printf "| %s | %s | %s | %s | %s |\n", label, ms(d), ms(h), ms(n), ms(c)
+    }
+    function rps(mode, label) {
+      if (!((mode "/64", 3) in v)) return
+      printf "| %s | %.0f | %.0f | %.0f | %.0f |\n", label, v[mode "/64", 5], v[mode "/64", 8], v[mode "/64", 12], v[mode "/64", 16]
+    }
+    function cpu(mode, conc, label,   n, c) {
+      if (!((mode "/" conc, 3) in v)) return
+      n = v[mode "/" conc, 13]; c = v[mode "/" conc, 17]
+      printf "| %s | — | %.1f µs | %.1f µs | %.1f µs (%.2fx) |\n", label, v[mode "/" conc, 9], n, c, (n > 0 ? c / n : 0)
+    }
+    END {
+      print "| | direct | bare hop | nginx | compactor |"
+      print "|---|---:|---:|---:|---:|"
+      lat("json", 3, "c=1 p50, non-stream")
+      lat("sse", 3, "c=1 p50, stream")
+      lat("json_agent", 3, "c=1 p50, 25 KB agent turn")
+      lat("json", 4, "c=1 p99, non-stream")
+      lat("sse", 4, "c=1 p99, stream")
+      lat("json_agent", 4, "c=1 p99, 25 KB agent turn")
+      rps("json", "c=64 req/s, non-stream")
+      rps("sse", "c=64 req/s, stream")
+      rps("json_agent", "c=64 req/s, 25 KB agent turn")
+      cpu("json", 64, "CPU per request, c=64, non-stream")
+      cpu("sse", 64, "CPU per request, c=64, stream")
+      cpu("json_agent", 64, "CPU per request, c=64, 25 KB agent turn")
+      cpu("json", 1, "CPU per request, c=1, non-stream")
+      cpu("sse", 1, "CPU per request, c=1, stream")
+      cpu("json_agent", 1, "CPU per request, c=1, 25 KB agent turn")
+    }' "$1"
+}
+
 bench_layout() {
   LAYOUT_NOW="$1"
   local load_cpus="" proxy_cpus=""
@@ -199,6 +244,7 @@ bench_layout() {
     mode conc "dirp50" "dirp99" "dirrps" "hopp50" "hopp99" "hoprps" "hopcpu" \
     "ngxp50" "ngxp99" "ngxrps" "ngxcpu" "cmpp50" "cmpp99" "cmprps" "cmpcpu"
   : >"$OUT/summary_$LAYOUT_NOW.txt"
+  : >"$OUT/table_$LAYOUT_NOW.txt"
   for mode in ${MODES:-json json_big json_agent sse sse_paced}; do
     for conc in 1 64; do
       read -r d50 d99 drps _ < <(run "$MOCK" "" "$mode" "$conc")
@@ -209,6 +255,7 @@ bench_layout() {
         "$mode" "$conc" "$d50" "$d99" "$drps" "$n50" "$n99" "$nrps" "$ncpu" \
         "$g50" "$g99" "$grps" "$gcpu" "$p50" "$p99" "$prps" "$pcpu"
       echo "$mode $conc $d50 $d99 $g50 $g99 $gcpu $p50 $p99 $pcpu" >>"$OUT/summary_$LAYOUT_NOW.txt"
+      echo "$mode $conc $d50 $d99 $drps $n50 $n99 $nrps $ncpu $g50 $g99 $grps $gcpu $p50 $p99 $prps $pcpu" >>"$OUT/table_$LAYOUT_NOW.txt"
     done
   done
   echo
@@ -218,6 +265,10 @@ bench_layout() {
       $1, $5 - $3, $8 - $3, ($5 > $3 ? ($8 - $3) / ($5 - $3) : 0), $6, $9, $9 - $6, $10, $7, ($7 > 0 ? $10 / $7 : 0);
     else printf "  %-9s c=64  cpu/req: nginx %5.1f µs, compactor %5.1f µs (%.2fx)\n", $1, $7, $10, ($7 > 0 ? $10 / $7 : 0)
   }' "$OUT/summary_$LAYOUT_NOW.txt"
+
+  echo
+  echo "the issue 25 table (markdown; latency in ms, added latency over direct in brackets, CPU in µs per request):"
+  issue_table "$OUT/table_$LAYOUT_NOW.txt"
 
   echo
   echo "time to first SSE byte (sequential, ${TTFB_N} requests, 1 ms between upstream events):"
