@@ -121,7 +121,7 @@ pub(super) fn finish_body(
             .and_then(|v| v.to_str().ok()),
     );
     let success = status.is_success();
-    let mut observer = UsageObserver::new(kind, |_: TapOutcome| {});
+    let mut observer = UsageObserver::new(kind, |_: TapOutcome| {}).ignoring_start();
     // Error bodies carry no usage worth calibrating on.
     if success {
         let (inbox, sent) = (Arc::clone(&prepared.inbox), Arc::clone(&prepared.sent));

@@ -593,6 +593,15 @@ impl<F: FnOnce(TapOutcome)> UsageObserver<F> {
         }
     }
 
+    /// For a caller that does not read how the stream started (the
+    /// response's hold-back already decided it): events that carry no
+    /// usage are then not parsed to find out. The first events of every
+    /// stream were parsed twice, once here and once by the hold-back.
+    pub(crate) fn ignoring_start(mut self) -> Self {
+        self.extractor.start = StreamStart::Content;
+        self
+    }
+
     /// Also hands the report to `f` as soon as it has a prompt count: at
     /// the usage chunk, which comes before `[DONE]`, or at the end of the
     /// body at the latest (JSON bodies, llama.cpp `timings`). Never called

@@ -641,3 +641,21 @@ fn a_skimmed_chunk_reads_as_serde_json_reads_it() {
         assert_eq!(ours.ok(), theirs.ok(), "{}", String::from_utf8_lossy(p));
     }
 }
+
+#[test]
+fn an_observer_ignoring_the_start_still_finds_the_usage() {
+    let sse: &[u8] = b"data: {\"choices\":[{\"delta\":{\"content\":\"hi\"}}]}\n\ndata: {\"choices\":[],\"usage\":{\"prompt_tokens\":7,\"completion_tokens\":1}}\n\ndata: [DONE]\n\n";
+    let json: &[u8] = br#"{"choices":[{"message":{"content":"hi"}}],"usage":{"prompt_tokens":9}}"#;
+    for (kind, body, prompt) in [(BodyKind::Sse, sse, 7), (BodyKind::Json, json, 9)] {
+        let got = Arc::new(Mutex::new(None));
+        let seen = Arc::clone(&got);
+        let mut o = UsageObserver::new(kind, |_| {})
+            .ignoring_start()
+            .on_usage(Box::new(move |r| *seen.lock().unwrap() = r.prompt_tokens()));
+        for piece in body.chunks(5) {
+            o.on_data(piece);
+        }
+        o.on_eos(Eos::Complete);
+        assert_eq!(*got.lock().unwrap(), Some((prompt, PromptSource::Usage)));
+    }
+}
