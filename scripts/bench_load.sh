@@ -8,6 +8,7 @@
 #   LAYOUT=both DUR=8 scripts/bench_load.sh
 #   UPSTREAM_DELAY_MS=2 scripts/bench_load.sh  # upstream think time
 #   MODES="json sse" scripts/bench_load.sh     # a subset of the request kinds
+#   REPS=3 scripts/bench_load.sh               # median of 3 runs per figure
 #
 # Builds with --profile perf, starts the fast mock upstream
 # (examples/mock_upstream.rs), the naive proxy (examples/naive_proxy.rs:
@@ -223,6 +224,22 @@ issue_table() {
     }' "$1"
 }
 
+# runs TARGET PID MODE CONNS → like run, the median of each figure over
+# REPS runs (default 1). On a machine shared with other work one run can be
+# off by 20%; the median of three is steadier.
+runs() {
+  local i
+  for i in $(seq 1 "${REPS:-1}"); do run "$@"; done | awk '
+    { for (j = 1; j <= NF; j++) v[j, NR] = $j; n = NR; f = NF }
+    END {
+      for (j = 1; j <= f; j++) {
+        for (a = 1; a <= n; a++) col[a] = v[j, a]
+        for (a = 1; a <= n; a++) for (b = a + 1; b <= n; b++) if (col[b] + 0 < col[a] + 0) { t = col[a]; col[a] = col[b]; col[b] = t }
+        printf "%s%s", col[int((n + 1) / 2)], (j < f ? " " : "\n")
+      }
+    }'
+}
+
 bench_layout() {
   LAYOUT_NOW="$1"
   local load_cpus="" proxy_cpus=""
@@ -237,7 +254,7 @@ bench_layout() {
     start PROXY "$OUT/compactor_$LAYOUT_NOW.log" "$proxy_cpus" "$COMPACTOR_BIN" --config /dev/null
 
   echo
-  echo "== layout: $LAYOUT_NOW   mock upstream $MOCK (delay ${DELAY} ms)   ${DUR}s per run   $(nproc) cores"
+  echo "== layout: $LAYOUT_NOW   mock upstream $MOCK (delay ${DELAY} ms)   ${DUR}s per run, median of ${REPS:-1}   $(nproc) cores"
   echo "   p50/p99 in µs; rps = requests/s; cpu = proxy CPU µs per request; load average $(cut -d' ' -f1-3 /proc/loadavg)"
   echo "   dir = direct to the mock, hop = bare hyper hop (naive_proxy), ngx = nginx, cmp = compactor"
   printf "%-9s %-3s | %6s %6s %6s | %6s %6s %6s %6s | %6s %6s %6s %6s | %6s %6s %6s %6s\n" \
@@ -247,10 +264,10 @@ bench_layout() {
   : >"$OUT/table_$LAYOUT_NOW.txt"
   for mode in ${MODES:-json json_big json_agent sse sse_paced}; do
     for conc in 1 64; do
-      read -r d50 d99 drps _ < <(run "$MOCK" "" "$mode" "$conc")
-      read -r n50 n99 nrps ncpu < <(run "$NAIVE" "$NAIVE_PID" "$mode" "$conc")
-      read -r g50 g99 grps gcpu < <(run "$NGINX_ADDR" "$NGINX_PID" "$mode" "$conc")
-      read -r p50 p99 prps pcpu < <(run "$PROXY" "$PROXY_PID" "$mode" "$conc")
+      read -r d50 d99 drps _ < <(runs "$MOCK" "" "$mode" "$conc")
+      read -r n50 n99 nrps ncpu < <(runs "$NAIVE" "$NAIVE_PID" "$mode" "$conc")
+      read -r g50 g99 grps gcpu < <(runs "$NGINX_ADDR" "$NGINX_PID" "$mode" "$conc")
+      read -r p50 p99 prps pcpu < <(runs "$PROXY" "$PROXY_PID" "$mode" "$conc")
       printf "%-9s %-3s | %6.0f %6.0f %6.0f | %6.0f %6.0f %6.0f %6.1f | %6.0f %6.0f %6.0f %6.1f | %6.0f %6.0f %6.0f %6.1f\n" \
         "$mode" "$conc" "$d50" "$d99" "$drps" "$n50" "$n99" "$nrps" "$ncpu" \
         "$g50" "$g99" "$grps" "$gcpu" "$p50" "$p99" "$prps" "$pcpu"
@@ -267,7 +284,7 @@ bench_layout() {
   }' "$OUT/summary_$LAYOUT_NOW.txt"
 
   echo
-  echo "the issue 25 table (markdown; latency in ms, added latency over direct in brackets, CPU in µs per request):"
+  echo "the issue 25 table (markdown; latency in ms, added latency over direct in brackets, CPU in µs per request; load average now $(cut -d' ' -f1-3 /proc/loadavg)):"
   issue_table "$OUT/table_$LAYOUT_NOW.txt"
 
   echo
