@@ -23,12 +23,11 @@
 //! before, so it does not hold up a thread's other connections.
 
 use std::future::Future;
-use std::net::SocketAddr;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 
 use tokio::net::{TcpListener, TcpStream};
-use tokio::sync::{mpsc, watch, Barrier};
+use tokio::sync::{mpsc, watch, Notify};
 
 use super::{serve_on, AppError, AppState, Duties};
 use crate::chat::ChatState;
@@ -80,41 +79,43 @@ where
     tracing::info!(upstream = %states[0].upstream.base(), threads, "listening on {local}");
 
     let (stop, stopped) = watch::channel(false);
-    // A thread that has drained its connections keeps its reactor running
-    // until all have: sockets it registered (a pooled store connection) may
-    // still be in use by another thread's requests.
-    let drained = Arc::new(Barrier::new(threads));
+    let drain = Arc::new(Drain {
+        left: AtomicUsize::new(threads),
+        all: Notify::new(),
+    });
     let max_connections = super::max_connections(&states[0]);
+    let serving = set_up(&listener, local, states, max_connections)?;
+    drop(listener);
     let mut handles = Vec::with_capacity(threads);
-    for ((i, state), balance) in states.into_iter().enumerate().zip(Balance::new(threads)) {
-        let listener = listener.try_clone().map_err(AppError::Runtime)?;
+    for (i, (rt, socket, state, duties, balance)) in serving.into_iter().enumerate() {
         let mut stopped = stopped.clone();
-        let drained = Arc::clone(&drained);
-        let duties = Duties {
-            sweep: i == 0,
-            max_connections,
-        };
-        let serving = Serving {
-            state,
-            duties,
-            balance,
-            local,
-        };
+        let drain = Arc::clone(&drain);
         let handle = std::thread::Builder::new()
             .name(format!("compactor-{i}"))
-            .spawn(move || serve_thread(listener, serving, &mut stopped, &drained))
+            .spawn(move || {
+                rt.block_on(async {
+                    let stop = async {
+                        let _ = stopped.wait_for(|s| *s).await;
+                    };
+                    let leaving = Leaving(&drain);
+                    let in_time = serve_on(socket, state, stop, duties, Some(balance)).await;
+                    drop(leaving);
+                    // This thread's reactor keeps running until every thread
+                    // has drained: sockets it registered (a pooled store
+                    // connection) may still serve another thread's requests.
+                    drain.all_left().await;
+                    in_time
+                })
+            })
             .map_err(AppError::Runtime)?;
         handles.push(handle);
     }
-    drop(listener);
     main.block_on(shutdown());
     let _ = stop.send(true);
     let mut drained_all = true;
-    let mut result = Ok(());
     for h in handles {
         match h.join() {
-            Ok(Ok(drained)) => drained_all &= drained,
-            Ok(Err(e)) => result = Err(e),
+            Ok(drained) => drained_all &= drained,
             Err(panic) => std::panic::resume_unwind(panic),
         }
     }
@@ -123,7 +124,81 @@ where
     } else {
         tracing::warn!("shutdown grace period elapsed, aborting remaining connections");
     }
-    result
+    Ok(())
+}
+
+/// One thread's runtime, its registration of the listening socket, its
+/// state and share of the balancing.
+type Thread = (
+    tokio::runtime::Runtime,
+    TcpListener,
+    Arc<AppState>,
+    Duties,
+    Balance,
+);
+
+/// Every thread's runtime and socket, set up before any serves: a failure
+/// stops the start instead of leaving a thread short.
+fn set_up(
+    listener: &std::net::TcpListener,
+    local: std::net::SocketAddr,
+    states: Vec<Arc<AppState>>,
+    max_connections: u64,
+) -> Result<Vec<Thread>, AppError> {
+    let threads = states.len();
+    let mut serving = Vec::with_capacity(threads);
+    for ((i, state), balance) in states.into_iter().enumerate().zip(Balance::new(threads)) {
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .map_err(AppError::Runtime)?;
+        let socket = listener.try_clone().map_err(AppError::Runtime)?;
+        // Registered with this thread's reactor.
+        let socket = {
+            let _in = rt.enter();
+            TcpListener::from_std(socket).map_err(|source| AppError::Bind {
+                addr: local,
+                source,
+            })?
+        };
+        let duties = Duties {
+            sweep: i == 0,
+            max_connections,
+        };
+        serving.push((rt, socket, state, duties, balance));
+    }
+    Ok(serving)
+}
+
+/// The serving threads still draining their connections.
+struct Drain {
+    left: AtomicUsize,
+    all: Notify,
+}
+
+impl Drain {
+    async fn all_left(&self) {
+        loop {
+            // Created before the check: a notification in between is kept.
+            let notified = self.all.notified();
+            if self.left.load(Ordering::Acquire) == 0 {
+                return;
+            }
+            notified.await;
+        }
+    }
+}
+
+/// A thread still serving; dropped when it has drained (or panicked, so
+/// the others are not left waiting for it).
+struct Leaving<'a>(&'a Drain);
+
+impl Drop for Leaving<'_> {
+    fn drop(&mut self) {
+        if self.0.left.fetch_sub(1, Ordering::AcqRel) == 1 {
+            self.0.all.notify_waiters();
+        }
+    }
 }
 
 /// One state per thread: the upstream (and so its connection pool) is the
@@ -143,46 +218,6 @@ fn states(config: Config, threads: usize) -> Result<Vec<Arc<AppState>>, AppError
             }))
         })
         .collect()
-}
-
-/// What one serving thread serves with.
-struct Serving {
-    state: Arc<AppState>,
-    duties: Duties,
-    balance: Balance,
-    local: SocketAddr,
-}
-
-/// The body of one serving thread: true when its connections ended within
-/// the shutdown grace.
-fn serve_thread(
-    listener: std::net::TcpListener,
-    serving: Serving,
-    stopped: &mut watch::Receiver<bool>,
-    drained: &Barrier,
-) -> Result<bool, AppError> {
-    let rt = tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()
-        .map_err(AppError::Runtime)?;
-    let Serving {
-        state,
-        duties,
-        balance,
-        local,
-    } = serving;
-    rt.block_on(async {
-        let listener = TcpListener::from_std(listener).map_err(|source| AppError::Bind {
-            addr: local,
-            source,
-        })?;
-        let stop = async {
-            let _ = stopped.wait_for(|s| *s).await;
-        };
-        let in_time = serve_on(listener, state, stop, duties, Some(balance)).await;
-        drained.wait().await;
-        Ok(in_time)
-    })
 }
 
 /// The serving threads' connection counts and their hand-over channels.
