@@ -8,6 +8,7 @@
 #   LAYOUT=both DUR=8 scripts/bench_load.sh
 #   UPSTREAM_DELAY_MS=2 scripts/bench_load.sh  # upstream think time
 #   MODES="json sse" scripts/bench_load.sh     # a subset of the request kinds
+#   REPS=3 scripts/bench_load.sh               # median of 3 runs per figure
 #
 # Builds with --profile perf, starts the fast mock upstream
 # (examples/mock_upstream.rs), the naive proxy (examples/naive_proxy.rs:
@@ -178,6 +179,67 @@ run() {
   echo "$p50 $p99 $rps $(awk -v d=$((after - before)) -v n="$n" 'BEGIN{printf "%.1f", (n > 0 ? d / n : 0)}')"
 }
 
+# issue_table FILE: the table of issue 25 from the per-mode figures run()
+# gathered (one line per mode and concurrency: direct p50 p99 rps, then
+# p50 p99 rps cpu for the bare hop, nginx and compactor).
+issue_table() {
+  awk '
+    { k = $1 "/" $2; for (i = 3; i <= NF; i++) v[k, i] = $i; seen[$1] = 1 }
+    function ms(x) { return sprintf("%.3f", x / 1000) }
+    function lat(mode, col, label,   d, h, n, c) {
+      if (!((mode "/1", 3) in v)) return
+      d = v[mode "/1", col]; h = v[mode "/1", col + 3]; n = v[mode "/1", col + 7]; c = v[mode "/1", col + 11]
+      if (col == 3)
+        printf "| %s | %s | %s (+%.0f µs) | %s (+%.0f µs) | %s (+%.0f µs) |\n", label, ms(d), ms(h), h - d, ms(n), n - d, ms(c), c - d
+      else
+        printf "| %s | %s | %s | %s | %s |\n", label, ms(d), ms(h), ms(n), ms(c)
+    }
+    function rps(mode, label) {
+      if (!((mode "/64", 3) in v)) return
+      printf "| %s | %.0f | %.0f | %.0f | %.0f |\n", label, v[mode "/64", 5], v[mode "/64", 8], v[mode "/64", 12], v[mode "/64", 16]
+    }
+    function cpu(mode, conc, label,   n, c) {
+      if (!((mode "/" conc, 3) in v)) return
+      n = v[mode "/" conc, 13]; c = v[mode "/" conc, 17]
+      printf "| %s | — | %.1f µs | %.1f µs | %.1f µs (%.2fx) |\n", label, v[mode "/" conc, 9], n, c, (n > 0 ? c / n : 0)
+    }
+    END {
+      print "| | direct | bare hop | nginx | compactor |"
+      print "|---|---:|---:|---:|---:|"
+      lat("json", 3, "c=1 p50, non-stream")
+      lat("sse", 3, "c=1 p50, stream")
+      lat("json_agent", 3, "c=1 p50, 25 KB agent turn")
+      lat("json", 4, "c=1 p99, non-stream")
+      lat("sse", 4, "c=1 p99, stream")
+      lat("json_agent", 4, "c=1 p99, 25 KB agent turn")
+      rps("json", "c=64 req/s, non-stream")
+      rps("sse", "c=64 req/s, stream")
+      rps("json_agent", "c=64 req/s, 25 KB agent turn")
+      cpu("json", 64, "CPU per request, c=64, non-stream")
+      cpu("sse", 64, "CPU per request, c=64, stream")
+      cpu("json_agent", 64, "CPU per request, c=64, 25 KB agent turn")
+      cpu("json", 1, "CPU per request, c=1, non-stream")
+      cpu("sse", 1, "CPU per request, c=1, stream")
+      cpu("json_agent", 1, "CPU per request, c=1, 25 KB agent turn")
+    }' "$1"
+}
+
+# runs TARGET PID MODE CONNS → like run, the median of each figure over
+# REPS runs (default 1). On a machine shared with other work one run can be
+# off by 20%; the median of three is steadier.
+runs() {
+  local i
+  for i in $(seq 1 "${REPS:-1}"); do run "$@"; done | awk '
+    { for (j = 1; j <= NF; j++) v[j, NR] = $j; n = NR; f = NF }
+    END {
+      for (j = 1; j <= f; j++) {
+        for (a = 1; a <= n; a++) col[a] = v[j, a]
+        for (a = 1; a <= n; a++) for (b = a + 1; b <= n; b++) if (col[b] + 0 < col[a] + 0) { t = col[a]; col[a] = col[b]; col[b] = t }
+        printf "%s%s", col[int((n + 1) / 2)], (j < f ? " " : "\n")
+      }
+    }'
+}
+
 bench_layout() {
   LAYOUT_NOW="$1"
   local load_cpus="" proxy_cpus=""
@@ -192,23 +254,25 @@ bench_layout() {
     start PROXY "$OUT/compactor_$LAYOUT_NOW.log" "$proxy_cpus" "$COMPACTOR_BIN" --config /dev/null
 
   echo
-  echo "== layout: $LAYOUT_NOW   mock upstream $MOCK (delay ${DELAY} ms)   ${DUR}s per run   $(nproc) cores"
+  echo "== layout: $LAYOUT_NOW   mock upstream $MOCK (delay ${DELAY} ms)   ${DUR}s per run, median of ${REPS:-1}   $(nproc) cores"
   echo "   p50/p99 in µs; rps = requests/s; cpu = proxy CPU µs per request; load average $(cut -d' ' -f1-3 /proc/loadavg)"
   echo "   dir = direct to the mock, hop = bare hyper hop (naive_proxy), ngx = nginx, cmp = compactor"
   printf "%-9s %-3s | %6s %6s %6s | %6s %6s %6s %6s | %6s %6s %6s %6s | %6s %6s %6s %6s\n" \
     mode conc "dirp50" "dirp99" "dirrps" "hopp50" "hopp99" "hoprps" "hopcpu" \
     "ngxp50" "ngxp99" "ngxrps" "ngxcpu" "cmpp50" "cmpp99" "cmprps" "cmpcpu"
   : >"$OUT/summary_$LAYOUT_NOW.txt"
+  : >"$OUT/table_$LAYOUT_NOW.txt"
   for mode in ${MODES:-json json_big json_agent sse sse_paced}; do
     for conc in 1 64; do
-      read -r d50 d99 drps _ < <(run "$MOCK" "" "$mode" "$conc")
-      read -r n50 n99 nrps ncpu < <(run "$NAIVE" "$NAIVE_PID" "$mode" "$conc")
-      read -r g50 g99 grps gcpu < <(run "$NGINX_ADDR" "$NGINX_PID" "$mode" "$conc")
-      read -r p50 p99 prps pcpu < <(run "$PROXY" "$PROXY_PID" "$mode" "$conc")
+      read -r d50 d99 drps _ < <(runs "$MOCK" "" "$mode" "$conc")
+      read -r n50 n99 nrps ncpu < <(runs "$NAIVE" "$NAIVE_PID" "$mode" "$conc")
+      read -r g50 g99 grps gcpu < <(runs "$NGINX_ADDR" "$NGINX_PID" "$mode" "$conc")
+      read -r p50 p99 prps pcpu < <(runs "$PROXY" "$PROXY_PID" "$mode" "$conc")
       printf "%-9s %-3s | %6.0f %6.0f %6.0f | %6.0f %6.0f %6.0f %6.1f | %6.0f %6.0f %6.0f %6.1f | %6.0f %6.0f %6.0f %6.1f\n" \
         "$mode" "$conc" "$d50" "$d99" "$drps" "$n50" "$n99" "$nrps" "$ncpu" \
         "$g50" "$g99" "$grps" "$gcpu" "$p50" "$p99" "$prps" "$pcpu"
       echo "$mode $conc $d50 $d99 $g50 $g99 $gcpu $p50 $p99 $pcpu" >>"$OUT/summary_$LAYOUT_NOW.txt"
+      echo "$mode $conc $d50 $d99 $drps $n50 $n99 $nrps $ncpu $g50 $g99 $grps $gcpu $p50 $p99 $prps $pcpu" >>"$OUT/table_$LAYOUT_NOW.txt"
     done
   done
   echo
@@ -218,6 +282,10 @@ bench_layout() {
       $1, $5 - $3, $8 - $3, ($5 > $3 ? ($8 - $3) / ($5 - $3) : 0), $6, $9, $9 - $6, $10, $7, ($7 > 0 ? $10 / $7 : 0);
     else printf "  %-9s c=64  cpu/req: nginx %5.1f µs, compactor %5.1f µs (%.2fx)\n", $1, $7, $10, ($7 > 0 ? $10 / $7 : 0)
   }' "$OUT/summary_$LAYOUT_NOW.txt"
+
+  echo
+  echo "the issue 25 table (markdown; latency in ms, added latency over direct in brackets, CPU in µs per request; load average now $(cut -d' ' -f1-3 /proc/loadavg)):"
+  issue_table "$OUT/table_$LAYOUT_NOW.txt"
 
   echo
   echo "time to first SSE byte (sequential, ${TTFB_N} requests, 1 ms between upstream events):"

@@ -30,13 +30,23 @@ write_bodies "$OUT"
 # json_big, each request under a session id of its own.
 body=$(sed -n "s/^wrk.body = '\(.*\)'$/\1/p" "$OUT/json_big.lua")
 cat >"$OUT/sessions.lua" <<LUA
+-- LuaJIT seeds math.random the same way in every process, and each thread
+-- runs this chunk in a state of its own: the ids are the run's (its start
+-- time and a seeded random, made once in the main state by setup) and the
+-- thread's number, or each wrk run would send the ids of the run before and
+-- the session count would stop growing.
+math.randomseed(os.time() + math.floor(os.clock() * 1e6))
+local run = tostring(os.time()) .. "-" .. tostring(math.random(1, 1e9))
+local threads = 0
+function setup(thread)
+  threads = threads + 1
+  thread:set("tid", run .. "-" .. threads)
+end
 local n = 0
-local tag = tostring(math.random(1, 1e9))
-function setup(thread) thread:set("tag", tag .. "-" .. tostring(math.random(1, 1e9))) end
 request = function()
   n = n + 1
   return wrk.format("POST", nil, {["Content-Type"] = "application/json",
-    ["x-session-id"] = tag .. "-" .. n}, '$body')
+    ["x-session-id"] = tid .. "-" .. n}, '$body')
 end
 LUA
 printf '[session]\nmax_sessions = %d\n[store]\nbackend = "memory"\n' "$SESSIONS" >"$OUT/proxy.toml"

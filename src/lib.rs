@@ -16,7 +16,8 @@
 //!   [`store`] (what outlives a process), [`metrics`].
 //! - Pure leaves: `window`, [`compaction`] (the engine, synchronous, no
 //!   I/O), [`codec`] (each API's request mapped onto the engine's
-//!   conversation and back), [`request`], `error`, [`sync`], `civil`.
+//!   conversation and back), [`request`], `skim` (a validating skim of a
+//!   JSON object's members), `error`, [`sync`], `civil`.
 //!
 //! `ARCHITECTURE.md` has the walk of a request and the module map;
 //! `scripts/layers.txt` writes the order down and `scripts/check_layers.sh`
@@ -33,6 +34,7 @@ pub mod metrics;
 pub mod request;
 pub mod server;
 pub mod session;
+mod skim;
 pub mod store;
 pub mod sync;
 pub mod telemetry;

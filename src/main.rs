@@ -33,10 +33,7 @@ fn main() -> ExitCode {
     };
     // One process-wide provider, so nothing can pick a second one at runtime.
     let _ = rustls::crypto::ring::default_provider().install_default();
-    let result = tokio::runtime::Runtime::new()
-        .map_err(anyhow::Error::from)
-        .and_then(|rt| Ok(rt.block_on(server::run(config, server::shutdown_signal()))?));
-    match result {
+    match server::cores::run(config, server::shutdown_signal) {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
             tracing::error!(error = %format!("{e:#}"), "compactor failed");

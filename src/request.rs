@@ -254,6 +254,11 @@ impl ChatRequest {
         list_key: &'static str,
     ) -> Result<Self, ParseError> {
         let original: Bytes = bytes.into();
+        // The skim reads what serde_json reads, several times faster; what
+        // it leaves to serde_json (errors among it) takes the path below.
+        if let Some(parsed) = Self::skimmed(&original, list_key) {
+            return Ok(parsed);
+        }
         let borrowed = {
             let mut de = serde_json::Deserializer::from_slice(&original);
             de::DeserializeSeed::deserialize(TopSeed(list_key), &mut de).and_then(|t| {
@@ -301,6 +306,39 @@ impl ChatRequest {
         })
     }
 
+    /// [`Self::parse_list`] by [`crate::skim`]: `None` leaves the body to
+    /// serde_json.
+    fn skimmed(original: &Bytes, list_key: &'static str) -> Option<Self> {
+        let text = std::str::from_utf8(original).ok()?;
+        let skimmed = crate::skim::object(text, Some(list_key))?;
+        let mut top = Members(Vec::with_capacity(skimmed.members.len()));
+        for (k, span) in skimmed.members {
+            let raw = if k == list_key {
+                None
+            } else {
+                Some(crate::skim::raw_boxed(text.get(span.clone())?)?)
+            };
+            let member = Member {
+                raw,
+                span: Some(span),
+                changed: false,
+            };
+            top.insert(k.to_owned(), member);
+        }
+        let messages = skimmed
+            .list?
+            .into_iter()
+            .map(|r| crate::skim::raw_boxed(text.get(r)?))
+            .collect::<Option<Vec<_>>>()?;
+        Some(Self {
+            original: original.clone(),
+            top,
+            messages,
+            messages_replaced: false,
+            list_key,
+        })
+    }
+
     /// Raw top-level member, if present.
     pub(crate) fn get_raw(&self, key: &str) -> Option<&RawValue> {
         self.top.get(key).and_then(|m| m.raw.as_deref())
@@ -312,8 +350,15 @@ impl ChatRequest {
     }
 
     fn get_str(&self, key: &str) -> Option<String> {
-        self.get_raw(key)
-            .and_then(|r| serde_json::from_str::<String>(r.get()).ok())
+        let raw = self.get_raw(key)?.get();
+        // A raw value is valid JSON: quoted without a backslash, it is the
+        // text between its quotes.
+        if let Some(text) = raw.strip_prefix('"').and_then(|r| r.strip_suffix('"')) {
+            if !text.contains('\\') {
+                return Some(text.to_owned());
+            }
+        }
+        serde_json::from_str::<String>(raw).ok()
     }
 
     /// `model`, when it is a string.
@@ -621,6 +666,13 @@ fn extend_hashes(chain: &mut Vec<u128>, more: &[Box<RawValue>], canonical: bool)
     }
 }
 
+/// A fast hash of a message's raw bytes (not canonical): what
+/// [`ChainCache`] matches resent messages by, and the session key's memo of
+/// a conversation's opening; made once per request for both.
+pub fn raw_hash(m: &RawValue) -> u64 {
+    xxhash_rust::xxh3::xxh3_64(m.get().as_bytes())
+}
+
 /// Per-session memo of the last chain, keyed by a fast hash of each
 /// message's raw bytes: a client that resends its history byte for byte
 /// (the usual case) only pays the canonical hashing for new messages.
@@ -645,10 +697,21 @@ impl ChainCache {
     /// [`Self::chain`]; `canonical` says the messages are canonical JSON
     /// (a codec's decoding), hashed as they are.
     pub(crate) fn chain_as(&mut self, messages: &[Box<RawValue>], canonical: bool) -> &[u128] {
-        let raw: Vec<u64> = messages
-            .iter()
-            .map(|m| xxhash_rust::xxh3::xxh3_64(m.get().as_bytes()))
-            .collect();
+        let raw: Vec<u64> = messages.iter().map(|m| raw_hash(m)).collect();
+        self.chain_hashed(messages, &raw, canonical)
+    }
+
+    /// [`Self::chain_as`] with each message's [`raw_hash`] already made
+    /// (`raw[i]` of `messages[i]`).
+    pub(crate) fn chain_hashed(
+        &mut self,
+        messages: &[Box<RawValue>],
+        raw: &[u64],
+        canonical: bool,
+    ) -> &[u128] {
+        if raw.len() != messages.len() {
+            return self.chain_as(messages, canonical);
+        }
         let same = raw
             .iter()
             .zip(&self.raw)
@@ -656,7 +719,9 @@ impl ChainCache {
             .count();
         self.chain.truncate(same);
         extend_hashes(&mut self.chain, &messages[same..], canonical);
-        self.raw = raw;
+        // The buffer kept, not reallocated, turn after turn.
+        self.raw.clear();
+        self.raw.extend_from_slice(raw);
         &self.chain
     }
 }

@@ -115,7 +115,8 @@ pub(super) async fn prepare(
     // original bytes still go upstream unless `with_messages` runs below.
     // Put back once the body is built, for a retry.
     let original: Vec<Box<RawValue>> = creq.take_messages();
-    let mut out = substitute(chat, conv, cred, &original, creq.canonical()).await;
+    let raw = (creq.raw_hashes(), creq.canonical());
+    let mut out = substitute(chat, conv, cred, &original, raw).await;
     // A reply cap the window cannot hold is no reservation the upstream
     // makes: no request with it could be answered otherwise (Claude Code
     // asks for 32,000 in front of an 8k llama.cpp, which caps the reply at
@@ -363,9 +364,12 @@ async fn substitute<'a>(
     conv: &mut Conversation,
     cred: u128,
     original: &'a [Box<RawValue>],
-    canonical: bool,
+    (raw, canonical): (&[u64], bool),
 ) -> Outgoing<'a> {
-    let client_hashes = conv.client_chain.chain_as(original, canonical).to_vec();
+    let client_hashes = conv
+        .client_chain
+        .chain_hashed(original, raw, canonical)
+        .to_vec();
     let hint = conv.record();
     let record = chat.find_record(cred, &client_hashes, hint.as_ref()).await;
     conv.set_record(record.as_ref());

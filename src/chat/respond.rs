@@ -13,6 +13,7 @@ use hyper::body::Incoming;
 use crate::error::{ProxyBody, ProxyError};
 use crate::session::key::SessionKey;
 use crate::upstream::body::TapBody;
+use crate::upstream::coalesce::CoalesceBody;
 use crate::upstream::{headers, Upstream};
 use crate::usage::hide::HideUsageBody;
 use crate::usage::{BodyKind, TapOutcome, UsageObserver};
@@ -120,7 +121,7 @@ pub(super) fn finish_body(
             .and_then(|v| v.to_str().ok()),
     );
     let success = status.is_success();
-    let mut observer = UsageObserver::new(kind, |_: TapOutcome| {});
+    let mut observer = UsageObserver::new(kind, |_: TapOutcome| {}).ignoring_start();
     // Error bodies carry no usage worth calibrating on.
     if success {
         let (inbox, sent) = (Arc::clone(&prepared.inbox), Arc::clone(&prepared.sent));
@@ -132,7 +133,10 @@ pub(super) fn finish_body(
             crate::sync::lock(&inbox).push((sent, report));
         }));
     }
-    let tapped = TapBody::new(body, observer);
+    // Gathered next to the upstream's body: what the tap and the hider
+    // above pass on comes back to back, and a usage chunk the hider drops
+    // is not mistaken for the upstream going quiet.
+    let tapped = TapBody::new(CoalesceBody::new(body), observer);
     if prepared.plan.hide_usage() && success && kind == BodyKind::Sse {
         // The hidden chunk changes the length.
         headers.remove(header::CONTENT_LENGTH);

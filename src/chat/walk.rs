@@ -162,6 +162,7 @@ fn job_for(
         prompt_cache_key: cache_key.as_deref(),
         model: model.as_deref(),
         messages: creq.messages(),
+        raw_hashes: Some(creq.raw_hashes()),
     };
     let (key, source, cred) = chat.keyer.derive_hints(&parts.headers, &parts.uri, &hints);
     let cred = cred.as_u128();

@@ -258,6 +258,8 @@ pub struct ApiRequest {
     creq: ChatRequest,
     /// The engine's messages (moved out by [`Self::take_messages`]).
     engine: Vec<Box<RawValue>>,
+    /// [`crate::request::raw_hash`] of each engine message as decoded.
+    raw: Vec<u64>,
     map: WireMap,
 }
 
@@ -324,12 +326,22 @@ impl ApiRequest {
             Api::Messages => anthropic::decode(&creq, wire, map)?,
             Api::Responses => responses::decode(&creq, wire, map)?,
         };
+        // Hashed once here for the session key's opening memo and the
+        // conversation's chain cache, which both match messages by it.
+        let raw = engine.iter().map(|m| crate::request::raw_hash(m)).collect();
         Ok(Self {
             api,
             creq,
             engine,
+            raw,
             map,
         })
+    }
+
+    /// [`crate::request::raw_hash`] of each engine message as decoded (what
+    /// [`Self::take_messages`] gives back, whatever was sent since).
+    pub(crate) fn raw_hashes(&self) -> &[u64] {
+        &self.raw
     }
 
     /// The API.

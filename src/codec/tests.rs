@@ -219,6 +219,27 @@ fn responses_with_server_state_are_not_decoded() {
 }
 
 #[test]
+fn responses_refusals_keep_their_reason_whatever_item_the_walk_meets_first() {
+    // The walk meets the unsupported role first; the item reference further
+    // on is still what refuses the request, as when every item was parsed
+    // before the walk.
+    let body = r#"{"model":"m","input":[{"role":"tool","content":"x"},{"type":"item_reference","id":"msg_1"}]}"#;
+    assert!(matches!(
+        ApiRequest::parse(Api::Responses, body.as_bytes().to_vec()),
+        Err(DecodeError::ServerState)
+    ));
+    let body =
+        r#"{"model":"m","input":[{"role":"user","content":"hi"},{"role":"tool","content":"x"}]}"#;
+    assert!(matches!(
+        ApiRequest::parse(Api::Responses, body.as_bytes().to_vec()),
+        Err(DecodeError::UnsupportedRole {
+            member: "input",
+            ..
+        })
+    ));
+}
+
+#[test]
 fn decoded_messages_are_canonical_and_chain_as_the_client_chain_would() {
     let responses = r#"{"model":"m","instructions":"S","input":[
      {"role":"user","content":[{"type":"input_text","text":"hi \u00e9 \"q\""}]},

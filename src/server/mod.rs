@@ -7,6 +7,7 @@
 
 pub mod admin;
 pub mod conn;
+pub mod cores;
 pub mod fdlimit;
 pub mod router;
 pub mod ui;
@@ -76,6 +77,9 @@ pub enum AppError {
     /// The configuration is invalid (found while building the state).
     #[error(transparent)]
     Config(#[from] ConfigError),
+    /// A serving thread or its runtime could not be started.
+    #[error("cannot start a serving thread: {0}")]
+    Runtime(#[source] std::io::Error),
     /// The listen address could not be bound.
     #[error("cannot listen on {addr}: {source}")]
     Bind {
@@ -100,9 +104,50 @@ pub async fn bind(config: Config) -> Result<(TcpListener, Arc<AppState>), AppErr
     Ok((listener, state))
 }
 
+/// What a serving loop does besides accepting.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Duties {
+    /// Runs the periodic sweep of idle sessions and records (one loop of
+    /// the process does).
+    pub(crate) sweep: bool,
+    /// Open client connections allowed, process-wide.
+    pub(crate) max_connections: u64,
+}
+
+/// The connection cap in force (the open-file limit raised first),
+/// published as a metric.
+pub(crate) fn max_connections(state: &AppState) -> u64 {
+    let max = fdlimit::effective_max_connections(state.config.limits.max_connections) as u64;
+    state.metrics.set_max_connections(max);
+    max
+}
+
 /// Accepts connections until `shutdown` resolves, then stops accepting and
 /// lets in-flight requests finish for at most `shutdown_grace`.
 pub async fn serve<F>(listener: TcpListener, state: Arc<AppState>, shutdown: F)
+where
+    F: Future<Output = ()>,
+{
+    let duties = Duties {
+        sweep: true,
+        max_connections: max_connections(&state),
+    };
+    if serve_on(listener, state, shutdown, duties, None).await {
+        tracing::info!("all connections closed");
+    } else {
+        tracing::warn!("shutdown grace period elapsed, aborting remaining connections");
+    }
+}
+
+/// [`serve`]'s loop with its `duties`; false when the shutdown grace ended
+/// before the connections did.
+pub(crate) async fn serve_on<F>(
+    listener: TcpListener,
+    state: Arc<AppState>,
+    shutdown: F,
+    duties: Duties,
+    mut balance: Option<cores::Balance>,
+) -> bool
 where
     F: Future<Output = ()>,
 {
@@ -118,21 +163,29 @@ where
     // and its upstream connection. A compaction the request started
     // finishes and is recorded either way (chat::worker). HTTP/2 is not
     // affected: a stream's END_STREAM is not a connection close.
-    builder.http1().timer(TokioTimer::new()).half_close(true);
+    // writev(false): a batch of small frames (an SSE burst the coalescer
+    // gathered) is copied into one buffer and written at once; queued, hyper
+    // writes at most 16 of them per `writev`.
+    builder
+        .http1()
+        .timer(TokioTimer::new())
+        .half_close(true)
+        .writev(false);
     builder.http2().timer(TokioTimer::new());
     let graceful = GracefulShutdown::new();
     tokio::pin!(shutdown);
     // Idle sessions and records are dropped by this loop, so the sweep
     // stops with the server.
-    let max_connections =
-        fdlimit::effective_max_connections(state.config.limits.max_connections) as u64;
-    state.metrics.set_max_connections(max_connections);
+    let max_connections = duties.max_connections;
     let mut sweep = tokio::time::interval(SWEEP_EVERY);
     sweep.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
 
     loop {
-        tokio::select! {
-            _ = sweep.tick() => state.chat.sweep(),
+        let (stream, load) = tokio::select! {
+            _ = sweep.tick(), if duties.sweep => {
+                state.chat.sweep();
+                continue;
+            }
             accepted = listener.accept() => {
                 let (stream, _peer) = match accepted {
                     Ok(a) => a,
@@ -150,45 +203,73 @@ where
                     tokio::spawn(conn::reject(stream));
                     continue;
                 }
-                if let Err(e) = stream.set_nodelay(true) {
-                    tracing::debug!(error = %e, "set_nodelay failed");
+                let Some(b) = balance.as_ref() else {
+                    serve_connection(&builder, &graceful, &state, stream, None);
+                    continue;
+                };
+                match b.place(stream) {
+                    cores::Placed::Here(stream, load) => (stream, Some(load)),
+                    cores::Placed::Elsewhere => continue,
                 }
-                metrics.connection_opened();
-                let activity = Arc::new(conn::Activity::default());
-                let io = conn::IdleIo::new(
-                    stream,
-                    state.config.timeouts.client_idle,
-                    Arc::clone(&activity),
-                    Arc::clone(metrics),
-                );
-                let st = Arc::clone(&state);
-                let service = service_fn(move |req| {
-                    let active = conn::Active::new(&activity);
-                    router::handle_on(Arc::clone(&st), req, Some(active))
-                });
-                let conn = builder.serve_connection(TokioIo::new(io), service);
-                let conn = graceful.watch(conn.into_owned());
-                let metrics = Arc::clone(metrics);
-                tokio::spawn(async move {
-                    if let Err(e) = conn.await {
-                        tracing::debug!(error = %e, "connection ended with error");
-                    }
-                    metrics.connection_closed();
-                });
             }
+            handed = cores::handed_over(&mut balance) => match handed {
+                Some(placed) => placed,
+                None => continue,
+            },
             () = &mut shutdown => break,
-        }
+        };
+        serve_connection(&builder, &graceful, &state, stream, load);
     }
     drop(listener);
     let grace = state.config.timeouts.shutdown_grace;
-    tracing::info!(
-        grace_secs = grace.as_secs(),
-        "shutting down, draining in-flight requests"
-    );
-    tokio::select! {
-        () = graceful.shutdown() => tracing::info!("all connections closed"),
-        () = tokio::time::sleep(grace) => tracing::warn!("shutdown grace period elapsed, aborting remaining connections"),
+    if duties.sweep {
+        tracing::info!(
+            grace_secs = grace.as_secs(),
+            "shutting down, draining in-flight requests"
+        );
     }
+    tokio::select! {
+        () = graceful.shutdown() => true,
+        () = tokio::time::sleep(grace) => false,
+    }
+}
+
+/// Serves one accepted client connection in a task of its own; `load`
+/// (its thread's share of the connections) is given back when it ends.
+fn serve_connection(
+    builder: &auto::Builder<TokioExecutor>,
+    graceful: &GracefulShutdown,
+    state: &Arc<AppState>,
+    stream: tokio::net::TcpStream,
+    load: Option<cores::Load>,
+) {
+    if let Err(e) = stream.set_nodelay(true) {
+        tracing::debug!(error = %e, "set_nodelay failed");
+    }
+    let metrics = &state.metrics;
+    metrics.connection_opened();
+    let activity = Arc::new(conn::Activity::default());
+    let io = conn::IdleIo::new(
+        stream,
+        state.config.timeouts.client_idle,
+        Arc::clone(&activity),
+        Arc::clone(metrics),
+    );
+    let st = Arc::clone(state);
+    let service = service_fn(move |req| {
+        let active = conn::Active::new(&activity);
+        router::handle_on(Arc::clone(&st), req, Some(active))
+    });
+    let conn = builder.serve_connection(TokioIo::new(io), service);
+    let conn = graceful.watch(conn.into_owned());
+    let metrics = Arc::clone(metrics);
+    tokio::spawn(async move {
+        if let Err(e) = conn.await {
+            tracing::debug!(error = %e, "connection ended with error");
+        }
+        metrics.connection_closed();
+        drop(load);
+    });
 }
 
 /// Binds, logs `listening on <addr>`, serves until `shutdown`.

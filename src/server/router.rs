@@ -22,7 +22,6 @@ use crate::metrics::Metrics;
 use crate::upstream::body::{
     observed, ByteBudget, Eos, FlushBeforeError, LimitedBody, ProxyReqBody,
 };
-use crate::upstream::coalesce::CoalesceBody;
 use crate::upstream::{replayable_len, RequestStats};
 
 /// Exact path intercepted for compaction.
@@ -191,22 +190,21 @@ pub async fn handle_on(
         drop(active);
         let bytes_in = stats.bytes_in.load(Ordering::Relaxed);
         metrics.record_request(route.label(), status.as_u16(), bytes_in, bytes_out);
-        let upstream_ms = upstream_wait.map(millis);
-        tracing::info!(
-            %method,
-            path = %path,
-            route = route.label(),
-            status = status.as_u16(),
+        crate::telemetry::request::log(&crate::telemetry::request::RequestLine {
+            method: method.as_str(),
+            path: &path,
+            route: route.label(),
+            status: status.as_u16(),
             bytes_in,
             bytes_out,
-            upstream_ms,
-            total_ms = millis(stats.start.elapsed()),
-            eos = eos.as_str(),
-            "request"
-        );
+            upstream_ms: upstream_wait.map(millis),
+            total_ms: millis(stats.start.elapsed()),
+            eos: eos.as_str(),
+        });
     });
-    // Frames gathered by the coalescer must be written before an error.
-    let body = observed(FlushBeforeError::new(CoalesceBody::new(body)), on_eos).boxed_unsync();
+    // Frames gathered by the coalescer (`upstream::coalesce`, next to the
+    // upstream's body) must be written before an error.
+    let body = observed(FlushBeforeError::new(body), on_eos).boxed_unsync();
     Ok(Response::from_parts(parts, body))
 }
 

@@ -16,9 +16,9 @@ use std::sync::{Arc, Mutex};
 use http::header::{HeaderMap, HeaderName};
 use serde::Deserialize;
 use serde_json::value::RawValue;
-use xxhash_rust::xxh3::{xxh3_128, Xxh3};
+use xxhash_rust::xxh3::Xxh3;
 
-use crate::request::{message_hash, ChatRequest};
+use crate::request::{message_hash, raw_hash, ChatRequest};
 use crate::sync::lock;
 
 /// The default header list, in precedence order. `a+b` means: header `a`,
@@ -358,7 +358,7 @@ impl SessionKeyer {
             hints.session_id,
             hints.prompt_cache_key,
             hints.model,
-            hints.messages,
+            (hints.messages, hints.raw_hashes),
         );
         (key, source, cred)
     }
@@ -376,7 +376,7 @@ impl SessionKeyer {
             req.session_id().as_deref(),
             req.prompt_cache_key().as_deref(),
             req.model().as_deref(),
-            req.messages(),
+            (req.messages(), None),
         )
     }
 
@@ -388,7 +388,7 @@ impl SessionKeyer {
         body_session_id: Option<&str>,
         prompt_cache_key: Option<&str>,
         model: Option<&str>,
-        messages: &[Box<RawValue>],
+        (messages, raw): (&[Box<RawValue>], Option<&[u64]>),
     ) -> (SessionKey, SessionSource) {
         for rule in &self.rules {
             let Some(v) = headers.get(&rule.name).filter(|v| !v.is_empty()) else {
@@ -419,7 +419,7 @@ impl SessionKeyer {
                 SessionSource::BodyPromptCacheKey,
             );
         }
-        let (system, first) = self.openings.opening(messages);
+        let (system, first) = self.openings.opening(messages, raw);
         let sys_h = system.unwrap_or(0).to_le_bytes();
         let first_h = first.unwrap_or(0).to_le_bytes();
         let model = model.unwrap_or("").as_bytes();
@@ -454,6 +454,8 @@ pub(crate) struct SessionHints<'a> {
     pub(crate) model: Option<&'a str>,
     /// The conversation as the engine sees it (system message first).
     pub(crate) messages: &'a [Box<RawValue>],
+    /// [`crate::request::raw_hash`] of each of `messages`, when made.
+    pub(crate) raw_hashes: Option<&'a [u64]>,
 }
 
 #[derive(Deserialize)]
@@ -497,7 +499,7 @@ struct OpeningMemo {
 }
 
 /// A raw-bytes hash and what it was found to describe.
-type Memoised = (u128, Opening);
+type Memoised = (u64, Opening);
 
 impl Default for OpeningMemo {
     fn default() -> Self {
@@ -516,8 +518,9 @@ impl fmt::Debug for OpeningMemo {
 }
 
 impl OpeningMemo {
-    fn describe(&self, m: &RawValue) -> Opening {
-        let raw = xxh3_128(m.get().as_bytes());
+    /// What `m` (whose [`raw_hash`] is `raw`, when made) describes.
+    fn describe(&self, m: &RawValue, raw: Option<u64>) -> Opening {
+        let raw = raw.unwrap_or_else(|| raw_hash(m));
         let slot = &self.slots[(raw as usize) & (OPENING_SLOTS - 1)];
         if let Some((seen, opening)) = *lock(slot) {
             if seen == raw {
@@ -531,11 +534,16 @@ impl OpeningMemo {
 
     /// Canonical hashes of the first system/developer message and of the
     /// first other message.
-    fn opening(&self, messages: &[Box<RawValue>]) -> (Option<u128>, Option<u128>) {
+    fn opening(
+        &self,
+        messages: &[Box<RawValue>],
+        raw: Option<&[u64]>,
+    ) -> (Option<u128>, Option<u128>) {
+        let raw = raw.filter(|r| r.len() == messages.len());
         let mut system = None;
         let mut first = None;
-        for m in messages {
-            let o = self.describe(m);
+        for (i, m) in messages.iter().enumerate() {
+            let o = self.describe(m, raw.map(|r| r[i]));
             if o.is_system && system.is_none() {
                 system = Some(o.hash);
             } else if !o.is_system && first.is_none() {

@@ -48,7 +48,7 @@ impl FormatTime for CachedUtc {
 }
 
 /// Writes `secs.micros` since the epoch as `YYYY-MM-DDTHH:MM:SS.ffffffZ`.
-fn write_timestamp(w: &mut impl fmt::Write, secs: u64, micros: u32) -> fmt::Result {
+pub(super) fn write_timestamp(w: &mut impl fmt::Write, secs: u64, micros: u32) -> fmt::Result {
     let (cached, mut text) = SECOND.with(Cell::get);
     if cached != secs {
         text = format_second(secs);

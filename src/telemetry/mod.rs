@@ -22,6 +22,7 @@ use crate::config::LogFormat;
 use crate::sync::lock;
 
 pub(crate) mod line;
+pub(crate) mod request;
 
 /// Filter used when `RUST_LOG` is unset or invalid.
 pub(crate) const DEFAULT_FILTER: &str = "compactor=info";
@@ -44,6 +45,9 @@ pub fn init(format: LogFormat) -> Result<LogGuard, TelemetryError> {
     let ansi = std::io::IsTerminal::is_terminal(&std::io::stdout());
     let (writer, guard) = BatchWriter::spawn(std::io::stdout, FLUSH_EVERY)
         .map_err(|e| TelemetryError(format!("log writer thread: {e}")))?;
+    if format == LogFormat::Text && !ansi {
+        request::write_plain_to(writer.clone());
+    }
     let builder = tracing_subscriber::fmt()
         .with_env_filter(filter)
         .with_ansi(ansi)
@@ -89,6 +93,14 @@ impl<W: Write> Shared<W> {
 /// A [`MakeWriter`] that appends to the shared batch.
 pub(crate) struct BatchWriter<W> {
     shared: Arc<Shared<W>>,
+}
+
+impl<W> Clone for BatchWriter<W> {
+    fn clone(&self) -> Self {
+        BatchWriter {
+            shared: Arc::clone(&self.shared),
+        }
+    }
 }
 
 impl<W: Write + Send + 'static> BatchWriter<W> {

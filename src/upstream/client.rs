@@ -137,6 +137,20 @@ impl ClientSettings {
 /// path and query of the client URI are used: an absolute-form URI cannot
 /// redirect the request to another host.
 pub(crate) fn join_uri(base: &UpstreamBase, client_uri: &Uri) -> Result<Uri, http::Error> {
+    // No prefix to add: the client's path and query as they were parsed (a
+    // shared copy), not formatted and parsed again for every request.
+    if base.path_prefix.is_empty() {
+        if let Some(pq) = client_uri
+            .path_and_query()
+            .filter(|pq| pq.as_str().starts_with('/'))
+        {
+            return Uri::builder()
+                .scheme(base.scheme.clone())
+                .authority(base.authority.clone())
+                .path_and_query(pq.clone())
+                .build();
+        }
+    }
     let pq = client_uri
         .path_and_query()
         .map(PathAndQuery::as_str)

@@ -350,7 +350,7 @@ impl Upstream {
     pub(crate) fn stream_response(&self, resp: Response<Incoming>) -> Response<ProxyBody> {
         let (mut parts, body) = resp.into_parts();
         headers::strip_hop_by_hop(&mut parts.headers);
-        Response::from_parts(parts, self.idle_timeout(body))
+        Response::from_parts(parts, self.idle_timeout(coalesce::CoalesceBody::new(body)))
     }
 
     /// Wraps a response body in the idle timeout (counted and logged when

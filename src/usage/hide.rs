@@ -114,8 +114,9 @@ impl UsageHider {
                     out.extend_from_slice(&self.pending[consumed..term_end]);
                     self.passthrough = false;
                 } else {
-                    let block = self.pending[consumed..term_end].to_vec();
-                    self.release(block, out);
+                    let pending = std::mem::take(&mut self.pending);
+                    self.release(&pending[consumed..term_end], out);
+                    self.pending = pending;
                 }
                 consumed = term_end;
             }
@@ -167,23 +168,24 @@ impl UsageHider {
         if std::mem::take(&mut self.passthrough) {
             out.extend_from_slice(&rest);
         } else if !rest.is_empty() {
-            self.release(rest, out);
+            self.release(&rest, out);
         }
         if let Some(h) = self.held.take() {
             h.flush(out);
         }
     }
 
-    fn release(&mut self, block: Vec<u8>, out: &mut BytesMut) {
+    /// Releases one complete event block (copied only when it is held).
+    fn release(&mut self, block: &[u8], out: &mut BytesMut) {
         // Comments and blank blocks between the finish chunk and the usage
         // chunk stay behind the finish chunk, in order.
         if let Some(h) = self.held.as_mut() {
-            if data_payload(&block).is_none() && h.trailing.len() < MAX_HELD_TRAILING {
-                h.trailing.extend_from_slice(&block);
+            if data_payload(block).is_none() && h.trailing.len() < MAX_HELD_TRAILING {
+                h.trailing.extend_from_slice(block);
                 return;
             }
         }
-        let verdict = judge(&block);
+        let verdict = judge(block);
         if let Verdict::Drop(timings) = &verdict {
             self.dropped_events += 1;
             if let Some(mut h) = self.held.take() {
@@ -202,17 +204,17 @@ impl UsageHider {
             h.flush(out);
         }
         let block = match verdict {
-            Verdict::Keep => block,
+            Verdict::Keep => std::borrow::Cow::Borrowed(block),
             Verdict::Edited(b) => {
                 self.edited_events += 1;
-                b
+                std::borrow::Cow::Owned(b)
             }
             Verdict::Drop(_) => return,
         };
         match finish_chunk_close(&block) {
             Some((close, has_timings)) => {
                 self.held = Some(Held {
-                    block,
+                    block: block.into_owned(),
                     close,
                     has_timings,
                     trailing: Vec::new(),
@@ -251,7 +253,7 @@ static FINISH_REASON_KEY: LazyLock<Finder<'static>> =
     LazyLock::new(|| Finder::new(b"\"finish_reason\""));
 
 fn judge(block: &[u8]) -> Verdict {
-    if super::USAGE_KEY.find(block).is_none() {
+    if !super::may_have_usage_key(block) || super::USAGE_KEY.find(block).is_none() {
         return Verdict::Keep;
     }
     let Some(range) = data_payload(block) else {

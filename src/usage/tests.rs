@@ -608,3 +608,54 @@ fn responses_failed_event_is_an_error_start() {
     };
     assert!(crate::window::overflow::parse_overflow_event(payload).is_some());
 }
+
+/// The fields of a chunk as text, to compare two reads of it.
+fn chunk_fields(c: &ChunkLite<'_>) -> [Option<String>; 7] {
+    [
+        c.usage, c.timings, c.error, c.choices, c.kind, c.message, c.response,
+    ]
+    .map(|f| f.map(|r| r.get().to_owned()))
+}
+
+#[test]
+fn a_skimmed_chunk_reads_as_serde_json_reads_it() {
+    let payloads: &[&[u8]] = &[
+        br#"{"id":"x","choices":[{"delta":{"content":"hi"}}],"usage":null}"#,
+        br#"{"usage":null,"message":{"usage":{"input_tokens":3}}}"#,
+        br#"{"type":"message_start","message":{"id":"m"},"usage":{"prompt_tokens":1}}"#,
+        br#"{"error":{"message":"too long"},"timings":{"prompt_n":4}}"#,
+        br#" { "response" : {"usage":{"input_tokens":2}} , "extra":[1,{"a":null}] } "#,
+        // Left to serde_json: a repeated key, an escaped key, a repeated
+        // unknown key, text that is not UTF-8 inside an ignored member,
+        // not an object at all.
+        br#"{"usage":{"prompt_tokens":1},"usage":{"prompt_tokens":2}}"#,
+        br#"{"\u0075sage":{"prompt_tokens":1}}"#,
+        br#"{"x":1,"x":2,"usage":{"prompt_tokens":1}}"#,
+        b"{\"x\":\"\xff\",\"usage\":{\"prompt_tokens\":1}}",
+        br#"[null,null]"#,
+        br#"{"usage":{"prompt_tokens":1}"#,
+    ];
+    for p in payloads {
+        let theirs = serde_json::from_slice::<ChunkLite<'_>>(p).map(|c| chunk_fields(&c));
+        let ours = ChunkLite::read(p).map(|c| chunk_fields(&c));
+        assert_eq!(ours.ok(), theirs.ok(), "{}", String::from_utf8_lossy(p));
+    }
+}
+
+#[test]
+fn an_observer_ignoring_the_start_still_finds_the_usage() {
+    let sse: &[u8] = b"data: {\"choices\":[{\"delta\":{\"content\":\"hi\"}}]}\n\ndata: {\"choices\":[],\"usage\":{\"prompt_tokens\":7,\"completion_tokens\":1}}\n\ndata: [DONE]\n\n";
+    let json: &[u8] = br#"{"choices":[{"message":{"content":"hi"}}],"usage":{"prompt_tokens":9}}"#;
+    for (kind, body, prompt) in [(BodyKind::Sse, sse, 7), (BodyKind::Json, json, 9)] {
+        let got = Arc::new(Mutex::new(None));
+        let seen = Arc::clone(&got);
+        let mut o = UsageObserver::new(kind, |_| {})
+            .ignoring_start()
+            .on_usage(Box::new(move |r| *seen.lock().unwrap() = r.prompt_tokens()));
+        for piece in body.chunks(5) {
+            o.on_data(piece);
+        }
+        o.on_eos(Eos::Complete);
+        assert_eq!(*got.lock().unwrap(), Some((prompt, PromptSource::Usage)));
+    }
+}

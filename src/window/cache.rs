@@ -83,7 +83,8 @@ struct Slot {
 #[derive(Debug)]
 pub(crate) struct WindowCache {
     cfg: WindowConfig,
-    slots: DashMap<(String, String), Arc<Slot>>,
+    /// By `upstream \n model` ([`slot_key`]).
+    slots: DashMap<String, Arc<Slot>>,
 }
 
 impl WindowCache {
@@ -96,7 +97,17 @@ impl WindowCache {
     }
 
     fn slot(&self, upstream: &str, model: &str) -> Arc<Slot> {
-        let key = (upstream.to_owned(), model.to_owned());
+        // Looked up under a read lock with a key built in a reused buffer:
+        // every request resolves its window, and an owned key and the map's
+        // write lock for each cost more than the rest of the lookup.
+        let found = slot_key(upstream, model, |key| {
+            self.slots.get(key).map(|s| Arc::clone(s.value()))
+        });
+        if let Some(slot) = found {
+            return slot;
+        }
+        let mut key = String::with_capacity(upstream.len() + 1 + model.len());
+        slot_key(upstream, model, |k| key.push_str(k));
         // Clone the Arc out so no map guard lives past this statement.
         self.slots
             .entry(key)
@@ -195,11 +206,9 @@ impl WindowCache {
         if let Some(r) = self.config_window(model) {
             return r;
         }
-        let Some(slot) = self
-            .slots
-            .get(&(upstream.to_owned(), model.to_owned()))
-            .map(|s| s.value().clone())
-        else {
+        let Some(slot) = slot_key(upstream, model, |key| {
+            self.slots.get(key).map(|s| Arc::clone(s.value()))
+        }) else {
             return self.default_window();
         };
         if let Some(r) = Self::learned(&slot) {
@@ -237,6 +246,26 @@ impl WindowCache {
                 .store(limit, Ordering::Relaxed);
         }
     }
+}
+
+/// Runs `f` with the slot key of (`upstream`, `model`): `upstream \n model`,
+/// unambiguous because an upstream URL has no line feed. Built in a
+/// buffer the thread keeps.
+fn slot_key<T>(upstream: &str, model: &str, f: impl FnOnce(&str) -> T) -> T {
+    thread_local! {
+        static KEY: std::cell::RefCell<String> = const { std::cell::RefCell::new(String::new()) };
+    }
+    KEY.with(|k| match k.try_borrow_mut() {
+        Ok(mut key) => {
+            key.clear();
+            key.push_str(upstream);
+            key.push('\n');
+            key.push_str(model);
+            f(&key)
+        }
+        // Re-entered from `f` (it never is): a key of its own.
+        Err(_) => f(&format!("{upstream}\n{model}")),
+    })
 }
 
 #[cfg(test)]

@@ -46,14 +46,14 @@ fn opening_memo_answers_what_a_parse_answers() {
         .collect();
     for _ in 0..2 {
         for m in &messages {
-            assert_eq!(memo.describe(m), Opening::of(m));
+            assert_eq!(memo.describe(m, None), Opening::of(m));
         }
     }
-    assert!(memo.describe(&messages[0]).is_system);
-    assert!(!memo.describe(&messages[1]).is_system);
+    assert!(memo.describe(&messages[0], None).is_system);
+    assert!(!memo.describe(&messages[1], None).is_system);
     // Reformatted: another slot, the same canonical hash.
     let spaced = RawValue::from_string(r#"{ "content": "m0", "role": "system" }"#.into()).unwrap();
-    assert_eq!(memo.describe(&spaced), memo.describe(&messages[0]));
+    assert_eq!(memo.describe(&spaced, None), memo.describe(&messages[0], None));
 }
 
 fn keyer() -> SessionKeyer {
