@@ -53,7 +53,10 @@ fn opening_memo_answers_what_a_parse_answers() {
     assert!(!memo.describe(&messages[1], None).is_system);
     // Reformatted: another slot, the same canonical hash.
     let spaced = RawValue::from_string(r#"{ "content": "m0", "role": "system" }"#.into()).unwrap();
-    assert_eq!(memo.describe(&spaced, None), memo.describe(&messages[0], None));
+    assert_eq!(
+        memo.describe(&spaced, None),
+        memo.describe(&messages[0], None)
+    );
 }
 
 fn keyer() -> SessionKeyer {
