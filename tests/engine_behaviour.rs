@@ -16,15 +16,7 @@ use compactor::compaction::{
     INFLIGHT_HEADER, NO_USER_SENTINEL, SUMMARY_PREFIX,
 };
 use engine_support::*;
-use serde_json::{json, Value};
-
-fn tool_round(id: &str, size: usize) -> [Value; 2] {
-    [
-        json!({"role": "assistant", "content": null, "tool_calls": [{"id": id, "type": "function",
-            "function": {"name": "terminal", "arguments": format!("{{\"command\":\"make {id}\"}}")}}]}),
-        json!({"role": "tool", "tool_call_id": id, "content": format!("{id}: {}", "o".repeat(size))}),
-    ]
-}
+use serde_json::Value;
 
 #[test]
 fn previous_summary_is_rehydrated_from_the_wire_and_fed_back() {
@@ -308,15 +300,6 @@ fn focus_topic_and_date_reach_the_summary_prompt() {
         p.rfind("the database migration") > p.find("TURNS TO SUMMARIZE"),
         "focus comes last"
     );
-}
-
-fn no_user_session() -> Vec<Value> {
-    let mut msgs = vec![msg("system", "nightly job: rotate logs")];
-    for i in 0..8 {
-        msgs.extend(tool_round(&format!("c{i}"), 300));
-        msgs.push(msg("assistant", &format!("rotated host {i}")));
-    }
-    msgs
 }
 
 #[test]

@@ -24,20 +24,10 @@ use compactor::compaction::{
 use engine_support::*;
 use serde_json::{json, Value};
 
-fn tool_round(i: usize, out_chars: usize) -> Vec<Value> {
-    let id = format!("c{i}");
-    vec![
-        msg("user", &format!("step {i}: read file_{i}.rs")),
-        json!({"role": "assistant", "content": null, "tool_calls": [{"id": id, "type": "function", "function": {"name": "read", "arguments": format!("{{\"path\":\"file_{i}.rs\"}}")}}]}),
-        json!({"role": "tool", "tool_call_id": id, "content": format!("fn f{i}() {{}}\n").repeat(out_chars / 12)}),
-        msg("assistant", &format!("file_{i}.rs defines f{i}.")),
-    ]
-}
-
 fn agent(rounds: usize, out_chars: usize) -> Vec<Value> {
     let mut m = vec![msg("system", "You are an agent.")];
     for i in 0..rounds {
-        m.extend(tool_round(i, out_chars));
+        m.extend(read_round(i, out_chars));
     }
     m.push(msg("user", "what next?"));
     m
@@ -100,7 +90,7 @@ fn a_pass_that_must_fit_drops_the_oldest_rounds_when_shortening_is_not_enough() 
     let mut c = compressor_with("m", 2_048, |c| c.protect_first_n = 0);
     let mut msgs = vec![msg("system", &"rule ".repeat(1_200))];
     for i in 0..6 {
-        msgs.extend(tool_round(i, 120));
+        msgs.extend(read_round(i, 120));
     }
     msgs.push(msg("user", "step 9: read file_9.rs"));
     let s = Stub::ok(&"x ".repeat(20_000));

@@ -11,33 +11,10 @@
 mod engine_support;
 
 use compactor::compaction::{
-    estimate_messages_tokens_rough, is_summary, Compressor, MicroOutcome, Strategy, SummaryReply,
-    CUT_MARKER,
+    estimate_messages_tokens_rough, Compressor, MicroOutcome, SummaryReply, CUT_MARKER,
 };
 use engine_support::*;
 use serde_json::Value;
-
-fn micro() -> Compressor {
-    compressor_with("test-model", 40_960, |c| {
-        c.threshold_percent = 0.75;
-        c.protect_first_n = 1;
-        c.protect_last_n = 2;
-        c.strategy = Strategy::Micro;
-    })
-}
-
-fn conversation(exchanges: usize) -> Vec<Value> {
-    let mut v = vec![msg("system", "system prompt")];
-    for i in 0..exchanges {
-        v.push(msg("user", &format!("question {i}")));
-        v.push(msg("assistant", &format!("answer {i} {}", "z".repeat(400))));
-    }
-    v
-}
-
-fn markers(msgs: &[Value]) -> Vec<&Value> {
-    msgs.iter().filter(|m| is_summary(m)).collect()
-}
 
 fn pass(c: &mut Compressor, msgs: &[Value], s: &Stub) -> Vec<Value> {
     block_on(c.micro_compact(msgs, s)).into_messages()

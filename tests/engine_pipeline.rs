@@ -49,17 +49,6 @@ fn aux_error(f: Option<&AuxModelFailure>) -> Option<&str> {
     f.map(|f| f.error())
 }
 
-fn eight_with_system() -> Vec<Value> {
-    let mut v = vec![msg("system", "sys")];
-    for i in 1..=7 {
-        v.push(msg(
-            if i % 2 == 1 { "user" } else { "assistant" },
-            &format!("msg {i}"),
-        ));
-    }
-    v
-}
-
 // ---------------------------------------------------------------------------- TestCompress
 
 fn persisted_msgs() -> Vec<Value> {
@@ -172,10 +161,6 @@ fn quota_402_with_retry_uses_existing_fallback() {
 }
 
 // ------------------------------------------- TestAuxModelFallbackSurfacedToCallers
-
-fn seven() -> Vec<Value> {
-    eight_with_system()
-}
 
 #[test]
 fn compress_exposes_aux_failure_fields_after_successful_fallback() {

@@ -12,8 +12,8 @@ use std::sync::{Arc, Mutex};
 use serde_json::{json, Value};
 
 use super::{
-    declare_summary, CompactionConfig, Compressor, Summariser, SummaryError, SummaryErrorKind,
-    SummaryReply, SummaryRequest, Trigger, WindowSource,
+    declare_summary, is_summary, CompactionConfig, Compressor, Strategy, Summariser, SummaryError,
+    SummaryErrorKind, SummaryReply, SummaryRequest, Trigger, WindowSource,
 };
 
 /// One scripted answer.
@@ -210,4 +210,78 @@ pub fn block_on<F: std::future::Future>(f: F) -> F::Output {
         .build()
         .unwrap()
         .block_on(f)
+}
+
+/// The micro-compaction suites' compressor: a 40,960-token window at 75 %,
+/// one message protected at the head, two at the tail.
+pub fn micro() -> Compressor {
+    compressor_with("test-model", 40_960, |c| {
+        c.threshold_percent = 0.75;
+        c.protect_first_n = 1;
+        c.protect_last_n = 2;
+        c.strategy = Strategy::Micro;
+    })
+}
+
+/// A system prompt and `exchanges` question/answer pairs of ~100 tokens.
+pub fn conversation(exchanges: usize) -> Vec<Value> {
+    let mut v = vec![msg("system", "system prompt")];
+    for i in 0..exchanges {
+        v.push(msg("user", &format!("question {i}")));
+        v.push(msg("assistant", &format!("answer {i} {}", "z".repeat(400))));
+    }
+    v
+}
+
+/// The summary markers among `msgs`.
+pub fn markers(msgs: &[Value]) -> Vec<&Value> {
+    msgs.iter().filter(|m| is_summary(m)).collect()
+}
+
+/// A system prompt and seven alternating user/assistant messages.
+pub fn eight_with_system() -> Vec<Value> {
+    let mut v = vec![msg("system", "sys")];
+    for i in 1..=7 {
+        v.push(msg(
+            if i % 2 == 1 { "user" } else { "assistant" },
+            &format!("msg {i}"),
+        ));
+    }
+    v
+}
+
+/// The reference suite's seven-message fixture (after its system prompt).
+pub fn seven() -> Vec<Value> {
+    eight_with_system()
+}
+
+/// An assistant `terminal` call `id` and its result of `size` characters.
+pub fn tool_round(id: &str, size: usize) -> [Value; 2] {
+    [
+        json!({"role": "assistant", "content": null, "tool_calls": [{"id": id, "type": "function",
+            "function": {"name": "terminal", "arguments": format!("{{\"command\":\"make {id}\"}}")}}]}),
+        json!({"role": "tool", "tool_call_id": id, "content": format!("{id}: {}", "o".repeat(size))}),
+    ]
+}
+
+/// A cron job's session: no user message at all, eight tool rounds.
+pub fn no_user_session() -> Vec<Value> {
+    let mut msgs = vec![msg("system", "nightly job: rotate logs")];
+    for i in 0..8 {
+        msgs.extend(tool_round(&format!("c{i}"), 300));
+        msgs.push(msg("assistant", &format!("rotated host {i}")));
+    }
+    msgs
+}
+
+/// Exchange `i` of a coding agent: the user asks, the assistant reads a
+/// file of about `out_chars` characters and answers.
+pub fn read_round(i: usize, out_chars: usize) -> Vec<Value> {
+    let id = format!("c{i}");
+    vec![
+        msg("user", &format!("step {i}: read file_{i}.rs")),
+        json!({"role": "assistant", "content": null, "tool_calls": [{"id": id, "type": "function", "function": {"name": "read", "arguments": format!("{{\"path\":\"file_{i}.rs\"}}")}}]}),
+        json!({"role": "tool", "tool_call_id": id, "content": format!("fn f{i}() {{}}\n").repeat(out_chars / 12)}),
+        msg("assistant", &format!("file_{i}.rs defines f{i}.")),
+    ]
 }

@@ -56,25 +56,11 @@ fn locate(text: &str, offset: usize) -> (String, Option<String>) {
     let line = text[line_start..line_end].trim();
     let mut section = String::new();
     for l in before.lines() {
-        let t = l.trim();
-        if t.starts_with('[') {
-            section = t
-                .trim_start_matches('[')
-                .split(']')
-                .next()
-                .unwrap_or_default()
-                .trim()
-                .to_owned();
+        if let Some(name) = table_name(l.trim()) {
+            section = name;
         }
     }
-    if line.starts_with('[') {
-        let header = line
-            .trim_start_matches('[')
-            .split(']')
-            .next()
-            .unwrap_or_default()
-            .trim()
-            .to_owned();
+    if let Some(header) = table_name(line) {
         return (header, None);
     }
     let key = line
@@ -83,6 +69,18 @@ fn locate(text: &str, offset: usize) -> (String, Option<String>) {
         .map(|k| k.trim().trim_matches('"').to_owned())
         .filter(|k| !k.is_empty() && !k.starts_with('#'));
     (section, key)
+}
+
+/// The name of a `[table]` header line, `None` for any other line.
+fn table_name(line: &str) -> Option<String> {
+    line.starts_with('[').then(|| {
+        line.trim_start_matches('[')
+            .split(']')
+            .next()
+            .unwrap_or_default()
+            .trim()
+            .to_owned()
+    })
 }
 
 impl RawConfig {

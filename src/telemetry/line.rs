@@ -231,9 +231,7 @@ impl<W: fmt::Write> fmt::Write for Escaping<'_, W> {
 
 #[cfg(test)]
 mod tests {
-    use std::sync::{Arc, Mutex};
-
-    use tracing_subscriber::fmt::MakeWriter;
+    use crate::telemetry::capture::Captured;
 
     use super::*;
 
@@ -272,26 +270,6 @@ mod tests {
         panic!("timestamps disagree");
     }
 
-    #[derive(Clone, Default)]
-    struct Buf(Arc<Mutex<Vec<u8>>>);
-
-    impl std::io::Write for Buf {
-        fn write(&mut self, b: &[u8]) -> std::io::Result<usize> {
-            self.0.lock().unwrap().extend_from_slice(b);
-            Ok(b.len())
-        }
-        fn flush(&mut self) -> std::io::Result<()> {
-            Ok(())
-        }
-    }
-
-    impl<'a> MakeWriter<'a> for Buf {
-        type Writer = Buf;
-        fn make_writer(&'a self) -> Buf {
-            self.clone()
-        }
-    }
-
     fn emit_all() {
         let path = "/v1/chat/completions";
         let none: Option<f64> = None;
@@ -321,7 +299,7 @@ mod tests {
 
     /// Lines of `emit_all` under both field formatters, without time.
     fn lines(ours: bool) -> String {
-        let buf = Buf::default();
+        let buf = Captured::default();
         let builder = tracing_subscriber::fmt()
             .with_ansi(false)
             .without_time()
@@ -331,8 +309,7 @@ mod tests {
         } else {
             tracing::subscriber::with_default(builder.finish(), emit_all);
         }
-        let out = buf.0.lock().unwrap().clone();
-        String::from_utf8(out).unwrap()
+        buf.text()
     }
 
     #[test]

@@ -21,6 +21,8 @@ use tracing_subscriber::EnvFilter;
 use crate::config::LogFormat;
 use crate::sync::lock;
 
+#[cfg(test)]
+mod capture;
 pub(crate) mod line;
 pub(crate) mod request;
 

@@ -180,7 +180,7 @@ fn push_float(out: &mut String, v: f64) {
 
 #[cfg(test)]
 mod tests {
-    use std::sync::{Arc, Mutex};
+    use crate::telemetry::capture::Captured;
 
     use super::*;
 
@@ -206,26 +206,6 @@ mod tests {
             let mut ours = String::new();
             push_float(&mut ours, v);
             assert_eq!(ours, format!("{v:?}"), "{v}");
-        }
-    }
-
-    #[derive(Clone, Default)]
-    struct Buf(Arc<Mutex<Vec<u8>>>);
-
-    impl std::io::Write for Buf {
-        fn write(&mut self, b: &[u8]) -> std::io::Result<usize> {
-            self.0.lock().unwrap().extend_from_slice(b);
-            Ok(b.len())
-        }
-        fn flush(&mut self) -> std::io::Result<()> {
-            Ok(())
-        }
-    }
-
-    impl<'a> MakeWriter<'a> for Buf {
-        type Writer = Buf;
-        fn make_writer(&'a self) -> Buf {
-            self.clone()
         }
     }
 
@@ -256,7 +236,7 @@ mod tests {
             },
         ];
         for l in lines {
-            let buf = Buf::default();
+            let buf = Captured::default();
             let subscriber = tracing_subscriber::fmt()
                 .with_ansi(false)
                 .without_time()
@@ -265,7 +245,7 @@ mod tests {
                 .finish();
             // The fallback path: no plain batch is installed in tests.
             tracing::subscriber::with_default(subscriber, || log(&l));
-            let theirs = String::from_utf8(buf.0.lock().unwrap().clone()).unwrap();
+            let theirs = buf.text();
             let mut ours = String::new();
             plain(&mut ours, &l);
             // Without a timestamp the text format starts at the level.

@@ -4,8 +4,8 @@
 #![allow(dead_code)]
 
 use compactor::compaction::{
-    declare_summary, CompactionConfig, Compressor, Summariser, SummaryError, SummaryErrorKind,
-    SummaryReply, SummaryRequest, Trigger, WindowSource,
+    declare_summary, is_summary, CompactionConfig, Compressor, Strategy, Summariser, SummaryError,
+    SummaryErrorKind, SummaryReply, SummaryRequest, Trigger, WindowSource,
 };
 use std::sync::Arc;
 

@@ -34,21 +34,6 @@ fn aux_error(f: &Option<AuxModelFailure>) -> Option<&str> {
     f.as_ref().map(|f| f.error.as_str())
 }
 
-fn eight_with_system() -> Vec<Value> {
-    let mut v = vec![msg("system", "sys")];
-    for i in 1..=7 {
-        v.push(msg(
-            if i % 2 == 1 { "user" } else { "assistant" },
-            &format!("msg {i}"),
-        ));
-    }
-    v
-}
-
-fn seven() -> Vec<Value> {
-    eight_with_system()
-}
-
 // ---------------------------------------------------------------------------- TestCompress
 
 #[test]
@@ -516,14 +501,6 @@ fn real_fallback_still_feeds_streak() {
 // (tests/engine_behaviour.rs has the rest: these read or set the state the
 // compressor keeps between passes)
 
-fn tool_round(id: &str, size: usize) -> [Value; 2] {
-    [
-        json!({"role": "assistant", "content": null, "tool_calls": [{"id": id, "type": "function",
-            "function": {"name": "terminal", "arguments": format!("{{\"command\":\"make {id}\"}}")}}]}),
-        json!({"role": "tool", "tool_call_id": id, "content": format!("{id}: {}", "o".repeat(size))}),
-    ]
-}
-
 #[test]
 fn insufficient_messages_is_a_structural_no_op_without_strike() {
     let mut c = compressor(3, 2);
@@ -573,15 +550,6 @@ fn abort_rolls_back_the_rehydrated_summary() {
         c.previous_summary.is_none(),
         "an aborted attempt is a true no-op"
     );
-}
-
-fn no_user_session() -> Vec<Value> {
-    let mut msgs = vec![msg("system", "nightly job: rotate logs")];
-    for i in 0..8 {
-        msgs.extend(tool_round(&format!("c{i}"), 300));
-        msgs.push(msg("assistant", &format!("rotated host {i}")));
-    }
-    msgs
 }
 
 #[test]

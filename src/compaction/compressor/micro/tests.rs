@@ -16,28 +16,6 @@ use crate::compaction::trigger::WindowSource;
 use crate::compaction::truncated::CUT_MARKER;
 use crate::compaction::view::is_summary;
 
-fn micro() -> Compressor {
-    compressor_with("test-model", 40_960, |c| {
-        c.threshold_percent = 0.75;
-        c.protect_first_n = 1;
-        c.protect_last_n = 2;
-        c.strategy = Strategy::Micro;
-    })
-}
-
-fn conversation(exchanges: usize) -> Vec<Value> {
-    let mut v = vec![msg("system", "system prompt")];
-    for i in 0..exchanges {
-        v.push(msg("user", &format!("question {i}")));
-        v.push(msg("assistant", &format!("answer {i} {}", "z".repeat(400))));
-    }
-    v
-}
-
-fn markers(msgs: &[Value]) -> Vec<&Value> {
-    msgs.iter().filter(|m| is_summary(m)).collect()
-}
-
 fn pass(c: &mut Compressor, msgs: &[Value], s: &Stub) -> Vec<Value> {
     block_on(c.micro_compact(msgs, s)).messages
 }

@@ -7,7 +7,6 @@
 
 use std::sync::Arc;
 
-use serde_json::{json, Value};
 
 use crate::compaction::compressor::{CompressOptions, Outcome};
 use crate::compaction::serialize::prompt_overhead_chars;
@@ -105,16 +104,6 @@ fn large_previous_summary_is_bounded_to_the_summariser_budget() {
 
 // ---------------------------------------------------------------- economy
 
-fn tool_round(i: usize, out_chars: usize) -> Vec<Value> {
-    let id = format!("c{i}");
-    vec![
-        msg("user", &format!("step {i}: read file_{i}.rs")),
-        json!({"role": "assistant", "content": null, "tool_calls": [{"id": id, "type": "function", "function": {"name": "read", "arguments": format!("{{\"path\":\"file_{i}.rs\"}}")}}]}),
-        json!({"role": "tool", "tool_call_id": id, "content": format!("fn f{i}() {{}}\n").repeat(out_chars / 12)}),
-        msg("assistant", &format!("file_{i}.rs defines f{i}.")),
-    ]
-}
-
 /// With a fixed part the summary call's reply cap follows the room above
 /// it: a cap from the window alone let a small model write 1,600 tokens of
 /// a summary that could keep ~150.
@@ -157,7 +146,7 @@ fn the_user_s_own_words_survive_two_compactions() {
     let s = Stub::ok("## Historical Task Snapshot\nthe task\n## Completed Actions\n1. read files");
     for round in 0..2 {
         for i in 0..8 {
-            msgs.extend(tool_round(round * 10 + i, 800));
+            msgs.extend(read_round(round * 10 + i, 800));
         }
         msgs.push(msg("user", "continue"));
         let r = block_on(c.compress(
