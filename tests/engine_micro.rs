@@ -134,23 +134,7 @@ fn micro_call_uses_capped_max_tokens_and_low_temperature() {
     assert_eq!(req.temperature, Some(0.1));
 }
 
-fn cut_reply(text: &str) -> SummaryReply {
-    SummaryReply {
-        content: Some(Value::String(text.into())),
-        finish_reason: Some("length".into()),
-        refusal: None,
-        reasoning: None,
-    }
-}
-
 const CUT: &str = "- build_id: B7-1234\n- tag: REL-42\n- half a li";
-
-fn marker_text(msgs: &[Value]) -> String {
-    markers(msgs)
-        .first()
-        .map(|m| content_str(m))
-        .unwrap_or_default()
-}
 
 #[test]
 fn a_cut_exchange_summary_is_retried_once_with_a_firmer_length() {

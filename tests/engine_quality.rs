@@ -16,15 +16,6 @@ use compactor::compaction::{
 use engine_support::*;
 use serde_json::{json, Value};
 
-fn cut_reply(text: &str) -> SummaryReply {
-    SummaryReply {
-        content: Some(Value::String(text.into())),
-        finish_reason: Some("length".into()),
-        refusal: None,
-        reasoning: None,
-    }
-}
-
 const CUT: &str = "## Historical Task Snapshot\nfix the build\n\n## Critical Context\n- build_id: B7-1234\n- tag: REL-42\n- half a li";
 
 fn summary_text(msgs: &[Value]) -> String {

@@ -285,3 +285,21 @@ pub fn read_round(i: usize, out_chars: usize) -> Vec<Value> {
         msg("assistant", &format!("file_{i}.rs defines f{i}.")),
     ]
 }
+
+/// A summary reply the model cut at its token limit.
+pub fn cut_reply(text: &str) -> SummaryReply {
+    SummaryReply {
+        content: Some(Value::String(text.into())),
+        finish_reason: Some("length".into()),
+        refusal: None,
+        reasoning: None,
+    }
+}
+
+/// The text of the first summary marker among `msgs`, or `""`.
+pub fn marker_text(msgs: &[Value]) -> String {
+    markers(msgs)
+        .first()
+        .map(|m| content_str(m))
+        .unwrap_or_default()
+}

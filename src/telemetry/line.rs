@@ -139,8 +139,16 @@ impl PlainVisitor<'_> {
 }
 
 /// Writes an integer without the formatting machinery.
-fn write_int(w: &mut Writer<'_>, negative: bool, mut v: u64) -> fmt::Result {
-    let mut buf = [0u8; 21];
+fn write_int(w: &mut Writer<'_>, negative: bool, v: u64) -> fmt::Result {
+    if negative {
+        w.write_char('-')?;
+    }
+    w.write_str(decimal(v, &mut [0; 20]))
+}
+
+/// `v` in decimal, written into `buf` from its end: the log lines' integers
+/// without the formatting machinery.
+pub(crate) fn decimal(mut v: u64, buf: &mut [u8; 20]) -> &str {
     let mut at = buf.len();
     loop {
         at -= 1;
@@ -150,11 +158,8 @@ fn write_int(w: &mut Writer<'_>, negative: bool, mut v: u64) -> fmt::Result {
             break;
         }
     }
-    if negative {
-        at -= 1;
-        buf[at] = b'-';
-    }
-    w.write_str(std::str::from_utf8(&buf[at..]).map_err(|_| fmt::Error)?)
+    // Only ASCII digits were written.
+    std::str::from_utf8(&buf[at..]).unwrap_or_default()
 }
 
 impl Visit for PlainVisitor<'_> {

@@ -136,18 +136,8 @@ fn quoted(out: &mut String, s: &str) {
     }
 }
 
-fn push_int(out: &mut String, mut v: u64) {
-    let mut buf = [0u8; 20];
-    let mut at = buf.len();
-    loop {
-        at -= 1;
-        buf[at] = b'0' + (v % 10) as u8;
-        v /= 10;
-        if v == 0 {
-            break;
-        }
-    }
-    out.extend(buf[at..].iter().map(|&b| char::from(b)));
+fn push_int(out: &mut String, v: u64) {
+    out.push_str(super::line::decimal(v, &mut [0; 20]));
 }
 
 /// `v` as `{:?}` writes it. Durations in milliseconds rounded to the

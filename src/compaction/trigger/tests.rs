@@ -15,7 +15,7 @@ use crate::compaction::budget::{
 };
 use crate::compaction::config::CompactionConfig;
 
-fn cfg_with(f: impl FnOnce(&mut CompactionConfig)) -> Arc<CompactionConfig> {
+pub(super) fn cfg_with(f: impl FnOnce(&mut CompactionConfig)) -> Arc<CompactionConfig> {
     let mut c = CompactionConfig::default();
     f(&mut c);
     Arc::new(c)
@@ -23,7 +23,7 @@ fn cfg_with(f: impl FnOnce(&mut CompactionConfig)) -> Arc<CompactionConfig> {
 
 /// The ported `compressor` fixture: model "test/model", threshold 0.85,
 /// protect 2/2, window 100,000, resolved.
-fn compressor() -> Trigger {
+pub(super) fn compressor() -> Trigger {
     let cfg = cfg_with(|c| {
         c.threshold_percent = 0.85;
         c.protect_first_n = 2;

@@ -10,7 +10,6 @@ use serde_json::Value;
 use super::*;
 use crate::compaction::compressor::Compressor;
 use crate::compaction::config::{CompactionConfig, Strategy};
-use crate::compaction::summariser::SummaryReply;
 use crate::compaction::test_support::*;
 use crate::compaction::trigger::WindowSource;
 use crate::compaction::truncated::CUT_MARKER;
@@ -141,23 +140,7 @@ fn defrag_triggers_once_the_rolling_summary_grows() {
     assert!(content_str(mk[0]).contains("FRESH DEFRAGGED SUMMARY"));
 }
 
-fn cut_reply(text: &str) -> SummaryReply {
-    SummaryReply {
-        content: Some(Value::String(text.into())),
-        finish_reason: Some("length".into()),
-        refusal: None,
-        reasoning: None,
-    }
-}
-
 const CUT: &str = "- build_id: B7-1234\n- tag: REL-42\n- half a li";
-
-fn marker_text(msgs: &[Value]) -> String {
-    markers(msgs)
-        .first()
-        .map(|m| content_str(m))
-        .unwrap_or_default()
-}
 
 #[test]
 fn a_cut_exchange_summary_is_kept_at_its_last_complete_line() {

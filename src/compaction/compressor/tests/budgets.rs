@@ -7,7 +7,6 @@
 
 use std::sync::Arc;
 
-
 use crate::compaction::compressor::{CompressOptions, Outcome};
 use crate::compaction::serialize::prompt_overhead_chars;
 use crate::compaction::summariser::SummaryReply;

@@ -2,29 +2,9 @@
 
 use std::time::Duration;
 
-use super::super::{Trigger, TriggerSnapshot, Usage, WindowSource};
+use super::super::tests::compressor;
+use super::super::{TriggerSnapshot, Usage};
 use super::{cooldown_for, truncate_error_text, FailureClass};
-use crate::compaction::config::CompactionConfig;
-use std::sync::Arc;
-
-fn cfg_with(f: impl FnOnce(&mut CompactionConfig)) -> Arc<CompactionConfig> {
-    let mut c = CompactionConfig::default();
-    f(&mut c);
-    Arc::new(c)
-}
-
-/// The ported `compressor` fixture: model "test/model", threshold 0.85,
-/// protect 2/2, window 100,000, resolved.
-fn compressor() -> Trigger {
-    let cfg = cfg_with(|c| {
-        c.threshold_percent = 0.85;
-        c.protect_first_n = 2;
-        c.protect_last_n = 2;
-    });
-    let mut t = Trigger::new(cfg, "test/model", WindowSource::Known(100_000), None);
-    let _ = t.context_length();
-    t
-}
 
 fn usage(p: u64, c: u64, t: u64) -> Usage {
     Usage {
