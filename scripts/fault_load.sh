@@ -7,6 +7,8 @@
 #   PROFILE=release scripts/fault_load.sh
 #   MODE=silent N=600 scripts/fault_load.sh        # silent connections
 #   MODE=slow_upload N=64 scripts/fault_load.sh    # bodies dribbled slowly
+#   MODE=silent N=1100 CAP=4096 PROXY_NOFILE=1024 scripts/fault_load.sh
+#                                    # compactor alone under `ulimit -n 1024`
 #
 # Builds compactor and the two examples, starts examples/fault_upstream.rs
 # (SSE streams with slow drip, stalls and aborted connections) and
@@ -37,6 +39,9 @@ N="${N:-1000}"; [ "$N" -gt 5000 ] && N=5000
 TIMEOUT="${TIMEOUT:-60}"; [ "$TIMEOUT" -gt 120 ] && TIMEOUT=120
 PROFILE="${PROFILE:-debug}"
 MODE="${MODE:-stream}"
+# Open-file limit (soft and hard) of compactor alone, e.g. 1024: the clients
+# and the mock keep theirs.
+PROXY_NOFILE="${PROXY_NOFILE:-}"
 case "$MODE" in stream|silent|slow_upload) ;; *) echo "MODE must be stream, silent or slow_upload" >&2; exit 64;; esac
 IDLE="${IDLE:-2}"
 CAP="${CAP:-$(( N * 3 / 4 ))}"
@@ -96,7 +101,9 @@ case "$MODE" in
   silent) printf '[timeouts]\nclient_idle_secs = %s\n[limits]\nmax_connections = %s\n' "$IDLE" "$CAP" >>"$OUT/compactor.toml" ;;
   slow_upload) printf '[timeouts]\nbody_read_secs = %s\n[limits]\nmax_buffered_body_bytes = %s\n' "$BODY_READ" "$BUDGET" >>"$OUT/compactor.toml" ;;
 esac
-NO_COLOR=1 start PROXY "$OUT/compactor.log" "$BIN/compactor" --config "$OUT/compactor.toml"
+LIMIT=()
+[ -n "$PROXY_NOFILE" ] && LIMIT=(prlimit "--nofile=$PROXY_NOFILE:$PROXY_NOFILE")
+NO_COLOR=1 start PROXY "$OUT/compactor.log" "${LIMIT[@]}" "$BIN/compactor" --config "$OUT/compactor.toml"
 
 # Peak RSS (VmHWM) is kept by the kernel; fds and current RSS are sampled.
 fds() { ls "/proc/$1/fd" 2>/dev/null | wc -l; }
@@ -144,8 +151,9 @@ health_rows() {
 echo
 case "$MODE" in
 silent)
-  echo "== fault/load silent: $N connections that never send a byte, client_idle_secs $IDLE, max_connections $CAP, $PROFILE build, $(nproc) cores"
+  echo "== fault/load silent: $N connections that never send a byte, client_idle_secs $IDLE, max_connections $CAP, $PROFILE build, $(nproc) cores${PROXY_NOFILE:+, compactor under ulimit -n $PROXY_NOFILE}"
   printf "%-42s %s\n" \
+    "max_connections in force (metric)" "$(metric compactor_max_connections)" \
     "connections" "$(v requests)" \
     "closed by the idle timeout (ok)" "$(c closed_idle)" \
     "503 + Retry-After, closed (ok)" "$(c refused_503_retry_after)" \

@@ -169,6 +169,60 @@ async fn a_first_request_is_counted_by_the_upstream_tokenizer() {
     }
 }
 
+/// A calibrated conversation of prose, far from the window's edge by the
+/// estimate, whose next turn pastes a log of digits (each a token of its
+/// own, as Gemma counts them): the estimate prices the paste by the prose's
+/// ratio at a quarter of its cost. With the upstream's tokenizer the turn is
+/// counted and compacted before it is sent; without, it overflows once and
+/// is retried.
+#[tokio::test]
+async fn a_dense_paste_far_from_the_edge_by_the_estimate_is_counted() {
+    for tokenizer in [true, false] {
+        let mock = ChatMock::start(Settings {
+            window: Some(4096),
+            tokenizer,
+            digits_are_tokens: true,
+            ..Settings::default()
+        })
+        .await;
+        let proxy = start_proxy(&mock.url(), "[models.\"m\"]\ncontext_length = 4096\n").await;
+        let system =
+            serde_json::json!({"role": "system", "content": "Keep to the rules. ".repeat(250)});
+        let mut history = vec![system];
+        for i in 0..8 {
+            history.push(serde_json::json!({"role": "user", "content": format!("step {i}: {}", "check the next file. ".repeat(24))}));
+            let (st, h, _) =
+                post_chat(&proxy.url(), chat_body("m", &history, false), &[AUTH]).await;
+            assert_eq!(st, 200);
+            assert_eq!(action(&h), "passthrough", "step {i}");
+            history.push(serde_json::json!({"role": "assistant", "content": "Checked."}));
+        }
+        let before = prompt_tokens_of(&serde_json::json!({ "messages": history }));
+        // Under the trigger (~3,070) with the paste's estimate added, over
+        // the window with its real count.
+        assert!(
+            (2_300..2_500).contains(&before),
+            "{before} tokens of prose before the paste"
+        );
+        // 1,800 digits: ~530 tokens by the prose's ratio, ~1,880 real.
+        let log = "481516234223\n".repeat(150);
+        history.push(serde_json::json!({"role": "user", "content": format!("the log:\n{log}")}));
+        let (st, h, body) = post_chat(&proxy.url(), chat_body("m", &history, false), &[AUTH]).await;
+        assert_eq!(st, 200, "{}", String::from_utf8_lossy(&body));
+        let last = mock.chats().last().cloned().unwrap();
+        assert!(!last.overflowed, "the answered request fits");
+        if tokenizer {
+            assert_eq!(action(&h), "compacted", "counted, compacted up front");
+            assert!(
+                mock.chats().iter().all(|c| !c.overflowed),
+                "a request overflowed"
+            );
+        } else {
+            assert_eq!(action(&h), "retried", "uncounted, it overflowed first");
+        }
+    }
+}
+
 /// A calibrated conversation whose instructions fill most of the window:
 /// once a request comes within a tenth of the window's edge, where the
 /// estimate's margin decides whether it fits, the upstream's tokenizer

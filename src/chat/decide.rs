@@ -35,6 +35,34 @@ fn margin(tokens: u64, basis: Basis, last_real: Option<u64>) -> u64 {
     }
 }
 
+/// How many times its calibrated estimate a newly added part may really
+/// cost: a pasted log of digits, hashes or hex tokenizes up to four times
+/// denser than the conversation's prose-calibrated ratio prices it (Gemma
+/// splits every digit into a token of its own), and a little more where
+/// the ratio is below one. hermes-agent on an 8k llama.cpp: a turn added
+/// ~600 estimated tokens that were 2,300 real, and a request the estimate
+/// put under the trigger reached the upstream at 8,314 of 8,192.
+pub(super) const DENSE_ADDITION_FACTOR: u64 = 5;
+
+/// Whether the upstream's tokenizer, when it has one, settles a request
+/// before it is sent: when it is under the window by the estimate (over it,
+/// it is compacted anyway) but could be over it by its error: within a
+/// tenth of the estimate, or within [`DENSE_ADDITION_FACTOR`] times what was
+/// added since the upstream's last count.
+pub(super) fn count_due(est: &Estimate, last_real: Option<u64>, window: u64, reply: u64) -> bool {
+    let tokens = est.tokens;
+    if tokens + reply >= window {
+        return false;
+    }
+    let added = match (est.basis, last_real) {
+        (Basis::Incremental { .. }, Some(real)) if real <= tokens => tokens - real,
+        _ => 0,
+    };
+    let error =
+        (tokens / ESTIMATE_MARGIN_DIVISOR).max(added.saturating_mul(DENSE_ADDITION_FACTOR - 1));
+    tokens + error + reply >= window
+}
+
 /// Whether request number `requests` (1-based) is a micro-compaction turn.
 pub(super) fn conv_turn_due(requests: u64, every_n: u32) -> bool {
     requests.is_multiple_of(u64::from(every_n.max(1)))
@@ -128,6 +156,42 @@ mod tests {
     /// The trigger's threshold for [`WINDOW`].
     fn threshold() -> u64 {
         decide(&mut trigger(), sizes(0), false, false).threshold
+    }
+
+    fn estimate(tokens: u64, basis: Basis) -> Estimate {
+        Estimate {
+            tokens,
+            rough_total: tokens,
+            basis,
+            newly_estimated: 1,
+            sent: Arc::default(),
+        }
+    }
+
+    #[test]
+    fn a_large_addition_near_the_window_is_counted_and_a_small_one_is_not() {
+        let inc = Basis::Incremental { reused: 10 };
+        // hermes-agent at 8,192: 5,900 counted, ~600 estimated added (2,300
+        // real): far under the tenth's band, but five times the addition
+        // reaches the window.
+        assert!(count_due(&estimate(6_500, inc), Some(5_900), 8_192, 0));
+        // The same request with a one-line addition stays uncounted.
+        assert!(!count_due(&estimate(6_000, inc), Some(5_900), 8_192, 0));
+        // Within a tenth of the estimate is counted whatever was added, and
+        // the reply cap counts as part of the request.
+        assert!(count_due(&estimate(7_500, Basis::Ratio), None, 8_192, 0));
+        assert!(!count_due(&estimate(6_500, Basis::Ratio), None, 8_192, 0));
+        assert!(count_due(
+            &estimate(6_500, Basis::Ratio),
+            None,
+            8_192,
+            1_100
+        ));
+        // Over the window by the estimate: compacted without a count.
+        assert!(!count_due(&estimate(8_192, inc), Some(5_900), 8_192, 0));
+        // A shrinking request (the upstream counted more than is estimated
+        // now) is judged by the tenth alone.
+        assert!(!count_due(&estimate(6_000, inc), Some(6_400), 8_192, 0));
     }
 
     #[test]

@@ -266,9 +266,9 @@ async fn size_up(
             est = counted;
         }
     }
-    let mut margin = super::decide::estimate_margin(&est, conv.calibration.last_real_prompt());
-    let reply = max_out.unwrap_or(0);
-    if est.tokens + reply < window && est.tokens + est.tokens / 10 + reply >= window {
+    let last_real = conv.calibration.last_real_prompt();
+    let mut margin = super::decide::estimate_margin(&est, last_real);
+    if super::decide::count_due(&est, last_real, window, max_out.unwrap_or(0)) {
         let counting = (overhead, est.clone());
         if let Some(counted) = count_now(chat, upstream, client, conv, creq, out, counting).await {
             est = counted;

@@ -106,6 +106,9 @@ pub struct Settings {
     /// Serve llama.cpp's `/apply-template` and `/tokenize`, counting as the
     /// chat completions do.
     pub tokenizer: bool,
+    /// Every ASCII digit of `messages` is a token of its own, the rest 4
+    /// bytes a token (Gemma's tokenizer splits numbers into digits).
+    pub digits_are_tokens: bool,
     /// Every request must present this key (`x-goog-api-key`, `?key=`
     /// or a bearer token), else 401, as Google's endpoints answer.
     pub require_key: Option<String>,
@@ -126,6 +129,7 @@ impl Default for Settings {
             deltas: vec!["Hel".into(), "lo".into(), " there".into()],
             frame_bytes: None,
             tokenizer: false,
+            digits_are_tokens: false,
             require_key: None,
         }
     }
@@ -193,6 +197,13 @@ impl Drop for ChatMock {
 pub fn prompt_tokens_of(body: &Value) -> u64 {
     let msgs = body.get("messages").cloned().unwrap_or(Value::Null);
     (serde_json::to_string(&msgs).map(|s| s.len()).unwrap_or(0) / 4) as u64
+}
+
+/// Tokens of `text` when each ASCII digit is one and the rest are 4 bytes
+/// a token.
+fn digit_dense_tokens(text: &str) -> u64 {
+    let digits = text.bytes().filter(u8::is_ascii_digit).count();
+    ((text.len() - digits) / 4 + digits) as u64
 }
 
 pub fn completion_tokens(deltas: &[String]) -> u64 {
@@ -468,8 +479,12 @@ async fn serve(
             let prompt = serde_json::to_string(&v["messages"]).unwrap_or_default();
             json_reply(200, json!({ "prompt": prompt }).to_string())
         } else {
-            let len = v["content"].as_str().map_or(0, str::len);
-            let n = (len as f64 / settings.bytes_per_token) as usize;
+            let content = v["content"].as_str().unwrap_or_default();
+            let n = if settings.digits_are_tokens {
+                digit_dense_tokens(content) as usize
+            } else {
+                (content.len() as f64 / settings.bytes_per_token) as usize
+            };
             json_reply(200, json!({ "tokens": vec![0; n] }).to_string())
         });
     }
@@ -488,7 +503,9 @@ async fn serve(
         ));
     };
     let model = v["model"].as_str().unwrap_or("unknown").to_owned();
-    let mut prompt = if settings.bytes_per_token == 4.0 {
+    let mut prompt = if settings.digits_are_tokens {
+        digit_dense_tokens(&serde_json::to_string(&v["messages"]).unwrap_or_default())
+    } else if settings.bytes_per_token == 4.0 {
         prompt_tokens_of(&v)
     } else {
         (prompt_tokens_of(&v) as f64 * 4.0 / settings.bytes_per_token) as u64
