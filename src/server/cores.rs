@@ -63,9 +63,7 @@ where
         .map_err(AppError::Runtime)?;
     let addr = config.listen;
     let (listener, local, states) = main.block_on(async {
-        let listener = TcpListener::bind(addr)
-            .await
-            .map_err(|source| AppError::Bind { addr, source })?;
+        let listener = super::listen(addr).map_err(|source| AppError::Bind { addr, source })?;
         let local = listener
             .local_addr()
             .map_err(|source| AppError::Bind { addr, source })?;

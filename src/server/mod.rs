@@ -98,10 +98,27 @@ const SWEEP_EVERY: Duration = Duration::from_secs(30);
 pub async fn bind(config: Config) -> Result<(TcpListener, Arc<AppState>), AppError> {
     let addr = config.listen;
     let state = Arc::new(AppState::new(config)?);
-    let listener = TcpListener::bind(addr)
-        .await
-        .map_err(|source| AppError::Bind { addr, source })?;
+    let listener = listen(addr).map_err(|source| AppError::Bind { addr, source })?;
     Ok((listener, state))
+}
+
+/// Connections the kernel queues before they are accepted (clamped by
+/// `net.core.somaxconn`). tokio's `bind` asks for 1,024: a burst of more
+/// silent connects than that (1,100 in `fault_load.sh MODE=silent`) left
+/// the overflow half-open, neither accepted nor refused, for a minute.
+const LISTEN_BACKLOG: u32 = 4096;
+
+/// The listening socket on `addr` (address reuse as `bind` sets it), with
+/// [`LISTEN_BACKLOG`]. Called inside a runtime.
+pub(crate) fn listen(addr: std::net::SocketAddr) -> std::io::Result<TcpListener> {
+    let socket = if addr.is_ipv4() {
+        tokio::net::TcpSocket::new_v4()?
+    } else {
+        tokio::net::TcpSocket::new_v6()?
+    };
+    socket.set_reuseaddr(true)?;
+    socket.bind(addr)?;
+    socket.listen(LISTEN_BACKLOG)
 }
 
 /// What a serving loop does besides accepting.
