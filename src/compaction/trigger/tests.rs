@@ -42,7 +42,7 @@ fn pct(p: f64) -> Arc<CompactionConfig> {
     cfg_with(|c| c.threshold_percent = p)
 }
 
-fn usage(p: u64, c: u64, t: u64) -> Usage {
+pub(super) fn usage(p: u64, c: u64, t: u64) -> Usage {
     Usage {
         prompt_tokens: Some(p),
         completion_tokens: Some(c),

@@ -2,18 +2,9 @@
 
 use std::time::Duration;
 
-use super::super::tests::compressor;
+use super::super::tests::{compressor, usage};
 use super::super::{TriggerSnapshot, Usage};
 use super::{cooldown_for, truncate_error_text, FailureClass};
-
-fn usage(p: u64, c: u64, t: u64) -> Usage {
-    Usage {
-        prompt_tokens: Some(p),
-        completion_tokens: Some(c),
-        total_tokens: Some(t),
-        ..Default::default()
-    }
-}
 
 // ---------------------------------------------------------------- cooldowns
 
