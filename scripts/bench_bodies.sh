@@ -6,6 +6,10 @@
 #   json_agent  a 12 KB system prompt and 40 messages, about 25 KB: an
 #               agent's turn, whose opening repeats on every request
 #   sse         json with "stream": true
+#
+# write_conv_bodies adds conv_chat, conv_messages and conv_responses: one
+# conversation in the three conversation APIs (big_body), to compare the
+# routes request for request.
 
 # wrk_script FILE BODY
 wrk_script() {
@@ -77,4 +81,17 @@ else:
 with open(path, "w") as f:
     json.dump(body, f, separators=(",", ":"))
 PY
+}
+
+# write_conv_bodies DIR BLOCKS: DIR/conv_{chat,messages,responses}.lua, the
+# same conversation of about BLOCKS short text blocks in each API's wire
+# shape, ending on a user message as an agent's request does (an odd number
+# of 10-block messages).
+write_conv_bodies() {
+  local dir="$1" blocks=$(( $2 / 20 * 20 + 10 )) api
+  mkdir -p "$dir"
+  for api in chat messages responses; do
+    big_body "$api" "$blocks" "$dir/conv_$api.json"
+    wrk_script "$dir/conv_$api.lua" "$(cat "$dir/conv_$api.json")"
+  done
 }

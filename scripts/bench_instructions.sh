@@ -6,6 +6,10 @@
 #   scripts/bench_instructions.sh                   # all bodies
 #   MODES="json json_agent" scripts/bench_instructions.sh
 #   COMPACTOR_BIN=/tmp/old-compactor scripts/bench_instructions.sh   # A/B
+#   MODES="conv_chat conv_messages conv_responses" scripts/bench_instructions.sh
+#       # one conversation of CONV_BLOCKS text blocks (default 5,000) as chat,
+#       # Messages and Responses: the three routes compared request for request
+#       # (passthroughs; CONV_WINDOW=8192: compacted, the record substituted)
 #
 # Wall-clock numbers on a 2-core VM drift ±20% from run to run; instruction
 # counts repeat to within a percent whatever else the machine does, so this
@@ -35,6 +39,7 @@ COMPACTOR_BIN="${COMPACTOR_BIN:-$BIN/compactor}"
 
 . scripts/bench_bodies.sh
 write_bodies "$OUT"
+case " $MODES " in *" conv_"*) write_conv_bodies "$OUT" "${CONV_BLOCKS:-5000}" ;; esac
 
 # The binary's default store is a file under the state directory: one
 # shared with other runs holds their records, and looking them up (on the
@@ -70,13 +75,22 @@ count() {
   local name="$1" mode="$2"; shift 2
   local log="$OUT/$name.$mode.log" data="$OUT/callgrind.$name.$mode"
   rm -f "$data"*
-  COMPACTOR_LISTEN=127.0.0.1:0 COMPACTOR_UPSTREAM="http://$MOCK" NO_COLOR=1 \
+  # The conversation bodies are passthroughs in a window this large; a
+  # CONV_WINDOW under their size (8192) measures the steady state of a
+  # compacted session instead: every request substitutes the record.
+  local window=""
+  case "$mode" in conv_*) window="COMPACTOR_DEFAULT_CONTEXT_LENGTH=${CONV_WINDOW:-1000000000}" ;; esac
+  env $window COMPACTOR_LISTEN=127.0.0.1:0 COMPACTOR_UPSTREAM="http://$MOCK" NO_COLOR=1 \
     valgrind --tool=callgrind --callgrind-out-file="$data" "$@" >"$log" 2>&1 &
   local pid=$!
   PIDS+=("$pid")
   local addr url
   addr=$(wait_addr "$log")
-  url="http://$addr/v1/chat/completions"
+  case "$mode" in
+    conv_messages) url="http://$addr/v1/messages" ;;
+    conv_responses) url="http://$addr/v1/responses" ;;
+    *) url="http://$addr/v1/chat/completions" ;;
+  esac
   wrk -t1 -c4 -d2s -s "$OUT/$mode.lua" "$url" >/dev/null
   callgrind_control -z "$pid" >/dev/null 2>&1
   wrk -t1 -c4 -d"${DUR}s" -s "$OUT/$mode.lua" "$url" >"$OUT/wrk.$name.$mode.txt"

@@ -23,7 +23,7 @@ use serde_json::{json, Map, Value};
 
 use crate::request::ChatRequest;
 
-use super::{to_raw, DecodeError, Piece, WireMap};
+use super::{to_raw, Api, DecodeError, Piece, Resume, WireMap};
 
 /// Anthropic's limit of `cache_control` breakpoints per request.
 pub(crate) const MAX_CACHE_CONTROL: usize = 4;
@@ -32,29 +32,35 @@ pub(crate) const MAX_CACHE_CONTROL: usize = 4;
 pub(super) fn decode(
     creq: &ChatRequest,
     wire: Vec<Box<RawValue>>,
-    mut map: WireMap,
+    map: WireMap,
 ) -> Result<(Vec<Box<RawValue>>, WireMap), DecodeError> {
-    let mut out = Vec::with_capacity(wire.len() + 1);
-    if let Some(sys) = creq.get_raw("system") {
-        let v: Value =
-            serde_json::from_str(sys.get()).map_err(|_| DecodeError::Unsupported("system"))?;
-        match &v {
-            Value::String(s) if s.is_empty() => {}
-            Value::Array(a) if a.is_empty() => {}
-            Value::String(_) | Value::Array(_) => {
-                map.system_cc = count_cache_control(&v);
-                map.push_system(&mut out, json!({"role": "system", "content": v}));
+    let system = creq.get_raw("system");
+    let mut resume = Resume::new(Api::Messages, system, &wire, map);
+    let mut out = std::mem::take(&mut resume.out);
+    let mut map = std::mem::take(&mut resume.map);
+    if !resume.resumed {
+        if let Some(sys) = system {
+            let v: Value =
+                serde_json::from_str(sys.get()).map_err(|_| DecodeError::Unsupported("system"))?;
+            match &v {
+                Value::String(s) if s.is_empty() => {}
+                Value::Array(a) if a.is_empty() => {}
+                Value::String(_) | Value::Array(_) => {
+                    map.system_cc = count_cache_control(&v);
+                    map.push_system(&mut out, json!({"role": "system", "content": v}));
+                }
+                Value::Null => {}
+                _ => return Err(DecodeError::Unsupported("system")),
             }
-            Value::Null => {}
-            _ => return Err(DecodeError::Unsupported("system")),
         }
     }
-    for (i, w) in wire.iter().enumerate() {
+    for (i, w) in wire.iter().enumerate().skip(resume.start) {
         let v: Value =
             serde_json::from_str(w.get()).map_err(|_| DecodeError::Unsupported("message"))?;
         let engine = decode_message(v, i, &mut map)?;
         map.push(&mut out, i..i + 1, engine);
     }
+    resume.keep((wire.len(), out.len()), &out, &map);
     map.wire = wire;
     Ok((out, map))
 }

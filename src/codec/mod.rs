@@ -18,6 +18,7 @@
 //! message).
 
 pub(crate) mod anthropic;
+mod memo;
 pub(crate) mod responses;
 mod tools;
 
@@ -102,6 +103,9 @@ struct Group {
     engine: Range<usize>,
 }
 
+/// The end of a [`WireMap::same_first`] chain.
+const NO_GROUP: usize = usize::MAX;
+
 /// Where each engine message came from.
 #[derive(Debug, Default)]
 pub(crate) struct WireMap {
@@ -110,8 +114,14 @@ pub(crate) struct WireMap {
     groups: Vec<Group>,
     /// Canonical hash of each engine message (not chained).
     engine_hashes: Vec<u128>,
-    /// Groups by the hash of their first engine message.
-    by_first: HashMap<u128, Vec<usize>>,
+    /// The first group whose first engine message has this hash; the
+    /// others follow through `same_first` (one allocation for all, where a
+    /// list per hash cost one each: the map is copied per request, see
+    /// [`memo`]).
+    by_first: HashMap<u128, usize>,
+    /// For each group, the next group with the same first hash
+    /// ([`NO_GROUP`] at the end).
+    same_first: Vec<usize>,
     /// Hash of the engine's system message made from the system member.
     system_hash: Option<u128>,
     /// Where each tool call and tool result sits in `wire`, by call id:
@@ -130,6 +140,69 @@ pub(crate) struct WireMap {
 pub(crate) type Rough = fn(&Value) -> u64;
 
 impl WireMap {
+    /// A copy of everything but the wire messages themselves (what
+    /// [`memo`] keeps: the next request brings its own).
+    fn without_wire(&self) -> WireMap {
+        WireMap {
+            wire: Vec::new(),
+            groups: self.groups.clone(),
+            engine_hashes: self.engine_hashes.clone(),
+            by_first: self.by_first.clone(),
+            same_first: self.same_first.clone(),
+            system_hash: self.system_hash,
+            calls: self.calls.clone(),
+            results: self.results.clone(),
+            system_cc: self.system_cc,
+            rough_fn: self.rough_fn,
+            rough: self.rough.clone(),
+        }
+    }
+
+    /// [`Self::without_wire`] as it stood when the first `wire_end` wire
+    /// messages had become the first `out_len` engine messages.
+    fn truncated(&self, wire_end: usize, out_len: usize) -> WireMap {
+        let whole = self.groups.last().is_none_or(|g| g.wire.end <= wire_end);
+        if out_len == self.engine_hashes.len() && whole {
+            return self.without_wire();
+        }
+        // Trailing items a decode joined to its last group after the cut
+        // are not part of it.
+        let groups: Vec<Group> = self
+            .groups
+            .iter()
+            .take_while(|g| g.engine.end <= out_len && g.wire.start < wire_end)
+            .map(|g| Group {
+                wire: g.wire.start..g.wire.end.min(wire_end),
+                engine: g.engine.clone(),
+            })
+            .collect();
+        let n = groups.len();
+        let before = |(id, at): (&String, &(usize, Option<usize>))| {
+            (at.0 < wire_end).then(|| (id.clone(), *at))
+        };
+        WireMap {
+            wire: Vec::new(),
+            groups,
+            engine_hashes: self.engine_hashes[..out_len].to_vec(),
+            by_first: self
+                .by_first
+                .iter()
+                .filter(|&(_, &g)| g < n)
+                .map(|(&h, &g)| (h, g))
+                .collect(),
+            same_first: self.same_first[..n]
+                .iter()
+                .map(|&next| if next < n { next } else { NO_GROUP })
+                .collect(),
+            system_hash: self.system_hash,
+            calls: self.calls.iter().filter_map(before).collect(),
+            results: self.results.iter().filter_map(before).collect(),
+            system_cc: self.system_cc,
+            rough_fn: self.rough_fn,
+            rough: self.rough[..out_len.min(self.rough.len())].to_vec(),
+        }
+    }
+
     /// Records that `wire` became the engine messages `engine` (appended to
     /// `out`).
     fn push(&mut self, out: &mut Vec<Box<RawValue>>, wire: Range<usize>, engine: Vec<Value>) {
@@ -147,10 +220,19 @@ impl WireMap {
             return;
         }
         let g = self.groups.len();
-        self.by_first
-            .entry(self.engine_hashes[start])
-            .or_default()
-            .push(g);
+        self.same_first.push(NO_GROUP);
+        match self.by_first.get(&self.engine_hashes[start]) {
+            None => {
+                self.by_first.insert(self.engine_hashes[start], g);
+            }
+            Some(&first) => {
+                let mut last = first;
+                while self.same_first[last] != NO_GROUP {
+                    last = self.same_first[last];
+                }
+                self.same_first[last] = g;
+            }
+        }
         self.groups.push(Group {
             wire,
             engine: start..out.len(),
@@ -184,16 +266,37 @@ impl WireMap {
     /// run of engine messages is exactly one group's decoding, else single
     /// engine messages for the codec to convert.
     fn pieces<'a>(&'a self, outgoing: &'a [Box<RawValue>]) -> Vec<Piece<'a>> {
-        let hashes: Vec<u128> = outgoing.iter().map(|m| message_hash(m)).collect();
+        // A message whose bytes hash to one the decode made is that
+        // (canonical) message: its canonical hash is the hash of its bytes,
+        // and the parse and re-serialisation `message_hash` does are saved
+        // for what the engine kept. Others (the summary, an edited message)
+        // are hashed the canonical way.
+        let known: std::collections::HashSet<u128> = self.engine_hashes.iter().copied().collect();
+        let hashes: Vec<u128> = outgoing
+            .iter()
+            .map(|m| {
+                let fast = xxhash_rust::xxh3::xxh3_128(m.get().as_bytes());
+                if known.contains(&fast) {
+                    fast
+                } else {
+                    message_hash(m)
+                }
+            })
+            .collect();
         let mut out = Vec::with_capacity(outgoing.len());
         let mut i = 0;
         while i < outgoing.len() {
-            let found = self.by_first.get(&hashes[i]).and_then(|gs| {
-                gs.iter().map(|&g| &self.groups[g]).find(|g| {
-                    let n = g.engine.len();
-                    hashes.get(i..i + n) == Some(&self.engine_hashes[g.engine.clone()])
-                })
-            });
+            let mut next = self.by_first.get(&hashes[i]).copied().unwrap_or(NO_GROUP);
+            let mut found = None;
+            while next != NO_GROUP {
+                let g = &self.groups[next];
+                let n = g.engine.len();
+                if hashes.get(i..i + n) == Some(&self.engine_hashes[g.engine.clone()]) {
+                    found = Some(g);
+                    break;
+                }
+                next = self.same_first[next];
+            }
             match found {
                 Some(g) => {
                     out.extend(self.wire[g.wire.clone()].iter().map(|w| Piece::Wire(w)));
@@ -207,6 +310,73 @@ impl WireMap {
             }
         }
         out
+    }
+}
+
+#[cfg(test)]
+thread_local! {
+    /// Where this thread's last decode resumed, when it did.
+    static RESUMED_AT: std::cell::Cell<Option<usize>> = const { std::cell::Cell::new(None) };
+    /// This thread's decodes neither resume nor keep (the reference a
+    /// resumed decode is compared with).
+    static BYPASS: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+}
+
+/// Where a decode starts: the longest kept decode of a prefix of this
+/// body's wire messages ([`memo`]), or the beginning.
+struct Resume {
+    /// Hash chain of the decode's input, one element per wire boundary.
+    chain: Vec<u128>,
+    /// Wire messages already decoded.
+    start: usize,
+    /// Whether a kept decode was taken over (its system message included).
+    resumed: bool,
+    out: Vec<Box<RawValue>>,
+    map: WireMap,
+}
+
+impl Resume {
+    /// `fresh` is the map to start from when nothing is kept.
+    fn new(api: Api, system: Option<&RawValue>, wire: &[Box<RawValue>], fresh: WireMap) -> Resume {
+        let chain = memo::chain(api, fresh.rough_fn.is_some(), system, wire);
+        #[cfg(test)]
+        RESUMED_AT.set(None);
+        #[cfg(test)]
+        let chain = if BYPASS.get() { Vec::new() } else { chain };
+        match memo::global().take(&chain) {
+            Some(p) => {
+                let mut map = p.map;
+                map.rough_fn = fresh.rough_fn;
+                #[cfg(test)]
+                RESUMED_AT.set(Some(p.wire_len));
+                Resume {
+                    chain,
+                    start: p.wire_len,
+                    resumed: true,
+                    out: p.out,
+                    map,
+                }
+            }
+            None => Resume {
+                chain,
+                start: 0,
+                resumed: false,
+                out: Vec::with_capacity(wire.len() + 1),
+                map: fresh,
+            },
+        }
+    }
+
+    /// Keeps the decode as it stood at `cut` (wire messages, engine
+    /// messages decoded by then) for the next request of this
+    /// conversation: where a later decode may resume, which is not always
+    /// the end.
+    fn keep(&self, cut: (usize, usize), out: &[Box<RawValue>], map: &WireMap) {
+        let (wire_end, out_len) = cut;
+        let (Some(&key), Some(out)) = (self.chain.get(wire_end), out.get(..out_len)) else {
+            return;
+        };
+        memo::global().store(key, wire_end, out, || map.truncated(wire_end, out_len));
     }
 }
 

@@ -21,7 +21,7 @@ use serde_json::{json, Value};
 
 use crate::request::ChatRequest;
 
-use super::{to_raw, DecodeError, Piece, WireMap};
+use super::{to_raw, Api, DecodeError, Piece, Resume, WireMap};
 
 fn item_type(v: &Value) -> &str {
     match v.get("type").and_then(Value::as_str) {
@@ -60,19 +60,31 @@ pub(super) fn decode(
     // page faults against chat's 4,000 for the same conversation). A
     // request this walk refuses is walked again the strict way, whose
     // checks come in their documented order, so it is refused for the same
-    // reason as before.
-    let mut items = Items::lazy(&wire);
-    let mut out = Vec::with_capacity(wire.len() + 1);
+    // reason as before. The walk resumes after the longest kept decode of
+    // a prefix of these items (`memo`).
     let fresh = WireMap {
         rough_fn: map.rough_fn,
         ..WireMap::default()
     };
-    match walk(creq, &mut items, &mut out, fresh) {
-        Ok(map) => Ok(finish(out, map, wire)),
+    let mut resume = Resume::new(Api::Responses, creq.get_raw("instructions"), &wire, fresh);
+    let mut items = Items::lazy(&wire, resume.start);
+    let mut out = std::mem::take(&mut resume.out);
+    let walked = walk(
+        creq,
+        &mut items,
+        &mut out,
+        std::mem::take(&mut resume.map),
+        !resume.resumed,
+    );
+    match walked {
+        Ok((map, cut)) => {
+            resume.keep(cut, &out, &map);
+            Ok(finish(out, map, wire))
+        }
         Err(_) => {
             let mut items = Items::strict(&wire)?;
             let mut out = Vec::with_capacity(wire.len() + 1);
-            let map = walk(creq, &mut items, &mut out, map)?;
+            let (map, _) = walk(creq, &mut items, &mut out, map, true)?;
             Ok(finish(out, map, wire))
         }
     }
@@ -95,12 +107,13 @@ struct Items<'w> {
 }
 
 impl<'w> Items<'w> {
-    /// Parsed when first read, forgotten once passed.
-    fn lazy(wire: &'w [Box<RawValue>]) -> Self {
+    /// Parsed when first read, forgotten once passed; items before
+    /// `start` are never read.
+    fn lazy(wire: &'w [Box<RawValue>], start: usize) -> Self {
         Self {
             wire,
             window: std::collections::VecDeque::new(),
-            base: 0,
+            base: start,
         }
     }
 
@@ -149,23 +162,31 @@ impl<'w> Items<'w> {
     }
 }
 
-/// The decoding walk over `items` (see the module docs).
+/// The decoding walk over `items` (see the module docs), from the first
+/// item `items` holds (with the `instructions` member first when `head`);
+/// with the map, the last place a later request's decode may resume from
+/// (wire items, engine messages by then): not after trailing items joined
+/// to the last group, nor after an assistant message, which call items
+/// that follow would join.
 fn walk(
     creq: &ChatRequest,
     items: &mut Items<'_>,
     out: &mut Vec<Box<RawValue>>,
     mut map: WireMap,
-) -> Result<WireMap, DecodeError> {
-    if let Some(Value::String(s)) = creq
+    head: bool,
+) -> Result<(WireMap, (usize, usize)), DecodeError> {
+    let instructions = creq
         .get_raw("instructions")
-        .and_then(|r| serde_json::from_str::<Value>(r.get()).ok())
-    {
+        .filter(|_| head)
+        .and_then(|r| serde_json::from_str::<Value>(r.get()).ok());
+    if let Some(Value::String(s)) = instructions {
         if !s.is_empty() {
             map.push_system(out, json!({"role": "system", "content": s}));
         }
     }
     let mut pending: Option<usize> = None;
-    let mut i = 0;
+    let mut cut = (items.base, out.len());
+    let mut i = items.base;
     let len = items.len();
     while i < len {
         items.forget_before(pending.unwrap_or(i));
@@ -184,6 +205,7 @@ fn walk(
             );
             pending = None;
             i += 1;
+            cut = (i, out.len());
             continue;
         }
         let message = item_type(v) == "message";
@@ -200,7 +222,10 @@ fn walk(
         };
         let mut j = if message { i + 1 } else { i };
         let mut calls = Vec::new();
-        if super::role(&m) == "assistant" {
+        // Call items that follow an assistant message join it: the place
+        // after one is no cut.
+        let open_ended = super::role(&m) == "assistant";
+        if open_ended {
             while j < len && is_call(items.get(j)?) {
                 let call = items.get(j)?;
                 let id = str_field(call, "call_id").to_owned();
@@ -215,6 +240,9 @@ fn walk(
         map.push(out, start..j, vec![m]);
         pending = None;
         i = j;
+        if !open_ended {
+            cut = (i, out.len());
+        }
     }
     if let Some(p) = pending {
         // Trailing items join the last group.
@@ -223,7 +251,7 @@ fn walk(
             _ => return Err(DecodeError::Unsupported("input")),
         }
     }
-    Ok(map)
+    Ok((map, cut))
 }
 
 fn str_field<'a>(v: &'a Value, k: &str) -> &'a str {

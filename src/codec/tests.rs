@@ -271,3 +271,155 @@ fn decoded_messages_are_canonical_and_chain_as_the_client_chain_would() {
             .canonical()
     );
 }
+
+/// A rough estimate for the tests: the decode keeps one per engine message.
+fn rough_len(v: &Value) -> u64 {
+    v.to_string().len() as u64
+}
+
+/// Everything a decode gives the chat path, in a comparable form.
+fn decoded_state(r: &ApiRequest) -> String {
+    let mut calls: Vec<_> = r.map.calls.iter().collect();
+    calls.sort();
+    let mut results: Vec<_> = r.map.results.iter().collect();
+    results.sort();
+    let wire_counts: Vec<usize> = (0..=r.messages().len()).map(|k| r.wire_count(k)).collect();
+    let engine: Vec<&str> = r.messages().iter().map(|m| m.get()).collect();
+    format!(
+        "{engine:?}\n{:?}\n{:?}\n{:?}\n{:?}\n{:?}\n{:?}\n{calls:?}\n{results:?}\n{wire_counts:?}",
+        r.raw_hashes(),
+        r.rough(),
+        r.map.groups,
+        r.map.engine_hashes,
+        r.map.system_hash,
+        r.map.system_cc,
+    )
+}
+
+/// Decodes `body`, bypassing the memo when `reference`.
+fn decode_for_test(api: Api, body: &str, reference: bool) -> (ApiRequest, Option<usize>) {
+    BYPASS.set(reference);
+    let r = ApiRequest::parse_with(api, body.as_bytes().to_vec(), Some(rough_len)).unwrap();
+    BYPASS.set(false);
+    (r, RESUMED_AT.get())
+}
+
+#[test]
+fn a_decode_resumed_from_a_kept_prefix_equals_a_full_decode() {
+    // A marker of this test's own, so no other test's decodes are resumed.
+    let messages = [
+        r#"{"role":"user","content":"memo-test: read a.rs"}"#,
+        r#"{"role":"assistant","content":[{"type":"thinking","thinking":"t","signature":"s"},{"type":"tool_use","id":"m1","name":"Read","input":{"p":"a.rs"}},{"type":"tool_use","id":"m2","name":"Read","input":{"p":"b.rs"}}]}"#,
+        r#"{"role":"user","content":[{"type":"tool_result","tool_use_id":"m1","content":"A","cache_control":{"type":"ephemeral"}},{"type":"tool_result","tool_use_id":"m2","content":"B"},{"type":"text","text":"go on"}]}"#,
+        r#"{"role":"assistant","content":"done"}"#,
+        r#"{"role":"system","content":"env: linux"}"#,
+        r#"{"role":"user","content":[{"type":"text","text":"now b"}]}"#,
+        r#"{"role":"assistant","content":[{"type":"tool_use","id":"m3","name":"Edit","input":{}}]}"#,
+        r#"{"role":"user","content":[{"type":"tool_result","tool_use_id":"m3","content":[{"type":"text","text":"ok"}]}]}"#,
+    ];
+    let items = [
+        r#"{"role":"user","content":"memo-test: read a.rs"}"#,
+        r#"{"type":"message","role":"assistant","content":[{"type":"output_text","text":"reading"}]}"#,
+        r#"{"type":"function_call","call_id":"r1","name":"read","arguments":"{\"p\":1}"}"#,
+        r#"{"type":"function_call","call_id":"r2","name":"read","arguments":"{\"p\":2}"}"#,
+        r#"{"type":"function_call_output","call_id":"r1","output":"A"}"#,
+        r#"{"type":"function_call_output","call_id":"r2","output":[{"type":"input_text","text":"B"}]}"#,
+        r#"{"type":"reasoning","id":"rs1","summary":[]}"#,
+        r#"{"type":"function_call","call_id":"r3","name":"edit","arguments":"{}"}"#,
+        r#"{"type":"function_call_output","call_id":"r3","output":"ok"}"#,
+        r#"{"type":"message","role":"assistant","content":[{"type":"output_text","text":"done"}]}"#,
+        r#"{"type":"message","role":"user","content":[{"type":"input_text","text":"thanks"}]}"#,
+        r#"{"type":"reasoning","id":"rs2","summary":[]}"#,
+    ];
+    type BodyOf = fn(&str) -> String;
+    let cases: [(Api, &[&str], BodyOf); 2] = [
+        (Api::Messages, &messages, |list| {
+            format!(r#"{{"model":"m","system":"You help.","max_tokens":9,"messages":[{list}]}}"#)
+        }),
+        (Api::Responses, &items, |list| {
+            format!(r#"{{"model":"m","instructions":"You help.","input":[{list}]}}"#)
+        }),
+    ];
+    for (api, list, body_of) in cases {
+        let mut resumed = 0;
+        for k in 1..=list.len() {
+            let body = body_of(&list[..k].join(","));
+            let (full, _) = decode_for_test(api, &body, true);
+            let (memo, at) = decode_for_test(api, &body, false);
+            assert_eq!(
+                decoded_state(&memo),
+                decoded_state(&full),
+                "{api:?}, {k} items"
+            );
+            // What an unchanged conversation sends is the client's body.
+            let mut memo = memo;
+            let rows = memo.take_messages();
+            memo.with_messages(rows);
+            assert_eq!(memo.to_bytes(), body.as_bytes(), "{api:?}, {k} items");
+            if let Some(at) = at {
+                assert!(at <= k, "{api:?}: resumed at {at} of {k}");
+                resumed += 1;
+            }
+        }
+        // Every request after the first resumes: where a decode may not be
+        // resumed from its end (Responses: after an assistant message, or
+        // trailing reasoning), it is kept as it stood at its last cut.
+        assert_eq!(resumed, list.len() - 1, "{api:?}");
+    }
+}
+
+#[test]
+fn messages_resume_where_the_previous_request_ended() {
+    let turn = |n: usize| {
+        let list: Vec<String> = (0..n)
+            .map(|i| {
+                let role = if i % 2 == 0 { "user" } else { "assistant" };
+                format!(r#"{{"role":"{role}","content":"memo-resume {i}"}}"#)
+            })
+            .collect();
+        format!(
+            r#"{{"model":"m","max_tokens":9,"messages":[{}]}}"#,
+            list.join(",")
+        )
+    };
+    assert_eq!(decode_for_test(Api::Messages, &turn(3), false).1, None);
+    assert_eq!(decode_for_test(Api::Messages, &turn(5), false).1, Some(3));
+    assert_eq!(decode_for_test(Api::Messages, &turn(5), false).1, Some(5));
+    assert_eq!(decode_for_test(Api::Messages, &turn(7), false).1, Some(5));
+    // A different system member is a different conversation.
+    let other = turn(5).replace(r#""max_tokens":9,"#, r#""system":"x","max_tokens":9,"#);
+    assert_eq!(decode_for_test(Api::Messages, &other, false).1, None);
+}
+
+#[test]
+fn the_memo_stays_within_its_budget_and_forgets_the_least_recent_first() {
+    let memo = memo::Memo::new(64 * 1024);
+    let out = |bytes: usize| vec![raw(&json!("x".repeat(bytes)))];
+    for key in 0..40u128 {
+        memo.store(key, 1, &out(4000), WireMap::default);
+        assert!(memo.held_bytes() <= 64 * 1024, "{}", memo.held_bytes());
+    }
+    let chain = |key: u128| [0, key];
+    assert!(memo.take(&chain(0)).is_none(), "the oldest is gone");
+    // 4,320 bytes an entry: 15 fit, keys 25 to 39. Used (taken over and
+    // kept again), the oldest outlives the next one, which was not.
+    assert!(memo.take(&chain(24)).is_none());
+    assert!(memo.take(&chain(25)).is_some());
+    assert!(
+        memo.take(&chain(25)).is_none(),
+        "taken over, until kept again"
+    );
+    memo.store(25, 1, &out(4000), WireMap::default);
+    memo.store(40, 1, &out(4000), WireMap::default);
+    assert!(memo.take(&chain(26)).is_none());
+    assert!(memo.take(&chain(25)).is_some());
+    assert!(memo.take(&chain(40)).is_some(), "the newest is kept");
+    // An entry over a quarter of the budget is not kept at all.
+    memo.store(500, 1, &out(20_000), WireMap::default);
+    assert!(memo.take(&chain(500)).is_none());
+    // The longest kept prefix of the input is the one taken.
+    memo.store(600, 1, &out(10), WireMap::default);
+    memo.store(601, 2, &out(10), WireMap::default);
+    assert_eq!(memo.take(&[0, 600, 601]).map(|p| p.wire_len), Some(2));
+    assert_eq!(memo.take(&[0, 600, 601]).map(|p| p.wire_len), Some(1));
+}
