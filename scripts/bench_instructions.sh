@@ -91,9 +91,13 @@ count() {
     conv_responses) url="http://$addr/v1/responses" ;;
     *) url="http://$addr/v1/chat/completions" ;;
   esac
-  wrk -t1 -c4 -d2s -s "$OUT/$mode.lua" "$url" >/dev/null
+  # One conversation's requests come one after another (an agent waits
+  # for each reply); the short bodies are sent on 4 connections.
+  local conns=4
+  case "$mode" in conv_*) conns=1 ;; esac
+  wrk -t1 -c"$conns" -d2s -s "$OUT/$mode.lua" "$url" >/dev/null
   callgrind_control -z "$pid" >/dev/null 2>&1
-  wrk -t1 -c4 -d"${DUR}s" -s "$OUT/$mode.lua" "$url" >"$OUT/wrk.$name.$mode.txt"
+  wrk -t1 -c"$conns" -d"${DUR}s" -s "$OUT/$mode.lua" "$url" >"$OUT/wrk.$name.$mode.txt"
   callgrind_control -d "$pid" >/dev/null 2>&1
   kill "$pid"; wait "$pid" 2>/dev/null || true
   local n total
@@ -103,7 +107,7 @@ count() {
   echo $((total / n))
 }
 
-echo "user-space instructions per request (valgrind callgrind, wrk -c4, ${DUR}s)"
+echo "user-space instructions per request (valgrind callgrind, wrk -c4 (conv_*: -c1), ${DUR}s)"
 printf "%-11s %12s %12s %7s\n" mode naive compactor ratio
 for mode in $MODES; do
   naive=$(count naive "$mode" "$BIN/examples/naive_proxy" 127.0.0.1:0 "$MOCK")
