@@ -35,9 +35,7 @@ pub(super) fn decode(
     map: WireMap,
 ) -> Result<(Vec<Box<RawValue>>, WireMap), DecodeError> {
     let system = creq.get_raw("system");
-    let mut resume = Resume::new(Api::Messages, system, &wire, map);
-    let mut out = std::mem::take(&mut resume.out);
-    let mut map = std::mem::take(&mut resume.map);
+    let (resume, mut out, mut map) = Resume::new(Api::Messages, system, &wire, map);
     if !resume.resumed {
         if let Some(sys) = system {
             let v: Value =

@@ -20,7 +20,7 @@ use std::collections::VecDeque;
 use std::sync::{LazyLock, Mutex};
 
 use serde_json::value::RawValue;
-use xxhash_rust::xxh3::{xxh3_128, xxh3_64, Xxh3};
+use xxhash_rust::xxh3::{xxh3_128, Xxh3};
 
 use super::{Api, WireMap};
 
@@ -80,7 +80,7 @@ pub(super) fn chain(
         let b = w.get().as_bytes();
         let mut link = [0u8; 32];
         link[..16].copy_from_slice(&prev.to_le_bytes());
-        link[16..24].copy_from_slice(&xxh3_64(b).to_le_bytes());
+        link[16..24].copy_from_slice(&crate::request::raw_hash(w).to_le_bytes());
         link[24..].copy_from_slice(&(b.len() as u64).to_le_bytes());
         prev = xxh3_128(&link);
         out.push(prev);

@@ -114,11 +114,11 @@ pub(crate) struct WireMap {
     groups: Vec<Group>,
     /// Canonical hash of each engine message (not chained).
     engine_hashes: Vec<u128>,
-    /// The first group whose first engine message has this hash; the
-    /// others follow through `same_first` (one allocation for all, where a
-    /// list per hash cost one each: the map is copied per request, see
-    /// [`memo`]).
-    by_first: HashMap<u128, usize>,
+    /// The first and the last group whose first engine message has this
+    /// hash; the others follow through `same_first` (one allocation for
+    /// all, where a list per hash cost one each: the map is copied per
+    /// request, see [`memo`]).
+    by_first: HashMap<u128, (usize, usize)>,
     /// For each group, the next group with the same first hash
     /// ([`NO_GROUP`] at the end).
     same_first: Vec<usize>,
@@ -165,42 +165,52 @@ impl WireMap {
         if out_len == self.engine_hashes.len() && whole {
             return self.without_wire();
         }
-        // Trailing items a decode joined to its last group after the cut
-        // are not part of it.
-        let groups: Vec<Group> = self
-            .groups
-            .iter()
-            .take_while(|g| g.engine.end <= out_len && g.wire.start < wire_end)
-            .map(|g| Group {
-                wire: g.wire.start..g.wire.end.min(wire_end),
-                engine: g.engine.clone(),
-            })
-            .collect();
-        let n = groups.len();
         let before = |(id, at): (&String, &(usize, Option<usize>))| {
             (at.0 < wire_end).then(|| (id.clone(), *at))
         };
-        WireMap {
+        let mut map = WireMap {
             wire: Vec::new(),
-            groups,
+            groups: Vec::new(),
             engine_hashes: self.engine_hashes[..out_len].to_vec(),
-            by_first: self
-                .by_first
-                .iter()
-                .filter(|&(_, &g)| g < n)
-                .map(|(&h, &g)| (h, g))
-                .collect(),
-            same_first: self.same_first[..n]
-                .iter()
-                .map(|&next| if next < n { next } else { NO_GROUP })
-                .collect(),
+            by_first: HashMap::new(),
+            same_first: Vec::new(),
             system_hash: self.system_hash,
             calls: self.calls.iter().filter_map(before).collect(),
             results: self.results.iter().filter_map(before).collect(),
             system_cc: self.system_cc,
             rough_fn: self.rough_fn,
             rough: self.rough[..out_len.min(self.rough.len())].to_vec(),
+        };
+        // Trailing items a decode joined to its last group after the cut
+        // are not part of it.
+        let kept = self
+            .groups
+            .iter()
+            .take_while(|g| g.engine.end <= out_len && g.wire.start < wire_end);
+        for g in kept {
+            map.link(Group {
+                wire: g.wire.start..g.wire.end.min(wire_end),
+                engine: g.engine.clone(),
+            });
         }
+        map
+    }
+
+    /// Appends group `g`, chained after the groups with its first hash.
+    fn link(&mut self, g: Group) {
+        let id = self.groups.len();
+        let first = self.engine_hashes[g.engine.start];
+        self.same_first.push(NO_GROUP);
+        match self.by_first.get_mut(&first) {
+            None => {
+                self.by_first.insert(first, (id, id));
+            }
+            Some((_, last)) => {
+                self.same_first[*last] = id;
+                *last = id;
+            }
+        }
+        self.groups.push(g);
     }
 
     /// Records that `wire` became the engine messages `engine` (appended to
@@ -219,21 +229,7 @@ impl WireMap {
         if out.len() == start {
             return;
         }
-        let g = self.groups.len();
-        self.same_first.push(NO_GROUP);
-        match self.by_first.get(&self.engine_hashes[start]) {
-            None => {
-                self.by_first.insert(self.engine_hashes[start], g);
-            }
-            Some(&first) => {
-                let mut last = first;
-                while self.same_first[last] != NO_GROUP {
-                    last = self.same_first[last];
-                }
-                self.same_first[last] = g;
-            }
-        }
-        self.groups.push(Group {
+        self.link(Group {
             wire,
             engine: start..out.len(),
         });
@@ -286,7 +282,10 @@ impl WireMap {
         let mut out = Vec::with_capacity(outgoing.len());
         let mut i = 0;
         while i < outgoing.len() {
-            let mut next = self.by_first.get(&hashes[i]).copied().unwrap_or(NO_GROUP);
+            let mut next = self
+                .by_first
+                .get(&hashes[i])
+                .map_or(NO_GROUP, |&(first, _)| first);
             let mut found = None;
             while next != NO_GROUP {
                 let g = &self.groups[next];
@@ -331,13 +330,17 @@ struct Resume {
     start: usize,
     /// Whether a kept decode was taken over (its system message included).
     resumed: bool,
-    out: Vec<Box<RawValue>>,
-    map: WireMap,
 }
 
 impl Resume {
-    /// `fresh` is the map to start from when nothing is kept.
-    fn new(api: Api, system: Option<&RawValue>, wire: &[Box<RawValue>], fresh: WireMap) -> Resume {
+    /// Where to start, with the engine messages and map to go on from
+    /// (`fresh` when nothing is kept).
+    fn new(
+        api: Api,
+        system: Option<&RawValue>,
+        wire: &[Box<RawValue>],
+        fresh: WireMap,
+    ) -> (Resume, Vec<Box<RawValue>>, WireMap) {
         let chain = memo::chain(api, fresh.rough_fn.is_some(), system, wire);
         #[cfg(test)]
         RESUMED_AT.set(None);
@@ -349,21 +352,29 @@ impl Resume {
                 map.rough_fn = fresh.rough_fn;
                 #[cfg(test)]
                 RESUMED_AT.set(Some(p.wire_len));
-                Resume {
-                    chain,
-                    start: p.wire_len,
-                    resumed: true,
-                    out: p.out,
+                let start = p.wire_len;
+                (
+                    Resume {
+                        chain,
+                        start,
+                        resumed: true,
+                    },
+                    p.out,
                     map,
-                }
+                )
             }
-            None => Resume {
-                chain,
-                start: 0,
-                resumed: false,
-                out: Vec::with_capacity(wire.len() + 1),
-                map: fresh,
-            },
+            None => {
+                let out = Vec::with_capacity(wire.len() + 1);
+                (
+                    Resume {
+                        chain,
+                        start: 0,
+                        resumed: false,
+                    },
+                    out,
+                    fresh,
+                )
+            }
         }
     }
 

@@ -66,16 +66,10 @@ pub(super) fn decode(
         rough_fn: map.rough_fn,
         ..WireMap::default()
     };
-    let mut resume = Resume::new(Api::Responses, creq.get_raw("instructions"), &wire, fresh);
+    let instructions = creq.get_raw("instructions");
+    let (resume, mut out, kept) = Resume::new(Api::Responses, instructions, &wire, fresh);
     let mut items = Items::lazy(&wire, resume.start);
-    let mut out = std::mem::take(&mut resume.out);
-    let walked = walk(
-        creq,
-        &mut items,
-        &mut out,
-        std::mem::take(&mut resume.map),
-        !resume.resumed,
-    );
+    let walked = walk(creq, &mut items, &mut out, kept, !resume.resumed);
     match walked {
         Ok((map, cut)) => {
             resume.keep(cut, &out, &map);
