@@ -56,6 +56,8 @@ struct KeepAliveUpstream {
     url: String,
     connections: Arc<AtomicUsize>,
     requests: Arc<AtomicUsize>,
+    /// Connections that ended (closed by either side).
+    ended: Arc<AtomicUsize>,
 }
 
 impl KeepAliveUpstream {
@@ -64,21 +66,30 @@ impl KeepAliveUpstream {
         let url = format!("http://{}", listener.local_addr().unwrap());
         let connections = Arc::new(AtomicUsize::new(0));
         let requests = Arc::new(AtomicUsize::new(0));
-        let (c, r) = (Arc::clone(&connections), Arc::clone(&requests));
+        let ended = Arc::new(AtomicUsize::new(0));
+        let (c, r, e) = (
+            Arc::clone(&connections),
+            Arc::clone(&requests),
+            Arc::clone(&ended),
+        );
         tokio::spawn(async move {
             loop {
                 let Ok((sock, _)) = listener.accept().await else {
                     return;
                 };
                 c.fetch_add(1, Ordering::Relaxed);
-                let r = Arc::clone(&r);
-                tokio::spawn(serve(sock, upkeep, r));
+                let (r, e) = (Arc::clone(&r), Arc::clone(&e));
+                tokio::spawn(async move {
+                    serve(sock, upkeep, r).await;
+                    e.fetch_add(1, Ordering::Relaxed);
+                });
             }
         });
         KeepAliveUpstream {
             url,
             connections,
             requests,
+            ended,
         }
     }
 
@@ -88,6 +99,10 @@ impl KeepAliveUpstream {
 
     fn requests(&self) -> usize {
         self.requests.load(Ordering::Relaxed)
+    }
+
+    fn ended(&self) -> usize {
+        self.ended.load(Ordering::Relaxed)
     }
 }
 
@@ -359,4 +374,25 @@ async fn an_announced_keep_alive_shorter_than_the_pool_idle_is_honoured() {
         connections.push(up.connections());
     }
     assert_eq!(connections, [3, 1], "announced, then not");
+}
+
+/// A pooled connection that idles out is closed by compactor though no
+/// request comes to pick it (the pool's reaper), so the upstream does not
+/// hold it open: before its idle timeout it stays open and is reused.
+#[tokio::test]
+async fn an_idle_pooled_connection_is_closed_when_it_idles_out() {
+    let up = KeepAliveUpstream::start(Upkeep::idle_close(Duration::from_secs(30))).await;
+    let proxy = start_proxy(&up.url, "[timeouts]\nupstream_pool_idle_secs = 1\n").await;
+    for _ in 0..3 {
+        assert_eq!(post_sized(&proxy.url(), b"{}").await, 200);
+    }
+    assert_eq!(up.connections(), 1, "one connection, reused");
+    assert_eq!(up.ended(), 0, "kept open while fresh");
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    while up.ended() == 0 && tokio::time::Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert_eq!(up.ended(), 1, "closed by compactor after its idle timeout");
+    assert_eq!(post_sized(&proxy.url(), b"{}").await, 200);
+    assert_eq!(up.connections(), 2, "the next request made a new one");
 }

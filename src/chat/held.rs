@@ -26,11 +26,11 @@ use std::sync::Arc;
 use std::task::{Context, Poll};
 use std::time::Duration;
 
+use crate::upstream::UpstreamBody as Incoming;
 use bytes::Bytes;
 use http::request::Parts;
 use http::{header, HeaderMap, Response};
 use http_body::{Body, Frame};
-use hyper::body::Incoming;
 
 use crate::error::{BoxError, ProxyBody};
 use crate::session::key::SessionKey;

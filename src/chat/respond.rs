@@ -5,10 +5,10 @@
 
 use std::sync::Arc;
 
+use crate::upstream::UpstreamBody as Incoming;
 use bytes::Bytes;
 use http::request::Parts;
 use http::{header, HeaderMap, HeaderName, HeaderValue, Response};
-use hyper::body::Incoming;
 
 use crate::error::{ProxyBody, ProxyError};
 use crate::session::key::SessionKey;

@@ -12,11 +12,11 @@
 
 use std::sync::Arc;
 
+use crate::upstream::UpstreamBody as Incoming;
 use bytes::Bytes;
 use http::request::Parts;
 use http::{header, HeaderMap, Request, Response};
 use http_body_util::BodyExt;
-use hyper::body::Incoming;
 
 use crate::codec::{Api, ApiRequest};
 use crate::error::{ErrorShape, ProxyBody};

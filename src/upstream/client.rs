@@ -1,4 +1,4 @@
-//! The pooled upstream client (HTTP or HTTPS via rustls/ring) and URI joining.
+//! The upstream connector (HTTP or HTTPS via rustls/ring) and URI joining.
 
 use std::path::Path;
 use std::sync::Arc;
@@ -6,17 +6,11 @@ use std::sync::Arc;
 use http::uri::{PathAndQuery, Uri};
 use hyper_rustls::HttpsConnector;
 use hyper_util::client::legacy::connect::HttpConnector;
-use hyper_util::client::legacy::Client;
-use hyper_util::rt::{TokioExecutor, TokioTimer};
 use rustls::pki_types::pem::PemObject;
 use rustls::pki_types::CertificateDer;
 use rustls::RootCertStore;
 
-use super::body::ProxyReqBody;
 use crate::config::{Config, UpstreamBase};
-
-/// The pooled client every upstream request goes through.
-pub(crate) type UpstreamClient = Client<HttpsConnector<HttpConnector>, ProxyReqBody>;
 
 /// The client could not be built.
 #[derive(Debug, thiserror::Error)]
@@ -82,9 +76,8 @@ pub fn root_store(extra_ca: Option<&Path>) -> Result<RootCertStore, UpstreamSetu
     Ok(roots)
 }
 
-/// What a pooled client is built from, kept so a second client with a
-/// shorter idle timeout can be built when the upstream announces its own
-/// keep-alive ([`super::keepalive`]).
+/// What the pool's connections are made with: the TLS configuration and
+/// the connect timeout.
 #[derive(Clone)]
 pub(crate) struct ClientSettings {
     tls: Arc<rustls::ClientConfig>,
@@ -108,9 +101,9 @@ impl ClientSettings {
         })
     }
 
-    /// The pooled client with TCP_NODELAY, the connect timeout, and idle
-    /// pooled connections dropped after `idle`.
-    pub(crate) fn build(&self, idle: std::time::Duration) -> UpstreamClient {
+    /// The connector: TCP_NODELAY, the connect timeout, TLS when the URI
+    /// says `https`.
+    pub(crate) fn connector(&self) -> HttpsConnector<HttpConnector> {
         let mut http = HttpConnector::new();
         http.enforce_http(false);
         http.set_nodelay(true);
@@ -118,18 +111,11 @@ impl ClientSettings {
 
         // HTTP/1.1 upstream only: it carries SSE fine everywhere, and keeps the
         // request shape (Host, chunking) identical for every upstream.
-        let https = hyper_rustls::HttpsConnectorBuilder::new()
+        hyper_rustls::HttpsConnectorBuilder::new()
             .with_tls_config((*self.tls).clone())
             .https_or_http()
             .enable_http1()
-            .wrap_connector(http);
-
-        Client::builder(TokioExecutor::new())
-            // Below the upstream's own keep-alive, so a connection it is
-            // about to close is not picked for a request.
-            .pool_idle_timeout(idle)
-            .pool_timer(TokioTimer::new())
-            .build(https)
+            .wrap_connector(http)
     }
 }
 

@@ -9,17 +9,13 @@
 //! defaults), and, once an upstream says `Keep-Alive: timeout=N` on a
 //! response, after a little less than `N` when that is shorter still.
 //!
-//! hyper's pool takes its idle timeout when it is built, so the shorter
-//! one is a second client, built once, the first time an announcement
-//! asks for it; every later request uses it. Connections of the first
-//! client close as they idle out.
+//! The pool ([`super::pool::Pool::learn`]) lowers its idle timeout the
+//! first time an announcement asks for it; it applies to every idle
+//! connection from then on.
 
-use std::sync::OnceLock;
 use std::time::Duration;
 
 use http::{HeaderMap, HeaderName};
-
-use super::client::{ClientSettings, UpstreamClient};
 
 static KEEP_ALIVE: HeaderName = HeaderName::from_static("keep-alive");
 
@@ -46,64 +42,6 @@ pub(crate) fn idle_within(announced: Duration) -> Duration {
     announced
         .saturating_sub(Duration::from_millis(500))
         .max(announced / 2)
-}
-
-/// The pooled clients: the configured one and, once an upstream announced
-/// a shorter keep-alive, the one every request uses from then on.
-pub(crate) struct Pool {
-    configured: UpstreamClient,
-    /// The learned idle timeout and its client.
-    shorter: OnceLock<(Duration, UpstreamClient)>,
-    idle: Duration,
-    settings: ClientSettings,
-}
-
-impl Pool {
-    /// The client for `settings` with idle connections dropped after `idle`.
-    pub(crate) fn new(settings: ClientSettings, idle: Duration) -> Self {
-        Pool {
-            configured: settings.build(idle),
-            shorter: OnceLock::new(),
-            idle,
-            settings,
-        }
-    }
-
-    /// The client to send a request with.
-    pub(crate) fn client(&self) -> &UpstreamClient {
-        self.shorter.get().map_or(&self.configured, |(_, c)| c)
-    }
-
-    /// The idle timeout connections are pooled with now.
-    #[cfg(test)]
-    fn idle(&self) -> Duration {
-        self.shorter.get().map_or(self.idle, |(idle, _)| *idle)
-    }
-
-    /// Reads a response's `Keep-Alive` header: a timeout the configured
-    /// idle does not stay under switches every later request to a client
-    /// that does (once; the first announcement decides).
-    pub(crate) fn learn(&self, headers: &HeaderMap) {
-        if self.shorter.get().is_some() {
-            return;
-        }
-        let Some(announced) = announced_timeout(headers) else {
-            return;
-        };
-        let idle = idle_within(announced);
-        if idle >= self.idle {
-            return;
-        }
-        self.shorter.get_or_init(|| {
-            tracing::info!(
-                announced_secs = announced.as_secs(),
-                idle_ms = idle.as_millis() as u64,
-                configured_ms = self.idle.as_millis() as u64,
-                "upstream announces a shorter keep-alive; pooled connections idle less"
-            );
-            (idle, self.settings.build(idle))
-        });
-    }
 }
 
 #[cfg(test)]
@@ -138,28 +76,5 @@ mod tests {
         assert_eq!(ms(2), 1500);
         assert_eq!(ms(5), 4500);
         assert_eq!(ms(0), 0);
-    }
-
-    #[test]
-    fn a_shorter_announcement_switches_the_client_once() {
-        let config = crate::config::Config::default();
-        let settings = ClientSettings::from_config(&config).unwrap();
-        let pool = Pool::new(settings, Duration::from_secs(4));
-        pool.learn(&headers(&["timeout=10"]));
-        assert_eq!(
-            pool.idle(),
-            Duration::from_secs(4),
-            "a longer one changes nothing"
-        );
-        pool.learn(&HeaderMap::new());
-        assert_eq!(pool.idle(), Duration::from_secs(4));
-        pool.learn(&headers(&["timeout=2"]));
-        assert_eq!(pool.idle(), Duration::from_millis(1500));
-        pool.learn(&headers(&["timeout=1"]));
-        assert_eq!(
-            pool.idle(),
-            Duration::from_millis(1500),
-            "the first one decides"
-        );
     }
 }

@@ -11,6 +11,7 @@ pub mod client;
 pub mod coalesce;
 pub mod headers;
 mod keepalive;
+mod pool;
 mod replay;
 
 use std::error::Error as _;
@@ -22,7 +23,6 @@ use bytes::Bytes;
 use http::request::Parts;
 use http::{header, HeaderMap, HeaderValue, Method, Request, Response, StatusCode, Uri, Version};
 use http_body_util::{BodyExt, Empty, Full};
-use hyper::body::Incoming;
 use serde_json::Value;
 use tokio::time::Instant;
 
@@ -34,7 +34,8 @@ use body::{
     ProxyReqBody,
 };
 use client::{join_uri, ClientSettings, UpstreamSetupError};
-use keepalive::Pool;
+pub(crate) use pool::UpstreamBody;
+use pool::{ClientError, Pool};
 use replay::Replay;
 
 /// Passthrough request bodies up to this size (by their Content-Length) are
@@ -170,7 +171,7 @@ impl Upstream {
     /// Builds the pooled client for `config`'s upstream.
     pub fn new(config: &Config, metrics: Arc<Metrics>) -> Result<Self, UpstreamSetupError> {
         let pool = Pool::new(
-            ClientSettings::from_config(config)?,
+            &ClientSettings::from_config(config)?,
             config.timeouts.upstream_pool_idle,
         );
         let host =
@@ -234,7 +235,7 @@ impl Upstream {
         &self,
         parts: &Parts,
         body: ProxyReqBody,
-    ) -> Result<Response<Incoming>, ProxyError> {
+    ) -> Result<Response<UpstreamBody>, ProxyError> {
         let budget = ByteBudget {
             used: Arc::clone(&self.metrics),
             max: self.budget_max,
@@ -266,7 +267,7 @@ impl Upstream {
         &self,
         parts: &Parts,
         body: Bytes,
-    ) -> Result<Response<Incoming>, ProxyError> {
+    ) -> Result<Response<UpstreamBody>, ProxyError> {
         self.send_bytes_with(parts, || parts.headers.clone(), body)
             .await
     }
@@ -280,7 +281,7 @@ impl Upstream {
         parts: &Parts,
         headers: impl Fn() -> HeaderMap,
         body: Bytes,
-    ) -> Result<Response<Incoming>, ProxyError> {
+    ) -> Result<Response<UpstreamBody>, ProxyError> {
         match self
             .attempt(parts, headers(), boxed(Full::new(body.clone())))
             .await
@@ -303,7 +304,7 @@ impl Upstream {
         parts: &Parts,
         mut headers: HeaderMap,
         body: ProxyReqBody,
-    ) -> Result<Response<Incoming>, Attempt> {
+    ) -> Result<Response<UpstreamBody>, Attempt> {
         let uri = join_uri(&self.base, &parts.uri).map_err(|e| {
             Attempt::Failed(ProxyError::BadRequest(format!(
                 "cannot build upstream URI: {e}"
@@ -322,7 +323,7 @@ impl Upstream {
 
         let timeout = self.timeouts.first_byte;
         let sent = Instant::now();
-        let result = tokio::time::timeout(timeout, self.pool.client().request(req)).await;
+        let result = tokio::time::timeout(timeout, self.pool.request(req)).await;
         if let Some(stats) = parts.extensions.get::<Arc<RequestStats>>() {
             stats.add_upstream_wait(sent.elapsed());
         }
@@ -347,7 +348,7 @@ impl Upstream {
 
     /// Turns the upstream response into ours: status and headers as sent
     /// (minus hop-by-hop), body streamed frame by frame with the idle timeout.
-    pub(crate) fn stream_response(&self, resp: Response<Incoming>) -> Response<ProxyBody> {
+    pub(crate) fn stream_response(&self, resp: Response<UpstreamBody>) -> Response<ProxyBody> {
         let (mut parts, body) = resp.into_parts();
         headers::strip_hop_by_hop(&mut parts.headers);
         Response::from_parts(parts, self.idle_timeout(coalesce::CoalesceBody::new(body)))
@@ -503,7 +504,6 @@ impl Upstream {
         *req.headers_mut() = headers;
         let resp = self
             .pool
-            .client()
             .request(req)
             .await
             .map_err(|e| FetchError::Transport(error_chain(&e)))?;
@@ -522,7 +522,7 @@ impl Upstream {
 
     /// Maps a client error to what the caller should see: our body limit →
     /// 413, connect timeout → 504, client body failure → 400, else → 502.
-    fn classify_client_error(&self, e: &hyper_util::client::legacy::Error) -> ProxyError {
+    fn classify_client_error(&self, e: &ClientError) -> ProxyError {
         let mut source: Option<&(dyn std::error::Error + 'static)> = e.source();
         let mut timed_out = false;
         let mut body_error = false;
@@ -558,7 +558,7 @@ enum Attempt {
     /// Already mapped (timeout, bad URI).
     Failed(ProxyError),
     /// The client failed; [`unsent`] tells whether a replay is safe.
-    Client(hyper_util::client::legacy::Error),
+    Client(ClientError),
 }
 
 /// Whether the request failed before any response byte came back because
@@ -569,7 +569,7 @@ enum Attempt {
 /// keep-alive race with an upstream closing idle connections. Connect
 /// errors are not (nothing was pooled; a new connection would fail the same
 /// way), nor is a failing client body.
-fn unsent(e: &hyper_util::client::legacy::Error) -> bool {
+fn unsent(e: &ClientError) -> bool {
     if e.is_connect() {
         return false;
     }

@@ -1,0 +1,432 @@
+//! The upstream connection pool: HTTP/1.1 connections (plain or TLS) made
+//! with hyper's connection API, kept idle per origin and handed back the
+//! moment a response body ends.
+//!
+//! It replaces hyper-util's legacy `Client`, which for every request hashed
+//! the origin with SipHash twice (checkout and return), took its pool's
+//! mutex twice, and spawned a task that waited for the connection to be
+//! ready again before returning it (a task allocation and a schedule per
+//! request). Here a connection goes back from the response body's
+//! end-of-stream, on the thread that read it: no task, no hash (a serving
+//! thread's [`Upstream`](super::Upstream) has a pool of its own, holding a
+//! connection or two per origin: a scan compares the origin's bytes).
+//!
+//! What the legacy client did that matters is kept: a request whose pooled
+//! connection turned out closed before the request was written is sent
+//! again on a new connection (hyper hands the request back); idle
+//! connections older than the idle timeout are never used, and a reaper
+//! drops them while nothing asks; the URI goes out in origin form.
+
+use std::future::poll_fn;
+use std::pin::Pin;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, OnceLock, Weak};
+use std::task::{Context, Poll};
+use std::time::Duration;
+
+use bytes::Bytes;
+use http::uri::{Authority, PathAndQuery, Scheme};
+use http::{HeaderMap, Request, Response, Uri};
+use http_body::{Body, Frame, SizeHint};
+use hyper::body::Incoming;
+use hyper::client::conn::http1;
+use hyper_rustls::HttpsConnector;
+use hyper_util::client::legacy::connect::HttpConnector;
+use tokio::time::Instant;
+use tower_service::Service;
+
+use super::body::ProxyReqBody;
+use super::client::ClientSettings;
+use super::keepalive::{announced_timeout, idle_within};
+use crate::error::BoxError;
+use crate::sync::lock;
+
+type Sender = http1::SendRequest<ProxyReqBody>;
+
+/// A request that got no response head from the pool.
+#[derive(Debug, thiserror::Error)]
+pub(crate) enum ClientError {
+    /// No connection could be made (refused, DNS, TLS, connect timeout).
+    #[error("client error (Connect)")]
+    Connect(#[source] BoxError),
+    /// The connection failed while the request went out or before the
+    /// response head came back.
+    #[error("client error (SendRequest)")]
+    Send(#[source] hyper::Error),
+    /// The request URI has no scheme or authority (a bug: every caller
+    /// joins it onto a base).
+    #[error("client error (request URI is not absolute)")]
+    NotAbsolute,
+}
+
+impl ClientError {
+    /// Whether no connection was made.
+    pub(crate) fn is_connect(&self) -> bool {
+        matches!(self, ClientError::Connect(_))
+    }
+}
+
+/// Where a connection goes: scheme and authority.
+#[derive(Clone)]
+struct Origin {
+    scheme: Scheme,
+    authority: Authority,
+}
+
+impl Origin {
+    fn of(uri: &Uri) -> Option<Origin> {
+        Some(Origin {
+            scheme: uri.scheme()?.clone(),
+            authority: uri.authority()?.clone(),
+        })
+    }
+
+    fn is(&self, other: &Origin) -> bool {
+        self.scheme == other.scheme && self.authority == other.authority
+    }
+}
+
+/// An idle connection.
+struct Idle {
+    origin: Origin,
+    tx: Sender,
+    since: Instant,
+}
+
+/// What the pool's mutex guards.
+#[derive(Default)]
+struct Conns {
+    /// Oldest first: a checkout takes the newest (the least likely to have
+    /// been closed by the upstream), the reaper drops from the front.
+    idle: Vec<Idle>,
+    /// A reaper task is running.
+    reaping: bool,
+}
+
+/// The idle connections and the idle timeout, shared with the response
+/// bodies that give their connection back.
+struct Shared {
+    conns: Mutex<Conns>,
+    /// The idle timeout in force, in nanoseconds.
+    idle_ns: AtomicU64,
+}
+
+impl Shared {
+    fn idle(&self) -> Duration {
+        Duration::from_nanos(self.idle_ns.load(Ordering::Relaxed))
+    }
+
+    /// The newest usable idle connection to `origin`; expired and closed
+    /// ones met on the way are dropped (which closes them).
+    fn checkout(&self, origin: &Origin) -> Option<Sender> {
+        let idle = self.idle();
+        let now = Instant::now();
+        let mut conns = lock(&self.conns);
+        let mut end = conns.idle.len();
+        while let Some(pos) = conns.idle[..end].iter().rposition(|c| c.origin.is(origin)) {
+            let c = &conns.idle[pos];
+            if now.saturating_duration_since(c.since) >= idle || c.tx.is_closed() {
+                conns.idle.remove(pos);
+                end = pos;
+                continue;
+            }
+            if c.tx.is_ready() {
+                return Some(conns.idle.remove(pos).tx);
+            }
+            // Still finishing its last exchange (read on another thread
+            // than its connection's task): left for a later checkout.
+            end = pos;
+        }
+        None
+    }
+
+    /// Takes `tx` back as idle and makes sure a reaper will drop it once
+    /// it has idled out.
+    fn give_back(self: &Arc<Self>, origin: Origin, tx: Sender) {
+        if tx.is_closed() {
+            return;
+        }
+        let mut conns = lock(&self.conns);
+        conns.idle.push(Idle {
+            origin,
+            tx,
+            since: Instant::now(),
+        });
+        if !conns.reaping {
+            if let Ok(rt) = tokio::runtime::Handle::try_current() {
+                conns.reaping = true;
+                rt.spawn(reap(Arc::downgrade(self)));
+            }
+        }
+    }
+
+    /// Drops the expired and closed idle connections; whether any is left
+    /// (when none is, the reaper stops, under the same lock).
+    fn prune(&self) -> bool {
+        let idle = self.idle();
+        let now = Instant::now();
+        let mut conns = lock(&self.conns);
+        conns
+            .idle
+            .retain(|c| now.saturating_duration_since(c.since) < idle && !c.tx.is_closed());
+        conns.reaping = !conns.idle.is_empty();
+        conns.reaping
+    }
+}
+
+/// Closes idle connections that idled out while no request asked for one,
+/// as the legacy pool's timer did: a connection is not held open past the
+/// idle timeout for an upstream to close under a later request. Runs while
+/// there are idle connections, waking once per idle timeout.
+async fn reap(shared: Weak<Shared>) {
+    loop {
+        let Some(idle) = shared.upgrade().map(|s| s.idle()) else {
+            return;
+        };
+        tokio::time::sleep(idle.max(Duration::from_millis(10))).await;
+        match shared.upgrade() {
+            Some(s) if s.prune() => {}
+            _ => return,
+        }
+    }
+}
+
+/// The pool: the connector, the idle connections and the idle timeout
+/// (the configured one, or the shorter one an upstream announced).
+pub(crate) struct Pool {
+    connector: HttpsConnector<HttpConnector>,
+    shared: Arc<Shared>,
+    configured: Duration,
+    /// The first announcement shorter than `configured` (it decides).
+    learned: OnceLock<Duration>,
+}
+
+impl Pool {
+    /// A pool connecting with `settings`, dropping connections idle for
+    /// `idle`.
+    pub(crate) fn new(settings: &ClientSettings, idle: Duration) -> Self {
+        Pool {
+            connector: settings.connector(),
+            shared: Arc::new(Shared {
+                conns: Mutex::new(Conns::default()),
+                idle_ns: AtomicU64::new(nanos(idle)),
+            }),
+            configured: idle,
+            learned: OnceLock::new(),
+        }
+    }
+
+    /// The idle timeout connections are pooled with now.
+    #[cfg(test)]
+    pub(crate) fn idle(&self) -> Duration {
+        self.shared.idle()
+    }
+
+    /// Reads a response's `Keep-Alive` header: a timeout the configured
+    /// idle does not stay under lowers the idle timeout of every connection
+    /// from then on (once; the first announcement decides).
+    pub(crate) fn learn(&self, headers: &HeaderMap) {
+        if self.learned.get().is_some() {
+            return;
+        }
+        let Some(announced) = announced_timeout(headers) else {
+            return;
+        };
+        let idle = idle_within(announced);
+        if idle >= self.configured {
+            return;
+        }
+        self.learned.get_or_init(|| {
+            tracing::info!(
+                announced_secs = announced.as_secs(),
+                idle_ms = idle.as_millis() as u64,
+                configured_ms = self.configured.as_millis() as u64,
+                "upstream announces a shorter keep-alive; pooled connections idle less"
+            );
+            self.shared.idle_ns.store(nanos(idle), Ordering::Relaxed);
+            idle
+        });
+    }
+
+    /// Sends `req` (an absolute URI) on an idle connection to its origin,
+    /// or a new one. A pooled connection found closed before the request
+    /// was written gets the request back from hyper: it goes out once more
+    /// on a new connection.
+    pub(crate) async fn request(
+        &self,
+        mut req: Request<ProxyReqBody>,
+    ) -> Result<Response<UpstreamBody>, ClientError> {
+        let origin = Origin::of(req.uri()).ok_or(ClientError::NotAbsolute)?;
+        let target = std::mem::take(req.uri_mut());
+        *req.uri_mut() = origin_form(&target);
+        let (mut tx, reused) = match self.shared.checkout(&origin) {
+            Some(tx) => (tx, true),
+            None => (self.connect(&target).await?, false),
+        };
+        let resp = match tx.try_send_request(req).await {
+            Ok(resp) => resp,
+            Err(mut e) => match e.take_message() {
+                Some(req) if reused => {
+                    tracing::debug!(error = %e.error(), "pooled upstream connection closed before the request went out; sending it on a new one");
+                    tx = self.connect(&target).await?;
+                    tx.send_request(req).await.map_err(ClientError::Send)?
+                }
+                _ => return Err(ClientError::Send(e.into_error())),
+            },
+        };
+        let (parts, body) = resp.into_parts();
+        let mut body = UpstreamBody {
+            inner: body,
+            lease: Some(Lease {
+                shared: Arc::clone(&self.shared),
+                origin,
+                tx,
+            }),
+        };
+        if body.inner.is_end_stream() {
+            body.give_back();
+        }
+        Ok(Response::from_parts(parts, body))
+    }
+
+    /// A new connection to `target`'s origin, its task spawned on the
+    /// current runtime.
+    async fn connect(&self, target: &Uri) -> Result<Sender, ClientError> {
+        let mut connector = self.connector.clone();
+        poll_fn(|cx| connector.poll_ready(cx))
+            .await
+            .map_err(ClientError::Connect)?;
+        let io = connector
+            .call(target.clone())
+            .await
+            .map_err(ClientError::Connect)?;
+        let (tx, conn) = http1::Builder::new()
+            .handshake(io)
+            .await
+            .map_err(|e| ClientError::Connect(Box::new(e)))?;
+        tokio::spawn(async move {
+            if let Err(e) = conn.await {
+                tracing::debug!(error = %e, "upstream connection ended with an error");
+            }
+        });
+        Ok(tx)
+    }
+}
+
+fn nanos(d: Duration) -> u64 {
+    u64::try_from(d.as_nanos()).unwrap_or(u64::MAX)
+}
+
+/// `target`'s path and query alone, as an HTTP/1.1 request line carries
+/// them to an origin server.
+fn origin_form(target: &Uri) -> Uri {
+    let pq = match target.path_and_query() {
+        Some(pq) if pq.as_str().starts_with('/') => pq.clone(),
+        Some(pq) if pq.as_str() == "*" => pq.clone(),
+        _ => PathAndQuery::from_static("/"),
+    };
+    Uri::from(pq)
+}
+
+/// The connection a response came on, returned to the pool when its body
+/// ends.
+struct Lease {
+    shared: Arc<Shared>,
+    origin: Origin,
+    tx: Sender,
+}
+
+/// An upstream response body. Frames are the connection's, untouched; at
+/// the end of the stream the connection goes back to the pool. Dropped
+/// before its end, it takes the connection with it (hyper closes one whose
+/// response was not read to the end).
+pub struct UpstreamBody {
+    inner: Incoming,
+    lease: Option<Lease>,
+}
+
+impl std::fmt::Debug for UpstreamBody {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("UpstreamBody")
+            .field("pooled", &self.lease.is_some())
+            .finish_non_exhaustive()
+    }
+}
+
+impl UpstreamBody {
+    fn give_back(&mut self) {
+        if let Some(lease) = self.lease.take() {
+            lease.shared.give_back(lease.origin, lease.tx);
+        }
+    }
+}
+
+impl Body for UpstreamBody {
+    type Data = Bytes;
+    type Error = hyper::Error;
+
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, hyper::Error>>> {
+        let polled = Pin::new(&mut self.inner).poll_frame(cx);
+        match &polled {
+            Poll::Ready(None) => self.give_back(),
+            Poll::Ready(Some(Ok(_))) if self.inner.is_end_stream() => self.give_back(),
+            Poll::Ready(Some(Err(_))) => self.lease = None,
+            _ => {}
+        }
+        polled
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.inner.is_end_stream()
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        self.inner.size_hint()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_request_line_carries_the_path_and_query_only() {
+        let uri = |s: &str| origin_form(&s.parse().unwrap()).to_string();
+        assert_eq!(
+            uri("https://h:1/v1/chat/completions?x=1"),
+            "/v1/chat/completions?x=1"
+        );
+        assert_eq!(uri("http://h:1"), "/");
+    }
+
+    #[test]
+    fn a_shorter_announcement_lowers_the_idle_timeout_once() {
+        let config = crate::config::Config::default();
+        let settings = ClientSettings::from_config(&config).unwrap();
+        let pool = Pool::new(&settings, Duration::from_secs(4));
+        let headers = |v: &'static str| {
+            let mut h = HeaderMap::new();
+            h.insert("keep-alive", http::HeaderValue::from_static(v));
+            h
+        };
+        pool.learn(&headers("timeout=10"));
+        assert_eq!(
+            pool.idle(),
+            Duration::from_secs(4),
+            "a longer one changes nothing"
+        );
+        pool.learn(&HeaderMap::new());
+        assert_eq!(pool.idle(), Duration::from_secs(4));
+        pool.learn(&headers("timeout=2"));
+        assert_eq!(pool.idle(), Duration::from_millis(1500));
+        pool.learn(&headers("timeout=1"));
+        assert_eq!(
+            pool.idle(),
+            Duration::from_millis(1500),
+            "the first one decides"
+        );
+    }
+}
