@@ -26,7 +26,6 @@ use std::sync::Arc;
 use std::task::{Context, Poll};
 use std::time::Duration;
 
-use crate::upstream::UpstreamBody as Incoming;
 use bytes::Bytes;
 use http::request::Parts;
 use http::{header, HeaderMap, Response};
@@ -34,7 +33,7 @@ use http_body::{Body, Frame};
 
 use crate::error::{BoxError, ProxyBody};
 use crate::session::key::SessionKey;
-use crate::upstream::{headers, Upstream};
+use crate::upstream::{headers, Upstream, UpstreamBody};
 use crate::usage::peek::{HoldBack, Peek, PrefixedBody, Stop};
 use crate::usage::{BodyKind, StreamStart};
 use crate::window::overflow::{parse_overflow_event, OverflowKind};
@@ -70,7 +69,7 @@ pub(super) struct Retry {
 /// holding back (led by comment lines), prepared as `prepared`.
 pub(super) fn commit(
     mut head: http::response::Parts,
-    peek: Peek<Incoming>,
+    peek: Peek<UpstreamBody>,
     limit: HoldBack,
     prepared: Prepared,
     retry: Retry,
@@ -95,7 +94,7 @@ pub(super) fn commit(
 
 /// The start being held back after the head went out.
 struct Holding {
-    peek: Peek<Incoming>,
+    peek: Peek<UpstreamBody>,
     limit: HoldBack,
     /// The committed head's headers (what kind of body follows).
     headers: HeaderMap,
@@ -110,7 +109,7 @@ struct Retrying {
 }
 
 /// The retry's answer and what it was prepared as.
-type Answer = (Response<Incoming>, Prepared);
+type Answer = (Response<UpstreamBody>, Prepared);
 
 enum State {
     Holding(Box<Holding>),

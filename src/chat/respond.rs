@@ -5,7 +5,6 @@
 
 use std::sync::Arc;
 
-use crate::upstream::UpstreamBody as Incoming;
 use bytes::Bytes;
 use http::request::Parts;
 use http::{header, HeaderMap, HeaderName, HeaderValue, Response};
@@ -14,7 +13,7 @@ use crate::error::{ProxyBody, ProxyError};
 use crate::session::key::SessionKey;
 use crate::upstream::body::TapBody;
 use crate::upstream::coalesce::CoalesceBody;
-use crate::upstream::{headers, Upstream};
+use crate::upstream::{headers, Upstream, UpstreamBody};
 use crate::usage::hide::HideUsageBody;
 use crate::usage::{BodyKind, TapOutcome, UsageObserver};
 use crate::window::overflow::Overflow;
@@ -46,7 +45,7 @@ pub(super) async fn send(
     parts: &Parts,
     client_headers: &HeaderMap,
     body: Bytes,
-) -> Result<Response<Incoming>, ProxyError> {
+) -> Result<Response<UpstreamBody>, ProxyError> {
     let len = HeaderValue::from(body.len());
     let headers = || {
         let mut headers = client_headers.clone();
@@ -99,7 +98,7 @@ fn bound_window(of: &mut Overflow, sent_estimate: u64) {
 }
 
 /// A response whose start has been read: the held frames go back in front.
-pub(super) type HeldBody = crate::usage::peek::PrefixedBody<Incoming>;
+pub(super) type HeldBody = crate::usage::peek::PrefixedBody<UpstreamBody>;
 
 /// The body of a response as the client gets it: usage tapped into the
 /// conversation's inbox (and the usage chunk it did not ask for hidden),

@@ -12,7 +12,6 @@
 
 use std::sync::Arc;
 
-use crate::upstream::UpstreamBody as Incoming;
 use bytes::Bytes;
 use http::request::Parts;
 use http::{header, HeaderMap, Request, Response};
@@ -22,7 +21,7 @@ use crate::codec::{Api, ApiRequest};
 use crate::error::{ErrorShape, ProxyBody};
 use crate::session::key::{SessionHints, SessionKey};
 use crate::upstream::body::ProxyReqBody;
-use crate::upstream::{body_read_error, RequestStats, Upstream};
+use crate::upstream::{body_read_error, RequestStats, Upstream, UpstreamBody};
 use crate::usage::peek::{peek_start, HoldBack, Peek, Stop};
 use crate::usage::{BodyKind, StreamStart};
 use crate::window::overflow::{parse_overflow, parse_overflow_event, Overflow, OverflowKind};
@@ -244,14 +243,14 @@ enum Inspected {
     Held(Response<HeldBody>, Option<Overflow>),
     /// A stream (200, `text/event-stream`) whose start is undecided but
     /// led by comment lines: they should reach the client now.
-    Flowing(http::response::Parts, Peek<Incoming>),
+    Flowing(http::response::Parts, Peek<UpstreamBody>),
 }
 
 /// Reads the start of the response: the whole error body (bounded) for an
 /// error status, the first events of a stream; reports an overflow that
 /// arrived before any content. Bounded by `limit`: what arrived by then is
 /// released, and a body failing meanwhile is forwarded up to the failure.
-async fn inspect(resp: Response<Incoming>, stream: bool, limit: HoldBack) -> Inspected {
+async fn inspect(resp: Response<UpstreamBody>, stream: bool, limit: HoldBack) -> Inspected {
     let (parts, body) = resp.into_parts();
     let status = parts.status;
     let ct = parts

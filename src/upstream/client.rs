@@ -76,47 +76,32 @@ pub fn root_store(extra_ca: Option<&Path>) -> Result<RootCertStore, UpstreamSetu
     Ok(roots)
 }
 
-/// What the pool's connections are made with: the TLS configuration and
-/// the connect timeout.
-#[derive(Clone)]
-pub(crate) struct ClientSettings {
-    tls: Arc<rustls::ClientConfig>,
-    connect: std::time::Duration,
-}
+/// The connector the pool's connections are made with: the configured
+/// roots (the ring provider explicitly, so it works whether or not a
+/// process default is installed), TCP_NODELAY, the connect timeout, TLS
+/// when the URI says `https`.
+pub(crate) fn connector(
+    config: &Config,
+) -> Result<HttpsConnector<HttpConnector>, UpstreamSetupError> {
+    let roots = root_store(config.upstream_ca_file.as_deref())?;
+    let provider = Arc::new(rustls::crypto::ring::default_provider());
+    let tls = rustls::ClientConfig::builder_with_provider(provider)
+        .with_safe_default_protocol_versions()?
+        .with_root_certificates(roots)
+        .with_no_client_auth();
 
-impl ClientSettings {
-    /// The configured roots and connect timeout. Uses the ring provider
-    /// explicitly so it works whether or not a process default is
-    /// installed.
-    pub(crate) fn from_config(config: &Config) -> Result<Self, UpstreamSetupError> {
-        let roots = root_store(config.upstream_ca_file.as_deref())?;
-        let provider = Arc::new(rustls::crypto::ring::default_provider());
-        let tls = rustls::ClientConfig::builder_with_provider(provider)
-            .with_safe_default_protocol_versions()?
-            .with_root_certificates(roots)
-            .with_no_client_auth();
-        Ok(ClientSettings {
-            tls: Arc::new(tls),
-            connect: config.timeouts.connect,
-        })
-    }
+    let mut http = HttpConnector::new();
+    http.enforce_http(false);
+    http.set_nodelay(true);
+    http.set_connect_timeout(Some(config.timeouts.connect));
 
-    /// The connector: TCP_NODELAY, the connect timeout, TLS when the URI
-    /// says `https`.
-    pub(crate) fn connector(&self) -> HttpsConnector<HttpConnector> {
-        let mut http = HttpConnector::new();
-        http.enforce_http(false);
-        http.set_nodelay(true);
-        http.set_connect_timeout(Some(self.connect));
-
-        // HTTP/1.1 upstream only: it carries SSE fine everywhere, and keeps the
-        // request shape (Host, chunking) identical for every upstream.
-        hyper_rustls::HttpsConnectorBuilder::new()
-            .with_tls_config((*self.tls).clone())
-            .https_or_http()
-            .enable_http1()
-            .wrap_connector(http)
-    }
+    // HTTP/1.1 upstream only: it carries SSE fine everywhere, and keeps the
+    // request shape (Host, chunking) identical for every upstream.
+    Ok(hyper_rustls::HttpsConnectorBuilder::new()
+        .with_tls_config(tls)
+        .https_or_http()
+        .enable_http1()
+        .wrap_connector(http))
 }
 
 /// Joins the upstream base with the client's path and query. Only the

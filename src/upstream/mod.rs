@@ -33,7 +33,7 @@ use body::{
     boxed, BodyBudgetExceeded, BodyLimitExceeded, BodyReadTimeout, ByteBudget, IdleTimeoutBody,
     ProxyReqBody,
 };
-use client::{join_uri, ClientSettings, UpstreamSetupError};
+use client::{join_uri, UpstreamSetupError};
 pub(crate) use pool::UpstreamBody;
 use pool::{ClientError, Pool};
 use replay::Replay;
@@ -171,7 +171,7 @@ impl Upstream {
     /// Builds the pooled client for `config`'s upstream.
     pub fn new(config: &Config, metrics: Arc<Metrics>) -> Result<Self, UpstreamSetupError> {
         let pool = Pool::new(
-            &ClientSettings::from_config(config)?,
+            client::connector(config)?,
             config.timeouts.upstream_pool_idle,
         );
         let host =

@@ -36,7 +36,6 @@ use tokio::time::Instant;
 use tower_service::Service;
 
 use super::body::ProxyReqBody;
-use super::client::ClientSettings;
 use super::keepalive::{announced_timeout, idle_within};
 use crate::error::BoxError;
 use crate::sync::lock;
@@ -202,11 +201,11 @@ pub(crate) struct Pool {
 }
 
 impl Pool {
-    /// A pool connecting with `settings`, dropping connections idle for
+    /// A pool connecting with `connector`, dropping connections idle for
     /// `idle`.
-    pub(crate) fn new(settings: &ClientSettings, idle: Duration) -> Self {
+    pub(crate) fn new(connector: HttpsConnector<HttpConnector>, idle: Duration) -> Self {
         Pool {
-            connector: settings.connector(),
+            connector,
             shared: Arc::new(Shared {
                 conns: Mutex::new(Conns::default()),
                 idle_ns: AtomicU64::new(nanos(idle)),
@@ -405,8 +404,8 @@ mod tests {
     #[test]
     fn a_shorter_announcement_lowers_the_idle_timeout_once() {
         let config = crate::config::Config::default();
-        let settings = ClientSettings::from_config(&config).unwrap();
-        let pool = Pool::new(&settings, Duration::from_secs(4));
+        let connector = crate::upstream::client::connector(&config).unwrap();
+        let pool = Pool::new(connector, Duration::from_secs(4));
         let headers = |v: &'static str| {
             let mut h = HeaderMap::new();
             h.insert("keep-alive", http::HeaderValue::from_static(v));
