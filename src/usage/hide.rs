@@ -133,6 +133,44 @@ impl UsageHider {
         }
     }
 
+    /// Whether `frame` can go out as it is, without a copy: nothing is
+    /// pending or held, and it is whole event blocks of which none would
+    /// be changed, dropped or held (the finish chunk is held). Most frames
+    /// of a stream are: `push` would copy each twice (into the pending
+    /// block, then out) to release the same bytes. The state is unchanged.
+    pub(crate) fn passes(&self, frame: &[u8]) -> bool {
+        if !self.pending.is_empty()
+            || self.scan_pos != 0
+            || self.line_start != 0
+            || self.held.is_some()
+            || self.passthrough
+            || frame.is_empty()
+            || frame.len() > MAX_EVENT_BYTES
+        {
+            return false;
+        }
+        let (mut i, mut line_start, mut block_start) = (0, 0, 0);
+        while let Some(off) = memchr2(b'\n', b'\r', &frame[i..]) {
+            let p = i + off;
+            let term_end = match (frame[p], frame.get(p + 1)) {
+                (b'\r', Some(b'\n')) => p + 2,
+                // A CR ending the frame: its LF may come next.
+                (b'\r', None) => return false,
+                _ => p + 1,
+            };
+            if p == line_start {
+                let block = &frame[block_start..term_end];
+                if !matches!(judge(block), Verdict::Keep) || finish_chunk_close(block).is_some() {
+                    return false;
+                }
+                block_start = term_end;
+            }
+            line_start = term_end;
+            i = term_end;
+        }
+        block_start == frame.len()
+    }
+
     /// Forwards the scanned part of an oversized event untouched, so memory
     /// stays bounded and the stream keeps flowing.
     fn spill(&mut self, out: &mut BytesMut) {
@@ -485,6 +523,16 @@ where
             match polled {
                 Some(Ok(frame)) => match frame.into_data() {
                     Ok(mut data) => {
+                        let whole = data.chunk().len() == data.remaining();
+                        if whole && this.hider.passes(data.chunk()) {
+                            // A `Bytes` frame goes on as the same buffer.
+                            let data = data.copy_to_bytes(data.remaining());
+                            if this.inner.is_end_stream() {
+                                *this.done = true;
+                            }
+                            return Poll::Ready(Some(Ok(Frame::data(data))));
+                        }
+                        out.reserve(data.remaining());
                         while data.has_remaining() {
                             let chunk = data.chunk();
                             let n = chunk.len();

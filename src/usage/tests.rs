@@ -302,6 +302,71 @@ fn hidden_fixture_streams_equal_direct_ones() {
     }
 }
 
+/// The stream cut after every `n`th event (a blank line): frames of whole
+/// events, as an upstream writing event by event delivers them.
+fn split_events(bytes: &[u8], n: usize) -> Vec<&[u8]> {
+    let ends: Vec<usize> = memmem::find_iter(bytes, b"\n\n").map(|p| p + 2).collect();
+    let cuts: Vec<usize> = ends.iter().copied().skip(n - 1).step_by(n).collect();
+    split_at_points(bytes, &cuts)
+        .into_iter()
+        .filter(|p| !p.is_empty())
+        .collect()
+}
+
+#[tokio::test]
+async fn hide_body_forwards_untouched_frames_as_they_are() {
+    let pairs: [(&[u8], &[u8]); 3] = [
+        (
+            fixture!("sse/openai_with_usage.sse"),
+            fixture!("sse/openai_without_usage.sse"),
+        ),
+        (
+            fixture!("sse/llamacpp_with_usage.sse"),
+            fixture!("sse/llamacpp_without_usage.sse"),
+        ),
+        (
+            fixture!("sse/vllm_with_usage.sse"),
+            fixture!("sse/vllm_without_usage.sse"),
+        ),
+    ];
+    for (with, without) in pairs {
+        for frames in [
+            split_events(with, 1),
+            split_events(with, 3),
+            split_every(with, 29),
+        ] {
+            let sent: Vec<Bytes> = frames.iter().map(|f| Bytes::copy_from_slice(f)).collect();
+            let items = sent
+                .iter()
+                .map(|b| Some(Ok(Frame::data(b.clone()))))
+                .collect();
+            let mut body = HideUsageBody::new(MockBody::new(items));
+            let (mut out, mut same_buffer) = (Vec::new(), 0);
+            while let Some(frame) = body.frame().await {
+                let data = frame.unwrap().into_data().unwrap();
+                same_buffer += usize::from(sent.iter().any(|b| b.as_ptr() == data.as_ptr()));
+                out.extend_from_slice(&data);
+            }
+            assert_eq!(
+                String::from_utf8(out).unwrap(),
+                String::from_utf8(without.to_vec()).unwrap()
+            );
+            // OpenAI's forced usage puts `"usage":null` on every chunk: each
+            // is edited. The others change only the finish (held) and usage
+            // (dropped) events; the rest go on without a copy.
+            let edits_every_event = memmem::find(with, b"\"usage\":null").is_some();
+            let whole_events = frames.iter().all(|f| f.ends_with(b"\n\n"));
+            if whole_events && !edits_every_event {
+                assert!(
+                    same_buffer + 3 >= frames.len(),
+                    "{same_buffer} of {}",
+                    frames.len()
+                );
+            }
+        }
+    }
+}
+
 #[tokio::test]
 async fn hide_body_with_tap_inside() {
     let with = fixture!("sse/openai_with_usage.sse");
