@@ -1,36 +1,25 @@
 //! Hands hyper every response frame that is already available in one go,
 //! so it writes them with one `writev` instead of one per frame.
 //!
-//! hyper's client delivers a response body one frame at a time: its
-//! connection task decodes the next chunk only after the previous one was
-//! taken. Forwarded as is, an SSE burst the upstream wrote in one segment
-//! (22 events from a fast server, or a backlog after a slow reader) costs
-//! one flush, one syscall and one client wake-up per event, where the
-//! upstream itself paid one. [`CoalesceBody`] takes a frame, gives the
-//! producer a scheduler turn to deliver the next, and releases what it
-//! gathered once nothing more is ready.
+//! hyper's HTTP/1 client decodes a response body one frame at a time, the
+//! next only once the previous one was taken. Forwarded as is, an SSE burst
+//! the upstream wrote in one segment (22 events from a fast server, or a
+//! backlog after a slow reader) costs one flush, one syscall and one client
+//! wake-up per event, where the upstream itself paid one. [`CoalesceBody`]
+//! takes frames while the inner body has them ready and releases what it
+//! gathered at the first `Pending`.
+//!
+//! The upstream connection is driven by the body that reads it
+//! (`upstream::pool`), so a `Pending` here means the socket has nothing
+//! more: everything gathered goes out then, and nothing is held while the
+//! upstream is idle. (When hyper's connection ran as a task of its own, the
+//! body had to yield a scheduler turn per frame for that task to decode the
+//! next one.)
 //!
 //! The first data frame goes out at once, with the response head in the
-//! same write (a stream's time to first byte is not held up). Every later
-//! frame is gathered, the frames of a paced stream (a model generating
-//! tokens) too: on the thread-per-core runtime the binary runs
-//! (`server::cores`) the producer lives on the same thread, so the yield is
-//! a push onto the local run queue, not a syscall, and a lone frame leaves
-//! one scheduler turn later. Telling a burst from a paced stream by the
-//! time between frames did not work under load: with 64 connections on a
-//! thread, the turn the producer needs to decode the next frame of a burst
-//! took longer than any gap worth calling a burst, and an SSE response of
-//! 22 events went out in 22 writes.
-//!
-//! "Nothing more is ready" needs two `Pending`s of the inner body in a row:
-//! when a body returns `Pending` and there was nothing to flush, hyper's
-//! HTTP/1 dispatcher polls it once more within the same task poll, before
-//! the producer could run. One `Pending` after a yield proves nothing.
-//!
-//! Bytes and frame boundaries are unchanged: the frames come out one by
-//! one, back to back. Nothing is held while the upstream is idle: once the
-//! producer has had its turn and has nothing more, everything gathered goes
-//! out.
+//! same write (a stream's time to first byte is not held up). Bytes and
+//! frame boundaries are unchanged: the frames come out one by one, back to
+//! back.
 
 use std::collections::VecDeque;
 use std::pin::Pin;
@@ -47,9 +36,6 @@ const MAX_GATHER_BYTES: usize = 64 << 10;
 const MAX_GATHER_FRAMES: usize = 64;
 /// Frames room is made for when gathering begins (a typical burst fits).
 const GATHER_RESERVE: usize = 32;
-/// Consecutive `Pending`s of the inner body that release the gathered
-/// frames (see the module docs).
-const IDLE_POLLS_TO_RELEASE: u8 = 2;
 
 pin_project! {
     /// See the module docs.
@@ -61,8 +47,6 @@ pin_project! {
         // Releasing `queue` to hyper; the inner body is not polled meanwhile.
         draining: bool,
         inner_done: bool,
-        // Consecutive `Pending`s of the inner body while frames are queued.
-        idle_polls: u8,
         // The first data frame has gone out.
         started: bool,
     }
@@ -77,7 +61,6 @@ impl<B: Body> CoalesceBody<B> {
             queued_bytes: 0,
             draining: false,
             inner_done: false,
-            idle_polls: 0,
             started: false,
         }
     }
@@ -111,14 +94,9 @@ where
             let item = match this.inner.as_mut().poll_frame(cx) {
                 Poll::Pending if this.queue.is_empty() => return Poll::Pending,
                 Poll::Pending => {
-                    *this.idle_polls += 1;
-                    if *this.idle_polls >= IDLE_POLLS_TO_RELEASE {
-                        // The producer had its turn and has nothing more.
-                        *this.draining = true;
-                        continue;
-                    }
-                    cx.waker().wake_by_ref();
-                    return Poll::Pending;
+                    // Nothing more has arrived: what was gathered goes.
+                    *this.draining = true;
+                    continue;
                 }
                 Poll::Ready(None) => {
                     *this.inner_done = true;
@@ -127,7 +105,6 @@ where
                 }
                 Poll::Ready(Some(item)) => item,
             };
-            *this.idle_polls = 0;
             let data_len = match &item {
                 Ok(f) => f.data_ref().map(Bytes::len),
                 Err(_) => None,
@@ -154,12 +131,7 @@ where
                 || *this.queued_bytes >= MAX_GATHER_BYTES
             {
                 *this.draining = true;
-                continue;
             }
-            // One scheduler turn for the producer (hyper's client connection
-            // task, woken when this frame was taken) to decode the next one.
-            cx.waker().wake_by_ref();
-            return Poll::Pending;
         }
     }
 
@@ -264,74 +236,68 @@ mod tests {
     const P: &str = "<pending>";
 
     #[test]
-    fn a_burst_comes_out_back_to_back_once_the_producer_is_idle() {
-        let (out, wakes) = run(body(vec![data("lead"), data("b"), data("c")], false), 7);
-        // The first frame goes at once. Each gathered frame and the first
-        // idle poll cost one self-wake; the second idle poll releases the
-        // burst with no Pending between its frames.
-        assert_eq!(out, ["lead", P, P, P, "b", "c", P]);
-        assert_eq!(wakes, 3);
+    fn a_burst_comes_out_back_to_back_with_no_pending_between() {
+        let (out, wakes) = run(body(vec![data("lead"), data("b"), data("c")], false), 5);
+        // The first frame goes at once; the rest are gathered until the
+        // inner body has nothing more, then released one poll after another.
+        assert_eq!(out, ["lead", "b", "c", P, P]);
+        assert_eq!(wakes, 0, "no self-wake: nothing is waited for");
     }
 
     #[test]
-    fn one_idle_poll_does_not_release() {
-        // A producer that is slow by one poll still gets batched.
-        let items = vec![data("lead"), data("a"), None, data("b")];
-        let (out, _) = run(body(items, false), 7);
-        assert_eq!(out, ["lead", P, P, P, P, "a", "b"]);
+    fn a_frame_leaves_at_the_first_pending() {
+        let items = vec![data("lead"), data("first"), None, None];
+        let (out, _) = run(body(items, false), 4);
+        assert_eq!(out, ["lead", "first", P, P]);
     }
 
     #[test]
-    fn a_lone_frame_is_released_when_the_producer_stays_idle() {
-        let items = vec![data("lead"), data("first"), None, None, None];
-        let (out, _) = run(body(items, false), 5);
-        assert_eq!(out, ["lead", P, P, "first", P]);
-    }
-
-    #[test]
-    fn paced_frames_each_leave_after_the_producer_had_its_turn() {
-        let items = vec![data("lead"), data("a"), None, None, data("b"), None, None];
-        let (out, wakes) = run(body(items, false), 7);
-        assert_eq!(out, ["lead", P, P, "a", P, P, "b"]);
-        assert_eq!(wakes, 4);
+    fn paced_frames_are_not_held() {
+        let items = vec![data("lead"), data("a"), None, data("b"), None];
+        let (out, wakes) = run(body(items, false), 5);
+        assert_eq!(out, ["lead", "a", "b", P, P]);
+        assert_eq!(wakes, 0);
     }
 
     #[test]
     fn the_last_frame_and_the_end_are_not_delayed() {
-        let (out, wakes) = run(body(vec![data("lead"), data("a"), data("z")], true), 5);
-        assert_eq!(out, ["lead", P, "a", "z", "<end>"]);
-        assert_eq!(wakes, 1);
-        let (out, wakes) = run(body(vec![data("only")], true), 2);
+        let (out, _) = run(body(vec![data("lead"), data("a"), data("z")], true), 4);
+        assert_eq!(out, ["lead", "a", "z", "<end>"]);
+        let (out, _) = run(body(vec![data("only")], true), 2);
         assert_eq!(out, ["only", "<end>"]);
-        assert_eq!(wakes, 0);
     }
 
     #[test]
     fn an_error_comes_after_the_frames_before_it() {
         let items = vec![data("lead"), data("a"), Some(Err("boom")), data("x")];
-        let (out, _) = run(body(items, false), 4);
-        assert_eq!(out, ["lead", P, "a", "<error>"]);
+        let (out, _) = run(body(items, false), 3);
+        assert_eq!(out, ["lead", "a", "<error>"]);
     }
 
     #[test]
     fn trailers_pass_in_order() {
         let trailers = Some(Ok(Frame::trailers(http::HeaderMap::new())));
-        let (out, _) = run(body(vec![data("lead"), data("a"), trailers], true), 5);
-        assert_eq!(out, ["lead", P, "a", "<trailers>", "<end>"]);
+        let (out, _) = run(body(vec![data("lead"), data("a"), trailers], true), 4);
+        assert_eq!(out, ["lead", "a", "<trailers>", "<end>"]);
     }
 
     #[test]
     fn gathering_stops_at_the_frame_cap() {
         let items: Vec<_> = std::iter::once(data("lead"))
             .chain((0..MAX_GATHER_FRAMES + 4).map(|_| data("x")))
+            .chain(std::iter::once(None))
             .collect();
-        let (out, wakes) = run(body(items, false), MAX_GATHER_FRAMES + 2);
-        // MAX-1 yields, then the MAX-th frame releases the batch at once.
-        assert_eq!(wakes, MAX_GATHER_FRAMES - 1);
-        assert_eq!(out[0], "lead");
-        assert!(out[1..MAX_GATHER_FRAMES].iter().all(|s| s == P));
-        assert_eq!(out[MAX_GATHER_FRAMES], "x");
-        assert_eq!(out[MAX_GATHER_FRAMES + 1], "x");
+        let mut b = body(items, false);
+        let wakes = Arc::new(CountWakes(Mutex::new(0)));
+        assert_eq!(poll_once(&mut b, &wakes), "lead");
+        assert_eq!(poll_once(&mut b, &wakes), "x");
+        // The cap released the first batch with frames still ready.
+        assert_eq!(b.queue.len(), MAX_GATHER_FRAMES - 1);
+        let rest: Vec<_> = (0..MAX_GATHER_FRAMES + 4)
+            .map(|_| poll_once(&mut b, &wakes))
+            .collect();
+        assert!(rest[..MAX_GATHER_FRAMES + 3].iter().all(|s| s == "x"));
+        assert_eq!(rest[MAX_GATHER_FRAMES + 3], P);
     }
 
     #[test]
@@ -348,10 +314,10 @@ mod tests {
         let mut b = body(vec![data("lead"), data("abc"), data("de")], true);
         let wakes = Arc::new(CountWakes(Mutex::new(0)));
         assert_eq!(poll_once(&mut b, &wakes), "lead");
-        assert_eq!(poll_once(&mut b, &wakes), P);
-        assert!(!b.is_end_stream());
-        assert_eq!(b.size_hint().lower(), 3);
         assert_eq!(poll_once(&mut b, &wakes), "abc");
+        // "de" is gathered and the inner body has ended.
+        assert!(!b.is_end_stream());
+        assert_eq!(b.size_hint().lower(), 2);
         assert_eq!(poll_once(&mut b, &wakes), "de");
         assert!(b.is_end_stream());
     }

@@ -11,13 +11,19 @@
 //! thread's [`Upstream`](super::Upstream) has a pool of its own, holding a
 //! connection or two per origin: a scan compares the origin's bytes).
 //!
+//! A connection has no task either: the request waiting for its response
+//! head, then the response body being read, drive it ([`drive`]). An idle
+//! one is driven when a checkout or the reaper looks at it, which is when
+//! a close the upstream sent meanwhile is read.
+//!
 //! What the legacy client did that matters is kept: a request whose pooled
 //! connection turned out closed before the request was written is sent
 //! again on a new connection (hyper hands the request back); idle
 //! connections older than the idle timeout are never used, and a reaper
-//! drops them while nothing asks; the URI goes out in origin form.
+//! drops them (and those the upstream closed) while nothing asks; the URI
+//! goes out in origin form.
 
-use std::future::poll_fn;
+use std::future::{poll_fn, Future};
 use std::pin::Pin;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, OnceLock, Weak};
@@ -30,8 +36,9 @@ use http::{HeaderMap, Request, Response, Uri};
 use http_body::{Body, Frame, SizeHint};
 use hyper::body::Incoming;
 use hyper::client::conn::http1;
-use hyper_rustls::HttpsConnector;
+use hyper_rustls::{HttpsConnector, MaybeHttpsStream};
 use hyper_util::client::legacy::connect::HttpConnector;
+use hyper_util::rt::TokioIo;
 use tokio::time::Instant;
 use tower_service::Service;
 
@@ -41,6 +48,36 @@ use crate::error::BoxError;
 use crate::sync::lock;
 
 type Sender = http1::SendRequest<ProxyReqBody>;
+/// The connection's I/O half: hyper's HTTP/1 state machine over the socket.
+type Conn = http1::Connection<MaybeHttpsStream<TokioIo<tokio::net::TcpStream>>, ProxyReqBody>;
+
+/// A connection: the handle requests go in by, and the state machine that
+/// writes them and reads the responses. No task of its own: whoever waits
+/// on it (the request, then its response body) drives it (see [`drive`]).
+struct Link {
+    tx: Sender,
+    // Boxed: hyper's state machine is kilobytes, and a response body that
+    // held it inline had it copied with every move of the response.
+    conn: Option<Box<Conn>>,
+}
+
+/// Polls `conn` (writes what is queued, reads what arrived, hands a
+/// response head or body frame to its receiver); `None` once it ended.
+/// Driving a connection on the task that waits on it costs no task, no
+/// wake-up and no scheduler turn per frame: hyper's connection task took
+/// one of each for every frame of a response, and a proxy that gathers a
+/// burst of frames had to yield once per frame for that task to decode the
+/// next one.
+fn drive(conn: &mut Option<Box<Conn>>, cx: &mut Context<'_>) {
+    if let Some(c) = conn {
+        if let Poll::Ready(r) = Pin::new(&mut **c).poll(cx) {
+            if let Err(e) = r {
+                tracing::debug!(error = %e, "upstream connection ended with an error");
+            }
+            *conn = None;
+        }
+    }
+}
 
 /// A request that got no response head from the pool.
 #[derive(Debug, thiserror::Error)]
@@ -88,8 +125,19 @@ impl Origin {
 /// An idle connection.
 struct Idle {
     origin: Origin,
-    tx: Sender,
+    link: Link,
     since: Instant,
+}
+
+impl Link {
+    /// Whether it can take no request any more: the upstream closed it, or
+    /// it failed. An idle connection is driven once here, so a close that
+    /// arrived while it idled is read now.
+    fn closed(&mut self) -> bool {
+        let mut cx = Context::from_waker(std::task::Waker::noop());
+        drive(&mut self.conn, &mut cx);
+        self.conn.is_none() || self.tx.is_closed()
+    }
 }
 
 /// What the pool's mutex guards.
@@ -117,38 +165,38 @@ impl Shared {
 
     /// The newest usable idle connection to `origin`; expired and closed
     /// ones met on the way are dropped (which closes them).
-    fn checkout(&self, origin: &Origin) -> Option<Sender> {
+    fn checkout(&self, origin: &Origin) -> Option<Link> {
         let idle = self.idle();
         let now = Instant::now();
         let mut conns = lock(&self.conns);
         let mut end = conns.idle.len();
         while let Some(pos) = conns.idle[..end].iter().rposition(|c| c.origin.is(origin)) {
-            let c = &conns.idle[pos];
-            if now.saturating_duration_since(c.since) >= idle || c.tx.is_closed() {
+            let c = &mut conns.idle[pos];
+            if now.saturating_duration_since(c.since) >= idle || c.link.closed() {
                 conns.idle.remove(pos);
                 end = pos;
                 continue;
             }
-            if c.tx.is_ready() {
-                return Some(conns.idle.remove(pos).tx);
+            if c.link.tx.is_ready() {
+                return Some(conns.idle.remove(pos).link);
             }
-            // Still finishing its last exchange (read on another thread
-            // than its connection's task): left for a later checkout.
+            // Not ready for another request (a response it did not finish
+            // reading): left to idle out.
             end = pos;
         }
         None
     }
 
-    /// Takes `tx` back as idle and makes sure a reaper will drop it once
+    /// Takes `link` back as idle and makes sure a reaper will drop it once
     /// it has idled out.
-    fn give_back(self: &Arc<Self>, origin: Origin, tx: Sender) {
-        if tx.is_closed() {
+    fn give_back(self: &Arc<Self>, origin: Origin, link: Link) {
+        if link.conn.is_none() || link.tx.is_closed() {
             return;
         }
         let mut conns = lock(&self.conns);
         conns.idle.push(Idle {
             origin,
-            tx,
+            link,
             since: Instant::now(),
         });
         if !conns.reaping {
@@ -167,7 +215,7 @@ impl Shared {
         let mut conns = lock(&self.conns);
         conns
             .idle
-            .retain(|c| now.saturating_duration_since(c.since) < idle && !c.tx.is_closed());
+            .retain_mut(|c| now.saturating_duration_since(c.since) < idle && !c.link.closed());
         conns.reaping = !conns.idle.is_empty();
         conns.reaping
     }
@@ -258,17 +306,19 @@ impl Pool {
         let origin = Origin::of(req.uri()).ok_or(ClientError::NotAbsolute)?;
         let target = std::mem::take(req.uri_mut());
         *req.uri_mut() = origin_form(&target);
-        let (mut tx, reused) = match self.shared.checkout(&origin) {
-            Some(tx) => (tx, true),
+        let (mut link, reused) = match self.shared.checkout(&origin) {
+            Some(link) => (link, true),
             None => (self.connect(&target).await?, false),
         };
-        let resp = match tx.try_send_request(req).await {
+        let resp = match send(&mut link, req).await {
             Ok(resp) => resp,
             Err(mut e) => match e.take_message() {
                 Some(req) if reused => {
                     tracing::debug!(error = %e.error(), "pooled upstream connection closed before the request went out; sending it on a new one");
-                    tx = self.connect(&target).await?;
-                    tx.send_request(req).await.map_err(ClientError::Send)?
+                    link = self.connect(&target).await?;
+                    send(&mut link, req)
+                        .await
+                        .map_err(|e| ClientError::Send(e.into_error()))?
                 }
                 _ => return Err(ClientError::Send(e.into_error())),
             },
@@ -279,7 +329,7 @@ impl Pool {
             lease: Some(Lease {
                 shared: Arc::clone(&self.shared),
                 origin,
-                tx,
+                link,
             }),
         };
         if body.inner.is_end_stream() {
@@ -288,9 +338,8 @@ impl Pool {
         Ok(Response::from_parts(parts, body))
     }
 
-    /// A new connection to `target`'s origin, its task spawned on the
-    /// current runtime.
-    async fn connect(&self, target: &Uri) -> Result<Sender, ClientError> {
+    /// A new connection to `target`'s origin.
+    async fn connect(&self, target: &Uri) -> Result<Link, ClientError> {
         let mut connector = self.connector.clone();
         poll_fn(|cx| connector.poll_ready(cx))
             .await
@@ -303,13 +352,26 @@ impl Pool {
             .handshake(io)
             .await
             .map_err(|e| ClientError::Connect(Box::new(e)))?;
-        tokio::spawn(async move {
-            if let Err(e) = conn.await {
-                tracing::debug!(error = %e, "upstream connection ended with an error");
-            }
-        });
-        Ok(tx)
+        Ok(Link {
+            tx,
+            conn: Some(Box::new(conn)),
+        })
     }
+}
+
+/// Sends `req` on `link`, driving the connection until the response head
+/// arrives (or the connection fails, which fails the send).
+async fn send(
+    link: &mut Link,
+    req: Request<ProxyReqBody>,
+) -> Result<Response<Incoming>, hyper::client::conn::TrySendError<Request<ProxyReqBody>>> {
+    let Link { tx, conn } = link;
+    let mut sent = std::pin::pin!(tx.try_send_request(req));
+    poll_fn(|cx| {
+        drive(conn, cx);
+        sent.as_mut().poll(cx)
+    })
+    .await
 }
 
 fn nanos(d: Duration) -> u64 {
@@ -332,7 +394,7 @@ fn origin_form(target: &Uri) -> Uri {
 struct Lease {
     shared: Arc<Shared>,
     origin: Origin,
-    tx: Sender,
+    link: Link,
 }
 
 /// An upstream response body. Frames are the connection's, untouched; at
@@ -355,7 +417,7 @@ impl std::fmt::Debug for UpstreamBody {
 impl UpstreamBody {
     fn give_back(&mut self) {
         if let Some(lease) = self.lease.take() {
-            lease.shared.give_back(lease.origin, lease.tx);
+            lease.shared.give_back(lease.origin, lease.link);
         }
     }
 }
@@ -368,7 +430,15 @@ impl Body for UpstreamBody {
         mut self: Pin<&mut Self>,
         cx: &mut Context<'_>,
     ) -> Poll<Option<Result<Frame<Bytes>, hyper::Error>>> {
-        let polled = Pin::new(&mut self.inner).poll_frame(cx);
+        let mut polled = Pin::new(&mut self.inner).poll_frame(cx);
+        if polled.is_pending() {
+            // The frame is decoded here: polling the body told the
+            // connection it is wanted, driving it hands it over.
+            if let Some(lease) = self.lease.as_mut() {
+                drive(&mut lease.link.conn, cx);
+                polled = Pin::new(&mut self.inner).poll_frame(cx);
+            }
+        }
         match &polled {
             Poll::Ready(None) => self.give_back(),
             Poll::Ready(Some(Ok(_))) if self.inner.is_end_stream() => self.give_back(),
@@ -390,6 +460,145 @@ impl Body for UpstreamBody {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    use tokio::net::{TcpListener, TcpStream};
+
+    fn pool() -> Pool {
+        let config = crate::config::Config::default();
+        Pool::new(
+            crate::upstream::client::connector(&config).unwrap(),
+            Duration::from_secs(30),
+        )
+    }
+
+    fn get(addr: std::net::SocketAddr) -> Request<ProxyReqBody> {
+        let mut req = Request::new(super::super::body::boxed(http_body_util::Empty::new()));
+        *req.uri_mut() = format!("http://{addr}/x").parse().unwrap();
+        req.headers_mut()
+            .insert(http::header::HOST, addr.to_string().parse().unwrap());
+        req
+    }
+
+    /// Reads one request head (the requests here have no body).
+    async fn read_head(s: &mut TcpStream) -> bool {
+        let mut head = Vec::new();
+        let mut b = [0u8; 1];
+        while !head.ends_with(b"\r\n\r\n") {
+            match s.read(&mut b).await {
+                Ok(1) => head.push(b[0]),
+                _ => return false,
+            }
+        }
+        true
+    }
+
+    #[tokio::test]
+    async fn frames_already_received_come_out_without_waiting_for_another_task() {
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let (sent_tx, sent_rx) = tokio::sync::oneshot::channel();
+        tokio::spawn(async move {
+            let (mut s, _) = listener.accept().await.unwrap();
+            assert!(read_head(&mut s).await);
+            let mut resp = b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n".to_vec();
+            for i in 0..10 {
+                resp.extend_from_slice(format!("2\r\n{i}\n\r\n").as_bytes());
+            }
+            // Ten chunks in one write; the end of the body comes later.
+            s.write_all(&resp).await.unwrap();
+            sent_tx.send(()).unwrap();
+            tokio::time::sleep(Duration::from_millis(200)).await;
+            s.write_all(b"0\r\n\r\n").await.unwrap();
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        });
+        let pool = pool();
+        let resp = pool.request(get(addr)).await.unwrap();
+        sent_rx.await.unwrap();
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        let mut body = std::pin::pin!(resp.into_body());
+        let mut cx = Context::from_waker(std::task::Waker::noop());
+        let mut got = Vec::new();
+        // With its connection on a task of its own, every frame after the
+        // first needed that task to run: a Pending between any two.
+        while let Poll::Ready(Some(Ok(frame))) = body.as_mut().poll_frame(&mut cx) {
+            got.extend_from_slice(&frame.into_data().unwrap());
+        }
+        let want: Vec<u8> = (0..10)
+            .flat_map(|i| format!("{i}\n").into_bytes())
+            .collect();
+        assert_eq!(got, want, "all ten frames, one poll after another");
+    }
+
+    #[tokio::test]
+    async fn a_connection_goes_back_to_the_pool_and_is_used_again() {
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let server = tokio::spawn(async move {
+            let (mut s, _) = listener.accept().await.unwrap();
+            for body in ["one", "two", "six"] {
+                assert!(read_head(&mut s).await);
+                let resp = format!("HTTP/1.1 200 OK\r\ncontent-length: 3\r\n\r\n{body}");
+                s.write_all(resp.as_bytes()).await.unwrap();
+            }
+            // A second connection would wait here for ever: the test fails
+            // on its timeout instead.
+        });
+        let pool = pool();
+        for want in ["one", "two", "six"] {
+            let resp = pool.request(get(addr)).await.unwrap();
+            let body = http_body_util::BodyExt::collect(resp.into_body())
+                .await
+                .unwrap();
+            assert_eq!(&body.to_bytes()[..], want.as_bytes());
+        }
+        tokio::time::timeout(Duration::from_secs(5), server)
+            .await
+            .unwrap()
+            .unwrap();
+    }
+
+    #[tokio::test]
+    async fn an_idle_connection_the_upstream_closed_is_not_used() {
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let (closed_tx, closed_rx) = tokio::sync::oneshot::channel();
+        let server = tokio::spawn(async move {
+            // The first connection answers one request, then the upstream
+            // closes it while it idles in the pool.
+            let (mut first, _) = listener.accept().await.unwrap();
+            assert!(read_head(&mut first).await);
+            first
+                .write_all(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok")
+                .await
+                .unwrap();
+            tokio::time::sleep(Duration::from_millis(50)).await;
+            drop(first);
+            closed_tx.send(()).unwrap();
+            let (mut second, _) = listener.accept().await.unwrap();
+            assert!(read_head(&mut second).await);
+            second
+                .write_all(b"HTTP/1.1 200 OK\r\ncontent-length: 3\r\n\r\nnew")
+                .await
+                .unwrap();
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        });
+        let pool = pool();
+        let resp = pool.request(get(addr)).await.unwrap();
+        let body = http_body_util::BodyExt::collect(resp.into_body())
+            .await
+            .unwrap();
+        assert_eq!(&body.to_bytes()[..], b"ok");
+        closed_rx.await.unwrap();
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        // The close is read before the request is written (at checkout, or
+        // when hyper hands the request back): it goes on a new connection.
+        let resp = pool.request(get(addr)).await.unwrap();
+        let body = http_body_util::BodyExt::collect(resp.into_body())
+            .await
+            .unwrap();
+        assert_eq!(&body.to_bytes()[..], b"new");
+        server.await.unwrap();
+    }
 
     #[test]
     fn the_request_line_carries_the_path_and_query_only() {
