@@ -479,6 +479,23 @@ mod tests {
         req
     }
 
+    /// The whole body of a GET through `pool`.
+    async fn body_of(pool: &Pool, addr: std::net::SocketAddr) -> Bytes {
+        let resp = pool.request(get(addr)).await.unwrap();
+        let body = http_body_util::BodyExt::collect(resp.into_body()).await;
+        body.unwrap().to_bytes()
+    }
+
+    /// Reads a request and answers it with `body`.
+    async fn answer(s: &mut TcpStream, body: &str) {
+        assert!(read_head(s).await);
+        let resp = format!(
+            "HTTP/1.1 200 OK\r\ncontent-length: {}\r\n\r\n{body}",
+            body.len()
+        );
+        s.write_all(resp.as_bytes()).await.unwrap();
+    }
+
     /// Reads one request head (the requests here have no body).
     async fn read_head(s: &mut TcpStream) -> bool {
         let mut head = Vec::new();
@@ -536,20 +553,14 @@ mod tests {
         let server = tokio::spawn(async move {
             let (mut s, _) = listener.accept().await.unwrap();
             for body in ["one", "two", "six"] {
-                assert!(read_head(&mut s).await);
-                let resp = format!("HTTP/1.1 200 OK\r\ncontent-length: 3\r\n\r\n{body}");
-                s.write_all(resp.as_bytes()).await.unwrap();
+                answer(&mut s, body).await;
             }
             // A second connection would wait here for ever: the test fails
             // on its timeout instead.
         });
         let pool = pool();
         for want in ["one", "two", "six"] {
-            let resp = pool.request(get(addr)).await.unwrap();
-            let body = http_body_util::BodyExt::collect(resp.into_body())
-                .await
-                .unwrap();
-            assert_eq!(&body.to_bytes()[..], want.as_bytes());
+            assert_eq!(&body_of(&pool, addr).await[..], want.as_bytes());
         }
         tokio::time::timeout(Duration::from_secs(5), server)
             .await
@@ -566,37 +577,21 @@ mod tests {
             // The first connection answers one request, then the upstream
             // closes it while it idles in the pool.
             let (mut first, _) = listener.accept().await.unwrap();
-            assert!(read_head(&mut first).await);
-            first
-                .write_all(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok")
-                .await
-                .unwrap();
+            answer(&mut first, "ok").await;
             tokio::time::sleep(Duration::from_millis(50)).await;
             drop(first);
             closed_tx.send(()).unwrap();
             let (mut second, _) = listener.accept().await.unwrap();
-            assert!(read_head(&mut second).await);
-            second
-                .write_all(b"HTTP/1.1 200 OK\r\ncontent-length: 3\r\n\r\nnew")
-                .await
-                .unwrap();
+            answer(&mut second, "new").await;
             tokio::time::sleep(Duration::from_millis(100)).await;
         });
         let pool = pool();
-        let resp = pool.request(get(addr)).await.unwrap();
-        let body = http_body_util::BodyExt::collect(resp.into_body())
-            .await
-            .unwrap();
-        assert_eq!(&body.to_bytes()[..], b"ok");
+        assert_eq!(&body_of(&pool, addr).await[..], b"ok");
         closed_rx.await.unwrap();
         tokio::time::sleep(Duration::from_millis(50)).await;
         // The close is read before the request is written (at checkout, or
         // when hyper hands the request back): it goes on a new connection.
-        let resp = pool.request(get(addr)).await.unwrap();
-        let body = http_body_util::BodyExt::collect(resp.into_body())
-            .await
-            .unwrap();
-        assert_eq!(&body.to_bytes()[..], b"new");
+        assert_eq!(&body_of(&pool, addr).await[..], b"new");
         server.await.unwrap();
     }
 

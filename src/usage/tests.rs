@@ -275,23 +275,25 @@ fn hide(chunks: &[&[u8]]) -> Vec<u8> {
     out.to_vec()
 }
 
+/// Each vendor's stream with forced usage and as it comes without.
+const FIXTURE_PAIRS: [(&[u8], &[u8]); 3] = [
+    (
+        fixture!("sse/openai_with_usage.sse"),
+        fixture!("sse/openai_without_usage.sse"),
+    ),
+    (
+        fixture!("sse/llamacpp_with_usage.sse"),
+        fixture!("sse/llamacpp_without_usage.sse"),
+    ),
+    (
+        fixture!("sse/vllm_with_usage.sse"),
+        fixture!("sse/vllm_without_usage.sse"),
+    ),
+];
+
 #[test]
 fn hidden_fixture_streams_equal_direct_ones() {
-    let pairs: [(&[u8], &[u8]); 3] = [
-        (
-            fixture!("sse/openai_with_usage.sse"),
-            fixture!("sse/openai_without_usage.sse"),
-        ),
-        (
-            fixture!("sse/llamacpp_with_usage.sse"),
-            fixture!("sse/llamacpp_without_usage.sse"),
-        ),
-        (
-            fixture!("sse/vllm_with_usage.sse"),
-            fixture!("sse/vllm_without_usage.sse"),
-        ),
-    ];
-    for (with, without) in pairs {
+    for (with, without) in FIXTURE_PAIRS {
         for n in [1, 2, 5, 64, 100_000] {
             assert_eq!(
                 String::from_utf8(hide(&split_every(with, n))).unwrap(),
@@ -315,21 +317,7 @@ fn split_events(bytes: &[u8], n: usize) -> Vec<&[u8]> {
 
 #[tokio::test]
 async fn hide_body_forwards_untouched_frames_as_they_are() {
-    let pairs: [(&[u8], &[u8]); 3] = [
-        (
-            fixture!("sse/openai_with_usage.sse"),
-            fixture!("sse/openai_without_usage.sse"),
-        ),
-        (
-            fixture!("sse/llamacpp_with_usage.sse"),
-            fixture!("sse/llamacpp_without_usage.sse"),
-        ),
-        (
-            fixture!("sse/vllm_with_usage.sse"),
-            fixture!("sse/vllm_without_usage.sse"),
-        ),
-    ];
-    for (with, without) in pairs {
+    for (with, without) in FIXTURE_PAIRS {
         for frames in [
             split_events(with, 1),
             split_events(with, 3),
