@@ -1,50 +1,50 @@
-//! Hands hyper every response frame that is already available in one go,
-//! so it writes them with one `writev` instead of one per frame.
+//! Hands hyper every response byte that is already available in one go:
+//! the data frames ready back to back leave as one frame, one chunk, one
+//! write.
 //!
-//! hyper's HTTP/1 client decodes a response body one frame at a time, the
-//! next only once the previous one was taken. Forwarded as is, an SSE burst
-//! the upstream wrote in one segment (22 events from a fast server, or a
-//! backlog after a slow reader) costs one flush, one syscall and one client
-//! wake-up per event, where the upstream itself paid one. [`CoalesceBody`]
-//! takes frames while the inner body has them ready and releases what it
-//! gathered at the first `Pending`.
+//! hyper's HTTP/1 client decodes a response body one frame at a time.
+//! Forwarded as is, an SSE burst the upstream wrote in one segment (22
+//! events from a fast server, or a backlog after a slow reader) went
+//! through the body stack above (usage tap, usage hider, idle timeout) and
+//! hyper's chunk encoder 22 times, where the upstream itself wrote once.
+//! [`CoalesceBody`] takes frames while the inner body has them ready and
+//! releases what it gathered, joined, at the first `Pending`. A frame
+//! released alone is the upstream's own buffer (no copy).
 //!
 //! The upstream connection is driven by the body that reads it
 //! (`upstream::pool`), so a `Pending` here means the socket has nothing
 //! more: everything gathered goes out then, and nothing is held while the
-//! upstream is idle. (When hyper's connection ran as a task of its own, the
-//! body had to yield a scheduler turn per frame for that task to decode the
-//! next one.)
+//! upstream is idle. A paced stream (a model generating tokens) leaves
+//! frame by frame as it arrives.
 //!
 //! The first data frame goes out at once, with the response head in the
-//! same write (a stream's time to first byte is not held up). Bytes and
-//! frame boundaries are unchanged: the frames come out one by one, back to
-//! back.
+//! same write (a stream's time to first byte is not held up). The bytes are
+//! unchanged and in order (an error or trailers come after the data before
+//! them); only HTTP/1.1 chunk boundaries, which are the hop's own framing,
+//! may differ from the upstream's.
 
-use std::collections::VecDeque;
 use std::pin::Pin;
 use std::task::{Context, Poll};
 
-use bytes::Bytes;
+use bytes::{Bytes, BytesMut};
 use http_body::{Body, Frame, SizeHint};
 use pin_project_lite::pin_project;
 
 /// At most this many bytes are gathered before they are released.
 const MAX_GATHER_BYTES: usize = 64 << 10;
-/// At most this many frames are gathered. The server writes flattened
-/// (`server::serve_on`): a batch is one `write` whatever its frame count.
-const MAX_GATHER_FRAMES: usize = 64;
-/// Frames room is made for when gathering begins (a typical burst fits).
-const GATHER_RESERVE: usize = 32;
 
 pin_project! {
     /// See the module docs.
     pub(crate) struct CoalesceBody<B: Body> {
         #[pin]
         inner: B,
-        queue: VecDeque<Result<Frame<Bytes>, B::Error>>,
-        queued_bytes: usize,
-        // Releasing `queue` to hyper; the inner body is not polled meanwhile.
+        // The first frame gathered, while it is the only one.
+        lone: Option<Bytes>,
+        // Two or more gathered frames, joined.
+        joined: BytesMut,
+        // An error or trailers that ended the gathering: after the data.
+        tail: Option<Result<Frame<Bytes>, B::Error>>,
+        // Releasing what was gathered; the inner body is not polled meanwhile.
         draining: bool,
         inner_done: bool,
         // The first data frame has gone out.
@@ -57,12 +57,17 @@ impl<B: Body> CoalesceBody<B> {
     pub fn new(inner: B) -> Self {
         CoalesceBody {
             inner,
-            queue: VecDeque::new(),
-            queued_bytes: 0,
+            lone: None,
+            joined: BytesMut::new(),
+            tail: None,
             draining: false,
             inner_done: false,
             started: false,
         }
+    }
+
+    fn gathered(&self) -> usize {
+        self.lone.as_ref().map_or(0, Bytes::len) + self.joined.len()
     }
 }
 
@@ -80,19 +85,23 @@ where
         let mut this = self.project();
         loop {
             if *this.draining {
-                if let Some(item) = this.queue.pop_front() {
-                    if let Ok(f) = &item {
-                        *this.queued_bytes -= f.data_ref().map_or(0, Bytes::len);
-                    }
-                    return Poll::Ready(Some(item));
+                if let Some(lone) = this.lone.take() {
+                    return Poll::Ready(Some(Ok(Frame::data(lone))));
+                }
+                if !this.joined.is_empty() {
+                    return Poll::Ready(Some(Ok(Frame::data(this.joined.split().freeze()))));
+                }
+                if let Some(tail) = this.tail.take() {
+                    return Poll::Ready(Some(tail));
                 }
                 *this.draining = false;
             }
             if *this.inner_done {
                 return Poll::Ready(None);
             }
+            let empty = this.lone.is_none() && this.joined.is_empty();
             let item = match this.inner.as_mut().poll_frame(cx) {
-                Poll::Pending if this.queue.is_empty() => return Poll::Pending,
+                Poll::Pending if empty => return Poll::Pending,
                 Poll::Pending => {
                     // Nothing more has arrived: what was gathered goes.
                     *this.draining = true;
@@ -105,43 +114,54 @@ where
                 }
                 Poll::Ready(Some(item)) => item,
             };
-            let data_len = match &item {
-                Ok(f) => f.data_ref().map(Bytes::len),
-                Err(_) => None,
+            let data = match item {
+                Ok(frame) => match frame.into_data() {
+                    Ok(data) => data,
+                    Err(frame) => {
+                        // Trailers end the gathering, after the data.
+                        *this.tail = Some(Ok(frame));
+                        *this.draining = true;
+                        continue;
+                    }
+                },
+                Err(e) => {
+                    *this.tail = Some(Err(e));
+                    *this.draining = true;
+                    continue;
+                }
             };
-            // The first frame goes with the head; errors, trailers and the
-            // final frame end the gathering, and a frame as large as the
-            // cap gains nothing from it.
-            let gather = *this.started
-                && data_len.is_some_and(|n| n < MAX_GATHER_BYTES)
-                && !this.inner.is_end_stream();
-            *this.started |= data_len.is_some();
-            if this.queue.is_empty() && !gather {
-                return Poll::Ready(Some(item));
+            // The first frame goes with the head, and a frame as large as
+            // the cap gains nothing from gathering.
+            let first = !*this.started;
+            *this.started = true;
+            if empty && (first || data.len() >= MAX_GATHER_BYTES) {
+                return Poll::Ready(Some(Ok(Frame::data(data))));
             }
-            if this.queue.capacity() == 0 {
-                // Reserved once: growing 0 → 4 → 8 → 16 → 32 cost an SSE
-                // response four reallocations (~3,000 instructions).
-                this.queue.reserve(GATHER_RESERVE);
+            if empty {
+                *this.lone = Some(data);
+            } else {
+                if let Some(lone) = this.lone.take() {
+                    this.joined.reserve(lone.len() + data.len());
+                    this.joined.extend_from_slice(&lone);
+                }
+                this.joined.extend_from_slice(&data);
             }
-            this.queue.push_back(item);
-            *this.queued_bytes += data_len.unwrap_or(0);
-            if !gather
-                || this.queue.len() >= MAX_GATHER_FRAMES
-                || *this.queued_bytes >= MAX_GATHER_BYTES
-            {
+            let gathered = this.lone.as_ref().map_or(0, Bytes::len) + this.joined.len();
+            if gathered >= MAX_GATHER_BYTES || this.inner.is_end_stream() {
                 *this.draining = true;
             }
         }
     }
 
     fn is_end_stream(&self) -> bool {
-        self.queue.is_empty() && (self.inner_done || self.inner.is_end_stream())
+        self.gathered() == 0
+            && self.tail.is_none()
+            && (self.inner_done || self.inner.is_end_stream())
     }
 
     fn size_hint(&self) -> SizeHint {
         let inner = self.inner.size_hint();
-        let queued = self.queued_bytes as u64;
+        let queued = self.gathered() as u64;
         let mut hint = SizeHint::new();
         hint.set_lower(inner.lower() + queued);
         if let Some(upper) = inner.upper() {
@@ -153,6 +173,7 @@ where
 
 #[cfg(test)]
 mod tests {
+    use std::collections::VecDeque;
     use std::sync::{Arc, Mutex};
     use std::task::Wake;
 
@@ -236,19 +257,32 @@ mod tests {
     const P: &str = "<pending>";
 
     #[test]
-    fn a_burst_comes_out_back_to_back_with_no_pending_between() {
-        let (out, wakes) = run(body(vec![data("lead"), data("b"), data("c")], false), 5);
+    fn a_burst_comes_out_joined_in_one_frame() {
+        let (out, wakes) = run(body(vec![data("lead"), data("b"), data("c")], false), 4);
         // The first frame goes at once; the rest are gathered until the
-        // inner body has nothing more, then released one poll after another.
-        assert_eq!(out, ["lead", "b", "c", P, P]);
+        // inner body has nothing more, then released as one.
+        assert_eq!(out, ["lead", "bc", P, P]);
         assert_eq!(wakes, 0, "no self-wake: nothing is waited for");
     }
 
     #[test]
-    fn a_frame_leaves_at_the_first_pending() {
-        let items = vec![data("lead"), data("first"), None, None];
-        let (out, _) = run(body(items, false), 4);
-        assert_eq!(out, ["lead", "first", P, P]);
+    fn a_frame_leaves_at_the_first_pending_as_the_same_buffer() {
+        let first = Bytes::from_static(b"first");
+        let items = vec![data("lead"), Some(Ok(Frame::data(first.clone()))), None];
+        let mut b = body(items, false);
+        let wakes = Arc::new(CountWakes(Mutex::new(0)));
+        assert_eq!(poll_once(&mut b, &wakes), "lead");
+        let waker = std::task::Waker::from(Arc::clone(&wakes));
+        let mut cx = Context::from_waker(&waker);
+        let Poll::Ready(Some(Ok(f))) = b.as_mut().poll_frame(&mut cx) else {
+            panic!("the gathered frame is released at the first Pending");
+        };
+        assert_eq!(
+            f.into_data().unwrap().as_ptr(),
+            first.as_ptr(),
+            "not copied"
+        );
+        assert_eq!(poll_once(&mut b, &wakes), P);
     }
 
     #[test]
@@ -260,44 +294,50 @@ mod tests {
     }
 
     #[test]
-    fn the_last_frame_and_the_end_are_not_delayed() {
-        let (out, _) = run(body(vec![data("lead"), data("a"), data("z")], true), 4);
-        assert_eq!(out, ["lead", "a", "z", "<end>"]);
+    fn the_last_frames_and_the_end_are_not_delayed() {
+        let mut b = body(vec![data("lead"), data("a"), data("z")], true);
+        let wakes = Arc::new(CountWakes(Mutex::new(0)));
+        assert_eq!(poll_once(&mut b, &wakes), "lead");
+        assert_eq!(poll_once(&mut b, &wakes), "az");
+        assert!(b.is_end_stream());
         let (out, _) = run(body(vec![data("only")], true), 2);
         assert_eq!(out, ["only", "<end>"]);
     }
 
     #[test]
     fn an_error_comes_after_the_frames_before_it() {
-        let items = vec![data("lead"), data("a"), Some(Err("boom")), data("x")];
+        let items = vec![
+            data("lead"),
+            data("a"),
+            data("b"),
+            Some(Err("boom")),
+            data("x"),
+        ];
         let (out, _) = run(body(items, false), 3);
-        assert_eq!(out, ["lead", "a", "<error>"]);
+        assert_eq!(out, ["lead", "ab", "<error>"]);
     }
 
     #[test]
     fn trailers_pass_in_order() {
         let trailers = Some(Ok(Frame::trailers(http::HeaderMap::new())));
-        let (out, _) = run(body(vec![data("lead"), data("a"), trailers], true), 4);
-        assert_eq!(out, ["lead", "a", "<trailers>", "<end>"]);
+        let items = vec![data("lead"), data("a"), data("b"), trailers];
+        let mut b = body(items, true);
+        let wakes = Arc::new(CountWakes(Mutex::new(0)));
+        assert_eq!(poll_once(&mut b, &wakes), "lead");
+        assert_eq!(poll_once(&mut b, &wakes), "ab");
+        assert!(!b.is_end_stream(), "the trailers are still to come");
+        assert_eq!(poll_once(&mut b, &wakes), "<trailers>");
+        assert!(b.is_end_stream());
     }
 
     #[test]
-    fn gathering_stops_at_the_frame_cap() {
-        let items: Vec<_> = std::iter::once(data("lead"))
-            .chain((0..MAX_GATHER_FRAMES + 4).map(|_| data("x")))
-            .chain(std::iter::once(None))
-            .collect();
-        let mut b = body(items, false);
-        let wakes = Arc::new(CountWakes(Mutex::new(0)));
-        assert_eq!(poll_once(&mut b, &wakes), "lead");
-        assert_eq!(poll_once(&mut b, &wakes), "x");
-        // The cap released the first batch with frames still ready.
-        assert_eq!(b.queue.len(), MAX_GATHER_FRAMES - 1);
-        let rest: Vec<_> = (0..MAX_GATHER_FRAMES + 4)
-            .map(|_| poll_once(&mut b, &wakes))
-            .collect();
-        assert!(rest[..MAX_GATHER_FRAMES + 3].iter().all(|s| s == "x"));
-        assert_eq!(rest[MAX_GATHER_FRAMES + 3], P);
+    fn gathering_stops_at_the_byte_cap() {
+        let half: &'static str = Box::leak("x".repeat(MAX_GATHER_BYTES / 2).into_boxed_str());
+        let items = vec![data("lead"), data(half), data(half), data(half), None];
+        let (out, _) = run(body(items, false), 4);
+        assert_eq!(out[1].len(), MAX_GATHER_BYTES, "two halves fill the cap");
+        assert_eq!(out[2].len(), MAX_GATHER_BYTES / 2);
+        assert_eq!(out[3], P);
     }
 
     #[test]
@@ -307,18 +347,5 @@ mod tests {
         assert_eq!(out[1].len(), MAX_GATHER_BYTES);
         assert_eq!(out[2], P);
         assert_eq!(wakes, 0);
-    }
-
-    #[test]
-    fn end_of_stream_and_size_hint_account_for_queued_bytes() {
-        let mut b = body(vec![data("lead"), data("abc"), data("de")], true);
-        let wakes = Arc::new(CountWakes(Mutex::new(0)));
-        assert_eq!(poll_once(&mut b, &wakes), "lead");
-        assert_eq!(poll_once(&mut b, &wakes), "abc");
-        // "de" is gathered and the inner body has ended.
-        assert!(!b.is_end_stream());
-        assert_eq!(b.size_hint().lower(), 2);
-        assert_eq!(poll_once(&mut b, &wakes), "de");
-        assert!(b.is_end_stream());
     }
 }

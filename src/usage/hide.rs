@@ -133,21 +133,20 @@ impl UsageHider {
         }
     }
 
-    /// Whether `frame` can go out as it is, without a copy: nothing is
-    /// pending or held, and it is whole event blocks of which none would
-    /// be changed, dropped or held (the finish chunk is held). Most frames
-    /// of a stream are: `push` would copy each twice (into the pending
-    /// block, then out) to release the same bytes. The state is unchanged.
-    pub(crate) fn passes(&self, frame: &[u8]) -> bool {
+    /// How many leading bytes of `frame` can go out as they are, without a
+    /// copy: with nothing pending or held, the whole event blocks at its
+    /// front of which none would be changed, dropped or held (the finish
+    /// chunk is held). Most of a stream is: `push` would copy each block
+    /// twice (into the pending block, then out) to release the same bytes.
+    /// The state is unchanged; the rest of the frame goes to `push`.
+    pub(crate) fn passing(&self, frame: &[u8]) -> usize {
         if !self.pending.is_empty()
             || self.scan_pos != 0
             || self.line_start != 0
             || self.held.is_some()
             || self.passthrough
-            || frame.is_empty()
-            || frame.len() > MAX_EVENT_BYTES
         {
-            return false;
+            return 0;
         }
         let (mut i, mut line_start, mut block_start) = (0, 0, 0);
         while let Some(off) = memchr2(b'\n', b'\r', &frame[i..]) {
@@ -155,20 +154,23 @@ impl UsageHider {
             let term_end = match (frame[p], frame.get(p + 1)) {
                 (b'\r', Some(b'\n')) => p + 2,
                 // A CR ending the frame: its LF may come next.
-                (b'\r', None) => return false,
+                (b'\r', None) => break,
                 _ => p + 1,
             };
             if p == line_start {
                 let block = &frame[block_start..term_end];
-                if !matches!(judge(block), Verdict::Keep) || finish_chunk_close(block).is_some() {
-                    return false;
+                if block.len() > MAX_EVENT_BYTES
+                    || !matches!(judge(block), Verdict::Keep)
+                    || finish_chunk_close(block).is_some()
+                {
+                    break;
                 }
                 block_start = term_end;
             }
             line_start = term_end;
             i = term_end;
         }
-        block_start == frame.len()
+        block_start
     }
 
     /// Forwards the scanned part of an oversized event untouched, so memory
@@ -342,7 +344,7 @@ fn judge(block: &[u8]) -> Verdict {
 /// the data object's closing brace in the block, and whether it already has
 /// `timings`.
 fn finish_chunk_close(block: &[u8]) -> Option<(usize, bool)> {
-    let has_finish = FINISH_REASON_KEY.find_iter(block).any(|p| {
+    let has_finish = super::any_match(&FINISH_REASON_KEY, block, |p| {
         let rest = block[p + 15..].trim_ascii_start();
         rest.strip_prefix(b":")
             .is_some_and(|r| !r.trim_ascii_start().starts_with(b"null"))
@@ -478,6 +480,8 @@ pin_project! {
         hider: UsageHider,
         done: bool,
         trailers: Option<http::HeaderMap>,
+        // The part of a frame after what went out without a copy.
+        rest: Option<Bytes>,
         error: Option<E>,
     }
 }
@@ -490,6 +494,7 @@ impl<B: Body> HideUsageBody<B> {
             hider: UsageHider::new(),
             done: false,
             trailers: None,
+            rest: None,
             error: None,
         }
     }
@@ -515,49 +520,50 @@ where
                 }
                 return Poll::Ready(this.trailers.take().map(|t| Ok(Frame::trailers(t))));
             }
-            let polled = match this.inner.as_mut().poll_frame(cx) {
-                Poll::Ready(p) => p,
-                Poll::Pending => return Poll::Pending,
-            };
             let mut out = BytesMut::new();
-            match polled {
-                Some(Ok(frame)) => match frame.into_data() {
-                    Ok(mut data) => {
-                        let whole = data.chunk().len() == data.remaining();
-                        if whole && this.hider.passes(data.chunk()) {
-                            // A `Bytes` frame goes on as the same buffer.
-                            let data = data.copy_to_bytes(data.remaining());
-                            if this.inner.is_end_stream() {
-                                *this.done = true;
-                            }
-                            return Poll::Ready(Some(Ok(Frame::data(data))));
-                        }
-                        out.reserve(data.remaining());
-                        while data.has_remaining() {
-                            let chunk = data.chunk();
-                            let n = chunk.len();
-                            this.hider.push(chunk, &mut out);
-                            data.advance(n);
-                        }
-                        if this.inner.is_end_stream() {
+            let data = match this.rest.take() {
+                Some(rest) => rest,
+                None => match this.inner.as_mut().poll_frame(cx) {
+                    Poll::Pending => return Poll::Pending,
+                    Poll::Ready(Some(Ok(frame))) => match frame.into_data() {
+                        // A `Bytes` frame is taken as the same buffer.
+                        Ok(mut data) => data.copy_to_bytes(data.remaining()),
+                        Err(frame) => {
                             *this.done = true;
                             this.hider.finish(&mut out);
+                            *this.trailers = frame.into_trailers().ok();
+                            Bytes::new()
                         }
-                    }
-                    Err(frame) => {
+                    },
+                    Poll::Ready(Some(Err(e))) => {
+                        // Release what was held back first, then the error,
+                        // as the client would have seen it without compactor.
                         *this.done = true;
                         this.hider.finish(&mut out);
-                        *this.trailers = frame.into_trailers().ok();
+                        *this.error = Some(e);
+                        Bytes::new()
+                    }
+                    Poll::Ready(None) => {
+                        *this.done = true;
+                        this.hider.finish(&mut out);
+                        Bytes::new()
                     }
                 },
-                Some(Err(e)) => {
-                    // Release what was held back first, then the error, as
-                    // the client would have seen it without compactor.
-                    *this.done = true;
-                    this.hider.finish(&mut out);
-                    *this.error = Some(e);
+            };
+            if !data.is_empty() {
+                let k = this.hider.passing(&data);
+                if k == data.len() {
+                    // The hider is untouched: ending here flushes nothing.
+                    *this.done = this.inner.is_end_stream();
+                    return Poll::Ready(Some(Ok(Frame::data(data))));
                 }
-                None => {
+                if k > 0 {
+                    *this.rest = Some(data.slice(k..));
+                    return Poll::Ready(Some(Ok(Frame::data(data.slice(..k)))));
+                }
+                out.reserve(data.len());
+                this.hider.push(&data, &mut out);
+                if this.inner.is_end_stream() {
                     *this.done = true;
                     this.hider.finish(&mut out);
                 }

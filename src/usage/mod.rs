@@ -385,12 +385,30 @@ pub(crate) fn may_have_usage_key(data: &[u8]) -> bool {
 /// `"usage"` followed by `:` and an object (so the `"usage":null` OpenAI adds
 /// to every chunk does not trigger a parse).
 fn has_usage_object(data: &[u8]) -> bool {
-    USAGE_KEY.find_iter(data).any(|p| {
+    any_match(&USAGE_KEY, data, |p| {
         let rest = &data[p + 7..];
         let rest = rest.trim_ascii_start();
         rest.strip_prefix(b":")
             .is_some_and(|r| r.trim_ascii_start().first() == Some(&b'{'))
     })
+}
+
+/// Whether `test` holds for some position of `finder`'s needle in `hay`.
+/// A loop of `find` rather than `find_iter`: building the iterator copies
+/// the searcher (~300 bytes), once per SSE event on these paths.
+pub(crate) fn any_match(
+    finder: &Finder<'_>,
+    hay: &[u8],
+    mut test: impl FnMut(usize) -> bool,
+) -> bool {
+    let mut from = 0;
+    while let Some(p) = finder.find(&hay[from..]) {
+        if test(from + p) {
+            return true;
+        }
+        from += p + 1;
+    }
+    false
 }
 
 impl UsageExtractor {

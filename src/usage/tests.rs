@@ -356,6 +356,24 @@ async fn hide_body_forwards_untouched_frames_as_they_are() {
 }
 
 #[tokio::test]
+async fn hide_body_sends_the_untouched_front_of_a_frame_without_a_copy() {
+    let kept = "data: {\"choices\":[{\"delta\":{\"content\":\"a\"},\"finish_reason\":null}]}\n\n";
+    let usage = "data: {\"choices\":[],\"usage\":{\"prompt_tokens\":9}}\n\n";
+    let frame = Bytes::from(format!("{kept}{kept}{usage}data: [DONE]\n\n"));
+    let items = vec![Some(Ok(Frame::data(frame.clone())))];
+    let mut body = HideUsageBody::new(MockBody::new(items));
+    let front = body.frame().await.unwrap().unwrap().into_data().unwrap();
+    assert_eq!(
+        front.as_ptr(),
+        frame.as_ptr(),
+        "the two kept events, not copied"
+    );
+    assert_eq!(front.len(), 2 * kept.len());
+    let rest = body.collect().await.unwrap().to_bytes();
+    assert_eq!(&rest[..], b"data: [DONE]\n\n", "the usage event dropped");
+}
+
+#[tokio::test]
 async fn hide_body_with_tap_inside() {
     let with = fixture!("sse/openai_with_usage.sse");
     let got: Arc<Mutex<Option<TapOutcome>>> = Arc::default();
