@@ -286,7 +286,13 @@ fn is_meaningful(raw: Option<&RawValue>) -> bool {
 
 /// Parses a `usage` object; `None` for `null` or a non-object.
 pub(crate) fn parse_usage(raw: &RawValue) -> Option<Usage> {
-    let u: UsageLite = serde_json::from_str(raw.get()).ok()?;
+    skimmed_usage(raw.get()).unwrap_or_else(|| parse_usage_serde(raw.get()))
+}
+
+/// [`parse_usage`] by serde_json: ~2,000 instructions for a three-count
+/// object, mostly building the `Value`s. Decides what the skim leaves.
+fn parse_usage_serde(text: &str) -> Option<Usage> {
+    let u: UsageLite = serde_json::from_str(text).ok()?;
     let cache_read = count(&u.cache_read_input_tokens);
     // The whole prompt: Anthropic's `input_tokens` leaves out what was
     // written to and read from its cache; Responses' includes it.
@@ -303,6 +309,75 @@ pub(crate) fn parse_usage(raw: &RawValue) -> Option<Usage> {
             .or(u.input_tokens_details)
             .and_then(|d| count(&d.cached_tokens))
             .or(cache_read),
+    })
+}
+
+/// [`parse_usage`] from a skim of the object (`crate::skim`), read as
+/// serde_json reads it into `UsageLite`; `None` when serde_json has to
+/// decide (an escaped or repeated key, invalid text).
+fn skimmed_usage(text: &str) -> Option<Option<Usage>> {
+    let top = crate::skim::object(text, None)?;
+    let mut n: [Option<u64>; 7] = [None; 7];
+    let mut details: [Option<Option<u64>>; 2] = [None; 2];
+    for (key, span) in top.members {
+        let value = text.get(span)?;
+        let slot = match key {
+            "prompt_tokens" => 0,
+            "completion_tokens" => 1,
+            "total_tokens" => 2,
+            "input_tokens" => 3,
+            "output_tokens" => 4,
+            "cache_creation_input_tokens" => 5,
+            "cache_read_input_tokens" => 6,
+            "prompt_tokens_details" | "input_tokens_details" => {
+                let d = usize::from(key == "input_tokens_details");
+                details[d] = match value {
+                    "null" => None,
+                    v if v.starts_with('{') => {
+                        let inner = crate::skim::object(v, None)?;
+                        let cached = inner.members.iter().find(|(k, _)| *k == "cached_tokens");
+                        Some(match cached {
+                            Some((_, span)) => json_count(v.get(span.clone())?),
+                            None => None,
+                        })
+                    }
+                    // serde_json reads a struct from an array too, by
+                    // position: its call.
+                    v if v.starts_with('[') => return None,
+                    // Any other value fails the whole usage.
+                    _ => return Some(None),
+                };
+                continue;
+            }
+            _ => continue,
+        };
+        n[slot] = json_count(value);
+    }
+    let [prompt, completion, total, input, output, creation, cache_read] = n;
+    let input = input.map(|i| {
+        i.saturating_add(creation.unwrap_or(0))
+            .saturating_add(cache_read.unwrap_or(0))
+    });
+    Some(Some(Usage {
+        prompt_tokens: prompt.or(input),
+        completion_tokens: completion.or(output),
+        total_tokens: total,
+        cached_tokens: details[0].or(details[1]).flatten().or(cache_read),
+    }))
+}
+
+/// A count as [`count`] reads it, from the JSON text of a valid value: a
+/// non-negative number (a fraction truncated, a huge one saturated).
+fn json_count(value: &str) -> Option<u64> {
+    if !value.starts_with(|c: char| c == '-' || c.is_ascii_digit()) {
+        return None;
+    }
+    value.parse::<u64>().ok().or_else(|| {
+        value
+            .parse::<f64>()
+            .ok()
+            .filter(|f| *f >= 0.0)
+            .map(|f| f as u64)
     })
 }
 

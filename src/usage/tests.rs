@@ -730,3 +730,62 @@ fn an_observer_ignoring_the_start_still_finds_the_usage() {
         assert_eq!(*got.lock().unwrap(), Some((prompt, PromptSource::Usage)));
     }
 }
+
+/// A JSON value as a usage object may carry one.
+fn usage_value() -> impl Strategy<Value = String> {
+    prop_oneof![
+        any::<u32>().prop_map(|n| n.to_string()),
+        Just("18446744073709551616".to_owned()),
+        Just("-3".to_owned()),
+        Just("-0".to_owned()),
+        Just("2.9".to_owned()),
+        Just("1e3".to_owned()),
+        Just("-1.5E-2".to_owned()),
+        Just("null".to_owned()),
+        Just("true".to_owned()),
+        Just("\"12\"".to_owned()),
+        Just("[1]".to_owned()),
+        Just("{}".to_owned()),
+        Just("{\"cached_tokens\":4}".to_owned()),
+        Just("{\"cached_tokens\":null,\"x\":1}".to_owned()),
+        Just("{\"cached_tokens\":7,\"cached_tokens\":8}".to_owned()),
+    ]
+}
+
+proptest! {
+    /// The skim reads a usage object exactly as serde_json reads it into
+    /// `UsageLite`, or leaves it to serde_json.
+    #[test]
+    fn skimmed_usage_agrees_with_serde_json(
+        members in proptest::collection::vec((prop_oneof![
+            Just("prompt_tokens"), Just("completion_tokens"), Just("total_tokens"),
+            Just("input_tokens"), Just("output_tokens"), Just("cache_creation_input_tokens"),
+            Just("cache_read_input_tokens"), Just("prompt_tokens_details"),
+            Just("input_tokens_details"), Just("other"), Just("prompt\\u005ftokens"),
+        ], usage_value()), 0..8),
+        spaced in any::<bool>(),
+    ) {
+        let sep = if spaced { ", " } else { "," };
+        let body: Vec<String> = members.iter().map(|(k, v)| format!("\"{k}\":{v}")).collect();
+        let text = format!("{{{}}}", body.join(sep));
+        let serde = parse_usage_serde(&text);
+        if let Some(skimmed) = skimmed_usage(&text) {
+            prop_assert_eq!(skimmed, serde, "{}", text);
+        }
+        let raw = serde_json::value::RawValue::from_string(text).unwrap();
+        prop_assert_eq!(parse_usage(&raw), serde);
+    }
+}
+
+#[test]
+fn the_usage_skim_reads_the_common_shapes_itself() {
+    for text in [
+        r#"{"prompt_tokens":42,"completion_tokens":12,"total_tokens":54}"#,
+        r#"{"prompt_tokens":9,"prompt_tokens_details":{"cached_tokens":4}}"#,
+        r#"{"input_tokens":3,"cache_read_input_tokens":100,"output_tokens":7}"#,
+    ] {
+        let skimmed = skimmed_usage(text).expect("no fallback to serde_json");
+        assert_eq!(skimmed, parse_usage_serde(text), "{text}");
+        assert!(skimmed.is_some());
+    }
+}
