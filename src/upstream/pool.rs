@@ -129,13 +129,24 @@ struct Idle {
     since: Instant,
 }
 
+impl Idle {
+    /// Whether it may still be used at `now`: not idle for `idle` or
+    /// longer, and not closed. It is driven once here, so a close that
+    /// arrived while it idled is read now.
+    fn usable(&mut self, now: Instant, idle: Duration) -> bool {
+        if now.saturating_duration_since(self.since) >= idle {
+            return false;
+        }
+        let mut cx = Context::from_waker(std::task::Waker::noop());
+        drive(&mut self.link.conn, &mut cx);
+        !self.link.ended()
+    }
+}
+
 impl Link {
     /// Whether it can take no request any more: the upstream closed it, or
-    /// it failed. An idle connection is driven once here, so a close that
-    /// arrived while it idled is read now.
-    fn closed(&mut self) -> bool {
-        let mut cx = Context::from_waker(std::task::Waker::noop());
-        drive(&mut self.conn, &mut cx);
+    /// it failed.
+    fn ended(&self) -> bool {
         self.conn.is_none() || self.tx.is_closed()
     }
 }
@@ -172,7 +183,7 @@ impl Shared {
         let mut end = conns.idle.len();
         while let Some(pos) = conns.idle[..end].iter().rposition(|c| c.origin.is(origin)) {
             let c = &mut conns.idle[pos];
-            if now.saturating_duration_since(c.since) >= idle || c.link.closed() {
+            if !c.usable(now, idle) {
                 conns.idle.remove(pos);
                 end = pos;
                 continue;
@@ -190,7 +201,7 @@ impl Shared {
     /// Takes `link` back as idle and makes sure a reaper will drop it once
     /// it has idled out.
     fn give_back(self: &Arc<Self>, origin: Origin, link: Link) {
-        if link.conn.is_none() || link.tx.is_closed() {
+        if link.ended() {
             return;
         }
         let mut conns = lock(&self.conns);
@@ -213,9 +224,7 @@ impl Shared {
         let idle = self.idle();
         let now = Instant::now();
         let mut conns = lock(&self.conns);
-        conns
-            .idle
-            .retain_mut(|c| now.saturating_duration_since(c.since) < idle && !c.link.closed());
+        conns.idle.retain_mut(|c| c.usable(now, idle));
         conns.reaping = !conns.idle.is_empty();
         conns.reaping
     }
