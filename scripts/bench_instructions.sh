@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # User-space instructions per request, counted by valgrind (callgrind):
 # compactor next to the naive proxy (examples/naive_proxy.rs, the price of a
-# bare hyper hop), for each request body of scripts/bench_bodies.sh.
+# bare hyper hop) and the raw hop (examples/raw_hop.rs, a hop with no HTTP
+# library: the floor of a tokio proxy), for each request body of
+# scripts/bench_bodies.sh.
 #
 #   scripts/bench_instructions.sh                   # all bodies
 #   MODES="json json_agent" scripts/bench_instructions.sh
@@ -33,7 +35,7 @@ command -v wrk >/dev/null || apt-get install -y wrk >/dev/null
 command -v valgrind >/dev/null || apt-get install -y valgrind >/dev/null
 
 # NO_BUILD=1: use the binaries already in target/perf (an A/B while a build runs).
-[ -n "${NO_BUILD:-}" ] || cargo build --profile perf --bin compactor --example mock_upstream --example naive_proxy
+[ -n "${NO_BUILD:-}" ] || cargo build --profile perf --bin compactor --example mock_upstream --example naive_proxy --example raw_hop
 BIN="${BIN:-target/perf}"
 COMPACTOR_BIN="${COMPACTOR_BIN:-$BIN/compactor}"
 
@@ -108,10 +110,11 @@ count() {
 }
 
 echo "user-space instructions per request (valgrind callgrind, wrk -c4 (conv_*: -c1), ${DUR}s)"
-printf "%-11s %12s %12s %7s\n" mode naive compactor ratio
+printf "%-11s %12s %12s %12s %7s\n" mode raw naive compactor "cmp/naive"
 for mode in $MODES; do
+  raw=$(count raw "$mode" "$BIN/examples/raw_hop" 127.0.0.1:0 "$MOCK" 1)
   naive=$(count naive "$mode" "$BIN/examples/naive_proxy" 127.0.0.1:0 "$MOCK")
   comp=$(count compactor "$mode" "$COMPACTOR_BIN" --config /dev/null)
-  awk -v m="$mode" -v n="$naive" -v c="$comp" \
-    'BEGIN{printf "%-11s %12d %12d %6.2fx\n", m, n, c, c / n}'
+  awk -v m="$mode" -v r="$raw" -v n="$naive" -v c="$comp" \
+    'BEGIN{printf "%-11s %12d %12d %12d %6.2fx\n", m, r, n, c, c / n}'
 done

@@ -13,7 +13,9 @@
 # Builds with --profile perf, starts the fast mock upstream
 # (examples/mock_upstream.rs), the naive proxy (examples/naive_proxy.rs:
 # hyper server + pooled client and nothing else, the yardstick for the price
-# of one hop), nginx (1 worker, proxy_buffering and proxy_request_buffering
+# of one hop), the raw hop (examples/raw_hop.rs: the same tokio threads
+# with no HTTP library, finding where messages end and copying bytes: the
+# floor of a tokio proxy), nginx (1 worker, proxy_buffering and proxy_request_buffering
 # off, upstream keep-alive: the
 # reverse proxy an operator already runs; installed from the distribution's
 # packages when missing) and compactor, all on loopback. For each target wrk reports
@@ -52,7 +54,7 @@ if [ "$LAYOUT" != shared ] && [ "$(nproc)" -lt 2 ]; then
 fi
 
 # NO_BUILD=1: use the binaries already in BIN (default target/perf).
-[ -n "${NO_BUILD:-}" ] || cargo build --profile perf --bin compactor --example mock_upstream --example ttfb --example naive_proxy
+[ -n "${NO_BUILD:-}" ] || cargo build --profile perf --bin compactor --example mock_upstream --example ttfb --example naive_proxy --example raw_hop
 BIN="${BIN:-target/perf}"
 COMPACTOR_BIN="${COMPACTOR_BIN:-$BIN/compactor}"
 
@@ -181,31 +183,31 @@ run() {
 
 # issue_table FILE: the table of issue 25 from the per-mode figures run()
 # gathered (one line per mode and concurrency: direct p50 p99 rps, then
-# p50 p99 rps cpu for the bare hop, nginx and compactor).
+# p50 p99 rps cpu for the bare hop, the raw hop, nginx and compactor).
 issue_table() {
   awk '
     { k = $1 "/" $2; for (i = 3; i <= NF; i++) v[k, i] = $i; seen[$1] = 1 }
     function ms(x) { return sprintf("%.3f", x / 1000) }
-    function lat(mode, col, label,   d, h, n, c) {
+    function lat(mode, col, label,   d, h, r, n, c) {
       if (!((mode "/1", 3) in v)) return
-      d = v[mode "/1", col]; h = v[mode "/1", col + 3]; n = v[mode "/1", col + 7]; c = v[mode "/1", col + 11]
+      d = v[mode "/1", col]; h = v[mode "/1", col + 3]; r = v[mode "/1", col + 7]; n = v[mode "/1", col + 11]; c = v[mode "/1", col + 15]
       if (col == 3)
-        printf "| %s | %s | %s (+%.0f µs) | %s (+%.0f µs) | %s (+%.0f µs) |\n", label, ms(d), ms(h), h - d, ms(n), n - d, ms(c), c - d
+        printf "| %s | %s | %s (+%.0f µs) | %s (+%.0f µs) | %s (+%.0f µs) | %s (+%.0f µs) |\n", label, ms(d), ms(h), h - d, ms(r), r - d, ms(n), n - d, ms(c), c - d
       else
-        printf "| %s | %s | %s | %s | %s |\n", label, ms(d), ms(h), ms(n), ms(c)
+        printf "| %s | %s | %s | %s | %s | %s |\n", label, ms(d), ms(h), ms(r), ms(n), ms(c)
     }
     function rps(mode, label) {
       if (!((mode "/64", 3) in v)) return
-      printf "| %s | %.0f | %.0f | %.0f | %.0f |\n", label, v[mode "/64", 5], v[mode "/64", 8], v[mode "/64", 12], v[mode "/64", 16]
+      printf "| %s | %.0f | %.0f | %.0f | %.0f | %.0f |\n", label, v[mode "/64", 5], v[mode "/64", 8], v[mode "/64", 12], v[mode "/64", 16], v[mode "/64", 20]
     }
     function cpu(mode, conc, label,   n, c) {
       if (!((mode "/" conc, 3) in v)) return
-      n = v[mode "/" conc, 13]; c = v[mode "/" conc, 17]
-      printf "| %s | — | %.1f µs | %.1f µs | %.1f µs (%.2fx) |\n", label, v[mode "/" conc, 9], n, c, (n > 0 ? c / n : 0)
+      n = v[mode "/" conc, 17]; c = v[mode "/" conc, 21]
+      printf "| %s | — | %.1f µs | %.1f µs | %.1f µs | %.1f µs (%.2fx) |\n", label, v[mode "/" conc, 9], v[mode "/" conc, 13], n, c, (n > 0 ? c / n : 0)
     }
     END {
-      print "| | direct | bare hop | nginx | compactor |"
-      print "|---|---:|---:|---:|---:|"
+      print "| | direct | bare hop | raw hop | nginx | compactor |"
+      print "|---|---:|---:|---:|---:|---:|"
       lat("json", 3, "c=1 p50, non-stream")
       lat("sse", 3, "c=1 p50, stream")
       lat("json_agent", 3, "c=1 p50, 25 KB agent turn")
@@ -249,6 +251,7 @@ bench_layout() {
   fi
   start MOCK "$OUT/mock.log" "$load_cpus" "$BIN/examples/mock_upstream" 127.0.0.1:0 "$DELAY"
   start NAIVE "$OUT/naive.log" "$proxy_cpus" "$BIN/examples/naive_proxy" 127.0.0.1:0 "$MOCK"
+  start RAW "$OUT/raw.log" "$proxy_cpus" "$BIN/examples/raw_hop" 127.0.0.1:0 "$MOCK"
   start_nginx "$OUT/nginx_$LAYOUT_NOW.log" "$proxy_cpus"
   COMPACTOR_LISTEN=127.0.0.1:0 COMPACTOR_UPSTREAM="http://$MOCK" NO_COLOR=1 \
     start PROXY "$OUT/compactor_$LAYOUT_NOW.log" "$proxy_cpus" "$COMPACTOR_BIN" --config /dev/null
@@ -256,23 +259,24 @@ bench_layout() {
   echo
   echo "== layout: $LAYOUT_NOW   mock upstream $MOCK (delay ${DELAY} ms)   ${DUR}s per run, median of ${REPS:-1}   $(nproc) cores"
   echo "   p50/p99 in µs; rps = requests/s; cpu = proxy CPU µs per request; load average $(cut -d' ' -f1-3 /proc/loadavg)"
-  echo "   dir = direct to the mock, hop = bare hyper hop (naive_proxy), ngx = nginx, cmp = compactor"
-  printf "%-9s %-3s | %6s %6s %6s | %6s %6s %6s %6s | %6s %6s %6s %6s | %6s %6s %6s %6s\n" \
+  echo "   dir = direct to the mock, hop = bare hyper hop (naive_proxy), raw = hop without HTTP library (raw_hop), ngx = nginx, cmp = compactor"
+  printf "%-9s %-3s | %6s %6s %6s | %6s %6s %6s %6s | %6s %6s %6s %6s | %6s %6s %6s %6s | %6s %6s %6s %6s\n" \
     mode conc "dirp50" "dirp99" "dirrps" "hopp50" "hopp99" "hoprps" "hopcpu" \
-    "ngxp50" "ngxp99" "ngxrps" "ngxcpu" "cmpp50" "cmpp99" "cmprps" "cmpcpu"
+    "rawp50" "rawp99" "rawrps" "rawcpu" "ngxp50" "ngxp99" "ngxrps" "ngxcpu" "cmpp50" "cmpp99" "cmprps" "cmpcpu"
   : >"$OUT/summary_$LAYOUT_NOW.txt"
   : >"$OUT/table_$LAYOUT_NOW.txt"
   for mode in ${MODES:-json json_big json_agent sse sse_paced}; do
     for conc in 1 64; do
       read -r d50 d99 drps _ < <(runs "$MOCK" "" "$mode" "$conc")
       read -r n50 n99 nrps ncpu < <(runs "$NAIVE" "$NAIVE_PID" "$mode" "$conc")
+      read -r r50 r99 rrps rcpu < <(runs "$RAW" "$RAW_PID" "$mode" "$conc")
       read -r g50 g99 grps gcpu < <(runs "$NGINX_ADDR" "$NGINX_PID" "$mode" "$conc")
       read -r p50 p99 prps pcpu < <(runs "$PROXY" "$PROXY_PID" "$mode" "$conc")
-      printf "%-9s %-3s | %6.0f %6.0f %6.0f | %6.0f %6.0f %6.0f %6.1f | %6.0f %6.0f %6.0f %6.1f | %6.0f %6.0f %6.0f %6.1f\n" \
-        "$mode" "$conc" "$d50" "$d99" "$drps" "$n50" "$n99" "$nrps" "$ncpu" \
+      printf "%-9s %-3s | %6.0f %6.0f %6.0f | %6.0f %6.0f %6.0f %6.1f | %6.0f %6.0f %6.0f %6.1f | %6.0f %6.0f %6.0f %6.1f | %6.0f %6.0f %6.0f %6.1f\n" \
+        "$mode" "$conc" "$d50" "$d99" "$drps" "$n50" "$n99" "$nrps" "$ncpu" "$r50" "$r99" "$rrps" "$rcpu" \
         "$g50" "$g99" "$grps" "$gcpu" "$p50" "$p99" "$prps" "$pcpu"
       echo "$mode $conc $d50 $d99 $g50 $g99 $gcpu $p50 $p99 $pcpu" >>"$OUT/summary_$LAYOUT_NOW.txt"
-      echo "$mode $conc $d50 $d99 $drps $n50 $n99 $nrps $ncpu $g50 $g99 $grps $gcpu $p50 $p99 $prps $pcpu" >>"$OUT/table_$LAYOUT_NOW.txt"
+      echo "$mode $conc $d50 $d99 $drps $n50 $n99 $nrps $ncpu $r50 $r99 $rrps $rcpu $g50 $g99 $grps $gcpu $p50 $p99 $prps $pcpu" >>"$OUT/table_$LAYOUT_NOW.txt"
     done
   done
   echo
@@ -291,6 +295,7 @@ bench_layout() {
   echo "time to first SSE byte (sequential, ${TTFB_N} requests, 1 ms between upstream events):"
   echo "  direct:    $($LOADGEN "$BIN/examples/ttfb" "http://$MOCK/v1/chat/completions?gap_ms=1" "$TTFB_N")"
   echo "  naive:     $($LOADGEN "$BIN/examples/ttfb" "http://$NAIVE/v1/chat/completions?gap_ms=1" "$TTFB_N")"
+  echo "  raw hop:   $($LOADGEN "$BIN/examples/ttfb" "http://$RAW/v1/chat/completions?gap_ms=1" "$TTFB_N")"
   echo "  nginx:     $($LOADGEN "$BIN/examples/ttfb" "http://$NGINX_ADDR/v1/chat/completions?gap_ms=1" "$TTFB_N")"
   echo "  compactor: $($LOADGEN "$BIN/examples/ttfb" "http://$PROXY/v1/chat/completions?gap_ms=1" "$TTFB_N")"
   echo
