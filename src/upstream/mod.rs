@@ -9,6 +9,7 @@
 pub mod body;
 pub mod client;
 pub mod coalesce;
+pub mod h1;
 pub mod headers;
 mod keepalive;
 mod pool;
@@ -536,9 +537,8 @@ impl Upstream {
             if let Some(io) = s.downcast_ref::<std::io::Error>() {
                 timed_out |= io.kind() == std::io::ErrorKind::TimedOut;
             }
-            if let Some(h) = s.downcast_ref::<hyper::Error>() {
-                // A user error with a cause is the request body stream failing.
-                body_error |= h.is_user() && h.source().is_some() && !e.is_connect();
+            if let Some(h) = s.downcast_ref::<h1::Error>() {
+                body_error |= h.is_request_body() && !e.is_connect();
             }
             source = s.source();
         }
@@ -562,7 +562,7 @@ enum Attempt {
 }
 
 /// Whether the request failed before any response byte came back because
-/// the connection closed under it: hyper's "connection closed before
+/// the connection closed under it: the client's "connection closed before
 /// message completed", a request canceled before it was written, or a write
 /// that met a closed socket (broken pipe, reset: the upstream had closed
 /// the connection, its kernel answered our bytes with a reset). That is the
@@ -575,11 +575,11 @@ fn unsent(e: &ClientError) -> bool {
     }
     let mut source: Option<&(dyn std::error::Error + 'static)> = e.source();
     while let Some(s) = source {
-        if let Some(h) = s.downcast_ref::<hyper::Error>() {
-            if h.is_incomplete_message() || h.is_canceled() {
+        if let Some(h) = s.downcast_ref::<h1::Error>() {
+            if h.is_incomplete_message() {
                 return true;
             }
-            if h.is_user() {
+            if h.is_request_body() {
                 return false;
             }
         }

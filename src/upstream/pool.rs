@@ -1,6 +1,6 @@
-//! The upstream connection pool: HTTP/1.1 connections (plain or TLS) made
-//! with hyper's connection API, kept idle per origin and handed back the
-//! moment a response body ends.
+//! The upstream connection pool: HTTP/1.1 connections (plain or TLS),
+//! spoken to by compactor's own client ([`super::h1`]), kept idle per origin
+//! and handed back the moment a response body ends.
 //!
 //! It replaces hyper-util's legacy `Client`, which for every request hashed
 //! the origin with SipHash twice (checkout and return), took its pool's
@@ -12,18 +12,18 @@
 //! connection or two per origin: a scan compares the origin's bytes).
 //!
 //! A connection has no task either: the request waiting for its response
-//! head, then the response body being read, drive it ([`drive`]). An idle
-//! one is driven when a checkout or the reaper looks at it, which is when
-//! a close the upstream sent meanwhile is read.
+//! head, then the response body being read, read and write its socket. An
+//! idle one is read (without waiting) when a checkout or the reaper looks
+//! at it, which is when a close the upstream sent meanwhile is seen.
 //!
-//! What the legacy client did that matters is kept: a request whose pooled
-//! connection turned out closed before the request was written is sent
-//! again on a new connection (hyper hands the request back); idle
-//! connections older than the idle timeout are never used, and a reaper
-//! drops them (and those the upstream closed) while nothing asks; the URI
-//! goes out in origin form.
+//! What the legacy client did that matters is kept: idle connections older
+//! than the idle timeout are never used, and a reaper drops them (and those
+//! the upstream closed) while nothing asks; the URI goes out in origin
+//! form. A request that meets a connection the upstream closed just then
+//! fails as unsent (no response byte came back), and
+//! [`Upstream`](super::Upstream) sends it once more on a new connection.
 
-use std::future::{poll_fn, Future};
+use std::future::poll_fn;
 use std::pin::Pin;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, OnceLock, Weak};
@@ -31,53 +31,24 @@ use std::task::{Context, Poll};
 use std::time::Duration;
 
 use bytes::Bytes;
-use http::uri::{Authority, PathAndQuery, Scheme};
+use http::uri::{Authority, Scheme};
 use http::{HeaderMap, Request, Response, Uri};
 use http_body::{Body, Frame, SizeHint};
-use hyper::body::Incoming;
-use hyper::client::conn::http1;
-use hyper_rustls::{HttpsConnector, MaybeHttpsStream};
+use hyper_rustls::HttpsConnector;
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::rt::TokioIo;
 use tokio::time::Instant;
 use tower_service::Service;
 
 use super::body::ProxyReqBody;
+use super::h1::{self, Reading};
 use super::keepalive::{announced_timeout, idle_within};
 use crate::error::BoxError;
 use crate::sync::lock;
 
-type Sender = http1::SendRequest<ProxyReqBody>;
-/// The connection's I/O half: hyper's HTTP/1 state machine over the socket.
-type Conn = http1::Connection<MaybeHttpsStream<TokioIo<tokio::net::TcpStream>>, ProxyReqBody>;
-
-/// A connection: the handle requests go in by, and the state machine that
-/// writes them and reads the responses. No task of its own: whoever waits
-/// on it (the request, then its response body) drives it (see [`drive`]).
-struct Link {
-    tx: Sender,
-    // Boxed: hyper's state machine is kilobytes, and a response body that
-    // held it inline had it copied with every move of the response.
-    conn: Option<Box<Conn>>,
-}
-
-/// Polls `conn` (writes what is queued, reads what arrived, hands a
-/// response head or body frame to its receiver); `None` once it ended.
-/// Driving a connection on the task that waits on it costs no task, no
-/// wake-up and no scheduler turn per frame: hyper's connection task took
-/// one of each for every frame of a response, and a proxy that gathers a
-/// burst of frames had to yield once per frame for that task to decode the
-/// next one.
-fn drive(conn: &mut Option<Box<Conn>>, cx: &mut Context<'_>) {
-    if let Some(c) = conn {
-        if let Poll::Ready(r) = Pin::new(&mut **c).poll(cx) {
-            if let Err(e) = r {
-                tracing::debug!(error = %e, "upstream connection ended with an error");
-            }
-            *conn = None;
-        }
-    }
-}
+/// A connection, boxed: its TLS state is kilobytes, and a response body
+/// that held it inline had it copied with every move of the response.
+type Link = Box<h1::Conn>;
 
 /// A request that got no response head from the pool.
 #[derive(Debug, thiserror::Error)]
@@ -88,7 +59,7 @@ pub(crate) enum ClientError {
     /// The connection failed while the request went out or before the
     /// response head came back.
     #[error("client error (SendRequest)")]
-    Send(#[source] hyper::Error),
+    Send(#[source] h1::Error),
     /// The request URI has no scheme or authority (a bug: every caller
     /// joins it onto a base).
     #[error("client error (request URI is not absolute)")]
@@ -131,23 +102,10 @@ struct Idle {
 
 impl Idle {
     /// Whether it may still be used at `now`: not idle for `idle` or
-    /// longer, and not closed. It is driven once here, so a close that
-    /// arrived while it idled is read now.
+    /// longer, and not closed. Its socket is read once here (without
+    /// waiting), so a close that arrived while it idled is seen now.
     fn usable(&mut self, now: Instant, idle: Duration) -> bool {
-        if now.saturating_duration_since(self.since) >= idle {
-            return false;
-        }
-        let mut cx = Context::from_waker(std::task::Waker::noop());
-        drive(&mut self.link.conn, &mut cx);
-        !self.link.ended()
-    }
-}
-
-impl Link {
-    /// Whether it can take no request any more: the upstream closed it, or
-    /// it failed.
-    fn ended(&self) -> bool {
-        self.conn.is_none() || self.tx.is_closed()
+        now.saturating_duration_since(self.since) < idle && self.link.is_usable()
     }
 }
 
@@ -182,17 +140,11 @@ impl Shared {
         let mut conns = lock(&self.conns);
         let mut end = conns.idle.len();
         while let Some(pos) = conns.idle[..end].iter().rposition(|c| c.origin.is(origin)) {
-            let c = &mut conns.idle[pos];
-            if !c.usable(now, idle) {
-                conns.idle.remove(pos);
-                end = pos;
-                continue;
+            let usable = conns.idle[pos].usable(now, idle);
+            let c = conns.idle.remove(pos);
+            if usable {
+                return Some(c.link);
             }
-            if c.link.tx.is_ready() {
-                return Some(conns.idle.remove(pos).link);
-            }
-            // Not ready for another request (a response it did not finish
-            // reading): left to idle out.
             end = pos;
         }
         None
@@ -201,9 +153,6 @@ impl Shared {
     /// Takes `link` back as idle and makes sure a reaper will drop it once
     /// it has idled out.
     fn give_back(self: &Arc<Self>, origin: Origin, link: Link) {
-        if link.ended() {
-            return;
-        }
         let mut conns = lock(&self.conns);
         conns.idle.push(Idle {
             origin,
@@ -305,46 +254,45 @@ impl Pool {
     }
 
     /// Sends `req` (an absolute URI) on an idle connection to its origin,
-    /// or a new one. A pooled connection found closed before the request
-    /// was written gets the request back from hyper: it goes out once more
-    /// on a new connection.
+    /// or a new one, and waits for the response head.
     pub(crate) async fn request(
         &self,
-        mut req: Request<ProxyReqBody>,
+        req: Request<ProxyReqBody>,
     ) -> Result<Response<UpstreamBody>, ClientError> {
         let origin = Origin::of(req.uri()).ok_or(ClientError::NotAbsolute)?;
-        let target = std::mem::take(req.uri_mut());
-        *req.uri_mut() = origin_form(&target);
-        let (mut link, reused) = match self.shared.checkout(&origin) {
-            Some(link) => (link, true),
-            None => (self.connect(&target).await?, false),
+        let (parts, body) = req.into_parts();
+        let (head, framing) = h1::encode_head(
+            &parts.method,
+            origin_form(&parts.uri),
+            &parts.headers,
+            &body,
+        )
+        .map_err(ClientError::Send)?;
+        let mut conn = match self.shared.checkout(&origin) {
+            Some(conn) => conn,
+            None => self.connect(&parts.uri).await?,
         };
-        let resp = match send(&mut link, req).await {
-            Ok(resp) => resp,
-            Err(mut e) => match e.take_message() {
-                Some(req) if reused => {
-                    tracing::debug!(error = %e.error(), "pooled upstream connection closed before the request went out; sending it on a new one");
-                    link = self.connect(&target).await?;
-                    send(&mut link, req)
-                        .await
-                        .map_err(|e| ClientError::Send(e.into_error()))?
-                }
-                _ => return Err(ClientError::Send(e.into_error())),
-            },
-        };
-        let (parts, body) = resp.into_parts();
+        let h1::Head {
+            response,
+            decoder,
+            keep_alive,
+        } = conn
+            .send(head, framing, body, &parts.method)
+            .await
+            .map_err(ClientError::Send)?;
         let mut body = UpstreamBody {
-            inner: body,
-            lease: Some(Lease {
-                shared: Arc::clone(&self.shared),
-                origin,
-                link,
+            reading: Some(Reading {
+                conn,
+                decoder,
+                keep_alive,
             }),
+            shared: Arc::clone(&self.shared),
+            origin,
         };
-        if body.inner.is_end_stream() {
-            body.give_back();
+        if body.is_end_stream() {
+            body.finish();
         }
-        Ok(Response::from_parts(parts, body))
+        Ok(response.map(|()| body))
     }
 
     /// A new connection to `target`'s origin.
@@ -357,30 +305,8 @@ impl Pool {
             .call(target.clone())
             .await
             .map_err(ClientError::Connect)?;
-        let (tx, conn) = http1::Builder::new()
-            .handshake(io)
-            .await
-            .map_err(|e| ClientError::Connect(Box::new(e)))?;
-        Ok(Link {
-            tx,
-            conn: Some(Box::new(conn)),
-        })
+        Ok(Box::new(h1::Conn::new(TokioIo::new(io))))
     }
-}
-
-/// Sends `req` on `link`, driving the connection until the response head
-/// arrives (or the connection fails, which fails the send).
-async fn send(
-    link: &mut Link,
-    req: Request<ProxyReqBody>,
-) -> Result<Response<Incoming>, hyper::client::conn::TrySendError<Request<ProxyReqBody>>> {
-    let Link { tx, conn } = link;
-    let mut sent = std::pin::pin!(tx.try_send_request(req));
-    poll_fn(|cx| {
-        drive(conn, cx);
-        sent.as_mut().poll(cx)
-    })
-    .await
 }
 
 fn nanos(d: Duration) -> u64 {
@@ -389,80 +315,73 @@ fn nanos(d: Duration) -> u64 {
 
 /// `target`'s path and query alone, as an HTTP/1.1 request line carries
 /// them to an origin server.
-fn origin_form(target: &Uri) -> Uri {
-    let pq = match target.path_and_query() {
-        Some(pq) if pq.as_str().starts_with('/') => pq.clone(),
-        Some(pq) if pq.as_str() == "*" => pq.clone(),
-        _ => PathAndQuery::from_static("/"),
-    };
-    Uri::from(pq)
+fn origin_form(target: &Uri) -> &str {
+    match target.path_and_query() {
+        Some(pq) if pq.as_str().starts_with('/') || pq.as_str() == "*" => pq.as_str(),
+        _ => "/",
+    }
 }
 
-/// The connection a response came on, returned to the pool when its body
-/// ends.
-struct Lease {
+/// An upstream response body: frames cut out of what the connection read,
+/// untouched. At the end of the stream the connection goes back to the
+/// pool when it may carry another request; dropped before its end, the
+/// body takes the connection with it (closed).
+pub struct UpstreamBody {
+    /// `None` once the body ended.
+    reading: Option<Reading>,
     shared: Arc<Shared>,
     origin: Origin,
-    link: Link,
-}
-
-/// An upstream response body. Frames are the connection's, untouched; at
-/// the end of the stream the connection goes back to the pool. Dropped
-/// before its end, it takes the connection with it (hyper closes one whose
-/// response was not read to the end).
-pub struct UpstreamBody {
-    inner: Incoming,
-    lease: Option<Lease>,
 }
 
 impl std::fmt::Debug for UpstreamBody {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("UpstreamBody")
-            .field("pooled", &self.lease.is_some())
+            .field("reading", &self.reading.is_some())
             .finish_non_exhaustive()
     }
 }
 
 impl UpstreamBody {
-    fn give_back(&mut self) {
-        if let Some(lease) = self.lease.take() {
-            lease.shared.give_back(lease.origin, lease.link);
+    /// The body ended: its connection goes back to the pool, or is closed.
+    fn finish(&mut self) {
+        if let Some(reading) = self.reading.take() {
+            if reading.reusable() {
+                self.shared.give_back(self.origin.clone(), reading.conn);
+            }
         }
     }
 }
 
 impl Body for UpstreamBody {
     type Data = Bytes;
-    type Error = hyper::Error;
+    type Error = h1::Error;
 
     fn poll_frame(
         mut self: Pin<&mut Self>,
         cx: &mut Context<'_>,
-    ) -> Poll<Option<Result<Frame<Bytes>, hyper::Error>>> {
-        let mut polled = Pin::new(&mut self.inner).poll_frame(cx);
-        if polled.is_pending() {
-            // The frame is decoded here: polling the body told the
-            // connection it is wanted, driving it hands it over.
-            if let Some(lease) = self.lease.as_mut() {
-                drive(&mut lease.link.conn, cx);
-                polled = Pin::new(&mut self.inner).poll_frame(cx);
-            }
-        }
+    ) -> Poll<Option<Result<Frame<Bytes>, h1::Error>>> {
+        let Some(reading) = self.reading.as_mut() else {
+            return Poll::Ready(None);
+        };
+        let polled = reading.poll_frame(cx);
+        let done = reading.decoder.is_done();
         match &polled {
-            Poll::Ready(None) => self.give_back(),
-            Poll::Ready(Some(Ok(_))) if self.inner.is_end_stream() => self.give_back(),
-            Poll::Ready(Some(Err(_))) => self.lease = None,
+            Poll::Ready(None) => self.finish(),
+            Poll::Ready(Some(Ok(_))) if done => self.finish(),
+            Poll::Ready(Some(Err(_))) => self.reading = None,
             _ => {}
         }
         polled
     }
 
     fn is_end_stream(&self) -> bool {
-        self.inner.is_end_stream()
+        self.reading.as_ref().is_none_or(|r| r.decoder.is_done())
     }
 
     fn size_hint(&self) -> SizeHint {
-        self.inner.size_hint()
+        self.reading
+            .as_ref()
+            .map_or(SizeHint::with_exact(0), |r| r.decoder.size_hint())
     }
 }
 
@@ -604,9 +523,153 @@ mod tests {
         server.await.unwrap();
     }
 
+    /// A request body that never yields (a client upload that stalls).
+    struct Stalled;
+
+    impl Body for Stalled {
+        type Data = Bytes;
+        type Error = std::convert::Infallible;
+
+        fn poll_frame(
+            self: Pin<&mut Self>,
+            _: &mut Context<'_>,
+        ) -> Poll<Option<Result<Frame<Bytes>, Self::Error>>> {
+            Poll::Pending
+        }
+    }
+
+    fn post(addr: std::net::SocketAddr, body: ProxyReqBody) -> Request<ProxyReqBody> {
+        let mut req = get(addr);
+        *req.method_mut() = http::Method::POST;
+        *req.body_mut() = body;
+        req
+    }
+
+    #[tokio::test]
+    async fn an_answer_that_comes_before_the_whole_request_is_read_and_the_connection_dropped() {
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let server = tokio::spawn(async move {
+            let (mut first, _) = listener.accept().await.unwrap();
+            // The head only: the upstream refuses before the body.
+            assert!(read_head(&mut first).await);
+            first
+                .write_all(b"HTTP/1.1 413 Payload Too Large\r\ncontent-length: 3\r\n\r\nbig")
+                .await
+                .unwrap();
+            // Its request was not written to the end: the next one must
+            // come on a new connection.
+            let (mut second, _) = listener.accept().await.unwrap();
+            answer(&mut second, "ok").await;
+            first
+        });
+        let pool = pool();
+        let resp = pool
+            .request(post(addr, super::super::body::boxed(Stalled)))
+            .await
+            .unwrap();
+        assert_eq!(resp.status(), http::StatusCode::PAYLOAD_TOO_LARGE);
+        let body = http_body_util::BodyExt::collect(resp.into_body()).await;
+        assert_eq!(&body.unwrap().to_bytes()[..], b"big");
+        assert_eq!(&body_of(&pool, addr).await[..], b"ok");
+        tokio::time::timeout(Duration::from_secs(5), server)
+            .await
+            .unwrap()
+            .unwrap();
+    }
+
+    #[tokio::test]
+    async fn a_streamed_body_goes_out_chunked_and_trailers_come_back() {
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let server = tokio::spawn(async move {
+            let (mut s, _) = listener.accept().await.unwrap();
+            let mut got = Vec::new();
+            let mut b = [0u8; 1024];
+            while !got.ends_with(b"0\r\n\r\n") {
+                let n = s.read(&mut b).await.unwrap();
+                assert!(n > 0, "request cut short: {got:?}");
+                got.extend_from_slice(&b[..n]);
+            }
+            s.write_all(
+                b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n2\r\nok\r\n0\r\nx-usage: 5\r\n\r\n",
+            )
+            .await
+            .unwrap();
+            String::from_utf8(got).unwrap()
+        });
+        let (tx, rx) = tokio::sync::mpsc::channel::<Bytes>(2);
+        let body = Chan(rx);
+        let pool = pool();
+        let sending = tokio::spawn(async move {
+            let resp = pool
+                .request(post(addr, super::super::body::boxed(body)))
+                .await
+                .unwrap();
+            http_body_util::BodyExt::collect(resp.into_body())
+                .await
+                .unwrap()
+        });
+        tx.send(Bytes::from_static(b"{\"a\":")).await.unwrap();
+        tokio::time::sleep(Duration::from_millis(20)).await;
+        tx.send(Bytes::from_static(b"1}")).await.unwrap();
+        drop(tx);
+        let collected = sending.await.unwrap();
+        assert_eq!(collected.trailers().unwrap()["x-usage"], "5");
+        assert_eq!(&collected.to_bytes()[..], b"ok");
+        let request = server.await.unwrap();
+        assert!(
+            request.contains("transfer-encoding: chunked\r\n\r\n"),
+            "{request}"
+        );
+        assert!(
+            request.ends_with("5\r\n{\"a\":\r\n2\r\n1}\r\n0\r\n\r\n"),
+            "{request}"
+        );
+    }
+
+    /// Frames from a channel, as a client's upload arrives.
+    struct Chan(tokio::sync::mpsc::Receiver<Bytes>);
+
+    impl Body for Chan {
+        type Data = Bytes;
+        type Error = std::convert::Infallible;
+
+        fn poll_frame(
+            mut self: Pin<&mut Self>,
+            cx: &mut Context<'_>,
+        ) -> Poll<Option<Result<Frame<Bytes>, Self::Error>>> {
+            self.0.poll_recv(cx).map(|b| b.map(|b| Ok(Frame::data(b))))
+        }
+    }
+
+    #[tokio::test]
+    async fn a_response_that_says_close_is_not_pooled() {
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let server = tokio::spawn(async move {
+            let (mut first, _) = listener.accept().await.unwrap();
+            assert!(read_head(&mut first).await);
+            first
+                .write_all(b"HTTP/1.1 200 OK\r\nconnection: close\r\ncontent-length: 3\r\n\r\none")
+                .await
+                .unwrap();
+            let (mut second, _) = listener.accept().await.unwrap();
+            answer(&mut second, "two").await;
+            first
+        });
+        let pool = pool();
+        assert_eq!(&body_of(&pool, addr).await[..], b"one");
+        assert_eq!(&body_of(&pool, addr).await[..], b"two");
+        tokio::time::timeout(Duration::from_secs(5), server)
+            .await
+            .unwrap()
+            .unwrap();
+    }
+
     #[test]
     fn the_request_line_carries_the_path_and_query_only() {
-        let uri = |s: &str| origin_form(&s.parse().unwrap()).to_string();
+        let uri = |s: &str| origin_form(&s.parse().unwrap()).to_owned();
         assert_eq!(
             uri("https://h:1/v1/chat/completions?x=1"),
             "/v1/chat/completions?x=1"

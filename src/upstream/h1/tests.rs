@@ -1,0 +1,362 @@
+use super::*;
+use proptest::prelude::*;
+
+/// Parses a response head out of `wire`, then decodes its body from the
+/// rest, `cuts` deciding where each read ends (as the socket delivers).
+/// Returns the head, the body's bytes, its trailers and the bytes left.
+fn read_all(
+    wire: &[u8],
+    is_head: bool,
+    cuts: &[usize],
+) -> Result<(Head, Vec<u8>, Option<HeaderMap>, usize), Error> {
+    let mut pending = wire;
+    let mut buf = BytesMut::new();
+    let mut cuts = cuts.iter().copied();
+    let mut feed = |buf: &mut BytesMut| -> bool {
+        if pending.is_empty() {
+            return false;
+        }
+        let n = cuts.next().unwrap_or(pending.len()).clamp(1, pending.len());
+        buf.extend_from_slice(&pending[..n]);
+        pending = &pending[n..];
+        true
+    };
+    let mut head = loop {
+        if let Some(h) = parse_head(&mut buf, is_head)? {
+            break h;
+        }
+        if !feed(&mut buf) {
+            return Err(Error::Incomplete);
+        }
+    };
+    let mut data = Vec::new();
+    let mut trailers = None;
+    loop {
+        match head.decoder.decode(&mut buf)? {
+            Decoded::Frame(f) => match f.into_data() {
+                Ok(d) => data.extend_from_slice(&d),
+                Err(f) => trailers = f.into_trailers().ok(),
+            },
+            Decoded::End => break,
+            Decoded::More => {
+                if !feed(&mut buf) {
+                    head.decoder.eof()?;
+                    break;
+                }
+            }
+        }
+    }
+    Ok((head, data, trailers, buf.len() + pending.len()))
+}
+
+fn chunked(parts: &[&[u8]], trailers: &str) -> Vec<u8> {
+    let mut w = b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n".to_vec();
+    for p in parts {
+        w.extend_from_slice(format!("{:x};ext=1\r\n", p.len()).as_bytes());
+        w.extend_from_slice(p);
+        w.extend_from_slice(b"\r\n");
+    }
+    w.extend_from_slice(b"0\r\n");
+    w.extend_from_slice(trailers.as_bytes());
+    w.extend_from_slice(b"\r\n");
+    w
+}
+
+proptest! {
+    /// However the socket cuts a chunked body, the same bytes and trailers
+    /// come out, and the body ends exactly where it ends.
+    #[test]
+    fn a_chunked_body_decodes_the_same_whatever_the_reads(
+        parts in prop::collection::vec(prop::collection::vec(any::<u8>(), 1..300), 0..8),
+        cuts in prop::collection::vec(1usize..40, 0..64),
+        with_trailers in any::<bool>(),
+    ) {
+        let parts: Vec<&[u8]> = parts.iter().map(Vec::as_slice).collect();
+        let trailers = if with_trailers { "x-sum: 7\r\nx-more: a b\r\n" } else { "" };
+        let mut wire = chunked(&parts, trailers);
+        wire.extend_from_slice(b"HTTP/1.1 200 OK\r\n");
+        let (head, data, got_trailers, left) = read_all(&wire, false, &cuts).unwrap();
+        prop_assert_eq!(data, parts.concat());
+        prop_assert!(head.decoder.is_done());
+        prop_assert_eq!(left, b"HTTP/1.1 200 OK\r\n".len(), "the next response is not eaten");
+        match got_trailers {
+            Some(t) => {
+                prop_assert!(with_trailers);
+                prop_assert_eq!(t.get("x-sum").unwrap(), "7");
+                prop_assert_eq!(t.get("x-more").unwrap(), "a b");
+            }
+            None => prop_assert!(!with_trailers),
+        }
+    }
+
+    /// A sized body, cut anywhere, is its Content-Length bytes.
+    #[test]
+    fn a_sized_body_decodes_the_same_whatever_the_reads(
+        body in prop::collection::vec(any::<u8>(), 1..2000),
+        cuts in prop::collection::vec(1usize..300, 0..32),
+    ) {
+        let mut wire = format!("HTTP/1.1 200 OK\r\ncontent-length: {}\r\n\r\n", body.len()).into_bytes();
+        wire.extend_from_slice(&body);
+        let (head, data, _, left) = read_all(&wire, false, &cuts).unwrap();
+        prop_assert_eq!(data, body);
+        prop_assert!(head.keep_alive);
+        prop_assert_eq!(left, 0);
+    }
+}
+
+#[test]
+fn the_last_chunk_after_data_ends_the_body_with_that_data() {
+    let mut buf = BytesMut::from(&b"5\r\nhello\r\n0\r\n\r\n"[..]);
+    let mut d = Decoder::new(Framing::Chunked(Chunk::Size));
+    match d.decode(&mut buf).unwrap() {
+        Decoded::Frame(f) => assert_eq!(f.into_data().unwrap(), "hello"),
+        other => panic!("{other:?}"),
+    }
+    assert!(d.is_done(), "the body's end was already read");
+    assert!(buf.is_empty());
+}
+
+#[test]
+fn status_line_headers_and_reason_are_read() {
+    let wire = b"HTTP/1.1 429 Slow Down\r\nX-Request-Id: a1\r\nset-cookie: a\r\nset-cookie: b\r\ncontent-length: 2\r\n\r\nno";
+    let (head, data, _, _) = read_all(wire, false, &[]).unwrap();
+    let r = &head.response;
+    assert_eq!(r.status(), StatusCode::TOO_MANY_REQUESTS);
+    assert_eq!(r.version(), Version::HTTP_11);
+    assert_eq!(r.headers()["x-request-id"], "a1");
+    let cookies: Vec<_> = r.headers().get_all("set-cookie").iter().collect();
+    assert_eq!(cookies, ["a", "b"]);
+    let names: Vec<_> = r.headers().keys().map(|k| k.as_str()).collect();
+    assert_eq!(names, ["x-request-id", "set-cookie", "content-length"]);
+    assert_eq!(
+        r.extensions()
+            .get::<hyper::ext::ReasonPhrase>()
+            .map(|p| p.as_bytes()),
+        Some(&b"Slow Down"[..])
+    );
+    assert_eq!(data, b"no");
+    let (canonical, _, _, _) =
+        read_all(b"HTTP/1.1 200 OK\r\ncontent-length: 0\r\n\r\n", false, &[]).unwrap();
+    assert!(canonical
+        .response
+        .extensions()
+        .get::<hyper::ext::ReasonPhrase>()
+        .is_none());
+}
+
+#[test]
+fn interim_responses_are_skipped_and_an_upgrade_is_refused() {
+    let wire = b"HTTP/1.1 100 Continue\r\n\r\nHTTP/1.1 103 Early Hints\r\nlink: </a>\r\n\r\nHTTP/1.1 200 OK\r\ncontent-length: 1\r\n\r\nx";
+    let (head, data, _, _) = read_all(wire, false, &[3, 20, 7]).unwrap();
+    assert_eq!(head.response.status(), StatusCode::OK);
+    assert!(head.response.headers().get("link").is_none());
+    assert_eq!(data, b"x");
+    let up = read_all(
+        b"HTTP/1.1 101 Switching Protocols\r\nupgrade: h2c\r\n\r\n",
+        false,
+        &[],
+    );
+    assert!(matches!(up, Err(Error::Parse(_))));
+}
+
+#[test]
+fn bodiless_responses_have_no_body_whatever_their_headers_say() {
+    for (wire, is_head) in [
+        (&b"HTTP/1.1 200 OK\r\ncontent-length: 50\r\n\r\n"[..], true),
+        (
+            b"HTTP/1.1 204 No Content\r\ncontent-length: 50\r\n\r\n",
+            false,
+        ),
+        (
+            b"HTTP/1.1 304 Not Modified\r\ntransfer-encoding: chunked\r\n\r\n",
+            false,
+        ),
+        (b"HTTP/1.1 200 OK\r\ncontent-length: 0\r\n\r\n", false),
+    ] {
+        let mut buf = BytesMut::from(wire);
+        let head = parse_head(&mut buf, is_head).unwrap().unwrap();
+        assert!(head.decoder.is_done());
+        assert!(head.keep_alive);
+        assert_eq!(head.decoder.size_hint().exact(), Some(0));
+    }
+}
+
+#[test]
+fn a_body_without_length_runs_to_the_close_and_the_connection_is_not_kept() {
+    let wire = b"HTTP/1.1 200 OK\r\ncontent-type: text/plain\r\n\r\nall of it";
+    let (head, data, _, _) = read_all(wire, false, &[30, 3]).unwrap();
+    assert_eq!(data, b"all of it");
+    assert!(!head.keep_alive);
+    let te = b"HTTP/1.1 200 OK\r\ntransfer-encoding: gzip\r\n\r\nzzz";
+    let (head, data, _, _) = read_all(te, false, &[]).unwrap();
+    assert_eq!(data, b"zzz", "not chunked last: read to the close");
+    assert!(!head.keep_alive);
+}
+
+#[test]
+fn keep_alive_follows_the_version_and_connection_header() {
+    let keep = |wire: &[u8]| {
+        let mut buf = BytesMut::from(wire);
+        parse_head(&mut buf, false).unwrap().unwrap().keep_alive
+    };
+    assert!(keep(b"HTTP/1.1 200 OK\r\ncontent-length: 1\r\n\r\n"));
+    assert!(!keep(
+        b"HTTP/1.1 200 OK\r\nconnection: Close\r\ncontent-length: 1\r\n\r\n"
+    ));
+    assert!(!keep(b"HTTP/1.0 200 OK\r\ncontent-length: 1\r\n\r\n"));
+    assert!(keep(
+        b"HTTP/1.0 200 OK\r\nconnection: keep-alive\r\ncontent-length: 1\r\n\r\n"
+    ));
+    // Both framings: read by the chunks, the connection not trusted after.
+    assert!(!keep(
+        b"HTTP/1.1 200 OK\r\ncontent-length: 3\r\ntransfer-encoding: chunked\r\n\r\n"
+    ));
+}
+
+#[test]
+fn malformed_framing_is_an_error() {
+    let cases: &[&[u8]] = &[
+        b"HTTP/1.1 200 OK\r\ncontent-length: 1\r\ncontent-length: 2\r\n\r\nxx",
+        b"HTTP/1.1 200 OK\r\ncontent-length: -1\r\n\r\n",
+        b"HTTP/1.1 200 OK\r\ncontent-length: 1x\r\n\r\n",
+        b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\nzz\r\n",
+        b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n2\r\nabc\r\n0\r\n\r\n",
+        b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n11111111111111111\r\n",
+        b"NOT HTTP\r\n\r\n",
+    ];
+    for wire in cases {
+        let r = read_all(wire, false, &[]);
+        assert!(
+            matches!(r, Err(Error::Parse(_))),
+            "{:?}: {:?}",
+            String::from_utf8_lossy(wire),
+            r.map(|_| ())
+        );
+    }
+    let mut line = b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n1".to_vec();
+    line.resize(line.len() + MAX_LINE + 1, b';');
+    assert!(matches!(read_all(&line, false, &[]), Err(Error::Parse(_))));
+}
+
+#[test]
+fn a_body_cut_short_is_incomplete() {
+    for wire in [
+        &b"HTTP/1.1 200 OK\r\ncontent-length: 10\r\n\r\nshort"[..],
+        b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n5\r\nhel",
+        b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n5\r\nhello\r\n",
+        b"HTTP/1.1 200 OK\r\ncontent-len",
+    ] {
+        let r = read_all(wire, false, &[]);
+        assert!(
+            r.as_ref().err().is_some_and(Error::is_incomplete_message),
+            "{:?}",
+            String::from_utf8_lossy(wire)
+        );
+    }
+}
+
+fn body_of(data: Option<&'static [u8]>) -> ProxyReqBody {
+    match data {
+        None => super::super::body::boxed(http_body_util::Empty::<Bytes>::new()),
+        Some(d) => super::super::body::boxed(http_body_util::Full::new(Bytes::from_static(d))),
+    }
+}
+
+/// A body of unknown length that yields `parts`.
+fn stream_of(parts: &[&'static [u8]]) -> ProxyReqBody {
+    super::super::body::boxed(Parts(parts.iter().map(|p| Bytes::from_static(p)).collect()))
+}
+
+struct Parts(VecDeque<Bytes>);
+
+impl Body for Parts {
+    type Data = Bytes;
+    type Error = std::convert::Infallible;
+
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        _: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, Self::Error>>> {
+        Poll::Ready(self.0.pop_front().map(|b| Ok(Frame::data(b))))
+    }
+}
+
+#[test]
+fn the_request_head_is_written_with_the_framing_hyper_chose() {
+    let mut headers = HeaderMap::new();
+    headers.insert("host", HeaderValue::from_static("up:1"));
+    headers.insert("x-b", HeaderValue::from_static("2"));
+    let head = |method: Method, h: &HeaderMap, body: &ProxyReqBody| {
+        let (b, f) = encode_head(&method, "/v1/x?q=1", h, body).unwrap();
+        (String::from_utf8(b.to_vec()).unwrap(), f)
+    };
+    let (text, f) = head(Method::GET, &headers, &body_of(None));
+    assert_eq!(
+        text,
+        "GET /v1/x?q=1 HTTP/1.1\r\nhost: up:1\r\nx-b: 2\r\n\r\n"
+    );
+    assert_eq!(f, RequestFraming::Empty);
+    let (text, f) = head(Method::POST, &headers, &body_of(Some(b"{}")));
+    assert_eq!(
+        text,
+        "POST /v1/x?q=1 HTTP/1.1\r\nhost: up:1\r\nx-b: 2\r\ncontent-length: 2\r\n\r\n"
+    );
+    assert_eq!(f, RequestFraming::Length(2));
+    let mut sized = headers.clone();
+    sized.insert("content-length", HeaderValue::from_static("2"));
+    let (text, f) = head(Method::POST, &sized, &body_of(Some(b"{}")));
+    assert_eq!(text.matches("content-length").count(), 1, "{text}");
+    assert_eq!(f, RequestFraming::Length(2));
+    let (text, f) = head(Method::POST, &headers, &stream_of(&[b"a"]));
+    assert!(
+        text.ends_with("transfer-encoding: chunked\r\n\r\n"),
+        "{text}"
+    );
+    assert_eq!(f, RequestFraming::Chunked);
+    let mut bad = headers.clone();
+    bad.insert("content-length", HeaderValue::from_static("two"));
+    assert!(matches!(
+        encode_head(&Method::POST, "/", &bad, &body_of(Some(b"{}"))),
+        Err(Error::RequestLength)
+    ));
+}
+
+#[test]
+fn request_bodies_are_framed_as_announced() {
+    let mut cx = Context::from_waker(std::task::Waker::noop());
+    let drain = |out: &mut Outgoing, cx: &mut Context<'_>| -> Result<Vec<u8>, Error> {
+        while let Poll::Ready(more) = out.poll_body(cx) {
+            if !more? {
+                break;
+            }
+        }
+        Ok(out.queue.iter().flat_map(|b| b.to_vec()).collect())
+    };
+    let mut chunked = Outgoing {
+        queue: VecDeque::new(),
+        body: Some(stream_of(&[b"ab", b"", b"cde"])),
+        framing: RequestFraming::Chunked,
+        owed: 0,
+        flush: false,
+    };
+    assert_eq!(
+        drain(&mut chunked, &mut cx).unwrap(),
+        b"2\r\nab\r\n3\r\ncde\r\n0\r\n\r\n"
+    );
+    let long = |owed| Outgoing {
+        queue: VecDeque::new(),
+        body: Some(stream_of(&[b"abc"])),
+        framing: RequestFraming::Length(owed),
+        owed,
+        flush: false,
+    };
+    assert_eq!(drain(&mut long(3), &mut cx).unwrap(), b"abc");
+    assert!(matches!(
+        drain(&mut long(2), &mut cx),
+        Err(Error::RequestLength)
+    ));
+    assert!(matches!(
+        drain(&mut long(4), &mut cx),
+        Err(Error::RequestLength)
+    ));
+}
