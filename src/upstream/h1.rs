@@ -788,20 +788,44 @@ fn chunk_size(line: &[u8]) -> Result<u64, Error> {
 }
 
 /// The body of a response being read, and the connection it is read from.
-/// Polled, it writes what is left of the request, then decodes the next
-/// frame from what was read, reading the socket when it needs more.
+/// Polled, it writes what is left of the request, then decodes what was
+/// read, reading the socket when it needs more.
+///
+/// A data frame is all the body data already read: the chunks of an SSE
+/// burst that arrived in one read leave as one frame (copied together once;
+/// a single chunk, or a sized body, is a slice of the read buffer), so the
+/// body stack above and the client's chunk encoder run once per burst.
 pub(crate) struct Reading {
     pub(crate) conn: Box<Conn>,
     pub(crate) decoder: Decoder,
     pub(crate) keep_alive: bool,
+    /// Trailers or an error met while joining: they follow the data.
+    held: Option<Result<Frame<Bytes>, Error>>,
 }
 
 impl Reading {
+    pub(crate) fn new(conn: Box<Conn>, decoder: Decoder, keep_alive: bool) -> Self {
+        Reading {
+            conn,
+            decoder,
+            keep_alive,
+            held: None,
+        }
+    }
+
+    /// Whether the body has nothing more to give.
+    pub(crate) fn is_done(&self) -> bool {
+        self.decoder.is_done() && self.held.is_none()
+    }
+
     /// The next frame; `Ready(None)` at the body's end.
     pub(crate) fn poll_frame(
         &mut self,
         cx: &mut Context<'_>,
     ) -> Poll<Option<Result<Frame<Bytes>, Error>>> {
+        if let Some(held) = self.held.take() {
+            return Poll::Ready(Some(held));
+        }
         if self.conn.out.is_some() && self.conn.poll_write_request(cx).is_err() {
             // The response goes on; the connection is not used again.
             self.conn.out = None;
@@ -810,7 +834,12 @@ impl Reading {
         loop {
             match self.decoder.decode(&mut self.conn.buf) {
                 Err(e) => return Poll::Ready(Some(Err(e))),
-                Ok(Decoded::Frame(f)) => return Poll::Ready(Some(Ok(f))),
+                Ok(Decoded::Frame(f)) => {
+                    return Poll::Ready(Some(Ok(match f.into_data() {
+                        Ok(data) => Frame::data(self.join(data)),
+                        Err(trailers) => trailers,
+                    })))
+                }
                 Ok(Decoded::End) => return Poll::Ready(None),
                 Ok(Decoded::More) => match self.conn.poll_fill(cx) {
                     Poll::Pending => return Poll::Pending,
@@ -825,13 +854,40 @@ impl Reading {
         }
     }
 
+    /// `first` and the data decodable after it from what was already read.
+    fn join(&mut self, first: Bytes) -> Bytes {
+        let mut joined: Option<BytesMut> = None;
+        loop {
+            match self.decoder.decode(&mut self.conn.buf) {
+                Ok(Decoded::Frame(f)) => match f.into_data() {
+                    Ok(more) => joined
+                        .get_or_insert_with(|| {
+                            let mut j = BytesMut::with_capacity(
+                                first.len() + more.len() + self.conn.buf.len(),
+                            );
+                            j.extend_from_slice(&first);
+                            j
+                        })
+                        .extend_from_slice(&more),
+                    Err(trailers) => {
+                        self.held = Some(Ok(trailers));
+                        break;
+                    }
+                },
+                Ok(Decoded::More | Decoded::End) => break,
+                Err(e) => {
+                    self.held = Some(Err(e));
+                    break;
+                }
+            }
+        }
+        joined.map_or(first, BytesMut::freeze)
+    }
+
     /// Whether the connection can carry another request now that the body
     /// ended.
     pub(crate) fn reusable(&self) -> bool {
-        self.keep_alive
-            && self.decoder.is_done()
-            && self.conn.out.is_none()
-            && self.conn.buf.is_empty()
+        self.keep_alive && self.is_done() && self.conn.out.is_none() && self.conn.buf.is_empty()
     }
 }
 

@@ -529,6 +529,28 @@ impl UsageExtractor {
         }
     }
 
+    /// [`UsageExtractor::feed`] for a reader of the stream's start only: an
+    /// SSE body is scanned until its start is decided, not further (a burst
+    /// of a whole response read at once is not scanned twice, here and by
+    /// the tap that reads it after).
+    pub(crate) fn feed_start(&mut self, data: &[u8]) {
+        let BodyKind::Sse = self.kind else {
+            return self.feed(data);
+        };
+        self.bytes += data.len() as u64;
+        let Self {
+            scanner,
+            report,
+            start,
+            parse_failures,
+            ..
+        } = self;
+        scanner.feed_until(data, |ev| {
+            on_event(ev, report, start, parse_failures);
+            *start == StreamStart::Undecided
+        });
+    }
+
     /// Ends the body: parses a JSON body, or flushes an SSE event left
     /// without its blank line.
     pub fn finish(&mut self) {

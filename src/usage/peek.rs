@@ -97,7 +97,7 @@ where
             match next {
                 Some(Ok(frame)) => {
                     if let Some(d) = frame.data_ref() {
-                        self.ex.feed(d);
+                        self.ex.feed_start(d);
                         self.bytes += d.len();
                     }
                     self.held.push_back(frame);

@@ -58,6 +58,23 @@ impl SseScanner {
     /// Feeds the next slice of the stream; `on_event` runs for every event
     /// that completes inside it.
     pub fn feed(&mut self, chunk: &[u8], mut on_event: impl FnMut(SseEvent<'_>)) {
+        self.feed_until(chunk, |e| {
+            on_event(e);
+            true
+        });
+    }
+
+    /// [`SseScanner::feed`] that stops after the event for which `on_event`
+    /// says `false`: for a reader that only wants the stream's first
+    /// events (the rest of `chunk` is not scanned; the scanner is not to be
+    /// fed again).
+    pub fn feed_until(&mut self, chunk: &[u8], mut on_event: impl FnMut(SseEvent<'_>) -> bool) {
+        let go = std::cell::Cell::new(true);
+        let mut on_event = |e: SseEvent<'_>| {
+            if !on_event(e) {
+                go.set(false);
+            }
+        };
         let mut i = 0;
         if self.skip_lf && !chunk.is_empty() {
             self.skip_lf = false;
@@ -65,7 +82,7 @@ impl SseScanner {
                 i = 1;
             }
         }
-        while i < chunk.len() {
+        while i < chunk.len() && go.get() {
             match memchr2(b'\n', b'\r', &chunk[i..]) {
                 Some(off) => {
                     let end = i + off;
@@ -264,6 +281,18 @@ mod tests {
     fn crlf_split_across_frames() {
         let (ev, _) = scan(&[b"data: a\r", b"\n\r", b"\ndata: b\r\n", b"\r\n"]);
         assert_eq!(ev, vec![d("a"), d("b")]);
+    }
+
+    #[test]
+    fn feed_until_stops_after_the_event_that_says_so() {
+        let mut s = SseScanner::new();
+        let mut seen = Vec::new();
+        s.feed_until(b": hi\n\ndata: a\n\ndata: b\n\ndata: c\n\n", |e| {
+            seen.push(e.data.to_vec());
+            e.data != b"b"
+        });
+        assert_eq!(seen, [b"a".to_vec(), b"b".to_vec()]);
+        assert_eq!(s.events, 2, "the events after it are not scanned");
     }
 
     #[test]
