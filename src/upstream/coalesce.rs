@@ -2,16 +2,16 @@
 //! the data frames ready back to back leave as one frame, one chunk, one
 //! write.
 //!
-//! hyper's HTTP/1 client decodes a response body one frame at a time.
-//! Forwarded as is, an SSE burst the upstream wrote in one segment (22
-//! events from a fast server, or a backlog after a slow reader) went
-//! through the body stack above (usage tap, usage hider, idle timeout) and
-//! hyper's chunk encoder 22 times, where the upstream itself wrote once.
+//! The upstream client (`upstream::h1`) already joins the body data one
+//! read of the socket brought; when the socket has more by the time that
+//! frame is taken (an SSE burst larger than a read, or one that arrived in
+//! several segments), the body stack above (usage tap, usage hider, idle
+//! timeout) and hyper's chunk encoder would still run once per read.
 //! [`CoalesceBody`] takes frames while the inner body has them ready and
 //! releases what it gathered, joined, at the first `Pending`. A frame
-//! released alone is the upstream's own buffer (no copy).
+//! released alone is the upstream client's own buffer (no copy).
 //!
-//! The upstream connection is driven by the body that reads it
+//! The upstream connection is read by the body that reads it
 //! (`upstream::pool`), so a `Pending` here means the socket has nothing
 //! more: everything gathered goes out then, and nothing is held while the
 //! upstream is idle. A paced stream (a model generating tokens) leaves
