@@ -318,6 +318,9 @@ impl Conn {
                         return Err(Error::Write(io::ErrorKind::WriteZero.into()))
                     }
                     Poll::Ready(Ok(mut written)) => {
+                        // A TLS stream may keep what it was given until it
+                        // is flushed: flushed before waiting on the body.
+                        out.flush = true;
                         while written > 0 {
                             let Some(front) = out.queue.front_mut() else {
                                 break;
@@ -332,15 +335,15 @@ impl Conn {
                         }
                     }
                 }
-            } else if out.body.is_some() {
-                // Polled above: it waits.
-                return Ok(());
             } else if out.flush {
                 match Pin::new(&mut self.io).poll_flush(cx) {
                     Poll::Pending => return Ok(()),
                     Poll::Ready(Err(e)) => return Err(Error::Write(e)),
                     Poll::Ready(Ok(())) => out.flush = false,
                 }
+            } else if out.body.is_some() {
+                // Polled above: it waits.
+                return Ok(());
             } else {
                 self.out = None;
                 return Ok(());
