@@ -610,6 +610,15 @@ pub(crate) enum Decoded {
     More,
 }
 
+/// What [`Decoder::step`] found in the buffer.
+enum Step {
+    /// This many bytes at the front of the buffer are body data.
+    Data(usize),
+    Trailers(HeaderMap),
+    End,
+    More,
+}
+
 /// Cuts a response body's frames out of the read buffer.
 #[derive(Debug)]
 pub(crate) struct Decoder {
@@ -635,30 +644,30 @@ impl Decoder {
 
     /// The next frame in `buf` (consumed).
     pub(crate) fn decode(&mut self, buf: &mut BytesMut) -> Result<Decoded, Error> {
+        Ok(match self.step(buf)? {
+            Step::Data(n) => {
+                let data = buf.split_to(n).freeze();
+                self.took(buf, n)?;
+                Decoded::Frame(Frame::data(data))
+            }
+            Step::Trailers(t) => Decoded::Frame(Frame::trailers(t)),
+            Step::End => Decoded::End,
+            Step::More => Decoded::More,
+        })
+    }
+
+    /// What comes next in `buf`: framing is consumed, data is not (the
+    /// caller takes it, then says so with [`Decoder::took`]).
+    fn step(&mut self, buf: &mut BytesMut) -> Result<Step, Error> {
         loop {
-            match self.framing {
-                Framing::Done => return Ok(Decoded::End),
-                Framing::Close => {
-                    if buf.is_empty() {
-                        return Ok(Decoded::More);
-                    }
-                    return Ok(Decoded::Frame(Frame::data(buf.split().freeze())));
-                }
-                Framing::Length(left) => {
-                    if buf.is_empty() {
-                        return Ok(Decoded::More);
-                    }
-                    let take = usize::try_from(left).unwrap_or(usize::MAX).min(buf.len());
-                    let rest = left - take as u64;
-                    self.framing = if rest == 0 {
-                        Framing::Done
-                    } else {
-                        Framing::Length(rest)
-                    };
-                    return Ok(Decoded::Frame(Frame::data(buf.split_to(take).freeze())));
-                }
+            let left = match self.framing {
+                Framing::Done => return Ok(Step::End),
+                Framing::Close => u64::MAX,
+                Framing::Length(left) | Framing::Chunked(Chunk::Data(left)) => left,
                 Framing::Chunked(Chunk::Size) => {
-                    let Some(eol) = memchr::memchr(b'\n', buf) else {
+                    // A size line is a few bytes: a plain scan beats
+                    // memchr's setup.
+                    let Some(eol) = buf.iter().take(MAX_LINE + 1).position(|&b| b == b'\n') else {
                         return self.more(buf);
                     };
                     let size = chunk_size(&buf[..eol])?;
@@ -668,38 +677,20 @@ impl Decoder {
                     } else {
                         Chunk::Data(size)
                     });
-                }
-                Framing::Chunked(Chunk::Data(left)) => {
-                    if buf.is_empty() {
-                        return Ok(Decoded::More);
-                    }
-                    let take = usize::try_from(left).unwrap_or(usize::MAX).min(buf.len());
-                    let rest = left - take as u64;
-                    let data = buf.split_to(take).freeze();
-                    self.framing = Framing::Chunked(if rest == 0 {
-                        Chunk::DataEnd
-                    } else {
-                        Chunk::Data(rest)
-                    });
-                    if rest == 0 {
-                        // The body's end, when it is already here, ends the
-                        // body with this frame (the connection goes back
-                        // to the pool as the last data leaves).
-                        self.skip_end(buf)?;
-                    }
-                    return Ok(Decoded::Frame(Frame::data(data)));
+                    continue;
                 }
                 Framing::Chunked(Chunk::DataEnd) => {
                     if buf.len() < 2 && !buf.starts_with(b"\n") {
-                        return Ok(Decoded::More);
+                        return Ok(Step::More);
                     }
                     self.skip_end(buf)?;
+                    continue;
                 }
                 Framing::Chunked(Chunk::Trailers) => {
                     if buf.starts_with(b"\r\n") || buf.starts_with(b"\n") {
                         buf.advance(if buf[0] == b'\r' { 2 } else { 1 });
                         self.framing = Framing::Done;
-                        return Ok(Decoded::End);
+                        return Ok(Step::End);
                     }
                     let Some(at) = memchr::memmem::find(buf, b"\r\n\r\n") else {
                         return self.more(buf);
@@ -707,10 +698,45 @@ impl Decoder {
                     let trailers = parse_trailers(&buf[..at + 4])?;
                     buf.advance(at + 4);
                     self.framing = Framing::Done;
-                    return Ok(Decoded::Frame(Frame::trailers(trailers)));
+                    return Ok(Step::Trailers(trailers));
+                }
+            };
+            if buf.is_empty() {
+                return Ok(Step::More);
+            }
+            return Ok(Step::Data(
+                usize::try_from(left).unwrap_or(usize::MAX).min(buf.len()),
+            ));
+        }
+    }
+
+    /// `n` bytes of data, as [`Decoder::step`] announced, were taken from
+    /// the front of `buf`.
+    fn took(&mut self, buf: &mut BytesMut, n: usize) -> Result<(), Error> {
+        match self.framing {
+            Framing::Length(left) => {
+                let rest = left - n as u64;
+                self.framing = if rest == 0 {
+                    Framing::Done
+                } else {
+                    Framing::Length(rest)
+                };
+            }
+            Framing::Chunked(Chunk::Data(left)) => {
+                let rest = left - n as u64;
+                if rest == 0 {
+                    self.framing = Framing::Chunked(Chunk::DataEnd);
+                    // The body's end, when it is already here, ends the
+                    // body with this data (the connection goes back to the
+                    // pool as the last data leaves).
+                    self.skip_end(buf)?;
+                } else {
+                    self.framing = Framing::Chunked(Chunk::Data(rest));
                 }
             }
+            _ => {}
         }
+        Ok(())
     }
 
     /// After a chunk's data: consumes its line end, and the last chunk with
@@ -734,11 +760,11 @@ impl Decoder {
         Ok(())
     }
 
-    fn more(&self, buf: &BytesMut) -> Result<Decoded, Error> {
+    fn more(&self, buf: &BytesMut) -> Result<Step, Error> {
         if buf.len() > MAX_LINE {
             return Err(Error::Parse("chunk-size line or trailers too long"));
         }
-        Ok(Decoded::More)
+        Ok(Step::More)
     }
 
     /// The connection ended: the end of a body read to the close, else an
@@ -774,20 +800,28 @@ fn parse_trailers(block: &[u8]) -> Result<HeaderMap, Error> {
 
 /// A chunk-size line (without its LF): hex digits, then extensions.
 fn chunk_size(line: &[u8]) -> Result<u64, Error> {
+    const BAD: Error = Error::Parse("bad chunk size");
     let line = line.strip_suffix(b"\r").unwrap_or(line);
-    let digits = line
-        .iter()
-        .position(|b| !b.is_ascii_hexdigit())
-        .unwrap_or(line.len());
-    if digits == 0 || digits > 16 {
-        return Err(Error::Parse("bad chunk size"));
+    let mut size: u64 = 0;
+    let mut digits = 0;
+    for &b in line {
+        let d = match b {
+            b'0'..=b'9' => b - b'0',
+            b'a'..=b'f' => b - b'a' + 10,
+            b'A'..=b'F' => b - b'A' + 10,
+            b';' | b' ' | b'\t' => break,
+            _ => return Err(BAD),
+        };
+        digits += 1;
+        if digits > 16 {
+            return Err(BAD);
+        }
+        size = size << 4 | u64::from(d);
     }
-    match line.get(digits) {
-        None | Some(b';' | b' ' | b'\t') => {}
-        Some(_) => return Err(Error::Parse("bad chunk size")),
+    if digits == 0 {
+        return Err(BAD);
     }
-    let hex = std::str::from_utf8(&line[..digits]).map_err(|_| Error::Parse("bad chunk size"))?;
-    u64::from_str_radix(hex, 16).map_err(|_| Error::Parse("bad chunk size"))
+    Ok(size)
 }
 
 /// The body of a response being read, and the connection it is read from.
@@ -857,27 +891,32 @@ impl Reading {
         }
     }
 
-    /// `first` and the data decodable after it from what was already read.
+    /// `first` and the data decodable after it from what was already read,
+    /// copied together straight from the read buffer.
     fn join(&mut self, first: Bytes) -> Bytes {
         let mut joined: Option<BytesMut> = None;
+        let buf = &mut self.conn.buf;
         loop {
-            match self.decoder.decode(&mut self.conn.buf) {
-                Ok(Decoded::Frame(f)) => match f.into_data() {
-                    Ok(more) => joined
+            match self.decoder.step(buf) {
+                Ok(Step::Data(n)) => {
+                    joined
                         .get_or_insert_with(|| {
-                            let mut j = BytesMut::with_capacity(
-                                first.len() + more.len() + self.conn.buf.len(),
-                            );
+                            let mut j = BytesMut::with_capacity(first.len() + buf.len());
                             j.extend_from_slice(&first);
                             j
                         })
-                        .extend_from_slice(&more),
-                    Err(trailers) => {
-                        self.held = Some(Ok(trailers));
+                        .extend_from_slice(&buf[..n]);
+                    buf.advance(n);
+                    if let Err(e) = self.decoder.took(buf, n) {
+                        self.held = Some(Err(e));
                         break;
                     }
-                },
-                Ok(Decoded::More | Decoded::End) => break,
+                }
+                Ok(Step::Trailers(t)) => {
+                    self.held = Some(Ok(Frame::trailers(t)));
+                    break;
+                }
+                Ok(Step::End | Step::More) => break,
                 Err(e) => {
                     self.held = Some(Err(e));
                     break;

@@ -360,3 +360,18 @@ fn request_bodies_are_framed_as_announced() {
         Err(Error::RequestLength)
     ));
 }
+
+#[test]
+fn chunk_size_lines() {
+    assert_eq!(chunk_size(b"1a\r").unwrap(), 26);
+    assert_eq!(chunk_size(b"1A;name=v").unwrap(), 26);
+    assert_eq!(chunk_size(b"0").unwrap(), 0);
+    assert_eq!(chunk_size(b"ffffffffffffffff").unwrap(), u64::MAX);
+    for bad in [&b""[..], b"\r", b"g", b"1g", b";x", b"11111111111111111"] {
+        assert!(
+            chunk_size(bad).is_err(),
+            "{:?}",
+            String::from_utf8_lossy(bad)
+        );
+    }
+}
