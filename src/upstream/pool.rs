@@ -544,24 +544,36 @@ mod tests {
         req
     }
 
-    #[tokio::test]
-    async fn an_answer_that_comes_before_the_whole_request_is_read_and_the_connection_dropped() {
-        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    /// An upstream whose first connection reads a request head and sends
+    /// `first` (left open), and whose second connection answers `second`:
+    /// a test that the pool does not use the first connection again.
+    fn upstream_not_reused(
+        first: &'static [u8],
+        second: &'static str,
+    ) -> (std::net::SocketAddr, tokio::task::JoinHandle<TcpStream>) {
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        listener.set_nonblocking(true).unwrap();
         let addr = listener.local_addr().unwrap();
         let server = tokio::spawn(async move {
-            let (mut first, _) = listener.accept().await.unwrap();
-            // The head only: the upstream refuses before the body.
-            assert!(read_head(&mut first).await);
-            first
-                .write_all(b"HTTP/1.1 413 Payload Too Large\r\ncontent-length: 3\r\n\r\nbig")
-                .await
-                .unwrap();
-            // Its request was not written to the end: the next one must
-            // come on a new connection.
-            let (mut second, _) = listener.accept().await.unwrap();
-            answer(&mut second, "ok").await;
-            first
+            let listener = TcpListener::from_std(listener).unwrap();
+            let (mut s, _) = listener.accept().await.unwrap();
+            assert!(read_head(&mut s).await);
+            s.write_all(first).await.unwrap();
+            let (mut again, _) = listener.accept().await.unwrap();
+            answer(&mut again, second).await;
+            s
         });
+        (addr, server)
+    }
+
+    #[tokio::test]
+    async fn an_answer_that_comes_before_the_whole_request_is_read_and_the_connection_dropped() {
+        // The upstream refuses after the head, before the body: the
+        // request was not written to the end, its connection is not reused.
+        let (addr, server) = upstream_not_reused(
+            b"HTTP/1.1 413 Payload Too Large\r\ncontent-length: 3\r\n\r\nbig",
+            "ok",
+        );
         let pool = pool();
         let resp = pool
             .request(post(addr, super::super::body::boxed(Stalled)))
@@ -644,19 +656,10 @@ mod tests {
 
     #[tokio::test]
     async fn a_response_that_says_close_is_not_pooled() {
-        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let addr = listener.local_addr().unwrap();
-        let server = tokio::spawn(async move {
-            let (mut first, _) = listener.accept().await.unwrap();
-            assert!(read_head(&mut first).await);
-            first
-                .write_all(b"HTTP/1.1 200 OK\r\nconnection: close\r\ncontent-length: 3\r\n\r\none")
-                .await
-                .unwrap();
-            let (mut second, _) = listener.accept().await.unwrap();
-            answer(&mut second, "two").await;
-            first
-        });
+        let (addr, server) = upstream_not_reused(
+            b"HTTP/1.1 200 OK\r\nconnection: close\r\ncontent-length: 3\r\n\r\none",
+            "two",
+        );
         let pool = pool();
         assert_eq!(&body_of(&pool, addr).await[..], b"one");
         assert_eq!(&body_of(&pool, addr).await[..], b"two");

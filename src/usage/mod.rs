@@ -503,6 +503,18 @@ impl UsageExtractor {
 
     /// Feeds the next body bytes.
     pub fn feed(&mut self, data: &[u8]) {
+        self.feed_while(data, false);
+    }
+
+    /// [`UsageExtractor::feed`] for a reader of the stream's start only: an
+    /// SSE body is scanned until its start is decided, not further (a burst
+    /// of a whole response read at once is not scanned twice, here and by
+    /// the tap that reads it after).
+    pub(crate) fn feed_start(&mut self, data: &[u8]) {
+        self.feed_while(data, true);
+    }
+
+    fn feed_while(&mut self, data: &[u8], undecided_only: bool) {
         self.bytes += data.len() as u64;
         match self.kind {
             BodyKind::Sse => {
@@ -513,7 +525,10 @@ impl UsageExtractor {
                     parse_failures,
                     ..
                 } = self;
-                scanner.feed(data, |ev| on_event(ev, report, start, parse_failures));
+                scanner.feed_until(data, |ev| {
+                    on_event(ev, report, start, parse_failures);
+                    !undecided_only || *start == StreamStart::Undecided
+                });
             }
             BodyKind::Json => {
                 if self.json_oversized {
@@ -527,28 +542,6 @@ impl UsageExtractor {
                 }
             }
         }
-    }
-
-    /// [`UsageExtractor::feed`] for a reader of the stream's start only: an
-    /// SSE body is scanned until its start is decided, not further (a burst
-    /// of a whole response read at once is not scanned twice, here and by
-    /// the tap that reads it after).
-    pub(crate) fn feed_start(&mut self, data: &[u8]) {
-        let BodyKind::Sse = self.kind else {
-            return self.feed(data);
-        };
-        self.bytes += data.len() as u64;
-        let Self {
-            scanner,
-            report,
-            start,
-            parse_failures,
-            ..
-        } = self;
-        scanner.feed_until(data, |ev| {
-            on_event(ev, report, start, parse_failures);
-            *start == StreamStart::Undecided
-        });
     }
 
     /// Ends the body: parses a JSON body, or flushes an SSE event left
