@@ -516,11 +516,14 @@ impl Facts {
 
     fn note(&mut self, name: &HeaderName, value: &[u8]) -> Result<(), Error> {
         if name == header::CONTENT_LENGTH {
-            let n = parse_length(trim(value)).ok_or(Error::Parse("bad Content-Length"))?;
-            if self.length.is_some_and(|l| l != n) {
-                return Err(Error::Parse("conflicting Content-Length"));
+            // `5, 5` is one length said twice (as hyper reads it).
+            for part in value.split(|&b| b == b',') {
+                let n = parse_length(trim(part)).ok_or(Error::Parse("bad Content-Length"))?;
+                if self.length.is_some_and(|l| l != n) {
+                    return Err(Error::Parse("conflicting Content-Length"));
+                }
+                self.length = Some(n);
             }
-            self.length = Some(n);
         } else if name == header::TRANSFER_ENCODING {
             self.transfer_encoded = true;
             self.chunked = value

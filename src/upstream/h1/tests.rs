@@ -214,6 +214,15 @@ fn keep_alive_follows_the_version_and_connection_header() {
 }
 
 #[test]
+fn a_length_said_twice_is_one_length() {
+    let wire = b"HTTP/1.1 200 OK\r\ncontent-length: 2, 2\r\ncontent-length: 2\r\n\r\nok";
+    let (_, data, _, _) = read_all(wire, false, &[]).unwrap();
+    assert_eq!(data, b"ok");
+    let bad = b"HTTP/1.1 200 OK\r\ncontent-length: 2, 3\r\n\r\nok";
+    assert!(matches!(read_all(bad, false, &[]), Err(Error::Parse(_))));
+}
+
+#[test]
 fn malformed_framing_is_an_error() {
     let cases: &[&[u8]] = &[
         b"HTTP/1.1 200 OK\r\ncontent-length: 1\r\ncontent-length: 2\r\n\r\nxx",
