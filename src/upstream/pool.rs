@@ -284,8 +284,9 @@ impl Pool {
             reading: Some(Reading::new(conn, decoder, keep_alive)),
             shared: Arc::clone(&self.shared),
             origin,
+            end_owed: false,
         };
-        if body.is_end_stream() {
+        if body.reading.as_ref().is_some_and(Reading::is_done) {
             body.finish();
         }
         Ok(response.map(|()| body))
@@ -327,6 +328,11 @@ pub struct UpstreamBody {
     reading: Option<Reading>,
     shared: Arc<Shared>,
     origin: Origin,
+    /// The connection went back with the last data frame, but the end is
+    /// not said until the next poll: a body that says it ended with its
+    /// first frame gets a `Content-Length` from hyper's server, which a
+    /// chunked or close-delimited response did not have.
+    end_owed: bool,
 }
 
 impl std::fmt::Debug for UpstreamBody {
@@ -357,13 +363,17 @@ impl Body for UpstreamBody {
         cx: &mut Context<'_>,
     ) -> Poll<Option<Result<Frame<Bytes>, h1::Error>>> {
         let Some(reading) = self.reading.as_mut() else {
+            self.end_owed = false;
             return Poll::Ready(None);
         };
         let polled = reading.poll_frame(cx);
         let done = reading.is_done();
         match &polled {
             Poll::Ready(None) => self.finish(),
-            Poll::Ready(Some(Ok(_))) if done => self.finish(),
+            Poll::Ready(Some(Ok(_))) if done => {
+                self.end_owed = true;
+                self.finish()
+            }
             Poll::Ready(Some(Err(_))) => self.reading = None,
             _ => {}
         }
@@ -371,7 +381,7 @@ impl Body for UpstreamBody {
     }
 
     fn is_end_stream(&self) -> bool {
-        self.reading.as_ref().is_none_or(Reading::is_done)
+        self.reading.is_none() && !self.end_owed
     }
 
     fn size_hint(&self) -> SizeHint {
