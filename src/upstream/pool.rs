@@ -385,6 +385,10 @@ impl Body for UpstreamBody {
     }
 
     fn size_hint(&self) -> SizeHint {
+        if self.end_owed {
+            // Unknown, as the end is not said yet (see `end_owed`).
+            return SizeHint::default();
+        }
         self.reading
             .as_ref()
             .map_or(SizeHint::with_exact(0), |r| r.decoder.size_hint())

@@ -290,9 +290,13 @@ where
     }
 
     fn is_end_stream(&self) -> bool {
+        // Not after the prefix of a body read whole by the peek: a body that
+        // says it ended with its first frame is given a Content-Length by
+        // hyper's server, which the upstream's chunked response did not have.
         self.prefix.is_empty()
             && self.error.is_none()
-            && (self.inner_done || self.inner.is_end_stream())
+            && !self.inner_done
+            && self.inner.is_end_stream()
     }
 
     fn size_hint(&self) -> SizeHint {
@@ -302,7 +306,11 @@ where
             .filter_map(|f| f.data_ref().map(|d| d.len() as u64))
             .sum();
         if self.inner_done {
-            return SizeHint::with_exact(held);
+            // Not exact: hyper's server would frame a chunked response
+            // with a Content-Length the upstream did not send.
+            let mut hint = SizeHint::new();
+            hint.set_lower(held);
+            return hint;
         }
         let inner = self.inner.size_hint();
         let mut h = SizeHint::new();
