@@ -154,13 +154,9 @@ where
     }
 
     fn is_end_stream(&self) -> bool {
-        // Not after a frame released at the inner body's end: a body that
-        // says it ended with its first frame is given a Content-Length by
-        // hyper's server, which the upstream's chunked response did not have.
         self.gathered() == 0
             && self.tail.is_none()
-            && !self.inner_done
-            && self.inner.is_end_stream()
+            && (self.inner_done || self.inner.is_end_stream())
     }
 
     fn size_hint(&self) -> SizeHint {

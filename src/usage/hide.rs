@@ -575,10 +575,7 @@ where
     }
 
     fn is_end_stream(&self) -> bool {
-        // Said only by polling: a body that says it ended with its first
-        // frame (a whole stream read at once) is given a Content-Length by
-        // hyper's server, which the upstream's chunked response did not have.
-        false
+        self.done && self.trailers.is_none() && self.error.is_none()
     }
 
     fn size_hint(&self) -> SizeHint {

@@ -290,13 +290,9 @@ where
     }
 
     fn is_end_stream(&self) -> bool {
-        // Not after the prefix of a body read whole by the peek: a body that
-        // says it ended with its first frame is given a Content-Length by
-        // hyper's server, which the upstream's chunked response did not have.
         self.prefix.is_empty()
             && self.error.is_none()
-            && !self.inner_done
-            && self.inner.is_end_stream()
+            && (self.inner_done || self.inner.is_end_stream())
     }
 
     fn size_hint(&self) -> SizeHint {
