@@ -488,6 +488,43 @@ mod tests {
     }
 
     #[tokio::test]
+    async fn a_chunked_body_read_whole_says_its_end_only_after_its_last_frame() {
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let (sent_tx, sent_rx) = tokio::sync::oneshot::channel();
+        tokio::spawn(async move {
+            let (mut s, _) = listener.accept().await.unwrap();
+            assert!(read_head(&mut s).await);
+            // Head, one chunk and the last chunk in one write: read whole.
+            let resp = "HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n3\r\nabc\r\n0\r\n\r\n";
+            s.write_all(resp.as_bytes()).await.unwrap();
+            sent_tx.send(()).unwrap();
+            tokio::time::sleep(Duration::from_millis(500)).await;
+        });
+        let pool = pool();
+        let resp = pool.request(get(addr)).await.unwrap();
+        sent_rx.await.unwrap();
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        let mut body = std::pin::pin!(resp.into_body());
+        let mut cx = Context::from_waker(std::task::Waker::noop());
+        let Poll::Ready(Some(Ok(frame))) = body.as_mut().poll_frame(&mut cx) else {
+            panic!("the chunk was read with the head");
+        };
+        assert_eq!(&frame.into_data().unwrap()[..], b"abc");
+        // hyper's server writes a response head from these: an end or an
+        // exact size here would give the client a Content-Length that the
+        // upstream's chunked response did not have.
+        assert!(!body.is_end_stream(), "the end is said on the next poll");
+        assert_eq!(body.size_hint().exact(), None);
+        assert!(matches!(
+            body.as_mut().poll_frame(&mut cx),
+            Poll::Ready(None)
+        ));
+        assert!(body.is_end_stream());
+        assert_eq!(body.size_hint().exact(), Some(0));
+    }
+
+    #[tokio::test]
     async fn a_connection_goes_back_to_the_pool_and_is_used_again() {
         let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
         let addr = listener.local_addr().unwrap();
