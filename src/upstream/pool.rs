@@ -447,30 +447,36 @@ mod tests {
         true
     }
 
-    #[tokio::test]
-    async fn frames_already_received_come_out_without_waiting_for_another_task() {
+    /// The body of a GET answered with `first` in one write (read by the
+    /// time this returns), then `later` 200 ms after.
+    async fn body_read_in_one_write(first: Vec<u8>, later: &'static [u8]) -> UpstreamBody {
         let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
         let addr = listener.local_addr().unwrap();
         let (sent_tx, sent_rx) = tokio::sync::oneshot::channel();
         tokio::spawn(async move {
             let (mut s, _) = listener.accept().await.unwrap();
             assert!(read_head(&mut s).await);
-            let mut resp = b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n".to_vec();
-            for i in 0..10 {
-                resp.extend_from_slice(format!("2\r\n{i}\n\r\n").as_bytes());
-            }
-            // Ten chunks in one write; the end of the body comes later.
-            s.write_all(&resp).await.unwrap();
+            s.write_all(&first).await.unwrap();
             sent_tx.send(()).unwrap();
             tokio::time::sleep(Duration::from_millis(200)).await;
-            s.write_all(b"0\r\n\r\n").await.unwrap();
+            s.write_all(later).await.unwrap();
             tokio::time::sleep(Duration::from_millis(200)).await;
         });
-        let pool = pool();
-        let resp = pool.request(get(addr)).await.unwrap();
+        let resp = pool().request(get(addr)).await.unwrap();
         sent_rx.await.unwrap();
         tokio::time::sleep(Duration::from_millis(50)).await;
-        let mut body = std::pin::pin!(resp.into_body());
+        resp.into_body()
+    }
+
+    #[tokio::test]
+    async fn frames_already_received_come_out_without_waiting_for_another_task() {
+        let mut resp = b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n".to_vec();
+        for i in 0..10 {
+            resp.extend_from_slice(format!("2\r\n{i}\n\r\n").as_bytes());
+        }
+        // Ten chunks in one write; the end of the body comes later.
+        let body = body_read_in_one_write(resp, b"0\r\n\r\n").await;
+        let mut body = std::pin::pin!(body);
         let mut cx = Context::from_waker(std::task::Waker::noop());
         let mut got = Vec::new();
         let mut frames = 0;
@@ -489,23 +495,10 @@ mod tests {
 
     #[tokio::test]
     async fn a_chunked_body_read_whole_says_its_end_only_after_its_last_frame() {
-        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let addr = listener.local_addr().unwrap();
-        let (sent_tx, sent_rx) = tokio::sync::oneshot::channel();
-        tokio::spawn(async move {
-            let (mut s, _) = listener.accept().await.unwrap();
-            assert!(read_head(&mut s).await);
-            // Head, one chunk and the last chunk in one write: read whole.
-            let resp = "HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n3\r\nabc\r\n0\r\n\r\n";
-            s.write_all(resp.as_bytes()).await.unwrap();
-            sent_tx.send(()).unwrap();
-            tokio::time::sleep(Duration::from_millis(500)).await;
-        });
-        let pool = pool();
-        let resp = pool.request(get(addr)).await.unwrap();
-        sent_rx.await.unwrap();
-        tokio::time::sleep(Duration::from_millis(50)).await;
-        let mut body = std::pin::pin!(resp.into_body());
+        // Head, one chunk and the last chunk in one write: read whole.
+        let resp = b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n3\r\nabc\r\n0\r\n\r\n";
+        let body = body_read_in_one_write(resp.to_vec(), b"").await;
+        let mut body = std::pin::pin!(body);
         let mut cx = Context::from_waker(std::task::Waker::noop());
         let Poll::Ready(Some(Ok(frame))) = body.as_mut().poll_frame(&mut cx) else {
             panic!("the chunk was read with the head");
