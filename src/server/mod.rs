@@ -1,5 +1,6 @@
 //! The server layer: the state every request shares, bind, the accept loop
-//! and graceful shutdown; [`router`] dispatches each request, [`admin`]
+//! and graceful shutdown; [`h1`] reads requests and writes responses (hyper's
+//! server for what it leaves), [`router`] dispatches each request, [`admin`]
 //! serves the session view.
 //!
 //! Below it, [`crate::chat`] walks a chat completion and [`crate::upstream`]
@@ -9,6 +10,7 @@ pub mod admin;
 pub mod conn;
 pub mod cores;
 pub mod fdlimit;
+pub(crate) mod h1;
 pub mod router;
 pub mod ui;
 
@@ -22,7 +24,7 @@ use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
 use hyper_util::server::conn::auto;
 use hyper_util::server::graceful::GracefulShutdown;
 use tokio::net::TcpListener;
-use tokio::sync::oneshot;
+use tokio::sync::{oneshot, watch};
 use tokio::task::JoinHandle;
 
 use crate::chat::ChatState;
@@ -189,7 +191,11 @@ where
         .half_close(true)
         .writev(false);
     builder.http2().timer(TokioTimer::new());
+    let builder = Arc::new(builder);
+    // hyper's connections (those handed over by `h1`) are watched by
+    // `graceful`; compactor's own by `own`, whose receivers they hold.
     let graceful = GracefulShutdown::new();
+    let (own, _) = watch::channel(());
     tokio::pin!(shutdown);
     // Idle sessions and records are dropped by this loop, so the sweep
     // stops with the server.
@@ -221,7 +227,7 @@ where
                     continue;
                 }
                 let Some(b) = balance.as_ref() else {
-                    serve_connection(&builder, &graceful, &state, stream, None);
+                    serve_connection(&builder, &graceful, &own, &state, stream, None);
                     continue;
                 };
                 match b.place(stream) {
@@ -235,7 +241,7 @@ where
             },
             () = &mut shutdown => break,
         };
-        serve_connection(&builder, &graceful, &state, stream, load);
+        serve_connection(&builder, &graceful, &own, &state, stream, load);
     }
     drop(listener);
     let grace = state.config.timeouts.shutdown_grace;
@@ -245,17 +251,24 @@ where
             "shutting down, draining in-flight requests"
         );
     }
+    let own_closed = async {
+        own.send_replace(());
+        own.closed().await;
+    };
     tokio::select! {
-        () = graceful.shutdown() => true,
+        _ = async { tokio::join!(graceful.shutdown(), own_closed) } => true,
         () = tokio::time::sleep(grace) => false,
     }
 }
 
 /// Serves one accepted client connection in a task of its own; `load`
 /// (its thread's share of the connections) is given back when it ends.
+/// compactor's own server ([`h1`]) takes it first; hyper takes over for
+/// what `h1` leaves to it.
 fn serve_connection(
-    builder: &auto::Builder<TokioExecutor>,
+    builder: &Arc<auto::Builder<TokioExecutor>>,
     graceful: &GracefulShutdown,
+    own: &watch::Sender<()>,
     state: &Arc<AppState>,
     stream: tokio::net::TcpStream,
     load: Option<cores::Load>,
@@ -266,23 +279,41 @@ fn serve_connection(
     let metrics = &state.metrics;
     metrics.connection_opened();
     let activity = Arc::new(conn::Activity::default());
-    let io = conn::IdleIo::new(
+    let mut io = conn::IdleIo::new(
         stream,
         state.config.timeouts.client_idle,
         Arc::clone(&activity),
         Arc::clone(metrics),
     );
+    // Both subscribed here, before a shutdown can begin, so none is missed.
+    let watcher = graceful.watcher();
+    let mut shutdown = own.subscribe();
+    let builder = Arc::clone(builder);
     let st = Arc::clone(state);
-    let service = service_fn(move |req| {
-        let active = conn::Active::new(&activity);
-        router::handle_on(Arc::clone(&st), req, Some(active))
-    });
-    let conn = builder.serve_connection(TokioIo::new(io), service);
-    let conn = graceful.watch(conn.into_owned());
     let metrics = Arc::clone(metrics);
     tokio::spawn(async move {
-        if let Err(e) = conn.await {
-            tracing::debug!(error = %e, "connection ended with error");
+        let handle = |req| {
+            let active = conn::Active::new(&activity);
+            let response = router::handle_on(Arc::clone(&st), req, Some(active));
+            async move {
+                match response.await {
+                    Ok(response) => response,
+                    Err(never) => match never {},
+                }
+            }
+        };
+        let ended = h1::serve(&mut io, handle, &mut shutdown).await;
+        drop(shutdown);
+        if let h1::Ended::Handoff(prefix) = ended {
+            let service = service_fn(move |req| {
+                let active = conn::Active::new(&activity);
+                router::handle_on(Arc::clone(&st), req, Some(active))
+            });
+            let io = TokioIo::new(h1::Rewind::new(prefix, io));
+            let conn = builder.serve_connection(io, service).into_owned();
+            if let Err(e) = watcher.watch(conn).await {
+                tracing::debug!(error = %e, "connection ended with error");
+            }
         }
         metrics.connection_closed();
         drop(load);

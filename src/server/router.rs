@@ -13,11 +13,10 @@ use std::time::Duration;
 use bytes::Bytes;
 use http::{header, HeaderValue, Method, Request, Response, StatusCode};
 use http_body_util::BodyExt;
-use hyper::body::Incoming;
 
 use super::AppState;
 use crate::codec::Api;
-use crate::error::{error_response, full_body, ProxyBody, ProxyError};
+use crate::error::{error_response, full_body, BoxError, ProxyBody, ProxyError};
 use crate::metrics::Metrics;
 use crate::upstream::body::{
     observed, ByteBudget, Eos, FlushBeforeError, LimitedBody, ProxyReqBody,
@@ -109,21 +108,18 @@ impl Route {
     }
 }
 
-/// The hyper service entry point: route, dispatch, observe.
-pub async fn handle(
-    state: Arc<AppState>,
-    req: Request<Incoming>,
-) -> Result<Response<ProxyBody>, Infallible> {
-    handle_on(state, req, None).await
-}
-
-/// [`handle`] for a request on a served connection: `active` marks the
+/// Routes, dispatches and observes a request on a served connection (read
+/// by [`super::h1`] with its body whole, or by hyper): `active` marks the
 /// connection busy until the response body ends (idle timeout).
-pub async fn handle_on(
+pub async fn handle_on<B>(
     state: Arc<AppState>,
-    req: Request<Incoming>,
+    req: Request<B>,
     active: Option<super::conn::Active>,
-) -> Result<Response<ProxyBody>, Infallible> {
+) -> Result<Response<ProxyBody>, Infallible>
+where
+    B: http_body::Body<Data = Bytes> + Send + 'static,
+    B::Error: Into<BoxError>,
+{
     let in_flight = InFlight::new(Arc::clone(&state.metrics));
     let method = req.method().clone();
     let path = req.uri().path().to_owned();
@@ -232,11 +228,15 @@ fn millis(d: Duration) -> f64 {
 
 /// Rejects a declared oversize body up front and wraps the body so the
 /// limit is also enforced while streaming (chunked uploads).
-fn limit_request(
+fn limit_request<B>(
     state: &AppState,
-    req: Request<Incoming>,
+    req: Request<B>,
     stats: &Arc<RequestStats>,
-) -> Result<Request<ProxyReqBody>, ProxyError> {
+) -> Result<Request<ProxyReqBody>, ProxyError>
+where
+    B: http_body::Body<Data = Bytes> + Send + 'static,
+    B::Error: Into<BoxError>,
+{
     let limit = state.config.max_body_bytes;
     let declared = req
         .headers()

@@ -460,7 +460,9 @@ fn parse_head(buf: &mut BytesMut, is_head: bool) -> Result<Option<Head>, Error> 
         // Header values are slices of one copy of the head.
         let raw = Bytes::copy_from_slice(&buf[..len]);
         let base = buf.as_ptr() as usize;
-        let mut headers = HeaderMap::with_capacity(parsed.headers.len());
+        // Room for the headers compactor adds to a response (its
+        // `x-compactor-*` ones): growing a full map rehashes it.
+        let mut headers = HeaderMap::with_capacity(parsed.headers.len() + 8);
         let mut facts = Facts::new(version);
         for f in parsed.headers.iter() {
             let name = HeaderName::from_bytes(f.name.as_bytes())
