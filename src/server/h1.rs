@@ -618,7 +618,7 @@ fn implied_framing(
         }
         Declared::Known(n) if can_have_content_length(status) => {
             out.extend_from_slice(b"content-length: ");
-            decimal(out, n);
+            out.extend_from_slice(crate::telemetry::line::decimal(n, &mut [0; 20]).as_bytes());
             out.extend_from_slice(b"\r\n");
             Framing::Length(n)
         }
@@ -786,21 +786,6 @@ fn is_chunked(value: &[u8]) -> bool {
         .rsplit(|&b| b == b',')
         .next()
         .is_some_and(|t| t.trim_ascii().eq_ignore_ascii_case(b"chunked"))
-}
-
-/// Appends `n` in decimal.
-fn decimal(out: &mut Vec<u8>, mut n: u64) {
-    let mut digits = [0u8; 20];
-    let mut at = digits.len();
-    loop {
-        at -= 1;
-        digits[at] = b'0' + (n % 10) as u8;
-        n /= 10;
-        if n == 0 {
-            break;
-        }
-    }
-    out.extend_from_slice(&digits[at..]);
 }
 
 /// Appends `date: <now>\r\n`, formatted once a second per thread.
