@@ -43,6 +43,7 @@ use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, ReadBuf};
 use tokio::sync::watch;
 
 use crate::error::ProxyBody;
+use crate::upstream::h1::parse_length;
 
 /// Header fields a request served here may have (hyper takes up to 100).
 pub(crate) const MAX_HEADERS: usize = 64;
@@ -194,10 +195,13 @@ fn parse(buf: &mut BytesMut, names: &mut Vec<Field>) -> Parsed {
             return Parsed::Hyper;
         };
         match name {
-            header::CONTENT_LENGTH => match parse_length(f.value) {
-                Some(n) if length.is_none() => length = Some(n),
-                _ => return Parsed::Hyper,
-            },
+            // Anything but digits is hyper's call.
+            header::CONTENT_LENGTH => {
+                match parse_length(f.value).and_then(|n| usize::try_from(n).ok()) {
+                    Some(n) if length.is_none() => length = Some(n),
+                    _ => return Parsed::Hyper,
+                }
+            }
             header::TRANSFER_ENCODING | header::EXPECT | header::UPGRADE => return Parsed::Hyper,
             header::CONNECTION if has_token(f.value, b"close") => return Parsed::Hyper,
             header::TE => te_trailers |= has_token(f.value, b"trailers"),
@@ -251,14 +255,6 @@ fn build(
     *request.version_mut() = Version::HTTP_11;
     *request.headers_mut() = headers;
     Some(request)
-}
-
-/// A `Content-Length` value: digits only (anything else is hyper's call).
-pub(crate) fn parse_length(v: &[u8]) -> Option<usize> {
-    if v.is_empty() || v.len() > 15 || !v.iter().all(u8::is_ascii_digit) {
-        return None;
-    }
-    std::str::from_utf8(v).ok()?.parse().ok()
 }
 
 /// Whether a comma-separated header value lists `token` (any case).
@@ -711,7 +707,7 @@ impl Fields<'_> {
                 return Ok(());
             }
             Declared::Known(n) => n,
-            Declared::Unknown => parse_length(value.as_bytes()).ok_or(BadHead)? as u64,
+            Declared::Unknown => parse_length(value.as_bytes()).ok_or(BadHead)?,
         };
         match &self.framing {
             // A later value of the same field: the first one stands (when

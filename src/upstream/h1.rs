@@ -173,8 +173,9 @@ pub(crate) fn encode_head(
     Ok((Bytes::from(out), framing))
 }
 
-/// A `Content-Length` value: digits only.
-fn parse_length(v: &[u8]) -> Option<u64> {
+/// A `Content-Length` value: digits only (anything else is not a length
+/// either side of the proxy reads).
+pub(crate) fn parse_length(v: &[u8]) -> Option<u64> {
     if v.is_empty() || v.len() > 19 || !v.iter().all(u8::is_ascii_digit) {
         return None;
     }
