@@ -260,9 +260,14 @@ async fn size_up(
     (overhead, window, max_out): (u64, u64, Option<u64>),
 ) -> (Estimate, u64) {
     let mut est = estimate(conv, out, overhead, creq.rough());
+    // The counts are boxed: they run on a conversation's first turns and
+    // near the window's edge, and their state (an upstream call) inline
+    // would be part of every request's preparation, copied as it is boxed.
     if first_count_due(&est, window) {
         let counting = (overhead, est.clone());
-        if let Some(counted) = count_now(chat, upstream, client, conv, creq, out, counting).await {
+        if let Some(counted) =
+            Box::pin(count_now(chat, upstream, client, conv, creq, out, counting)).await
+        {
             est = counted;
         }
     }
@@ -270,7 +275,9 @@ async fn size_up(
     let mut margin = super::decide::estimate_margin(&est, last_real);
     if super::decide::count_due(&est, last_real, window, max_out.unwrap_or(0)) {
         let counting = (overhead, est.clone());
-        if let Some(counted) = count_now(chat, upstream, client, conv, creq, out, counting).await {
+        if let Some(counted) =
+            Box::pin(count_now(chat, upstream, client, conv, creq, out, counting)).await
+        {
             est = counted;
             margin = est.tokens / 100;
         }

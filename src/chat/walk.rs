@@ -65,8 +65,10 @@ pub async fn handle_api(
 ) -> Response<ProxyBody> {
     let (mut parts, body) = req.into_parts();
     // A compressed body cannot be read without decoding it: forward untouched.
+    // The rare branches' awaits are boxed: inline, their state would be
+    // part of every request's future, copied each time it moves.
     if parts.headers.contains_key(header::CONTENT_ENCODING) {
-        return upstream.forward(Request::from_parts(parts, body)).await;
+        return Box::pin(upstream.forward(Request::from_parts(parts, body))).await;
     }
     let seen = parts
         .extensions
@@ -81,7 +83,7 @@ pub async fn handle_api(
     // Once per request: a retry prepares the same decoded request again.
     let creq = match worker::decode(chat, api, bytes.clone()).await {
         Ok(creq) => creq,
-        Err(e) => return unmapped(chat, upstream, api, (parts, bytes), &e).await,
+        Err(e) => return Box::pin(unmapped(chat, upstream, api, (parts, bytes), &e)).await,
     };
     let (job, client_headers, key) = job_for(chat, upstream, &mut parts, creq, bytes.len());
     let (mut prepared, mut job) = match worker::run(job).await {

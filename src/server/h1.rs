@@ -28,6 +28,7 @@
 //! them, and `Connection: close` once a shutdown began.
 
 use std::cell::RefCell;
+use std::convert::Infallible;
 use std::future::{poll_fn, Future};
 use std::io::{self, IoSlice};
 use std::pin::Pin;
@@ -81,7 +82,9 @@ pub(crate) async fn serve<I, H, F>(
 where
     I: AsyncRead + AsyncWrite + Unpin,
     H: FnMut(Request<RequestBody>) -> F,
-    F: Future<Output = Response<ProxyBody>>,
+    // The router's own future, as it is: a wrapper around it to take the
+    // `Ok` out would be one more copy of a future of kilobytes a request.
+    F: Future<Output = Result<Response<ProxyBody>, Infallible>>,
 {
     let mut buf = BytesMut::with_capacity(FIRST_READ);
     let mut out = Vec::new();
@@ -120,7 +123,7 @@ where
             head: *request.method() == Method::HEAD,
             trailers: te_trailers,
         };
-        let response = handle(request).await;
+        let Ok(response) = handle(request).await;
         let last = shutdown.has_changed().unwrap_or(true);
         match write_response(io, &mut out, response, asked, last).await {
             Ok(true) => {}

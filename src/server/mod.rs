@@ -294,13 +294,7 @@ fn serve_connection(
     tokio::spawn(async move {
         let handle = |req| {
             let active = conn::Active::new(&activity);
-            let response = router::handle_on(Arc::clone(&st), req, Some(active));
-            async move {
-                match response.await {
-                    Ok(response) => response,
-                    Err(never) => match never {},
-                }
-            }
+            router::handle_on(Arc::clone(&st), req, Some(active))
         };
         let ended = h1::serve(&mut io, handle, &mut shutdown).await;
         drop(shutdown);

@@ -179,7 +179,8 @@ pub(crate) fn parse_length(v: &[u8]) -> Option<u64> {
     if v.is_empty() || v.len() > 19 || !v.iter().all(u8::is_ascii_digit) {
         return None;
     }
-    std::str::from_utf8(v).ok()?.parse().ok()
+    // Nineteen digits fit a u64 (its maximum has twenty).
+    Some(v.iter().fold(0, |n, &d| n * 10 + u64::from(d - b'0')))
 }
 
 /// What is left to write of a request.

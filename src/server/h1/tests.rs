@@ -97,7 +97,7 @@ async fn serve_here(input: &[u8], cuts: &[usize], respond: Respond) -> Served {
                     headers,
                     body.clone(),
                 ));
-                as_routed(respond(&parts, body))
+                Ok(as_routed(respond(&parts, body)))
             }
         };
         serve(&mut server, handle, &mut shutdown).await
@@ -544,7 +544,7 @@ async fn a_shutdown_closes_an_idle_connection_and_ends_the_response_in_flight() 
         let tx = Arc::clone(&tx);
         move |_req: Request<RequestBody>| {
             tx.send_replace(());
-            async { Response::new(full_body(Bytes::from_static(b"ok"))) }
+            async { Ok(Response::new(full_body(Bytes::from_static(b"ok")))) }
         }
     };
     let ended = serve(&mut server, handle, &mut shutdown).await;

@@ -102,6 +102,26 @@ proptest! {
         prop_assert!(head.keep_alive);
         prop_assert_eq!(left, 0);
     }
+
+    /// A length is read as the standard library reads the same digits; any
+    /// other byte, a sign or a twentieth digit makes it no length.
+    #[test]
+    fn a_length_is_its_digits_and_nothing_else(v in prop::collection::vec(any::<u8>(), 0..22)) {
+        let expected = match std::str::from_utf8(&v) {
+            Ok(t) if !t.is_empty() && t.len() <= 19 && t.bytes().all(|b| b.is_ascii_digit()) => {
+                Some(t.parse::<u64>().unwrap())
+            }
+            _ => None,
+        };
+        prop_assert_eq!(parse_length(&v), expected);
+    }
+
+    #[test]
+    fn digit_strings_of_any_size_read_as_their_number(n in any::<u64>(), zeros in 0usize..3) {
+        let text = format!("{}{n}", "0".repeat(zeros));
+        let expected = (text.len() <= 19).then_some(n);
+        prop_assert_eq!(parse_length(text.as_bytes()), expected);
+    }
 }
 
 #[test]
