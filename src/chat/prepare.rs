@@ -131,7 +131,10 @@ pub(super) async fn prepare(
     // client's messages the recorded replacement stood for.
     let mut action = Action::Passthrough;
     let (rows_before, est_before) = (out.messages.len(), est.tokens);
-    let turn = Turn {
+    // On the heap: inline, the turn (224 bytes) is held across the await
+    // below and takes the boxed preparation past the allocator's per-thread
+    // cache (1,032 bytes), into its slow path, once a request.
+    let turn = Box::new(Turn {
         caller: Caller {
             api: creq.api(),
             model: &model,
@@ -155,7 +158,7 @@ pub(super) async fn prepare(
             overflow: overflow.is_some(),
             overflow_counted: overflow.and_then(|o| o.prompt_tokens.or(o.requested)),
         },
-    };
+    });
     match compact_if_due(chat, upstream, conv, &turn).await {
         Booked::Compacted(messages, record) => {
             if record.is_some() {
