@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # User-space instructions per request, counted by valgrind (callgrind):
-# compactor next to the naive proxy (examples/naive_proxy.rs, the price of a
+# compactor next to nginx (configured as scripts/bench_load.sh runs it), the
+# naive proxy (examples/naive_proxy.rs, the price of a
 # bare hyper hop) and the raw hop (examples/raw_hop.rs, a hop with no HTTP
 # library: the floor of a tokio proxy), for each request body of
 # scripts/bench_bodies.sh.
@@ -33,6 +34,7 @@ mkdir -p "$OUT"
 
 command -v wrk >/dev/null || apt-get install -y wrk >/dev/null
 command -v valgrind >/dev/null || apt-get install -y valgrind >/dev/null
+. scripts/bench_nginx.sh
 
 # NO_BUILD=1: use the binaries already in target/perf (an A/B while a build runs).
 [ -n "${NO_BUILD:-}" ] || cargo build --profile perf --bin compactor --example mock_upstream --example naive_proxy --example raw_hop
@@ -87,7 +89,15 @@ count() {
   local pid=$!
   PIDS+=("$pid")
   local addr url
-  addr=$(wait_addr "$log")
+  if [ "$name" = nginx ]; then
+    addr="$NGINX_ADDR"
+    for _ in $(seq 1 300); do
+      curl -s -o /dev/null "http://$addr/json" && break
+      sleep 0.1
+    done
+  else
+    addr=$(wait_addr "$log")
+  fi
   case "$mode" in
     conv_messages) url="http://$addr/v1/messages" ;;
     conv_responses) url="http://$addr/v1/responses" ;;
@@ -109,12 +119,23 @@ count() {
   echo $((total / n))
 }
 
+# nginx as scripts/bench_load.sh runs it, in one process (`master_process
+# off`) so valgrind counts the worker.
+NGINX_DIR="$OUT/nginx"
+NGINX_ADDR="127.0.0.1:$(free_port)"
+write_nginx_conf "$NGINX_DIR" "$MOCK" "$NGINX_ADDR" "$PWD/$NGINX_DIR/error.log" "master_process off;"
+
 echo "user-space instructions per request (valgrind callgrind, wrk -c4 (conv_*: -c1), ${DUR}s)"
-printf "%-11s %12s %12s %12s %7s\n" mode raw naive compactor "cmp/naive"
+printf "%-11s %12s %12s %12s %12s %7s\n" mode raw naive nginx compactor "cmp/naive"
 for mode in $MODES; do
   raw=$(count raw "$mode" "$BIN/examples/raw_hop" 127.0.0.1:0 "$MOCK" 1)
   naive=$(count naive "$mode" "$BIN/examples/naive_proxy" 127.0.0.1:0 "$MOCK")
+  ngx=0
+  case "$mode" in
+    conv_*) ;; # nginx forwards the three routes alike: not a comparison there
+    *) ngx=$(count nginx "$mode" "$NGINX" -c "$PWD/$NGINX_DIR/nginx.conf" -p "$PWD/$NGINX_DIR") ;;
+  esac
   comp=$(count compactor "$mode" "$COMPACTOR_BIN" --config /dev/null)
-  awk -v m="$mode" -v r="$raw" -v n="$naive" -v c="$comp" \
-    'BEGIN{printf "%-11s %12d %12d %12d %6.2fx\n", m, r, n, c, c / n}'
+  awk -v m="$mode" -v r="$raw" -v n="$naive" -v g="$ngx" -v c="$comp" \
+    'BEGIN{printf "%-11s %12d %12d %12d %12d %6.2fx\n", m, r, n, g, c, c / n}'
 done

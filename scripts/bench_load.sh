@@ -46,9 +46,7 @@ OUT="${OUT:-target/bench_load}"
 mkdir -p "$OUT"
 
 command -v wrk >/dev/null || apt-get install -y wrk >/dev/null
-command -v nginx >/dev/null || [ -x /usr/sbin/nginx ] || apt-get install -y nginx-light >/dev/null \
-  || apt-get install -y nginx >/dev/null
-NGINX=$(command -v nginx || echo /usr/sbin/nginx)
+. scripts/bench_nginx.sh
 if [ "$LAYOUT" != shared ] && [ "$(nproc)" -lt 2 ]; then
   echo "LAYOUT=$LAYOUT needs 2 CPUs" >&2; exit 1
 fi
@@ -99,39 +97,8 @@ start() {
 # to its address and NGINX_PID to its worker's pid.
 start_nginx() {
   local dir="$OUT/nginx" port cpus="$2"
-  mkdir -p "$dir"
-  port=$(python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
-  cat >"$dir/nginx.conf" <<CONF
-worker_processes 1;
-daemon off;
-pid $PWD/$dir/nginx.pid;
-error_log $PWD/$1 warn;
-events { worker_connections 4096; }
-http {
-  access_log off;
-  client_body_temp_path $PWD/$dir/body;
-  proxy_temp_path $PWD/$dir/proxy;
-  fastcgi_temp_path $PWD/$dir/fastcgi;
-  uwsgi_temp_path $PWD/$dir/uwsgi;
-  scgi_temp_path $PWD/$dir/scgi;
-  upstream mock {
-    server $MOCK;
-    keepalive 128;
-  }
-  server {
-    listen 127.0.0.1:$port;
-    location / {
-      proxy_pass http://mock;
-      proxy_http_version 1.1;
-      proxy_set_header Connection "";
-      proxy_buffering off;
-      # Buffered, nginx sends a request of a few KB upstream in two writes
-      # and waits out the delayed ACK: 44 ms a request for the 20 KB bodies.
-      proxy_request_buffering off;
-    }
-  }
-}
-CONF
+  port=$(free_port)
+  write_nginx_conf "$dir" "$MOCK" "127.0.0.1:$port" "$PWD/$1"
   if [ -n "$cpus" ]; then
     taskset -c "$cpus" "$NGINX" -c "$PWD/$dir/nginx.conf" -p "$PWD/$dir" >"$1.out" 2>&1 &
   else
