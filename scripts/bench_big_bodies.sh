@@ -143,3 +143,6 @@ read -r code action secs < <(post messages "$OUT/messages.880000.json" "big-$RAN
 after=$(cpu_ms)
 echo "   status $code, action $action, wall $(awk -v s="$secs" 'BEGIN{printf "%.0f", s*1000}') ms, compactor CPU $((after - before)) ms"
 echo "   compactor peak RSS: $(awk '/VmHWM/{printf "%d MB", $2/1024}' "/proc/$PID/status")"
+# The sweep (every 30 s) hands what the big bodies freed back to the system.
+sleep 32
+echo "   compactor RSS 32 s later: $(awk '/VmRSS/{printf "%d MB", $2/1024}' "/proc/$PID/status")"
