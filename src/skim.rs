@@ -200,13 +200,9 @@ impl Scan<'_> {
             let Some(word) = self.b.get(word_at..word_at + 8) else {
                 break;
             };
-            let mut bytes = [0u8; 8];
-            bytes.copy_from_slice(word);
-            let hit = special_bytes(u64::from_le_bytes(bytes));
-            if hit != 0 {
-                let end = word_at + (hit.trailing_zeros() / 8) as usize;
-                if word[end - word_at] == b'"' {
-                    self.i = end + 1;
+            if let Some(at) = word_special(word) {
+                if word[at] == b'"' {
+                    self.i = word_at + at + 1;
                     return Some(false);
                 }
                 break;
@@ -401,11 +397,8 @@ fn special(s: &[u8]) -> Option<usize> {
         let Some(word) = s.get(at..at + 8) else {
             return s[at..].iter().position(|&b| is_special(b)).map(|p| at + p);
         };
-        let mut bytes = [0u8; 8];
-        bytes.copy_from_slice(word);
-        let hit = special_bytes(u64::from_le_bytes(bytes));
-        if hit != 0 {
-            return Some(at + (hit.trailing_zeros() / 8) as usize);
+        if let Some(hit) = word_special(word) {
+            return Some(at + hit);
         }
         at += 8;
     }
@@ -417,6 +410,15 @@ fn special(s: &[u8]) -> Option<usize> {
         end
     };
     Some(SHORT + end)
+}
+
+/// The first special byte (see [`special`]) of an 8-byte `word`.
+#[inline]
+fn word_special(word: &[u8]) -> Option<usize> {
+    let mut bytes = [0u8; 8];
+    bytes.copy_from_slice(word);
+    let hit = special_bytes(u64::from_le_bytes(bytes));
+    (hit != 0).then(|| (hit.trailing_zeros() / 8) as usize)
 }
 
 fn is_special(b: u8) -> bool {
