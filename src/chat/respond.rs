@@ -46,21 +46,20 @@ pub(super) async fn send(
     client_headers: &HeaderMap,
     body: Bytes,
 ) -> Result<Response<UpstreamBody>, ProxyError> {
-    let len = HeaderValue::from(body.len());
-    let headers = || {
-        let mut headers = client_headers.clone();
-        headers.remove(header::TRANSFER_ENCODING);
-        // The usage tap and hider read the response: a compressed body would
-        // hide the usage from calibration and leave the forced usage chunk in
-        // front of a client that never asked for it (SDKs send gzip by default).
-        headers.insert(
+    // The usage tap and hider read the response: a compressed body would
+    // hide the usage from calibration and leave the forced usage chunk in
+    // front of a client that never asked for it (SDKs send gzip by default).
+    // (The client's Transfer-Encoding, hop-by-hop, never goes upstream.)
+    let set = [
+        (
             header::ACCEPT_ENCODING,
             HeaderValue::from_static("identity"),
-        );
-        headers.insert(header::CONTENT_LENGTH, len.clone());
-        headers
-    };
-    upstream.send_bytes_with(parts, headers, body).await
+        ),
+        (header::CONTENT_LENGTH, HeaderValue::from(body.len())),
+    ];
+    upstream
+        .send_bytes_with(parts, client_headers, &set, body)
+        .await
 }
 
 /// Books an overflow retry about to be prepared (the window bounded, the

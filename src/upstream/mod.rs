@@ -22,7 +22,9 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use http::request::Parts;
-use http::{header, HeaderMap, HeaderValue, Method, Request, Response, StatusCode, Uri, Version};
+use http::{
+    header, HeaderMap, HeaderName, HeaderValue, Method, Request, Response, StatusCode, Uri,
+};
 use http_body_util::{BodyExt, Empty, Full};
 use serde_json::Value;
 use tokio::time::Instant;
@@ -243,14 +245,14 @@ impl Upstream {
         };
         let replay = Replay::new(body, budget);
         let result = match self
-            .attempt(parts, parts.headers.clone(), replay.first())
+            .attempt(parts, &parts.headers, &[], replay.first())
             .await
         {
             Err(Attempt::Client(e)) if unsent(&e) => match replay.again() {
                 Some(body) => {
                     self.metrics.record_upstream_retry();
                     tracing::debug!(error = %error_chain(&e), "upstream closed the connection before answering; replaying the streamed body once");
-                    self.attempt(parts, parts.headers.clone(), body).await
+                    self.attempt(parts, &parts.headers, &[], body).await
                 }
                 None => Err(Attempt::Client(e)),
             },
@@ -269,28 +271,28 @@ impl Upstream {
         parts: &Parts,
         body: Bytes,
     ) -> Result<Response<UpstreamBody>, ProxyError> {
-        self.send_bytes_with(parts, || parts.headers.clone(), body)
-            .await
+        self.send_bytes_with(parts, &parts.headers, &[], body).await
     }
 
-    /// [`Upstream::send_bytes`] with the client's headers made by `headers`
-    /// for each attempt instead of cloned from `parts` (whose method, URI
-    /// and extensions are used): a caller that edits the client's headers
-    /// makes them once per attempt rather than copying its copy.
+    /// [`Upstream::send_bytes`] with the client's header `fields` (not
+    /// those of `parts`, whose method, URI and extensions are used) and
+    /// `set` written in place of theirs of the same names
+    /// ([`headers::RequestHeaders`]).
     pub(crate) async fn send_bytes_with(
         &self,
         parts: &Parts,
-        headers: impl Fn() -> HeaderMap,
+        fields: &HeaderMap,
+        set: &[(HeaderName, HeaderValue)],
         body: Bytes,
     ) -> Result<Response<UpstreamBody>, ProxyError> {
         match self
-            .attempt(parts, headers(), boxed(Full::new(body.clone())))
+            .attempt(parts, fields, set, boxed(Full::new(body.clone())))
             .await
         {
             Err(Attempt::Client(e)) if unsent(&e) => {
                 self.metrics.record_upstream_retry();
                 tracing::debug!(error = %error_chain(&e), "upstream closed the connection before answering; retrying once");
-                self.attempt(parts, headers(), boxed(Full::new(body)))
+                self.attempt(parts, fields, set, boxed(Full::new(body)))
                     .await
                     .map_err(|e| self.attempt_error(e))
             }
@@ -298,12 +300,14 @@ impl Upstream {
         }
     }
 
-    /// One request upstream: `parts`' method and URI with `headers` (the
-    /// client's, hop-by-hop and Host replaced here).
+    /// One request upstream: `parts`' method and URI with the client's
+    /// header `fields` and `set` ([`headers::RequestHeaders`]: hop-by-hop ones
+    /// left out, the upstream's Host).
     async fn attempt(
         &self,
         parts: &Parts,
-        mut headers: HeaderMap,
+        fields: &HeaderMap,
+        set: &[(HeaderName, HeaderValue)],
         body: ProxyReqBody,
     ) -> Result<Response<UpstreamBody>, Attempt> {
         let uri = join_uri(&self.base, &parts.uri).map_err(|e| {
@@ -311,20 +315,18 @@ impl Upstream {
                 "cannot build upstream URI: {e}"
             )))
         })?;
-        headers::prepare_request_headers(&mut headers);
-        // hyper already answered any `Expect: 100-continue` on our side.
-        headers.remove(header::EXPECT);
-        headers.insert(header::HOST, self.host.clone());
-
-        let mut req = Request::new(body);
-        *req.method_mut() = parts.method.clone();
-        *req.uri_mut() = uri;
-        *req.version_mut() = Version::HTTP_11;
-        *req.headers_mut() = headers;
-
+        let headers = headers::RequestHeaders {
+            fields,
+            set,
+            host: Some(&self.host),
+        };
         let timeout = self.timeouts.first_byte;
         let sent = Instant::now();
-        let result = tokio::time::timeout(timeout, self.pool.request(req)).await;
+        let result = tokio::time::timeout(
+            timeout,
+            self.pool.request(&parts.method, &uri, &headers, body),
+        )
+        .await;
         if let Some(stats) = parts.extensions.get::<Arc<RequestStats>>() {
             stats.add_upstream_wait(sent.elapsed());
         }
@@ -490,22 +492,20 @@ impl Upstream {
         base: &UpstreamBase,
         method: Method,
         uri: &Uri,
-        mut headers: HeaderMap,
+        headers: HeaderMap,
         body: ProxyReqBody,
         limit: usize,
     ) -> Result<(StatusCode, Bytes), FetchError> {
         let uri = join_uri(base, uri).map_err(|e| FetchError::Uri(e.to_string()))?;
-        headers::prepare_request_headers(&mut headers);
-        if let Ok(host) = host_header(base) {
-            headers.insert(header::HOST, host);
-        }
-        let mut req = Request::new(body);
-        *req.method_mut() = method;
-        *req.uri_mut() = uri;
-        *req.headers_mut() = headers;
+        let host = host_header(base).ok();
+        let outgoing = headers::RequestHeaders {
+            fields: &headers,
+            set: &[],
+            host: host.as_ref(),
+        };
         let resp = self
             .pool
-            .request(req)
+            .request(&method, &uri, &outgoing, body)
             .await
             .map_err(|e| FetchError::Transport(error_chain(&e)))?;
         self.pool.learn(resp.headers());

@@ -32,7 +32,7 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use http::uri::{Authority, Scheme};
-use http::{HeaderMap, Request, Response, Uri};
+use http::{HeaderMap, Method, Response, Uri};
 use http_body::{Body, Frame, SizeHint};
 use hyper_rustls::HttpsConnector;
 use hyper_util::client::legacy::connect::HttpConnector;
@@ -42,6 +42,7 @@ use tower_service::Service;
 
 use super::body::ProxyReqBody;
 use super::h1::{self, Reading};
+use super::headers::RequestHeaders;
 use super::keepalive::{announced_timeout, idle_within};
 use crate::error::BoxError;
 use crate::sync::lock;
@@ -253,31 +254,28 @@ impl Pool {
         });
     }
 
-    /// Sends `req` (an absolute URI) on an idle connection to its origin,
-    /// or a new one, and waits for the response head.
+    /// Sends a request to `uri` (absolute) on an idle connection to its
+    /// origin, or a new one, and waits for the response head.
     pub(crate) async fn request(
         &self,
-        req: Request<ProxyReqBody>,
+        method: &Method,
+        uri: &Uri,
+        headers: &RequestHeaders<'_>,
+        body: ProxyReqBody,
     ) -> Result<Response<UpstreamBody>, ClientError> {
-        let origin = Origin::of(req.uri()).ok_or(ClientError::NotAbsolute)?;
-        let (parts, body) = req.into_parts();
-        let (head, framing) = h1::encode_head(
-            &parts.method,
-            origin_form(&parts.uri),
-            &parts.headers,
-            &body,
-        )
-        .map_err(ClientError::Send)?;
+        let origin = Origin::of(uri).ok_or(ClientError::NotAbsolute)?;
+        let (head, framing) =
+            h1::encode_head(method, origin_form(uri), headers, &body).map_err(ClientError::Send)?;
         let mut conn = match self.shared.checkout(&origin) {
             Some(conn) => conn,
-            None => self.connect(&parts.uri).await?,
+            None => self.connect(uri).await?,
         };
         let h1::Head {
             response,
             decoder,
             keep_alive,
         } = conn
-            .send(head, framing, body, &parts.method)
+            .send(head, framing, body, method)
             .await
             .map_err(ClientError::Send)?;
         let mut body = UpstreamBody {
@@ -398,6 +396,7 @@ impl Body for UpstreamBody {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use http::Request;
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
     use tokio::net::{TcpListener, TcpStream};
 
@@ -417,9 +416,24 @@ mod tests {
         req
     }
 
+    /// `req` through `pool`, its headers as they are (Host included).
+    async fn send(
+        pool: &Pool,
+        req: Request<ProxyReqBody>,
+    ) -> Result<Response<UpstreamBody>, ClientError> {
+        let (parts, body) = req.into_parts();
+        let headers = RequestHeaders {
+            fields: &parts.headers,
+            set: &[],
+            host: parts.headers.get(http::header::HOST),
+        };
+        pool.request(&parts.method, &parts.uri, &headers, body)
+            .await
+    }
+
     /// The whole body of a GET through `pool`.
     async fn body_of(pool: &Pool, addr: std::net::SocketAddr) -> Bytes {
-        let resp = pool.request(get(addr)).await.unwrap();
+        let resp = send(pool, get(addr)).await.unwrap();
         let body = http_body_util::BodyExt::collect(resp.into_body()).await;
         body.unwrap().to_bytes()
     }
@@ -462,7 +476,7 @@ mod tests {
             s.write_all(later).await.unwrap();
             tokio::time::sleep(Duration::from_millis(200)).await;
         });
-        let resp = pool().request(get(addr)).await.unwrap();
+        let resp = send(&pool(), get(addr)).await.unwrap();
         sent_rx.await.unwrap();
         tokio::time::sleep(Duration::from_millis(50)).await;
         resp.into_body()
@@ -619,8 +633,7 @@ mod tests {
             "ok",
         );
         let pool = pool();
-        let resp = pool
-            .request(post(addr, super::super::body::boxed(Stalled)))
+        let resp = send(&pool, post(addr, super::super::body::boxed(Stalled)))
             .await
             .unwrap();
         assert_eq!(resp.status(), http::StatusCode::PAYLOAD_TOO_LARGE);
@@ -657,8 +670,7 @@ mod tests {
         let body = Chan(rx);
         let pool = pool();
         let sending = tokio::spawn(async move {
-            let resp = pool
-                .request(post(addr, super::super::body::boxed(body)))
+            let resp = send(&pool, post(addr, super::super::body::boxed(body)))
                 .await
                 .unwrap();
             http_body_util::BodyExt::collect(resp.into_body())

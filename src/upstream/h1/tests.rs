@@ -316,7 +316,12 @@ fn the_request_head_is_written_with_the_framing_hyper_chose() {
     headers.insert("host", HeaderValue::from_static("up:1"));
     headers.insert("x-b", HeaderValue::from_static("2"));
     let head = |method: Method, h: &HeaderMap, body: &ProxyReqBody| {
-        let (b, f) = encode_head(&method, "/v1/x?q=1", h, body).unwrap();
+        let h = RequestHeaders {
+            fields: h,
+            set: &[],
+            host: h.get("host"),
+        };
+        let (b, f) = encode_head(&method, "/v1/x?q=1", &h, body).unwrap();
         (String::from_utf8(b.to_vec()).unwrap(), f)
     };
     let (text, f) = head(Method::GET, &headers, &body_of(None));
@@ -345,7 +350,16 @@ fn the_request_head_is_written_with_the_framing_hyper_chose() {
     let mut bad = headers.clone();
     bad.insert("content-length", HeaderValue::from_static("two"));
     assert!(matches!(
-        encode_head(&Method::POST, "/", &bad, &body_of(Some(b"{}"))),
+        encode_head(
+            &Method::POST,
+            "/",
+            &RequestHeaders {
+                fields: &bad,
+                set: &[],
+                host: None,
+            },
+            &body_of(Some(b"{}"))
+        ),
         Err(Error::RequestLength)
     ));
 }
