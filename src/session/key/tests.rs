@@ -370,3 +370,61 @@ fn custom_header_list() {
     assert_eq!(src, SessionSource::Fingerprint);
     assert!(SessionKeyer::with_secret(&["bad header"], 1).is_err());
 }
+
+#[test]
+fn present_names_are_found_in_one_look() {
+    let h = headers(&[
+        ("x-api-key", "k1"),
+        ("content-type", "application/json"),
+        ("x-api-key", "k2"),
+        ("authorization", "Bearer a"),
+    ]);
+    assert_eq!(present(&h, &CREDENTIAL_HEADERS), 0b101);
+    assert_eq!(present(&HeaderMap::new(), &CREDENTIAL_HEADERS), 0);
+}
+
+/// The fingerprint hashes the credential headers in their fixed order, all
+/// values of each, whatever order the request sent them in: fingerprints
+/// stored by earlier versions still match (this is the hash as it was
+/// computed before the one-look scan of the names).
+#[test]
+fn credential_fingerprint_input_is_unchanged() {
+    let keyer = SessionKeyer::with_secret(&["x-session-id"], 7).unwrap();
+    let reference = |h: &HeaderMap, query: Option<&str>| {
+        let mut x = Xxh3::with_seed(7);
+        x.update(b"compactor-credential");
+        let mut part = |tag: u8, name: &[u8], value: &[u8]| {
+            x.update(&[tag]);
+            x.update(&(name.len() as u64).to_le_bytes());
+            x.update(name);
+            x.update(&(value.len() as u64).to_le_bytes());
+            x.update(value);
+        };
+        for name in &CREDENTIAL_HEADERS {
+            for v in h.get_all(name) {
+                part(b'h', name.as_str().as_bytes(), v.as_bytes());
+            }
+        }
+        for (name, value) in query.into_iter().flat_map(credential_params) {
+            part(b'q', &name, value);
+        }
+        CredentialFingerprint(x.digest128())
+    };
+    let cases = [
+        headers(&[]),
+        headers(&[("content-type", "application/json")]),
+        headers(&[("authorization", "Bearer a")]),
+        headers(&[
+            ("x-goog-api-key", "g"),
+            ("x-api-key", "k1"),
+            ("api-key", "az"),
+            ("x-api-key", "k2"),
+            ("authorization", "Bearer a"),
+        ]),
+    ];
+    for h in &cases {
+        for query in [None, Some("key=AIza&alt=sse")] {
+            assert_eq!(keyer.credential_of(h, query), reference(h, query));
+        }
+    }
+}
