@@ -312,7 +312,8 @@ impl ChatRequest {
         let text = std::str::from_utf8(original).ok()?;
         let skimmed = crate::skim::object(text, Some(list_key))?;
         let mut top = Members(Vec::with_capacity(skimmed.members.len()));
-        for (k, span) in skimmed.members {
+        for (k, span) in skimmed.members.iter() {
+            let (k, span) = (*k, span.clone());
             let raw = if k == list_key {
                 None
             } else {
@@ -676,10 +677,26 @@ pub fn raw_hash(m: &RawValue) -> u64 {
 /// Per-session memo of the last chain, keyed by a fast hash of each
 /// message's raw bytes: a client that resends its history byte for byte
 /// (the usual case) only pays the canonical hashing for new messages.
-#[derive(Debug, Clone, Default)]
+#[derive(Debug, Default)]
 pub struct ChainCache {
     raw: Vec<u64>,
     chain: Vec<u128>,
+}
+
+// By hand for `clone_from`: every turn copies the client's chain over the
+// sent one, which then reuses its buffers instead of allocating two.
+impl Clone for ChainCache {
+    fn clone(&self) -> Self {
+        Self {
+            raw: self.raw.clone(),
+            chain: self.chain.clone(),
+        }
+    }
+
+    fn clone_from(&mut self, source: &Self) {
+        self.raw.clone_from(&source.raw);
+        self.chain.clone_from(&source.chain);
+    }
 }
 
 impl ChainCache {

@@ -37,7 +37,7 @@ pub(crate) fn object<'a>(text: &'a str, list: Option<&str>) -> Option<Skimmed<'a
     let mut s = Scan {
         b: body,
         i: 0,
-        stack: Vec::new(),
+        stack: Open::default(),
     };
     let mut out = Skimmed {
         members: Vec::with_capacity(16),
@@ -168,7 +168,58 @@ impl<'de> MapAccess<'de> for OneEntry<'de> {
 struct Scan<'a> {
     b: &'a [u8],
     i: usize,
-    stack: Vec<u8>,
+    stack: Open,
+}
+
+/// The containers open around a position, innermost last: the first 64 as
+/// bits of a word (a set bit an object), deeper ones in a vector. A reply
+/// or a request nests a few levels; a vector of bytes cost each skim an
+/// allocation.
+#[derive(Default)]
+struct Open {
+    bits: u64,
+    depth: usize,
+    deeper: Vec<u8>,
+}
+
+impl Open {
+    fn len(&self) -> usize {
+        self.depth
+    }
+
+    fn push(&mut self, open: u8) {
+        if self.depth < 64 {
+            let bit = 1u64 << self.depth;
+            if open == b'{' {
+                self.bits |= bit;
+            } else {
+                self.bits &= !bit;
+            }
+        } else {
+            self.deeper.push(open);
+        }
+        self.depth += 1;
+    }
+
+    fn last(&self) -> Option<u8> {
+        let top = self.depth.checked_sub(1)?;
+        if top < 64 {
+            Some(if self.bits >> top & 1 == 1 {
+                b'{'
+            } else {
+                b'['
+            })
+        } else {
+            self.deeper.last().copied()
+        }
+    }
+
+    fn pop(&mut self) {
+        if self.depth > 64 {
+            self.deeper.pop();
+        }
+        self.depth = self.depth.saturating_sub(1);
+    }
 }
 
 impl Scan<'_> {
@@ -351,7 +402,7 @@ impl Scan<'_> {
                 if self.stack.len() == depth {
                     return Some(());
                 }
-                let open = *self.stack.last()?;
+                let open = self.stack.last()?;
                 self.ws();
                 match (self.peek()?, open) {
                     (b',', _) => {
@@ -530,6 +581,38 @@ mod tests {
     }
 
     #[test]
+    fn containers_nested_past_a_word_of_bits_close_as_they_opened() {
+        for depth in [1, 63, 64, 65, 66, 127, 200] {
+            // Objects and arrays by turns, so each level's kind matters.
+            let (mut open, mut close) = (String::new(), String::new());
+            for level in 0..depth {
+                if level % 3 == 0 {
+                    open.push_str(r#"{"a":"#);
+                    close.insert(0, '}');
+                } else {
+                    open.push('[');
+                    close.insert(0, ']');
+                }
+            }
+            let body = format!(r#"{{"m":[{open}1{close}],"k":{open}"v"{close}}}"#);
+            assert!(skim_view(body.as_bytes(), "m").is_some(), "depth {depth}");
+            check(body.as_bytes());
+            // The innermost container closed as the other kind.
+            let swapped: String = close
+                .chars()
+                .enumerate()
+                .map(|(i, c)| match (i, c) {
+                    (0, '}') => ']',
+                    (0, ']') => '}',
+                    (_, c) => c,
+                })
+                .collect();
+            let wrong = format!(r#"{{"m":[],"k":{open}"v"{swapped}}}"#);
+            assert!(skim_view(wrong.as_bytes(), "m").is_none(), "depth {depth}");
+        }
+    }
+
+    #[test]
     fn string_ends_are_found_at_every_offset() {
         for len in 0..40 {
             for end in [b'"', b'\\'] {
@@ -563,7 +646,7 @@ mod tests {
                         let mut s = Scan {
                             b: &body,
                             i: 0,
-                            stack: Vec::new(),
+                            stack: Open::default(),
                         };
                         let found = if long { s.long_string() } else { s.string() };
                         (found, s.i)

@@ -77,7 +77,7 @@ async fn bytes_per_idle_session() {
     let hashes = message_hashes(&conv);
     let (cal40, s3) = per_session(|_| {
         let mut c = Calibration::new();
-        let e = c.estimate(&conv, &hashes, 0, |m| m.get().len() as u64 / 4);
+        let e = c.estimate(&conv, hashes.clone(), 0, |m| m.get().len() as u64 / 4);
         c.observe(e.sent, 500);
         c
     });

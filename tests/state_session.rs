@@ -90,7 +90,7 @@ async fn two_users_many_turns() {
                 st.turns += 1;
                 let msgs = req.messages().to_vec();
                 let hashes = st.chain.chain(&msgs).to_vec();
-                st.calibration.estimate(&msgs, &hashes, 0, rough)
+                st.calibration.estimate(&msgs, hashes, 0, rough)
             };
             // ... the response streams without the lock held ...
             let actual = real(req.messages());

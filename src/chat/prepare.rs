@@ -330,7 +330,7 @@ fn first_count_due(est: &Estimate, window: u64) -> bool {
 fn reestimate(conv: &mut Conversation, messages: &[Box<RawValue>], overhead: u64) -> Estimate {
     let sent_hashes = conv.sent_chain.chain(messages).to_vec();
     conv.calibration
-        .estimate(messages, &sent_hashes, overhead, rough_message_tokens)
+        .estimate(messages, sent_hashes, overhead, rough_message_tokens)
 }
 
 /// The tools' rough estimate in the upstream's tokens, by the conversation's
@@ -410,7 +410,7 @@ fn estimate(
     let (sent_hashes, decoded) = match &out.messages {
         // Sending the client's own history: its chain is already computed.
         Cow::Borrowed(_) => {
-            conv.sent_chain = conv.client_chain.clone();
+            conv.sent_chain.clone_from(&conv.client_chain);
             (out.client_hashes.clone(), decoded)
         }
         Cow::Owned(o) => (conv.sent_chain.chain(o).to_vec(), None),
@@ -420,7 +420,7 @@ fn estimate(
         None => rough_message_tokens(m),
     };
     conv.calibration
-        .estimate_indexed(&out.messages, &sent_hashes, overhead, rough)
+        .estimate_indexed(&out.messages, sent_hashes, overhead, rough)
 }
 
 /// Step 5: the body to send; re-serialised only when the messages changed

@@ -229,6 +229,21 @@ fn chain_cache_matches_full_computation() {
 }
 
 #[test]
+fn a_chain_copied_over_another_continues_from_the_copy() {
+    let a = vec![raw(r#""x""#), raw(r#""y""#), raw(r#""z""#)];
+    let b = vec![raw(r#""p""#), raw(r#""q""#)];
+    let mut from_a = ChainCache::new();
+    from_a.chain(&a);
+    let mut into = ChainCache::new();
+    into.chain(&b);
+    into.clone_from(&from_a);
+    // The copy holds a's chain, not b's: it extends a's messages.
+    let longer = vec![raw(r#""x""#), raw(r#""y""#), raw(r#""z""#), raw(r#""w""#)];
+    assert_eq!(into.chain(&longer), message_hashes(&longer).as_slice());
+    assert_eq!(into.clone().chain(&b), message_hashes(&b).as_slice());
+}
+
+#[test]
 fn chain_depends_on_order_and_extends_incrementally() {
     let a = vec![raw(r#""x""#), raw(r#""y""#)];
     let b = vec![raw(r#""y""#), raw(r#""x""#)];

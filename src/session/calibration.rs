@@ -209,7 +209,7 @@ impl Calibration {
     pub fn estimate<F>(
         &mut self,
         messages: &[Box<RawValue>],
-        hashes: &[u128],
+        hashes: Vec<u128>,
         overhead: u64,
         rough: F,
     ) -> Estimate
@@ -224,7 +224,7 @@ impl Calibration {
     pub(crate) fn estimate_indexed<F>(
         &mut self,
         messages: &[Box<RawValue>],
-        hashes: &[u128],
+        mut hashes: Vec<u128>,
         overhead: u64,
         rough: F,
     ) -> Estimate
@@ -232,6 +232,8 @@ impl Calibration {
         F: Fn(usize, &RawValue) -> u64,
     {
         let n = messages.len().min(hashes.len());
+        // Taken, not copied: the remembered request keeps the caller's chain.
+        hashes.truncate(n);
         // Reuse per-message estimates from whichever remembered request
         // shares the longer prefix.
         let mut reuse: (usize, Option<&SentRequest>) = (0, None);
@@ -239,7 +241,7 @@ impl Calibration {
             .into_iter()
             .flatten()
         {
-            let l = common_prefix_len(&cand.hashes, &hashes[..n]).min(cand.rough.len());
+            let l = common_prefix_len(&cand.hashes, &hashes).min(cand.rough.len());
             if l > reuse.0 {
                 reuse = (l, Some(cand));
             }
@@ -253,7 +255,7 @@ impl Calibration {
             per_msg.push(rough(i, m));
         }
         let mut sent = SentRequest {
-            hashes: hashes[..n].to_vec(),
+            hashes,
             rough: per_msg,
             overhead,
             estimated_tokens: 0,
@@ -409,7 +411,7 @@ mod tests {
     fn uncalibrated_then_ratio_then_incremental() {
         let mut c = Calibration::new();
         let t1 = msgs(&["aaaaaaaaaa", "bbbbbbbbbb"]); // 20 rough
-        let e1 = c.estimate(&t1, &message_hashes(&t1), 0, len_est);
+        let e1 = c.estimate(&t1, message_hashes(&t1), 0, len_est);
         assert_eq!((e1.tokens, e1.basis), (20, Basis::Uncalibrated));
         // The upstream says 30: ratio 1.5.
         c.observe(e1.sent.clone(), 30);
@@ -418,14 +420,14 @@ mod tests {
 
         // Next turn extends: 30 real + 1.5 × 10 new.
         let t2 = msgs(&["aaaaaaaaaa", "bbbbbbbbbb", "cccc", "dddddd"]);
-        let e2 = c.estimate(&t2, &message_hashes(&t2), 0, len_est);
+        let e2 = c.estimate(&t2, message_hashes(&t2), 0, len_est);
         assert_eq!(e2.basis, Basis::Incremental { reused: 2 });
         assert_eq!(e2.tokens, 45);
         assert_eq!(e2.rough_total, 30);
 
         // A request that does not extend (edited history): ratio × rough.
         let t3 = msgs(&["aaaaaaaaaa", "XXXXXXXXXX", "cccc"]);
-        let e3 = c.estimate(&t3, &message_hashes(&t3), 0, len_est);
+        let e3 = c.estimate(&t3, message_hashes(&t3), 0, len_est);
         assert_eq!(e3.basis, Basis::Ratio);
         assert_eq!(e3.tokens, 36); // 1.5 × 24
     }
@@ -434,10 +436,10 @@ mod tests {
     fn overhead_changes_are_counted() {
         let mut c = Calibration::new();
         let t1 = msgs(&["aaaaaaaaaa"]);
-        let e1 = c.estimate(&t1, &message_hashes(&t1), 100, len_est);
+        let e1 = c.estimate(&t1, message_hashes(&t1), 100, len_est);
         c.observe(e1.sent, 220); // ratio 2
         let t2 = msgs(&["aaaaaaaaaa", "bb"]);
-        let e2 = c.estimate(&t2, &message_hashes(&t2), 50, len_est);
+        let e2 = c.estimate(&t2, message_hashes(&t2), 50, len_est);
         // 220 + 2 × (2 new − 50 overhead removed)
         assert_eq!(e2.tokens, 124);
     }
@@ -451,16 +453,16 @@ mod tests {
             len_est(m)
         };
         let t1 = msgs(&["a", "b", "c"]);
-        let e1 = c.estimate(&t1, &message_hashes(&t1), 0, counting);
+        let e1 = c.estimate(&t1, message_hashes(&t1), 0, counting);
         assert_eq!((calls.get(), e1.newly_estimated), (3, 3));
         // Even before usage arrives, the next request reuses the estimates.
         let t2 = msgs(&["a", "b", "c", "d", "e"]);
-        let e2 = c.estimate(&t2, &message_hashes(&t2), 0, counting);
+        let e2 = c.estimate(&t2, message_hashes(&t2), 0, counting);
         assert_eq!((calls.get(), e2.newly_estimated), (5, 2));
         c.observe(e2.sent.clone(), 10);
         // A fork that shares two messages re-estimates only its own part.
         let t3 = msgs(&["a", "b", "z"]);
-        let e3 = c.estimate(&t3, &message_hashes(&t3), 0, counting);
+        let e3 = c.estimate(&t3, message_hashes(&t3), 0, counting);
         assert_eq!((calls.get(), e3.newly_estimated), (6, 1));
     }
 
@@ -468,7 +470,7 @@ mod tests {
     fn zero_usage_ignored_and_reset_forgets() {
         let mut c = Calibration::new();
         let t = msgs(&["abcd"]);
-        let e = c.estimate(&t, &message_hashes(&t), 0, len_est);
+        let e = c.estimate(&t, message_hashes(&t), 0, len_est);
         c.observe(e.sent.clone(), 0);
         assert_eq!(c.ratio(), None);
         assert_eq!(c.observations(), 0);
@@ -485,7 +487,7 @@ mod tests {
     fn ratio_is_clamped() {
         let mut c = Calibration::new();
         let t = msgs(&["abcd"]);
-        let e = c.estimate(&t, &message_hashes(&t), 0, len_est);
+        let e = c.estimate(&t, message_hashes(&t), 0, len_est);
         c.observe(e.sent, 1_000_000);
         assert_eq!(c.ratio(), Some(MAX_RATIO));
     }
@@ -507,7 +509,7 @@ mod tests {
             history.push(format!("assistant reply {turn} ").repeat(9 + turn % 5));
             let refs: Vec<&str> = history.iter().map(String::as_str).collect();
             let m = msgs(&refs);
-            let e = c.estimate(&m, &message_hashes(&m), 0, len_est);
+            let e = c.estimate(&m, message_hashes(&m), 0, len_est);
             let actual = real(&m);
             if turn > 0 {
                 let err = (e.tokens as f64 - actual as f64).abs() / actual as f64;
@@ -527,14 +529,14 @@ mod tests {
         let mut c = Calibration::new();
         let a = msgs(&["aaaaaaaaaa"]);
         // 10 rough for the message + 1000 rough of overhead, real only 60.
-        let e1 = c.estimate(&a, &message_hashes(&a), 1000, len_est);
+        let e1 = c.estimate(&a, message_hashes(&a), 1000, len_est);
         c.observe(e1.sent, 60);
         let b = msgs(&["aaaaaaaaaa", &"b".repeat(200)]);
-        let e2 = c.estimate(&b, &message_hashes(&b), 1000, len_est);
+        let e2 = c.estimate(&b, message_hashes(&b), 1000, len_est);
         // Real growth of 400 for 200 rough: marginal ratio 2.
         c.observe(e2.sent, 460);
         let d = msgs(&["aaaaaaaaaa", &"b".repeat(200), &"c".repeat(100)]);
-        let e3 = c.estimate(&d, &message_hashes(&d), 1000, len_est);
+        let e3 = c.estimate(&d, message_hashes(&d), 1000, len_est);
         assert_eq!(e3.tokens, 460 + 200);
     }
 }
@@ -561,7 +563,7 @@ mod engine_scale_tests {
         let mut cal = Calibration::new();
         let msgs: Vec<Box<RawValue>> = vec![RawValue::from_string("\"xxxxxxxx\"".into()).unwrap()];
         let hashes = message_hashes(&msgs);
-        let est = cal.estimate(&msgs, &hashes, 0, |_| 1000);
+        let est = cal.estimate(&msgs, hashes.clone(), 0, |_| 1000);
         let usage = Usage {
             prompt_tokens: Some(2000),
             completion_tokens: Some(10),
@@ -578,7 +580,7 @@ mod engine_scale_tests {
         // No prompt figure: nothing learned, the rest passes through.
         let mut fresh = Calibration::new();
         let e = fresh.learn(
-            cal.estimate(&msgs, &hashes, 0, |_| 1000).sent,
+            cal.estimate(&msgs, hashes.clone(), 0, |_| 1000).sent,
             Usage {
                 total_tokens: Some(7),
                 ..Usage::default()
