@@ -8,6 +8,7 @@
 //! whitespace between members reach the upstream exactly as the client wrote
 //! them.
 
+use std::borrow::Cow;
 use std::fmt;
 use std::ops::Range;
 
@@ -57,7 +58,7 @@ pub(crate) fn is_instruction_message(m: &RawValue) -> bool {
     #[derive(serde::Deserialize)]
     struct RoleOnly<'a> {
         #[serde(default, borrow)]
-        role: Option<std::borrow::Cow<'a, str>>,
+        role: Option<Cow<'a, str>>,
     }
     let s = m.get().as_bytes();
     let maybe = memchr::memmem::find(s, b"\"system\"").is_some()
@@ -310,10 +311,12 @@ impl ChatRequest {
     /// serde_json.
     fn skimmed(original: &Bytes, list_key: &'static str) -> Option<Self> {
         let text = std::str::from_utf8(original).ok()?;
-        let skimmed = crate::skim::object(text, Some(list_key))?;
-        let mut top = Members(Vec::with_capacity(skimmed.members.len()));
-        for (k, span) in skimmed.members.iter() {
-            let (k, span) = (*k, span.clone());
+        let mut top = Members(Vec::with_capacity(12));
+        let elements = crate::skim::each_member(text, Some(list_key), |k, span| {
+            // A repeated key is serde_json's to refuse.
+            if top.get(k).is_some() {
+                return None;
+            }
             let raw = if k == list_key {
                 None
             } else {
@@ -325,9 +328,9 @@ impl ChatRequest {
                 changed: false,
             };
             top.insert(k.to_owned(), member);
-        }
-        let messages = skimmed
-            .list?
+            Some(())
+        })?;
+        let messages = elements?
             .into_iter()
             .map(|r| crate::skim::raw_boxed(text.get(r)?))
             .collect::<Option<Vec<_>>>()?;
@@ -350,20 +353,21 @@ impl ChatRequest {
         &self.messages
     }
 
-    fn get_str(&self, key: &str) -> Option<String> {
+    /// Borrowed from the body unless an escape had to be decoded.
+    fn get_str(&self, key: &str) -> Option<Cow<'_, str>> {
         let raw = self.get_raw(key)?.get();
         // A raw value is valid JSON: quoted without a backslash, it is the
         // text between its quotes.
         if let Some(text) = raw.strip_prefix('"').and_then(|r| r.strip_suffix('"')) {
             if !text.contains('\\') {
-                return Some(text.to_owned());
+                return Some(Cow::Borrowed(text));
             }
         }
-        serde_json::from_str::<String>(raw).ok()
+        serde_json::from_str::<String>(raw).ok().map(Cow::Owned)
     }
 
     /// `model`, when it is a string.
-    pub(crate) fn model(&self) -> Option<String> {
+    pub(crate) fn model(&self) -> Option<Cow<'_, str>> {
         self.get_str("model")
     }
 
@@ -385,12 +389,16 @@ impl ChatRequest {
 
     /// Body `session_id` (OpenRouter convention), when a non-empty string.
     pub(crate) fn session_id(&self) -> Option<String> {
-        self.get_str("session_id").filter(|s| !s.is_empty())
+        self.get_str("session_id")
+            .filter(|s| !s.is_empty())
+            .map(Cow::into_owned)
     }
 
     /// Body `prompt_cache_key` (OpenAI convention), when a non-empty string.
     pub(crate) fn prompt_cache_key(&self) -> Option<String> {
-        self.get_str("prompt_cache_key").filter(|s| !s.is_empty())
+        self.get_str("prompt_cache_key")
+            .filter(|s| !s.is_empty())
+            .map(Cow::into_owned)
     }
 
     /// Whether the client itself asked for usage in the stream

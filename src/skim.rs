@@ -9,9 +9,10 @@
 //! checked once, by the standard library, before.
 //!
 //! It accepts a subset of what serde_json accepts, with the same spans: the
-//! caller parses with serde_json whenever [`object`] returns `None` (a syntax
-//! error, a key written with an escape, a duplicate key, a list member that
-//! is not an array), so errors are still serde_json's own, worded as before.
+//! caller parses with serde_json whenever [`each_member`] returns `None` (a
+//! syntax error, a key written with an escape, a key the caller refuses as
+//! repeated, a list member that is not an array), so errors are still
+//! serde_json's own, worded as before.
 //! What both accept is the grammar serde_json's `ignore_value` checks, which
 //! `tests::agrees_with_serde_json` holds it to.
 
@@ -20,29 +21,28 @@ use std::ops::Range;
 use serde::de::{self, DeserializeSeed, Deserializer, MapAccess, Visitor};
 use serde_json::value::RawValue;
 
-/// A top-level object's members, in body order.
-#[derive(Debug, Default)]
-pub(crate) struct Skimmed<'a> {
-    /// Key (as written: none has an escape) and the value's byte range.
-    pub(crate) members: Vec<(&'a str, Range<usize>)>,
-    /// The elements of the list member, when it was asked for and present.
-    pub(crate) list: Option<Vec<Range<usize>>>,
-}
-
-/// Skims `text` as one JSON object (surrounding whitespace allowed); with
-/// `list`, the member of that name must be an array and its elements are
-/// listed. `None` when serde_json has to decide (see the module docs).
-pub(crate) fn object<'a>(text: &'a str, list: Option<&str>) -> Option<Skimmed<'a>> {
+/// Skims `text` as one JSON object (surrounding whitespace allowed), each
+/// member handed to `each` in body order: its key (as written: none has an
+/// escape) and its value's byte range. With `list`, the member of that name
+/// must be an array, and its elements are returned. `None` when serde_json
+/// has to decide (see the module docs), or when `each` returns `None`.
+///
+/// No list of the members is kept (it cost each skim an allocation): the
+/// caller refuses a repeated key where serde_json would (returning `None`),
+/// and drops what it was handed when the skim ends in `None` (text after
+/// it was invalid).
+pub(crate) fn each_member<'a>(
+    text: &'a str,
+    list: Option<&str>,
+    mut each: impl FnMut(&'a str, Range<usize>) -> Option<()>,
+) -> Option<Option<Vec<Range<usize>>>> {
     let body = text.as_bytes();
     let mut s = Scan {
         b: body,
         i: 0,
         stack: Open::default(),
     };
-    let mut out = Skimmed {
-        members: Vec::with_capacity(16),
-        list: None,
-    };
+    let mut elements = None;
     s.ws();
     s.eat(b'{')?;
     s.ws();
@@ -61,14 +61,11 @@ pub(crate) fn object<'a>(text: &'a str, list: Option<&str>) -> Option<Skimmed<'a
             s.ws();
             let start = s.i;
             if Some(key) == list {
-                out.list = Some(s.array()?);
+                elements = Some(s.array()?);
             } else {
                 s.value()?;
             }
-            if out.members.iter().any(|(k, _)| *k == key) {
-                return None;
-            }
-            out.members.push((key, start..s.i));
+            each(key, start..s.i)?;
             s.ws();
             match s.peek()? {
                 b',' => {
@@ -84,11 +81,12 @@ pub(crate) fn object<'a>(text: &'a str, list: Option<&str>) -> Option<Skimmed<'a
         }
     }
     s.ws();
-    (s.i == body.len()).then_some(out)
+    (s.i == body.len()).then_some(elements)
 }
 
-/// `json` as a raw value without parsing it again. Only for text [`object`]
-/// skimmed (a member's or an element's range), which is valid JSON.
+/// `json` as a raw value without parsing it again. Only for text
+/// [`each_member`] skimmed (a member's or an element's range), which is
+/// valid JSON.
 ///
 /// serde_json checks a raw value it builds from a string by parsing it;
 /// its own deserializers hand one over through a private newtype protocol
@@ -492,6 +490,31 @@ fn special_bytes(x: u64) -> u64 {
 mod tests {
     use super::*;
     use proptest::prelude::*;
+
+    /// A top-level object's members, in body order.
+    #[derive(Debug, Default)]
+    struct Skimmed<'a> {
+        /// Key (as written: none has an escape) and the value's byte range.
+        members: Vec<(&'a str, Range<usize>)>,
+        /// The elements of the list member, when it was asked for and present.
+        list: Option<Vec<Range<usize>>>,
+    }
+
+    /// Skims `text` as one JSON object (surrounding whitespace allowed); with
+    /// `list`, the member of that name must be an array and its elements are
+    /// listed, with the check of repeated keys callers of [`each_member`]
+    /// make: what the tests compare with serde_json.
+    fn object<'a>(text: &'a str, list: Option<&str>) -> Option<Skimmed<'a>> {
+        let mut members: Vec<(&'a str, Range<usize>)> = Vec::with_capacity(16);
+        let list = each_member(text, list, |key, span| {
+            if members.iter().any(|(k, _)| *k == key) {
+                return None;
+            }
+            members.push((key, span));
+            Some(())
+        })?;
+        Some(Skimmed { members, list })
+    }
 
     /// Members (key, raw text) and the list member's elements.
     type View = (Vec<(String, String)>, Option<Vec<String>>);

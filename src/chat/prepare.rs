@@ -102,7 +102,8 @@ pub(super) async fn prepare(
 ) -> Prepared {
     // A retry prepares the request the first preparation edited.
     creq.rewind();
-    let model = creq.model().unwrap_or_default();
+    // Owned: the request is edited below while the model is still used.
+    let model = creq.model().map(Cow::into_owned).unwrap_or_default();
     let mut guard = entry.lock().await;
     let conv: &mut Conversation = &mut guard;
     super::persist::load(chat, conv, key).await;

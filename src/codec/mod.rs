@@ -586,7 +586,7 @@ impl ApiRequest {
     }
 
     /// `model`, when it is a string.
-    pub(crate) fn model(&self) -> Option<String> {
+    pub(crate) fn model(&self) -> Option<std::borrow::Cow<'_, str>> {
         self.creq.model()
     }
 

@@ -183,26 +183,31 @@ impl<'a> ChunkLite<'a> {
 
     fn skimmed(payload: &'a [u8]) -> Option<Self> {
         let text = std::str::from_utf8(payload).ok()?;
-        let top = crate::skim::object(text, None)?;
         let mut c = ChunkLite::default();
-        for (key, span) in top.members {
-            let slot = match key {
-                "usage" => &mut c.usage,
-                "timings" => &mut c.timings,
-                "error" => &mut c.error,
-                "choices" => &mut c.choices,
-                "type" => &mut c.kind,
-                "message" => &mut c.message,
-                "response" => &mut c.response,
-                _ => continue,
+        // serde_json refuses a field given twice (others it skips).
+        let mut seen = 0u8;
+        crate::skim::each_member(text, None, |key, span| {
+            let (bit, slot) = match key {
+                "usage" => (0, &mut c.usage),
+                "timings" => (1, &mut c.timings),
+                "error" => (2, &mut c.error),
+                "choices" => (3, &mut c.choices),
+                "type" => (4, &mut c.kind),
+                "message" => (5, &mut c.message),
+                "response" => (6, &mut c.response),
+                _ => return Some(()),
             };
-            let raw = text.get(span)?;
+            if seen & 1 << bit != 0 {
+                return None;
+            }
+            seen |= 1 << bit;
             // serde_json reads `null` into an `Option` as `None`.
-            *slot = match raw {
+            *slot = match text.get(span)? {
                 "null" => None,
                 raw => Some(crate::skim::raw(raw)?),
             };
-        }
+            Some(())
+        })?;
         Some(c)
     }
 }
@@ -316,11 +321,13 @@ fn parse_usage_serde(text: &str) -> Option<Usage> {
 /// serde_json reads it into `UsageLite`; `None` when serde_json has to
 /// decide (an escaped or repeated key, invalid text).
 fn skimmed_usage(text: &str) -> Option<Option<Usage>> {
-    let top = crate::skim::object(text, None)?;
     let mut n: [Option<u64>; 7] = [None; 7];
     let mut details: [Option<Option<u64>>; 2] = [None; 2];
-    for (key, span) in top.members {
-        let value = text.get(span)?;
+    // serde_json refuses a field given twice (others it skips).
+    let mut seen = 0u16;
+    // A value serde_json fails the whole usage on; one it has to judge.
+    let (mut fails, mut defer) = (false, false);
+    crate::skim::each_member(text, None, |key, span| {
         let slot = match key {
             "prompt_tokens" => 0,
             "completion_tokens" => 1,
@@ -329,29 +336,40 @@ fn skimmed_usage(text: &str) -> Option<Option<Usage>> {
             "output_tokens" => 4,
             "cache_creation_input_tokens" => 5,
             "cache_read_input_tokens" => 6,
-            "prompt_tokens_details" | "input_tokens_details" => {
-                let d = usize::from(key == "input_tokens_details");
-                details[d] = match value {
-                    "null" => None,
-                    v if v.starts_with('{') => {
-                        let inner = crate::skim::object(v, None)?;
-                        let cached = inner.members.iter().find(|(k, _)| *k == "cached_tokens");
-                        Some(match cached {
-                            Some((_, span)) => json_count(v.get(span.clone())?),
-                            None => None,
-                        })
-                    }
-                    // serde_json reads a struct from an array too, by
-                    // position: its call.
-                    v if v.starts_with('[') => return None,
-                    // Any other value fails the whole usage.
-                    _ => return Some(None),
-                };
-                continue;
-            }
-            _ => continue,
+            "prompt_tokens_details" => 7,
+            "input_tokens_details" => 8,
+            _ => return Some(()),
         };
-        n[slot] = json_count(value);
+        if seen & 1 << slot != 0 {
+            return None;
+        }
+        seen |= 1 << slot;
+        let value = text.get(span)?;
+        if slot < 7 {
+            n[slot] = json_count(value);
+            return Some(());
+        }
+        details[slot - 7] = match value {
+            "null" => None,
+            v if v.starts_with('{') => Some(cached_tokens(v)?),
+            // serde_json reads a struct from an array too, by position:
+            // its call.
+            v if v.starts_with('[') => {
+                defer = true;
+                None
+            }
+            _ => {
+                fails = true;
+                None
+            }
+        };
+        Some(())
+    })?;
+    if defer {
+        return None;
+    }
+    if fails {
+        return Some(None);
     }
     let [prompt, completion, total, input, output, creation, cache_read] = n;
     let input = input.map(|i| {
@@ -364,6 +382,22 @@ fn skimmed_usage(text: &str) -> Option<Option<Usage>> {
         total_tokens: total,
         cached_tokens: details[0].or(details[1]).flatten().or(cache_read),
     }))
+}
+
+/// A details object's `cached_tokens` as [`DetailsLite`] reads it; `None`
+/// when serde_json has to decide.
+fn cached_tokens(details: &str) -> Option<Option<u64>> {
+    let mut cached = None;
+    crate::skim::each_member(details, None, |key, span| {
+        if key == "cached_tokens" {
+            if cached.is_some() {
+                return None;
+            }
+            cached = Some(json_count(details.get(span)?));
+        }
+        Some(())
+    })?;
+    Some(cached.flatten())
 }
 
 /// A count as [`count`] reads it, from the JSON text of a valid value: a
