@@ -87,6 +87,10 @@ impl SseScanner {
                 Some(off) => {
                     let end = i + off;
                     if self.line.is_empty() && !self.line_oversized {
+                        if let Some(next) = self.one_line_event(chunk, i, end, &mut on_event) {
+                            i = next;
+                            continue;
+                        }
                         self.process_line(&chunk[i..end], false, &mut on_event);
                     } else {
                         self.push_partial(&chunk[i..end]);
@@ -144,6 +148,52 @@ impl SseScanner {
         }
     }
 
+    /// The event of one `data:` (or `error:`) line, `chunk[start..end]`,
+    /// when the blank line that ends it follows in `chunk`: dispatched from
+    /// the chunk, not copied into the event's buffer first (a stream's
+    /// events are mostly this shape). Where scanning resumes, or `None`
+    /// for any other line, which [`Self::process_line`] takes.
+    fn one_line_event(
+        &mut self,
+        chunk: &[u8],
+        start: usize,
+        end: usize,
+        on_event: &mut impl FnMut(SseEvent<'_>),
+    ) -> Option<usize> {
+        if self.has_data || self.oversized {
+            return None;
+        }
+        let (field, value) = field_value(&chunk[start..end])?;
+        if !matches!(field, b"data" | b"error") || value.len() > MAX_EVENT_BYTES {
+            return None;
+        }
+        // The line's end, then the blank line's.
+        let blank = match (chunk[end], chunk.get(end + 1)) {
+            (b'\r', Some(b'\n')) => end + 2,
+            (b'\r', None) => return None,
+            _ => end + 1,
+        };
+        let next = match (chunk.get(blank)?, chunk.get(blank + 1)) {
+            (b'\n', _) => blank + 1,
+            (b'\r', Some(b'\n')) => blank + 2,
+            (b'\r', Some(_)) => blank + 1,
+            (b'\r', None) => {
+                // Its LF, if one comes, opens the next slice.
+                self.skip_lf = true;
+                blank + 1
+            }
+            _ => return None,
+        };
+        self.events += 1;
+        on_event(SseEvent {
+            event: self.has_event_name.then_some(&self.event[..]),
+            data: value,
+            error_field: field == b"error",
+        });
+        self.reset();
+        Some(next)
+    }
+
     fn process_line(
         &mut self,
         line: &[u8],
@@ -154,15 +204,8 @@ impl SseScanner {
             self.dispatch(on_event);
             return;
         }
-        if line.first() == Some(&b':') {
+        let Some((field, value)) = field_value(line) else {
             return;
-        }
-        let (field, value) = match memchr::memchr(b':', line) {
-            Some(c) => {
-                let v = &line[c + 1..];
-                (&line[..c], v.strip_prefix(b" ").unwrap_or(v))
-            }
-            None => (line, &b""[..]),
         };
         match field {
             b"data" | b"error" => {
@@ -215,6 +258,11 @@ impl SseScanner {
                 });
             }
         }
+        self.reset();
+    }
+
+    /// Ready for the next event.
+    fn reset(&mut self) {
         self.data.clear();
         self.event.clear();
         self.has_event_name = false;
@@ -222,6 +270,21 @@ impl SseScanner {
         self.error_field = false;
         self.oversized = false;
     }
+}
+
+/// A line's field name and value (one leading space dropped); `None` for a
+/// comment.
+fn field_value(line: &[u8]) -> Option<(&[u8], &[u8])> {
+    if line.first() == Some(&b':') {
+        return None;
+    }
+    Some(match memchr::memchr(b':', line) {
+        Some(c) => {
+            let v = &line[c + 1..];
+            (&line[..c], v.strip_prefix(b" ").unwrap_or(v))
+        }
+        None => (line, &b""[..]),
+    })
 }
 
 #[cfg(test)]
@@ -325,6 +388,7 @@ mod tests {
     fn arb_stream() -> impl Strategy<Value = Vec<u8>> {
         let line = prop_oneof![
             "[a-z{}\":, ]{0,12}".prop_map(|s| format!("data: {s}")),
+            "[a-z{}\":, ]{0,12}".prop_map(|s| format!("error:{s}")),
             "[a-z]{0,5}".prop_map(|s| format!(": {s}")),
             "[a-z]{1,5}".prop_map(|s| format!("event: {s}")),
             Just(String::new()),
