@@ -311,6 +311,8 @@ impl ChatRequest {
     /// serde_json.
     fn skimmed(original: &Bytes, list_key: &'static str) -> Option<Self> {
         let text = std::str::from_utf8(original).ok()?;
+        // Room for a usual body's top level (a chat request's or an agent's
+        // ten or so members) without regrowing.
         let mut top = Members(Vec::with_capacity(12));
         let elements = crate::skim::each_member(text, Some(list_key), |k, span| {
             // A repeated key is serde_json's to refuse.

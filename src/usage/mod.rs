@@ -184,8 +184,7 @@ impl<'a> ChunkLite<'a> {
     fn skimmed(payload: &'a [u8]) -> Option<Self> {
         let text = std::str::from_utf8(payload).ok()?;
         let mut c = ChunkLite::default();
-        // serde_json refuses a field given twice (others it skips).
-        let mut seen = 0u8;
+        let mut seen = 0u16;
         crate::skim::each_member(text, None, |key, span| {
             let (bit, slot) = match key {
                 "usage" => (0, &mut c.usage),
@@ -197,10 +196,7 @@ impl<'a> ChunkLite<'a> {
                 "response" => (6, &mut c.response),
                 _ => return Some(()),
             };
-            if seen & 1 << bit != 0 {
-                return None;
-            }
-            seen |= 1 << bit;
+            first_time(&mut seen, bit)?;
             // serde_json reads `null` into an `Option` as `None`.
             *slot = match text.get(span)? {
                 "null" => None,
@@ -323,7 +319,6 @@ fn parse_usage_serde(text: &str) -> Option<Usage> {
 fn skimmed_usage(text: &str) -> Option<Option<Usage>> {
     let mut n: [Option<u64>; 7] = [None; 7];
     let mut details: [Option<Option<u64>>; 2] = [None; 2];
-    // serde_json refuses a field given twice (others it skips).
     let mut seen = 0u16;
     // A value serde_json fails the whole usage on; one it has to judge.
     let (mut fails, mut defer) = (false, false);
@@ -340,10 +335,7 @@ fn skimmed_usage(text: &str) -> Option<Option<Usage>> {
             "input_tokens_details" => 8,
             _ => return Some(()),
         };
-        if seen & 1 << slot != 0 {
-            return None;
-        }
-        seen |= 1 << slot;
+        first_time(&mut seen, slot)?;
         let value = text.get(span)?;
         if slot < 7 {
             n[slot] = json_count(value);
@@ -382,6 +374,14 @@ fn skimmed_usage(text: &str) -> Option<Option<Usage>> {
         total_tokens: total,
         cached_tokens: details[0].or(details[1]).flatten().or(cache_read),
     }))
+}
+
+/// Marks the known field `bit` as read; `None` the second time: serde_json
+/// refuses a field given twice (an unknown one it skips), so the skim
+/// leaves that body to it.
+fn first_time(seen: &mut u16, bit: usize) -> Option<()> {
+    let mask = 1u16 << bit;
+    (*seen & mask == 0).then(|| *seen |= mask)
 }
 
 /// A details object's `cached_tokens` as [`DetailsLite`] reads it; `None`

@@ -100,16 +100,9 @@ impl SseScanner {
                         self.line = line;
                         self.line.clear();
                     }
-                    i = end + 1;
-                    if chunk[end] == b'\r' {
-                        if i < chunk.len() {
-                            if chunk[i] == b'\n' {
-                                i += 1;
-                            }
-                        } else {
-                            self.skip_lf = true;
-                        }
-                    }
+                    let (next, lf_owed) = past_line_end(chunk, end);
+                    i = next;
+                    self.skip_lf |= lf_owed;
                 }
                 None => {
                     self.push_partial(&chunk[i..]);
@@ -167,29 +160,17 @@ impl SseScanner {
         if !matches!(field, b"data" | b"error") || value.len() > MAX_EVENT_BYTES {
             return None;
         }
-        // The line's end, then the blank line's.
-        let blank = match (chunk[end], chunk.get(end + 1)) {
-            (b'\r', Some(b'\n')) => end + 2,
-            (b'\r', None) => return None,
-            _ => end + 1,
+        // The line's end (its LF known to be in `chunk`), then the blank
+        // line's.
+        let (blank, false) = past_line_end(chunk, end) else {
+            return None;
         };
-        let next = match (chunk.get(blank)?, chunk.get(blank + 1)) {
-            (b'\n', _) => blank + 1,
-            (b'\r', Some(b'\n')) => blank + 2,
-            (b'\r', Some(_)) => blank + 1,
-            (b'\r', None) => {
-                // Its LF, if one comes, opens the next slice.
-                self.skip_lf = true;
-                blank + 1
-            }
-            _ => return None,
-        };
-        self.events += 1;
-        on_event(SseEvent {
-            event: self.has_event_name.then_some(&self.event[..]),
-            data: value,
-            error_field: field == b"error",
-        });
+        if !matches!(chunk.get(blank)?, b'\n' | b'\r') {
+            return None;
+        }
+        let (next, lf_owed) = past_line_end(chunk, blank);
+        self.skip_lf |= lf_owed;
+        self.emit(value, field == b"error", on_event);
         self.reset();
         Some(next)
     }
@@ -250,15 +231,23 @@ impl SseScanner {
             if self.oversized {
                 self.skipped += 1;
             } else {
-                self.events += 1;
-                on_event(SseEvent {
-                    event: self.has_event_name.then_some(&self.event[..]),
-                    data: &self.data,
-                    error_field: self.error_field,
-                });
+                let data = std::mem::take(&mut self.data);
+                self.emit(&data, self.error_field, on_event);
+                // Its buffer kept for the next event.
+                self.data = data;
             }
         }
         self.reset();
+    }
+
+    /// Hands the event of `data` over, with the event name if one came.
+    fn emit(&mut self, data: &[u8], error_field: bool, on_event: &mut impl FnMut(SseEvent<'_>)) {
+        self.events += 1;
+        on_event(SseEvent {
+            event: self.has_event_name.then_some(&self.event[..]),
+            data,
+            error_field,
+        });
     }
 
     /// Ready for the next event.
@@ -269,6 +258,17 @@ impl SseScanner {
         self.has_data = false;
         self.error_field = false;
         self.oversized = false;
+    }
+}
+
+/// Where the line ending at `chunk[end]` (LF, CRLF or a bare CR) is left
+/// behind, and whether it was a CR closing `chunk`, whose LF, if one comes,
+/// opens the next slice.
+fn past_line_end(chunk: &[u8], end: usize) -> (usize, bool) {
+    match (chunk[end], chunk.get(end + 1)) {
+        (b'\r', Some(b'\n')) => (end + 2, false),
+        (b'\r', None) => (end + 1, true),
+        _ => (end + 1, false),
     }
 }
 
