@@ -159,10 +159,10 @@ impl UsageHider {
             };
             if p == line_start {
                 let block = &frame[block_start..term_end];
-                if block.len() > MAX_EVENT_BYTES
-                    || !matches!(judge(block), Verdict::Keep)
-                    || finish_chunk_close(block).is_some()
-                {
+                // What `release` would do with the block is decided only
+                // where it may differ from forwarding it: a block that may
+                // carry usage, or a finish chunk, goes to `push`.
+                if block.len() > MAX_EVENT_BYTES || has_usage_key(block) || has_finish(block) {
                     break;
                 }
                 block_start = term_end;
@@ -292,8 +292,14 @@ fn data_payload(block: &[u8]) -> Option<Range<usize>> {
 static FINISH_REASON_KEY: LazyLock<Finder<'static>> =
     LazyLock::new(|| Finder::new(b"\"finish_reason\""));
 
+/// Whether `block` has a `"usage"` key somewhere: without one, [`judge`]
+/// keeps it.
+fn has_usage_key(block: &[u8]) -> bool {
+    super::may_have_usage_key(block) && super::USAGE_KEY.find(block).is_some()
+}
+
 fn judge(block: &[u8]) -> Verdict {
-    if !super::may_have_usage_key(block) || super::USAGE_KEY.find(block).is_none() {
+    if !has_usage_key(block) {
         return Verdict::Keep;
     }
     let Some(range) = data_payload(block) else {
@@ -344,12 +350,7 @@ fn judge(block: &[u8]) -> Verdict {
 /// the data object's closing brace in the block, and whether it already has
 /// `timings`.
 fn finish_chunk_close(block: &[u8]) -> Option<(usize, bool)> {
-    let has_finish = super::any_match(&FINISH_REASON_KEY, block, |p| {
-        let rest = block[p + 15..].trim_ascii_start();
-        rest.strip_prefix(b":")
-            .is_some_and(|r| !r.trim_ascii_start().starts_with(b"null"))
-    });
-    if !has_finish {
+    if !has_finish(block) {
         return None;
     }
     let range = data_payload(block)?;
@@ -360,6 +361,16 @@ fn finish_chunk_close(block: &[u8]) -> Option<(usize, bool)> {
         .any(|m| &payload[m.key.clone()] == b"timings");
     let close = payload.iter().rposition(|&b| b == b'}')?;
     Some((range.start + close, has_timings))
+}
+
+/// Whether `block` has a `finish_reason` that is not `null` somewhere: the
+/// blocks [`finish_chunk_close`] may hold.
+fn has_finish(block: &[u8]) -> bool {
+    super::any_match(&FINISH_REASON_KEY, block, |p| {
+        let rest = block[p + 15..].trim_ascii_start();
+        rest.strip_prefix(b":")
+            .is_some_and(|r| !r.trim_ascii_start().starts_with(b"null"))
+    })
 }
 
 /// One top-level member of a JSON object, as byte ranges into the text.
@@ -609,6 +620,21 @@ mod tests {
         assert!(top_members(b"{\"a\":1").is_none());
         assert!(top_members(b"{\"a\":1} x").is_none());
         assert_eq!(top_members(b"{}").unwrap().len(), 0);
+    }
+
+    #[test]
+    fn a_finish_reason_after_a_null_one_is_found() {
+        // Two choices, the first unfinished: the search goes on past the
+        // first match (from its closing quote) to the second.
+        let block = b"data: {\"choices\":[{\"index\":0,\"finish_reason\":null},{\"index\":1,\"finish_reason\":\"stop\"}]}\n\n";
+        assert!(has_finish(block));
+        assert!(finish_chunk_close(block).is_some());
+        let unfinished =
+            b"data: {\"choices\":[{\"finish_reason\":null},{\"finish_reason\" : null}]}\n\n";
+        assert!(!has_finish(unfinished));
+        // Keys back to back share no more than a quote.
+        let adjacent = b"\"finish_reason\"finish_reason\":\"stop\"";
+        assert!(has_finish(adjacent));
     }
 
     #[test]

@@ -505,17 +505,30 @@ fn has_usage_object(data: &[u8]) -> bool {
 /// Whether `test` holds for some position of `finder`'s needle in `hay`.
 /// A loop of `find` rather than `find_iter`: building the iterator copies
 /// the searcher (~300 bytes), once per SSE event on these paths.
+///
+/// The needles are quoted keys (`"usage"`): two occurrences share at most
+/// a quote, so the next search starts at the closing quote of the last
+/// match, not one byte after its start. After `"finish_reason":null}]}`
+/// what is left is then shorter than the needle, and the search that
+/// would scan it (a second one per event, ~110 instructions) ends at once.
 pub(crate) fn any_match(
     finder: &Finder<'_>,
     hay: &[u8],
     mut test: impl FnMut(usize) -> bool,
 ) -> bool {
+    let needle = finder.needle();
+    debug_assert!(
+        needle.len() >= 2
+            && needle[0] == b'"'
+            && memchr::memchr(b'"', &needle[1..]) == Some(needle.len() - 2),
+        "a quoted key without inner quotes"
+    );
     let mut from = 0;
     while let Some(p) = finder.find(&hay[from..]) {
         if test(from + p) {
             return true;
         }
-        from += p + 1;
+        from += p + needle.len() - 1;
     }
     false
 }

@@ -5,7 +5,7 @@ use super::*;
 use crate::upstream::body::tap_tests::MockBody;
 use crate::upstream::body::TapBody;
 use bytes::{Bytes, BytesMut};
-use http_body::Frame;
+use http_body::{Body, Frame};
 use http_body_util::BodyExt;
 use memchr::memmem;
 use proptest::prelude::*;
@@ -275,6 +275,24 @@ fn hide(chunks: &[&[u8]]) -> Vec<u8> {
     out.to_vec()
 }
 
+/// What [`HideUsageBody`] releases for `frames` (each a frame of its own).
+fn hide_body_sync(frames: &[&[u8]]) -> Vec<u8> {
+    let items = frames
+        .iter()
+        .map(|f| Some(Ok(Frame::data(Bytes::copy_from_slice(f)))))
+        .collect();
+    let mut body = std::pin::pin!(HideUsageBody::new(MockBody::new(items)));
+    let mut cx = std::task::Context::from_waker(std::task::Waker::noop());
+    let mut out = Vec::new();
+    loop {
+        match body.as_mut().poll_frame(&mut cx) {
+            std::task::Poll::Ready(Some(Ok(f))) => out.extend_from_slice(&f.into_data().unwrap()),
+            std::task::Poll::Ready(None) => return out,
+            other => panic!("a ready body polled to {other:?}"),
+        }
+    }
+}
+
 /// Each vendor's stream with forced usage and as it comes without.
 const FIXTURE_PAIRS: [(&[u8], &[u8]); 3] = [
     (
@@ -531,6 +549,23 @@ proptest! {
         // And the tap still reads the real usage from the forced stream.
         let r = extract(BodyKind::Sse, &parts).report();
         prop_assert_eq!(r.prompt_tokens(), Some((g.prompt, PromptSource::Usage)));
+    }
+
+    /// The body's frame path (the untouched front of a frame sent as it
+    /// is, the rest pushed) gives what pushing every byte gives, for the
+    /// generated streams with and without forced usage and for bytes of
+    /// any shape.
+    #[test]
+    fn hide_body_frames_equal_pushed_bytes(
+        g in arb_gen(),
+        forced in any::<bool>(),
+        noise in proptest::collection::vec(any::<u8>(), 0..120),
+        cuts in proptest::collection::vec(0usize..2000, 0..10),
+    ) {
+        let mut stream = render(&g, forced);
+        stream.extend_from_slice(&noise);
+        let parts = split_at_points(&stream, &cuts);
+        prop_assert_eq!(hide_body_sync(&parts), hide(&parts));
     }
 
     #[test]
