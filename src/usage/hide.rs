@@ -139,6 +139,13 @@ impl UsageHider {
     /// chunk is held). Most of a stream is: `push` would copy each block
     /// twice (into the pending block, then out) to release the same bytes.
     /// The state is unchanged; the rest of the frame goes to `push`.
+    ///
+    /// Read from the frame as a whole rather than block by block (a frame
+    /// gathers a stream's burst, ~20 events): the first place where a block
+    /// may change (a `"usage"` key, a `finish_reason` not plainly `null`)
+    /// is found by one search each, and the blocks before it end at the
+    /// last blank line before it, found backwards. Per event that was two
+    /// line-end searches, a `g` search and a key search (~400 instructions).
     pub(crate) fn passing(&self, frame: &[u8]) -> usize {
         if !self.pending.is_empty()
             || self.scan_pos != 0
@@ -148,29 +155,14 @@ impl UsageHider {
         {
             return 0;
         }
-        let (mut i, mut line_start, mut block_start) = (0, 0, 0);
-        while let Some(off) = memchr2(b'\n', b'\r', &frame[i..]) {
-            let p = i + off;
-            let term_end = match (frame[p], frame.get(p + 1)) {
-                (b'\r', Some(b'\n')) => p + 2,
-                // A CR ending the frame: its LF may come next.
-                (b'\r', None) => break,
-                _ => p + 1,
-            };
-            if p == line_start {
-                let block = &frame[block_start..term_end];
-                // What `release` would do with the block is decided only
-                // where it may differ from forwarding it: a block that may
-                // carry usage, or a finish chunk, goes to `push`.
-                if block.len() > MAX_EVENT_BYTES || has_usage_key(block) || has_finish(block) {
-                    break;
-                }
-                block_start = term_end;
-            }
-            line_start = term_end;
-            i = term_end;
-        }
-        block_start
+        // A block longer than the cap goes to `push` (which forwards it
+        // untouched as it comes): blocks ending within the first cap's bytes
+        // are no longer than the cap, and the rest of a longer frame is
+        // passed the next time.
+        let front = &frame[..frame.len().min(MAX_EVENT_BYTES)];
+        let stop = usage_key_at(front).unwrap_or(front.len());
+        let stop = maybe_finish_at(&front[..stop]).unwrap_or(stop);
+        last_block_end(front, stop)
     }
 
     /// Forwards the scanned part of an oversized event untouched, so memory
@@ -295,7 +287,72 @@ static FINISH_REASON_KEY: LazyLock<Finder<'static>> =
 /// Whether `block` has a `"usage"` key somewhere: without one, [`judge`]
 /// keeps it.
 fn has_usage_key(block: &[u8]) -> bool {
-    super::may_have_usage_key(block) && super::USAGE_KEY.find(block).is_some()
+    usage_key_at(block).is_some()
+}
+
+/// Where the first `"usage"` key in `hay` starts. Its `g` is the key's
+/// fifth byte: a key starts at most four bytes before the first `g`, and
+/// one `memchr` rules out most of a stream.
+fn usage_key_at(hay: &[u8]) -> Option<usize> {
+    let from = memchr::memchr(b'g', hay)?.saturating_sub(4);
+    super::USAGE_KEY.find(&hay[from..]).map(|p| from + p)
+}
+
+/// Where the first `"finish_reason"` key in `hay` starts whose value is not
+/// plainly `null` on the same line: a superset of what [`has_finish`]
+/// finds in any block of `hay` (which reads `null` past spaces and line
+/// ends alike).
+fn maybe_finish_at(hay: &[u8]) -> Option<usize> {
+    let finder = &*FINISH_REASON_KEY;
+    let blank = |b: &[u8]| {
+        b.iter()
+            .position(|&c| c != b' ' && c != b'\t')
+            .unwrap_or(b.len())
+    };
+    let mut from = 0;
+    while let Some(p) = finder.find(&hay[from..]) {
+        let at = from + p;
+        let rest = &hay[at + 15..];
+        let rest = &rest[blank(rest)..];
+        let plainly_null = rest.first() == Some(&b':') && {
+            let value = &rest[1..];
+            value[blank(value)..].starts_with(b"null")
+        };
+        if !plainly_null {
+            return Some(at);
+        }
+        from = at + 14;
+    }
+    None
+}
+
+/// The end of the last event block of `frame` (which starts at a block's
+/// start) that ends at or before `stop`; 0 when none does. Found backwards
+/// from `stop`: a block ends where a blank line's line end does, which the
+/// bytes around a line end tell (CRLF, LF and CR end lines; a CR ending the
+/// frame may be the first half of a CRLF, so it ends nothing yet).
+fn last_block_end(frame: &[u8], stop: usize) -> usize {
+    // A line starts at `t` when the line end before it ends there.
+    let line_starts_at =
+        |t: usize| t == 0 || frame[t - 1] == b'\n' || (frame[t - 1] == b'\r' && frame[t] != b'\n');
+    let mut upto = stop;
+    while let Some(q) = memchr::memrchr2(b'\n', b'\r', &frame[..upto]) {
+        upto = q;
+        // The line end that ends at q + 1, and where it starts.
+        let start = match frame[q] {
+            b'\n' if q > 0 && frame[q - 1] == b'\r' => q - 1,
+            b'\n' => q,
+            // A CR followed by LF: the CRLF is the LF's to end.
+            _ => match frame.get(q + 1) {
+                Some(b'\n') | None => continue,
+                Some(_) => q,
+            },
+        };
+        if line_starts_at(start) {
+            return q + 1;
+        }
+    }
+    0
 }
 
 fn judge(block: &[u8]) -> Verdict {

@@ -568,6 +568,25 @@ proptest! {
         prop_assert_eq!(hide_body_sync(&parts), hide(&parts));
     }
 
+    /// The same for streams made of the pieces the frame path reads
+    /// (line ends of each kind, the keys, `null` and values around them)
+    /// in any order and framing.
+    #[test]
+    fn hide_body_frames_equal_pushed_bytes_for_any_token_soup(
+        tokens in proptest::collection::vec(prop_oneof![
+            Just(&b"data: "[..]), Just(&b"\n"[..]), Just(&b"\r"[..]), Just(&b"\r\n"[..]),
+            Just(&b"\"usage\""[..]), Just(&b"\"finish_reason\""[..]), Just(&b":"[..]),
+            Just(&b"null"[..]), Just(&b" "[..]), Just(&b"\t"[..]), Just(&b"{"[..]),
+            Just(&b"}"[..]), Just(&b","[..]), Just(&b"\"stop\""[..]), Just(&b"[]"[..]),
+            Just(&b"\"choices\":"[..]), Just(&b"g"[..]), Just(&b": ping"[..]),
+        ], 0..60),
+        cuts in proptest::collection::vec(0usize..400, 0..6),
+    ) {
+        let stream = tokens.concat();
+        let parts = split_at_points(&stream, &cuts);
+        prop_assert_eq!(hide_body_sync(&parts), hide(&parts));
+    }
+
     #[test]
     fn scanner_usage_is_split_invariant(g in arb_gen(), n in 1usize..64) {
         let with = render(&g, true);
