@@ -162,7 +162,7 @@ impl UsageHider {
         let front = &frame[..frame.len().min(MAX_EVENT_BYTES)];
         let stop = usage_key_at(front).unwrap_or(front.len());
         let stop = maybe_finish_at(&front[..stop]).unwrap_or(stop);
-        last_block_end(front, stop)
+        super::sse::last_event_end(front, stop)
     }
 
     /// Forwards the scanned part of an oversized event untouched, so memory
@@ -324,35 +324,6 @@ fn maybe_finish_at(hay: &[u8]) -> Option<usize> {
         from = at + 14;
     }
     None
-}
-
-/// The end of the last event block of `frame` (which starts at a block's
-/// start) that ends at or before `stop`; 0 when none does. Found backwards
-/// from `stop`: a block ends where a blank line's line end does, which the
-/// bytes around a line end tell (CRLF, LF and CR end lines; a CR ending the
-/// frame may be the first half of a CRLF, so it ends nothing yet).
-fn last_block_end(frame: &[u8], stop: usize) -> usize {
-    // A line starts at `t` when the line end before it ends there.
-    let line_starts_at =
-        |t: usize| t == 0 || frame[t - 1] == b'\n' || (frame[t - 1] == b'\r' && frame[t] != b'\n');
-    let mut upto = stop;
-    while let Some(q) = memchr::memrchr2(b'\n', b'\r', &frame[..upto]) {
-        upto = q;
-        // The line end that ends at q + 1, and where it starts.
-        let start = match frame[q] {
-            b'\n' if q > 0 && frame[q - 1] == b'\r' => q - 1,
-            b'\n' => q,
-            // A CR followed by LF: the CRLF is the LF's to end.
-            _ => match frame.get(q + 1) {
-                Some(b'\n') | None => continue,
-                Some(_) => q,
-            },
-        };
-        if line_starts_at(start) {
-            return q + 1;
-        }
-    }
-    0
 }
 
 fn judge(block: &[u8]) -> Verdict {

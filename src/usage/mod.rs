@@ -572,6 +572,19 @@ impl UsageExtractor {
                     parse_failures,
                     ..
                 } = self;
+                let mut data = data;
+                if !undecided_only && *start != StreamStart::Undecided && scanner.between_events() {
+                    // Once the start is decided only usage and timings are
+                    // read, and an event without a `g` has neither: the
+                    // events before the first `g` are left out whole
+                    // (found as the frame's hider finds them) instead of
+                    // scanned line by line (~240 instructions an event).
+                    // Within the size cap, so none of them is one the
+                    // scanner would have counted as oversized.
+                    let front = &data[..data.len().min(sse::MAX_EVENT_BYTES)];
+                    let stop = memchr::memchr(b'g', front).unwrap_or(front.len());
+                    data = &data[sse::last_event_end(front, stop)..];
+                }
                 scanner.feed_until(data, |ev| {
                     on_event(ev, report, start, parse_failures);
                     !undecided_only || *start == StreamStart::Undecided

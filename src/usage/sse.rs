@@ -55,6 +55,20 @@ impl SseScanner {
         self.skipped
     }
 
+    /// Whether the next byte fed starts an event: nothing of a line or an
+    /// event is held, and no LF is owed to a CR. Whole events fed from
+    /// here may then be left out (see [`last_event_end`]) with no trace in
+    /// the scanner's state.
+    pub(crate) fn between_events(&self) -> bool {
+        self.line.is_empty()
+            && !self.line_oversized
+            && !self.skip_lf
+            && !self.has_data
+            && !self.has_event_name
+            && !self.error_field
+            && !self.oversized
+    }
+
     /// Feeds the next slice of the stream; `on_event` runs for every event
     /// that completes inside it.
     pub fn feed(&mut self, chunk: &[u8], mut on_event: impl FnMut(SseEvent<'_>)) {
@@ -259,6 +273,35 @@ impl SseScanner {
         self.error_field = false;
         self.oversized = false;
     }
+}
+
+/// The end of the last event of `frame` (which starts where an event
+/// does) that ends at or before `stop`; 0 when none does. Found backwards
+/// from `stop`: an event ends where a blank line's line end does, which the
+/// bytes around a line end tell (CRLF, LF and CR end lines; a CR ending the
+/// frame may be the first half of a CRLF, so it ends nothing yet).
+pub(crate) fn last_event_end(frame: &[u8], stop: usize) -> usize {
+    // A line starts at `t` when the line end before it ends there.
+    let line_starts_at =
+        |t: usize| t == 0 || frame[t - 1] == b'\n' || (frame[t - 1] == b'\r' && frame[t] != b'\n');
+    let mut upto = stop;
+    while let Some(q) = memchr::memrchr2(b'\n', b'\r', &frame[..upto]) {
+        upto = q;
+        // The line end that ends at q + 1, and where it starts.
+        let start = match frame[q] {
+            b'\n' if q > 0 && frame[q - 1] == b'\r' => q - 1,
+            b'\n' => q,
+            // A CR followed by LF: the CRLF is the LF's to end.
+            _ => match frame.get(q + 1) {
+                Some(b'\n') | None => continue,
+                Some(_) => q,
+            },
+        };
+        if line_starts_at(start) {
+            return q + 1;
+        }
+    }
+    0
 }
 
 /// Where the line ending at `chunk[end]` (LF, CRLF or a bare CR) is left

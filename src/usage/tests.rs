@@ -30,6 +30,18 @@ fn extract(kind: BodyKind, chunks: &[&[u8]]) -> UsageExtractor {
     e
 }
 
+/// What an extractor whose stream start is already decided (the
+/// response's tap) reads from `chunks`.
+fn extract_decided(chunks: &[&[u8]]) -> (UsageReport, u64, u64) {
+    let mut e = UsageExtractor::new(BodyKind::Sse);
+    e.start = StreamStart::Content;
+    for c in chunks {
+        e.feed(c);
+    }
+    e.finish();
+    (e.report(), e.oversized(), e.parse_failures())
+}
+
 fn split_every(bytes: &[u8], n: usize) -> Vec<&[u8]> {
     bytes.chunks(n.max(1)).collect()
 }
@@ -585,6 +597,28 @@ proptest! {
         let stream = tokens.concat();
         let parts = split_at_points(&stream, &cuts);
         prop_assert_eq!(hide_body_sync(&parts), hide(&parts));
+    }
+
+    /// A decided extractor leaves out whole events without a `g` when a
+    /// frame holds them; fed a byte at a time it leaves out none (no event
+    /// fits a byte). What it reads must not depend on that.
+    #[test]
+    fn events_left_out_whole_change_nothing_read(
+        g in arb_gen(),
+        forced in any::<bool>(),
+        tokens in proptest::collection::vec(prop_oneof![
+            Just(&b"data: "[..]), Just(&b"\n"[..]), Just(&b"\r"[..]), Just(&b"\r\n"[..]),
+            Just(&b"event: x"[..]), Just(&b"{\"usage\":{\"prompt_tokens\":7}}"[..]),
+            Just(&b"{\"timings\":{\"prompt_n\":3}}"[..]), Just(&b"{\"a\":1}"[..]),
+            Just(&b": ping"[..]), Just(&b"g"[..]), Just(&b"data: [DONE]"[..]),
+        ], 0..40),
+        cuts in proptest::collection::vec(0usize..2000, 0..10),
+    ) {
+        let mut stream = render(&g, forced);
+        stream.extend_from_slice(&tokens.concat());
+        let whole = extract_decided(&split_every(&stream, 1));
+        prop_assert_eq!(extract_decided(&split_at_points(&stream, &cuts)), whole);
+        prop_assert_eq!(extract_decided(&[&stream]), whole);
     }
 
     #[test]
