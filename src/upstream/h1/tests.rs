@@ -9,6 +9,17 @@ fn read_all(
     is_head: bool,
     cuts: &[usize],
 ) -> Result<(Head, Vec<u8>, Option<HeaderMap>, usize), Error> {
+    read_with(wire, is_head, cuts, false)
+}
+
+/// [`read_all`]; with `join`, each data frame is joined with the data read
+/// after it, as [`Reading`] sends a body on.
+fn read_with(
+    wire: &[u8],
+    is_head: bool,
+    cuts: &[usize],
+    join: bool,
+) -> Result<(Head, Vec<u8>, Option<HeaderMap>, usize), Error> {
     let mut pending = wire;
     let mut buf = BytesMut::new();
     let mut cuts = cuts.iter().copied();
@@ -34,6 +45,15 @@ fn read_all(
     loop {
         match head.decoder.decode(&mut buf)? {
             Decoded::Frame(f) => match f.into_data() {
+                Ok(d) if join => {
+                    let (d, held) = head.decoder.join(&mut buf, d);
+                    data.extend_from_slice(&d);
+                    match held {
+                        Some(Ok(f)) => trailers = f.into_trailers().ok(),
+                        Some(Err(e)) => return Err(e),
+                        None => {}
+                    }
+                }
                 Ok(d) => data.extend_from_slice(&d),
                 Err(f) => trailers = f.into_trailers().ok(),
             },
@@ -50,11 +70,17 @@ fn read_all(
 }
 
 fn chunked(parts: &[&[u8]], trailers: &str) -> Vec<u8> {
+    chunked_with(parts, trailers, |_| "\r\n")
+}
+
+/// [`chunked`], the line end after chunk `i`'s size and data `eol(i)`.
+fn chunked_with(parts: &[&[u8]], trailers: &str, eol: impl Fn(usize) -> &'static str) -> Vec<u8> {
     let mut w = b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n".to_vec();
-    for p in parts {
-        w.extend_from_slice(format!("{:x};ext=1\r\n", p.len()).as_bytes());
+    for (i, p) in parts.iter().enumerate() {
+        let ext = if i % 2 == 0 { ";ext=1" } else { "" };
+        w.extend_from_slice(format!("{:x}{ext}{}", p.len(), eol(i)).as_bytes());
         w.extend_from_slice(p);
-        w.extend_from_slice(b"\r\n");
+        w.extend_from_slice(eol(i).as_bytes());
     }
     w.extend_from_slice(b"0\r\n");
     w.extend_from_slice(trailers.as_bytes());
@@ -87,6 +113,27 @@ proptest! {
             }
             None => prop_assert!(!with_trailers),
         }
+    }
+
+    /// Joined as a body is sent on (whole chunks read by offset, the rest
+    /// step by step), the same bytes and trailers come out, whatever the
+    /// reads and whichever chunks end their lines with a bare LF.
+    #[test]
+    fn a_chunked_body_joined_decodes_the_same_whatever_the_reads(
+        parts in prop::collection::vec(prop::collection::vec(any::<u8>(), 1..300), 0..12),
+        cuts in prop::collection::vec(1usize..600, 0..16),
+        bare_lf in any::<u16>(),
+        with_trailers in any::<bool>(),
+    ) {
+        let parts: Vec<&[u8]> = parts.iter().map(Vec::as_slice).collect();
+        let trailers = if with_trailers { "x-sum: 7\r\n" } else { "" };
+        let mut wire = chunked_with(&parts, trailers, |i| if bare_lf >> i & 1 == 1 { "\n" } else { "\r\n" });
+        wire.extend_from_slice(b"HTTP/1.1 200 OK\r\n");
+        let (head, data, got_trailers, left) = read_with(&wire, false, &cuts, true).unwrap();
+        prop_assert_eq!(data, parts.concat());
+        prop_assert!(head.decoder.is_done());
+        prop_assert_eq!(left, b"HTTP/1.1 200 OK\r\n".len(), "the next response is not eaten");
+        prop_assert_eq!(got_trailers.is_some(), with_trailers);
     }
 
     /// A sized body, cut anywhere, is its Content-Length bytes.
