@@ -55,11 +55,19 @@ pub(super) async fn send(
             header::ACCEPT_ENCODING,
             HeaderValue::from_static("identity"),
         ),
-        (header::CONTENT_LENGTH, HeaderValue::from(body.len())),
+        (header::CONTENT_LENGTH, length_value(body.len())),
     ];
     upstream
         .send_bytes_with(parts, client_headers, &set, body)
         .await
+}
+
+/// A Content-Length value in one allocation of its digits: `http`'s
+/// `From<usize>` builds it in a growable buffer, then a shared one (two).
+fn length_value(n: usize) -> HeaderValue {
+    let mut buf = [0; 20];
+    let digits = crate::telemetry::line::decimal(n as u64, &mut buf);
+    HeaderValue::from_str(digits).unwrap_or_else(|_| HeaderValue::from(n))
 }
 
 /// Books an overflow retry about to be prepared (the window bounded, the
@@ -164,5 +172,17 @@ pub(super) fn mark_head(
     }
     if prepared.replaced > 0 {
         headers.insert(REPLACED_NAME.clone(), HeaderValue::from(prepared.replaced));
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn length_values_are_what_http_writes() {
+        for n in [0, 7, 10, 99, 4096, 123_456_789, usize::MAX] {
+            assert_eq!(length_value(n), HeaderValue::from(n), "{n}");
+        }
     }
 }

@@ -15,7 +15,6 @@ use std::sync::Arc;
 use bytes::Bytes;
 use http::request::Parts;
 use http::{header, HeaderMap, Request, Response};
-use http_body_util::BodyExt;
 
 use crate::codec::{Api, ApiRequest};
 use crate::error::{ErrorShape, ProxyBody};
@@ -75,8 +74,8 @@ pub async fn handle_api(
         .get::<Arc<RequestStats>>()
         .map(|s| Arc::clone(&s.bytes_in));
     let guard = worker::BodyGuard::new(&chat.metrics, seen);
-    let bytes = match body.collect().await {
-        Ok(c) => c.to_bytes(),
+    let bytes = match crate::upstream::body::whole(body).await {
+        Ok(b) => b,
         Err(e) => return upstream.error_reply_in(error_shape(api), &body_read_error(&e)),
     };
     guard.complete();

@@ -122,8 +122,11 @@ where
 {
     let in_flight = InFlight::new(Arc::clone(&state.metrics));
     let method = req.method().clone();
-    let path = req.uri().path().to_owned();
-    let route = Route::of(&method, &path);
+    // The request's own URI kept, not its path copied: a clone shares the
+    // bytes the server read it from.
+    let uri = req.uri().clone();
+    let path = uri.path();
+    let route = Route::of(&method, path);
     // Chat bodies and small passthrough bodies are read whole: their bytes
     // count against the budget.
     let buffered = route.api().is_some()
@@ -146,7 +149,7 @@ where
             let mut resp = match route {
                 Route::Session => super::admin::session_view(admin, &state.chat, &req).await,
                 Route::Sessions => super::admin::sessions_list(admin, &state.chat, &req).await,
-                _ => super::ui::serve(&path, admin.token.is_some()),
+                _ => super::ui::serve(path, admin.token.is_some()),
             };
             super::admin::guard(&mut resp);
             resp
@@ -188,7 +191,7 @@ where
         metrics.record_request(route.label(), status.as_u16(), bytes_in, bytes_out);
         crate::telemetry::request::log(&crate::telemetry::request::RequestLine {
             method: method.as_str(),
-            path: &path,
+            path: uri.path(),
             route: route.label(),
             status: status.as_u16(),
             bytes_in,

@@ -464,6 +464,41 @@ pub fn observed<B: Body>(inner: B, on_eos: OnEos) -> ObservedBody<B> {
     TapBody::new(inner, CountBytes { bytes: 0, on_eos })
 }
 
+/// A body's data, whole (trailers dropped): a body of one frame is that
+/// frame, the frames of a longer one copied together once.
+/// `BodyExt::collect` gathers even a single frame in a queue it allocates
+/// (one allocation a request on the chat path, whose bodies the server
+/// reads whole).
+pub(crate) async fn whole<B>(mut body: B) -> Result<Bytes, B::Error>
+where
+    B: Body<Data = Bytes> + Unpin,
+{
+    let mut first: Option<Bytes> = None;
+    let mut more: Option<bytes::BytesMut> = None;
+    while let Some(frame) = body.frame().await {
+        let Ok(data) = frame?.into_data() else {
+            continue;
+        };
+        if data.is_empty() {
+            continue;
+        }
+        match (&first, &mut more) {
+            (None, _) => first = Some(data),
+            (Some(f), None) => {
+                let mut m = bytes::BytesMut::with_capacity(f.len() + data.len());
+                m.extend_from_slice(f);
+                m.extend_from_slice(&data);
+                more = Some(m);
+            }
+            (Some(_), Some(m)) => m.extend_from_slice(&data),
+        }
+    }
+    Ok(match (more, first) {
+        (Some(m), _) => m.freeze(),
+        (None, f) => f.unwrap_or_default(),
+    })
+}
+
 /// Boxes any body with `Bytes`-convertible data into a [`ProxyReqBody`].
 pub fn boxed<B>(body: B) -> ProxyReqBody
 where
@@ -478,6 +513,37 @@ mod tests {
     use super::*;
     use http_body_util::Full;
     use std::sync::Mutex;
+
+    #[tokio::test]
+    async fn whole_is_what_collect_gives() {
+        let cases: [&[&'static str]; 5] = [
+            &[],
+            &["one"],
+            &["", "a", "", "bc", "d"],
+            &["x", ""],
+            &["", ""],
+        ];
+        for frames in cases {
+            let body = || {
+                let items = frames
+                    .iter()
+                    .map(|f| Some(Ok(Frame::data(Bytes::from_static(f.as_bytes())))))
+                    .collect();
+                tap_tests::MockBody::new(items)
+            };
+            let want = body().collect().await.unwrap().to_bytes();
+            let got = whole(body()).await.unwrap();
+            assert_eq!(got, want, "{frames:?}");
+        }
+        let one = Bytes::from_static(b"kept as it is");
+        let got = whole(Full::new(one.clone())).await.unwrap();
+        assert_eq!(got.as_ptr(), one.as_ptr(), "a single frame is not copied");
+        let failing = tap_tests::MockBody::new(vec![
+            Some(Ok(Frame::data(Bytes::from_static(b"a")))),
+            Some(Err(std::io::Error::other("cut"))),
+        ]);
+        assert!(whole(failing).await.is_err());
+    }
     use tokio::sync::mpsc;
 
     /// A body fed by the test through a channel.

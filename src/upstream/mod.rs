@@ -215,8 +215,8 @@ impl Upstream {
             // Small enough to hold (the router reserved it in the body
             // budget): read whole, it can be sent again when the upstream
             // closed the pooled connection just as it went out.
-            match body.collect().await {
-                Ok(c) => self.send_bytes(&parts, c.to_bytes()).await,
+            match self::body::whole(body).await {
+                Ok(b) => self.send_bytes(&parts, b).await,
                 Err(e) => return self.error_reply(&body_read_error(&e)),
             }
         } else {
