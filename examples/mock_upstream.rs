@@ -4,7 +4,8 @@
 //!
 //! - `POST /v1/chat/completions` with `"stream":true` in the body: an SSE
 //!   stream of 20 content events, a usage event and `[DONE]`, one frame per
-//!   event (`?gap_ms=N` waits N ms between events);
+//!   event (`?gap_ms=N` waits N ms between events; with
+//!   `"model":"fingerprint"` each chunk carries a `system_fingerprint`);
 //!   otherwise a fixed JSON completion (Content-Length).
 //! - `GET /json`, `GET /sse`: the same replies without a request body.
 //!
@@ -31,11 +32,18 @@ type Out = UnsyncBoxBody<Bytes, BoxError>;
 
 const JSON: &str = r#"{"id":"chatcmpl-bench","object":"chat.completion","created":1764460800,"model":"bench","choices":[{"index":0,"message":{"role":"assistant","content":"Hello from the mock upstream. This reply is a fixed size."},"finish_reason":"stop"}],"usage":{"prompt_tokens":42,"completion_tokens":12,"total_tokens":54}}"#;
 
-fn sse_events() -> VecDeque<Bytes> {
+/// The stream's events; `fingerprint`: each chunk carries a
+/// `system_fingerprint`, as OpenAI's and llama.cpp's do.
+fn sse_events(fingerprint: bool) -> VecDeque<Bytes> {
+    let fp = if fingerprint {
+        "\"system_fingerprint\":\"fp_bench\","
+    } else {
+        ""
+    };
     let mut v: VecDeque<Bytes> = (0..20)
         .map(|i| {
             Bytes::from(format!(
-                "data: {{\"id\":\"chatcmpl-bench\",\"object\":\"chat.completion.chunk\",\"choices\":[{{\"index\":0,\"delta\":{{\"content\":\"tok{i} \"}},\"finish_reason\":null}}]}}\n\n"
+                "data: {{\"id\":\"chatcmpl-bench\",\"object\":\"chat.completion.chunk\",{fp}\"choices\":[{{\"index\":0,\"delta\":{{\"content\":\"tok{i} \"}},\"finish_reason\":null}}]}}\n\n"
             ))
         })
         .collect();
@@ -108,7 +116,9 @@ async fn handle(req: Request<Incoming>, delay: Duration) -> Result<Response<Out>
             .header("cache-control", "no-cache")
             .body(
                 Events {
-                    events: sse_events(),
+                    events: sse_events(
+                        memchr::memmem::find(&body, b"\"model\":\"fingerprint\"").is_some(),
+                    ),
                     gap,
                     sleep: None,
                 }

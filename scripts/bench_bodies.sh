@@ -6,6 +6,9 @@
 #   json_agent  a 12 KB system prompt and 40 messages, about 25 KB: an
 #               agent's turn, whose opening repeats on every request
 #   sse         json with "stream": true
+#   sse_fp      sse, its model "fingerprint": the mock's chunks carry a
+#               system_fingerprint (a `g` in every event, as OpenAI's and
+#               llama.cpp's have)
 #
 # write_conv_bodies adds conv_chat, conv_messages and conv_responses: one
 # conversation in the three conversation APIs (big_body), to compare the
@@ -36,6 +39,7 @@ write_bodies() {
   mkdir -p "$dir"
   wrk_script "$dir/json.lua" '{"model":"bench","messages":[{"role":"user","content":"hi"}]}'
   wrk_script "$dir/sse.lua" '{"model":"bench","stream":true,"messages":[{"role":"user","content":"hi"}]}'
+  wrk_script "$dir/sse_fp.lua" '{"model":"fingerprint","stream":true,"messages":[{"role":"user","content":"hi"}]}'
   wrk_script "$dir/json_big.lua" \
     "{\"model\":\"bench\",\"messages\":[{\"role\":\"system\",\"content\":\"You are a helpful assistant.\"}$(bench_messages 60)]}"
   rules=$(printf 'Rule %s: read the file before you edit it, keep the diff small, run the tests. %.0s' $(seq 1 300))

@@ -299,31 +299,10 @@ fn usage_key_at(hay: &[u8]) -> Option<usize> {
 }
 
 /// Where the first `"finish_reason"` key in `hay` starts whose value is not
-/// plainly `null` on the same line: a superset of what [`has_finish`]
-/// finds in any block of `hay` (which reads `null` past spaces and line
-/// ends alike).
+/// plainly `null` on its line: a superset of what [`has_finish`] finds in
+/// any block of `hay` (which reads `null` past spaces and line ends alike).
 fn maybe_finish_at(hay: &[u8]) -> Option<usize> {
-    let finder = &*FINISH_REASON_KEY;
-    let blank = |b: &[u8]| {
-        b.iter()
-            .position(|&c| c != b' ' && c != b'\t')
-            .unwrap_or(b.len())
-    };
-    let mut from = 0;
-    while let Some(p) = finder.find(&hay[from..]) {
-        let at = from + p;
-        let rest = &hay[at + 15..];
-        let rest = &rest[blank(rest)..];
-        let plainly_null = rest.first() == Some(&b':') && {
-            let value = &rest[1..];
-            value[blank(value)..].starts_with(b"null")
-        };
-        if !plainly_null {
-            return Some(at);
-        }
-        from = at + 14;
-    }
-    None
+    super::first_not_null(&FINISH_REASON_KEY, hay)
 }
 
 fn judge(block: &[u8]) -> Verdict {

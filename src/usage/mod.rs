@@ -502,6 +502,58 @@ fn has_usage_object(data: &[u8]) -> bool {
     })
 }
 
+/// Where the first of `finder`'s keys in `hay` starts whose value is not
+/// plainly `null` on its line (spaces or tabs around the colon). Whatever
+/// else follows it, another line's text included, counts as not `null`:
+/// a frame's events are searched at once, and an event's data lines are
+/// joined before they are read.
+pub(crate) fn first_not_null(finder: &Finder<'_>, hay: &[u8]) -> Option<usize> {
+    let blank = |b: &[u8]| {
+        b.iter()
+            .position(|&c| c != b' ' && c != b'\t')
+            .unwrap_or(b.len())
+    };
+    let mut from = 0;
+    while let Some(p) = finder.find(&hay[from..]) {
+        let at = from + p;
+        let rest = &hay[at + finder.needle().len()..];
+        let rest = &rest[blank(rest)..];
+        let plainly_null = rest.first() == Some(&b':') && {
+            let value = &rest[1..];
+            value[blank(value)..].starts_with(b"null")
+        };
+        if !plainly_null {
+            return Some(at);
+        }
+        // Quoted keys share at most a quote (see `any_match`).
+        from = at + finder.needle().len() - 1;
+    }
+    None
+}
+
+/// How much of the front of `front` (a tap's data from an event's start)
+/// is whole events that carry neither usage nor timings: up to the last
+/// event end before the first `"timings"` or `"usage"` key whose value is
+/// not plainly `null`. Both keys have a `g` (at most six bytes in), and
+/// most streams have none before their usage chunk.
+fn quiet_events(front: &[u8]) -> usize {
+    let stop = match memchr::memchr(b'g', front) {
+        None => front.len(),
+        Some(g) => {
+            let from = g.saturating_sub(6);
+            let hay = &front[from..];
+            let usage = first_not_null(&USAGE_KEY, hay);
+            let timings = TIMINGS_KEY.find(hay);
+            usage
+                .into_iter()
+                .chain(timings)
+                .min()
+                .map_or(front.len(), |p| from + p)
+        }
+    };
+    sse::last_event_end(front, stop)
+}
+
 /// Whether `test` holds for some position of `finder`'s needle in `hay`.
 /// A loop of `find` rather than `find_iter`: building the iterator copies
 /// the searcher (~300 bytes), once per SSE event on these paths.
@@ -575,15 +627,14 @@ impl UsageExtractor {
                 let mut data = data;
                 if !undecided_only && *start != StreamStart::Undecided && scanner.between_events() {
                     // Once the start is decided only usage and timings are
-                    // read, and an event without a `g` has neither: the
-                    // events before the first `g` are left out whole
-                    // (found as the frame's hider finds them) instead of
-                    // scanned line by line (~240 instructions an event).
-                    // Within the size cap, so none of them is one the
-                    // scanner would have counted as oversized.
+                    // read: the events before the first that may carry
+                    // either are left out whole (found as the frame's hider
+                    // finds them) instead of scanned line by line (~240
+                    // instructions an event). Within the size cap, so none
+                    // of them is one the scanner would have counted as
+                    // oversized.
                     let front = &data[..data.len().min(sse::MAX_EVENT_BYTES)];
-                    let stop = memchr::memchr(b'g', front).unwrap_or(front.len());
-                    data = &data[sse::last_event_end(front, stop)..];
+                    data = &data[quiet_events(front)..];
                 }
                 scanner.feed_until(data, |ev| {
                     on_event(ev, report, start, parse_failures);

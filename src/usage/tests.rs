@@ -611,6 +611,9 @@ proptest! {
             Just(&b"event: x"[..]), Just(&b"{\"usage\":{\"prompt_tokens\":7}}"[..]),
             Just(&b"{\"timings\":{\"prompt_n\":3}}"[..]), Just(&b"{\"a\":1}"[..]),
             Just(&b": ping"[..]), Just(&b"g"[..]), Just(&b"data: [DONE]"[..]),
+            Just(&b"\"usage\""[..]), Just(&b"\"timings\""[..]), Just(&b":null"[..]),
+            Just(&b" : "[..]), Just(&b"{\"prompt_tokens\":5}"[..]),
+            Just(&b"\"fingerprint\":\"fp\","[..]), Just(&b"data: {\"usage\":null,"[..]),
         ], 0..40),
         cuts in proptest::collection::vec(0usize..2000, 0..10),
     ) {
