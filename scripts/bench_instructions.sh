@@ -9,6 +9,7 @@
 #   scripts/bench_instructions.sh                   # all bodies
 #   MODES="json json_agent" scripts/bench_instructions.sh
 #   COMPACTOR_BIN=/tmp/old-compactor scripts/bench_instructions.sh   # A/B
+#   CONNS=1 MODES=sse scripts/bench_instructions.sh   # one connection (default 4)
 #   MODES="conv_chat conv_messages conv_responses" scripts/bench_instructions.sh
 #       # one conversation of CONV_BLOCKS text blocks (default 5,000) as chat,
 #       # Messages and Responses: the three routes compared request for request
@@ -104,8 +105,8 @@ count() {
     *) url="http://$addr/v1/chat/completions" ;;
   esac
   # One conversation's requests come one after another (an agent waits
-  # for each reply); the short bodies are sent on 4 connections.
-  local conns=4
+  # for each reply); the short bodies are sent on CONNS connections.
+  local conns=${CONNS:-4}
   case "$mode" in conv_*) conns=1 ;; esac
   wrk -t1 -c"$conns" -d2s -s "$OUT/$mode.lua" "$url" >/dev/null
   callgrind_control -z "$pid" >/dev/null 2>&1
