@@ -464,6 +464,9 @@ pub fn observed<B: Body>(inner: B, on_eos: OnEos) -> ObservedBody<B> {
     TapBody::new(inner, CountBytes { bytes: 0, on_eos })
 }
 
+/// The most [`whole`] reserves ahead on a body's word (its size hint).
+const MAX_PRESIZE_BYTES: usize = 64 << 20;
+
 /// A body's data, whole (trailers dropped): a body of one frame is that
 /// frame, the frames of a longer one copied together once.
 /// `BodyExt::collect` gathers even a single frame in a queue it allocates
@@ -485,7 +488,12 @@ where
         match (&first, &mut more) {
             (None, _) => first = Some(data),
             (Some(f), None) => {
-                let mut m = bytes::BytesMut::with_capacity(f.len() + data.len());
+                // Sized for what is still to come (a Content-Length body
+                // says), so a large body is copied once, not regrown.
+                let left = usize::try_from(body.size_hint().lower()).unwrap_or(usize::MAX);
+                let mut m = bytes::BytesMut::with_capacity(
+                    f.len() + data.len() + left.min(MAX_PRESIZE_BYTES),
+                );
                 m.extend_from_slice(f);
                 m.extend_from_slice(&data);
                 more = Some(m);
