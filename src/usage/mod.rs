@@ -182,7 +182,7 @@ impl<'a> ChunkLite<'a> {
     }
 
     fn skimmed(payload: &'a [u8]) -> Option<Self> {
-        let text = crate::skim::text(payload)?;
+        let text = std::str::from_utf8(payload).ok()?;
         let mut c = ChunkLite::default();
         let mut seen = 0u16;
         crate::skim::each_member(text, None, |key, span| {
