@@ -513,22 +513,15 @@ pub(crate) fn first_not_null(finder: &Finder<'_>, hay: &[u8]) -> Option<usize> {
             .position(|&c| c != b' ' && c != b'\t')
             .unwrap_or(b.len())
     };
-    let mut from = 0;
-    while let Some(p) = finder.find(&hay[from..]) {
-        let at = from + p;
+    first_match(finder, hay, |at| {
         let rest = &hay[at + finder.needle().len()..];
         let rest = &rest[blank(rest)..];
         let plainly_null = rest.first() == Some(&b':') && {
             let value = &rest[1..];
             value[blank(value)..].starts_with(b"null")
         };
-        if !plainly_null {
-            return Some(at);
-        }
-        // Quoted keys share at most a quote (see `any_match`).
-        from = at + finder.needle().len() - 1;
-    }
-    None
+        !plainly_null
+    })
 }
 
 /// How much of the front of `front` (a tap's data from an event's start)
@@ -555,6 +548,11 @@ fn quiet_events(front: &[u8]) -> usize {
 }
 
 /// Whether `test` holds for some position of `finder`'s needle in `hay`.
+pub(crate) fn any_match(finder: &Finder<'_>, hay: &[u8], test: impl FnMut(usize) -> bool) -> bool {
+    first_match(finder, hay, test).is_some()
+}
+
+/// The first position of `finder`'s needle in `hay` for which `test` holds.
 /// A loop of `find` rather than `find_iter`: building the iterator copies
 /// the searcher (~300 bytes), once per SSE event on these paths.
 ///
@@ -563,11 +561,11 @@ fn quiet_events(front: &[u8]) -> usize {
 /// match, not one byte after its start. After `"finish_reason":null}]}`
 /// what is left is then shorter than the needle, and the search that
 /// would scan it (a second one per event, ~110 instructions) ends at once.
-pub(crate) fn any_match(
+fn first_match(
     finder: &Finder<'_>,
     hay: &[u8],
     mut test: impl FnMut(usize) -> bool,
-) -> bool {
+) -> Option<usize> {
     let needle = finder.needle();
     debug_assert!(
         needle.len() >= 2
@@ -578,11 +576,11 @@ pub(crate) fn any_match(
     let mut from = 0;
     while let Some(p) = finder.find(&hay[from..]) {
         if test(from + p) {
-            return true;
+            return Some(from + p);
         }
         from += p + needle.len() - 1;
     }
-    false
+    None
 }
 
 impl UsageExtractor {
