@@ -507,7 +507,7 @@ fn has_usage_object(data: &[u8]) -> bool {
 /// else follows it, another line's text included, counts as not `null`:
 /// a frame's events are searched at once, and an event's data lines are
 /// joined before they are read.
-pub(crate) fn first_not_null(finder: &Finder<'_>, hay: &[u8]) -> Option<usize> {
+fn first_not_null(finder: &Finder<'_>, hay: &[u8]) -> Option<usize> {
     let blank = |b: &[u8]| {
         b.iter()
             .position(|&c| c != b' ' && c != b'\t')
