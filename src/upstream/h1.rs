@@ -853,14 +853,25 @@ fn whole_chunks(buf: &[u8], mut each: impl FnMut(std::ops::Range<usize>)) -> usi
     let mut at = 0;
     loop {
         let rest = &buf[at..];
-        let Some(eol) = rest.iter().take(MAX_LINE + 1).position(|&b| b == b'\n') else {
+        // The size line as servers write it: hex digits and a CRLF, read
+        // in one pass. Extensions, a bare LF or a bad size go to the
+        // decoder's step, which judges them.
+        let mut size: u64 = 0;
+        let mut digits = 0;
+        while let Some(d) = rest.get(digits).and_then(|&b| hex_digit(b)) {
+            if digits == 16 {
+                return at;
+            }
+            size = size << 4 | u64::from(d);
+            digits += 1;
+        }
+        if digits == 0 || size == 0 || rest.get(digits..digits + 2) != Some(&b"\r\n"[..]) {
+            return at;
+        }
+        let Ok(size) = usize::try_from(size) else {
             return at;
         };
-        let size = match chunk_size(&rest[..eol]).map(usize::try_from) {
-            Ok(Ok(size)) if size > 0 => size,
-            _ => return at,
-        };
-        let start = eol + 1;
+        let start = digits + 2;
         let Some(end) = start.checked_add(size) else {
             return at;
         };
@@ -893,6 +904,16 @@ fn parse_trailers(block: &[u8]) -> Result<HeaderMap, Error> {
     Ok(map)
 }
 
+/// A hex digit's value.
+fn hex_digit(b: u8) -> Option<u8> {
+    match b {
+        b'0'..=b'9' => Some(b - b'0'),
+        b'a'..=b'f' => Some(b - b'a' + 10),
+        b'A'..=b'F' => Some(b - b'A' + 10),
+        _ => None,
+    }
+}
+
 /// A chunk-size line (without its LF): hex digits, then extensions.
 fn chunk_size(line: &[u8]) -> Result<u64, Error> {
     const BAD: Error = Error::Parse("bad chunk size");
@@ -900,12 +921,10 @@ fn chunk_size(line: &[u8]) -> Result<u64, Error> {
     let mut size: u64 = 0;
     let mut digits = 0;
     for &b in line {
-        let d = match b {
-            b'0'..=b'9' => b - b'0',
-            b'a'..=b'f' => b - b'a' + 10,
-            b'A'..=b'F' => b - b'A' + 10,
-            b';' | b' ' | b'\t' => break,
-            _ => return Err(BAD),
+        let d = match (hex_digit(b), b) {
+            (Some(d), _) => d,
+            (None, b';' | b' ' | b'\t') => break,
+            (None, _) => return Err(BAD),
         };
         digits += 1;
         if digits > 16 {

@@ -465,3 +465,28 @@ fn chunk_size_lines() {
         );
     }
 }
+
+/// Whole chunks at the buffer's front are taken by offset, sizes of any
+/// case and length read right, up to the first one the decoder's step has
+/// to judge (the last chunk, extensions, a bare LF, one not all read).
+#[test]
+fn whole_chunks_are_taken_by_their_sizes() {
+    let data = "\r\n".repeat(13);
+    let wire = format!(
+        "3\r\nabc\r\n1A\r\n{data}\r\n000f\r\n{}\r\n0\r\n\r\n",
+        "x".repeat(15)
+    );
+    let mut taken = Vec::new();
+    let at = whole_chunks(wire.as_bytes(), |r| taken.push(wire[r].to_owned()));
+    assert_eq!(taken, ["abc", data.as_str(), &"x".repeat(15)]);
+    assert_eq!(&wire[at..], "0\r\n\r\n");
+    for stop in ["2;ext=1\r\nab\r\n", "2\nab\r\n", "5\r\nab", "2\r\nabc\r\n"] {
+        let wire = format!("1\r\na\r\n{stop}");
+        let mut taken = Vec::new();
+        let at = whole_chunks(wire.as_bytes(), |r| taken.push(wire[r].to_owned()));
+        assert_eq!(
+            (taken.as_slice(), &wire[at..]),
+            (&["a".to_owned()][..], stop)
+        );
+    }
+}
