@@ -8,7 +8,7 @@
 #   LAYOUT=both DUR=8 scripts/bench_load.sh
 #   UPSTREAM_DELAY_MS=2 scripts/bench_load.sh  # upstream think time
 #   MODES="json sse" scripts/bench_load.sh     # a subset of the request kinds
-#   REPS=3 scripts/bench_load.sh               # median of 3 runs per figure
+#   REPS=3 scripts/bench_load.sh               # median of 3 runs per figure (targets in turn)
 #
 # Builds with --profile perf, starts the fast mock upstream
 # (examples/mock_upstream.rs), the naive proxy (examples/naive_proxy.rs:
@@ -193,12 +193,9 @@ issue_table() {
     }' "$1"
 }
 
-# runs TARGET PID MODE CONNS → like run, the median of each figure over
-# REPS runs (default 1). On a machine shared with other work one run can be
-# off by 20%; the median of three is steadier.
-runs() {
-  local i
-  for i in $(seq 1 "${REPS:-1}"); do run "$@"; done | awk '
+# median: each column's median over the lines of stdin (one run a line).
+median() {
+  awk '
     { for (j = 1; j <= NF; j++) v[j, NR] = $j; n = NR; f = NF }
     END {
       for (j = 1; j <= f; j++) {
@@ -207,6 +204,25 @@ runs() {
         printf "%s%s", col[int((n + 1) / 2)], (j < f ? " " : "\n")
       }
     }'
+}
+
+# point MODE CONNS: REPS runs (default 1) of each target, taken in turn
+# (direct, bare hop, raw hop, nginx, compactor, then again), each figure
+# the median of its target's runs; the runs go to $OUT/runs.<target>.
+# On a shared VM one run can be off by 20%, and the machine's speed drifts
+# over minutes: taken in turn, the targets compared see the same drift
+# (all of one target's runs, then all of the next's, put a drift between
+# nginx and compactor into their ratio).
+point() {
+  local i t
+  for t in dir hop raw ngx cmp; do : >"$OUT/runs.$t"; done
+  for i in $(seq 1 "${REPS:-1}"); do
+    run "$MOCK" "" "$1" "$2" >>"$OUT/runs.dir"
+    run "$NAIVE" "$NAIVE_PID" "$1" "$2" >>"$OUT/runs.hop"
+    run "$RAW" "$RAW_PID" "$1" "$2" >>"$OUT/runs.raw"
+    run "$NGINX_ADDR" "$NGINX_PID" "$1" "$2" >>"$OUT/runs.ngx"
+    run "$PROXY" "$PROXY_PID" "$1" "$2" >>"$OUT/runs.cmp"
+  done
 }
 
 bench_layout() {
@@ -234,11 +250,12 @@ bench_layout() {
   : >"$OUT/table_$LAYOUT_NOW.txt"
   for mode in ${MODES:-json json_big json_agent sse sse_paced}; do
     for conc in 1 64; do
-      read -r d50 d99 drps _ < <(runs "$MOCK" "" "$mode" "$conc")
-      read -r n50 n99 nrps ncpu < <(runs "$NAIVE" "$NAIVE_PID" "$mode" "$conc")
-      read -r r50 r99 rrps rcpu < <(runs "$RAW" "$RAW_PID" "$mode" "$conc")
-      read -r g50 g99 grps gcpu < <(runs "$NGINX_ADDR" "$NGINX_PID" "$mode" "$conc")
-      read -r p50 p99 prps pcpu < <(runs "$PROXY" "$PROXY_PID" "$mode" "$conc")
+      point "$mode" "$conc"
+      read -r d50 d99 drps _ < <(median <"$OUT/runs.dir")
+      read -r n50 n99 nrps ncpu < <(median <"$OUT/runs.hop")
+      read -r r50 r99 rrps rcpu < <(median <"$OUT/runs.raw")
+      read -r g50 g99 grps gcpu < <(median <"$OUT/runs.ngx")
+      read -r p50 p99 prps pcpu < <(median <"$OUT/runs.cmp")
       printf "%-9s %-3s | %6.0f %6.0f %6.0f | %6.0f %6.0f %6.0f %6.1f | %6.0f %6.0f %6.0f %6.1f | %6.0f %6.0f %6.0f %6.1f | %6.0f %6.0f %6.0f %6.1f\n" \
         "$mode" "$conc" "$d50" "$d99" "$drps" "$n50" "$n99" "$nrps" "$ncpu" "$r50" "$r99" "$rrps" "$rcpu" \
         "$g50" "$g99" "$grps" "$gcpu" "$p50" "$p99" "$prps" "$pcpu"
