@@ -74,7 +74,56 @@ pub(crate) fn is_instruction_message(m: &RawValue) -> bool {
 /// refuses duplicates). A body has a handful: a scan costs less than
 /// hashing the key for each lookup, and a request looks up a dozen.
 #[derive(Debug)]
-struct Members(Vec<(String, Member)>);
+struct Members(Vec<(Cow<'static, str>, Member)>);
+
+/// A member's key as the members keep it: the names requests of the three
+/// APIs use are static strings, any other is copied. A key copied was an
+/// allocation of each member of every request (ten for an agent's turn).
+fn member_key(key: &str) -> Cow<'static, str> {
+    const KNOWN: &[&str] = &[
+        "model",
+        "messages",
+        "stream",
+        "stream_options",
+        "tools",
+        "tool_choice",
+        "parallel_tool_calls",
+        "temperature",
+        "top_p",
+        "top_k",
+        "max_tokens",
+        "max_completion_tokens",
+        "max_output_tokens",
+        "stop",
+        "stop_sequences",
+        "seed",
+        "n",
+        "user",
+        "metadata",
+        "store",
+        "response_format",
+        "reasoning_effort",
+        "reasoning",
+        "thinking",
+        "system",
+        "input",
+        "instructions",
+        "include",
+        "text",
+        "previous_response_id",
+        "prompt_cache_key",
+        "service_tier",
+        "presence_penalty",
+        "frequency_penalty",
+        "logprobs",
+        "top_logprobs",
+        "cache_prompt",
+    ];
+    match KNOWN.iter().find(|k| **k == key) {
+        Some(k) => Cow::Borrowed(k),
+        None => Cow::Owned(key.to_owned()),
+    }
+}
 
 impl Members {
     fn get(&self, key: &str) -> Option<&Member> {
@@ -86,17 +135,17 @@ impl Members {
     }
 
     /// Appends `key`, which must not be present.
-    fn insert(&mut self, key: String, m: Member) {
-        self.0.push((key, m));
+    fn insert(&mut self, key: &str, m: Member) {
+        self.0.push((member_key(key), m));
     }
 
-    fn iter(&self) -> impl Iterator<Item = (&String, &Member)> {
-        self.0.iter().map(|(k, m)| (k, m))
+    fn iter(&self) -> impl Iterator<Item = (&str, &Member)> {
+        self.0.iter().map(|(k, m)| (&**k, m))
     }
 
     #[cfg(test)]
-    fn keys(&self) -> impl Iterator<Item = &String> {
-        self.0.iter().map(|(k, _)| k)
+    fn keys(&self) -> impl Iterator<Item = &str> {
+        self.0.iter().map(|(k, _)| &**k)
     }
 
     fn values(&self) -> impl Iterator<Item = &Member> {
@@ -289,7 +338,7 @@ impl ChatRequest {
                 }
             };
             top.insert(
-                k,
+                &k,
                 Member {
                     raw,
                     span,
@@ -329,7 +378,7 @@ impl ChatRequest {
                 span: Some(span),
                 changed: false,
             };
-            top.insert(k.to_owned(), member);
+            top.insert(k, member);
             Some(())
         })?;
         let messages = elements?
@@ -477,7 +526,7 @@ impl ChatRequest {
                     span: None,
                     changed: true,
                 };
-                self.top.insert(key.to_owned(), added);
+                self.top.insert(key, added);
             }
         }
     }

@@ -309,7 +309,7 @@ mod prop {
             prop_assert_eq!(again.messages().len(), 1);
             prop_assert_eq!(again.client_wants_usage(), streaming);
             // ... whose other members are the original raw texts, in order.
-            let keys: Vec<&str> = again.top.keys().map(String::as_str).collect();
+            let keys: Vec<&str> = again.top.keys().collect();
             let mut want: Vec<&str> = members.iter().map(|(k, _)| k.as_str()).collect();
             if streaming { want.push("stream_options"); }
             prop_assert_eq!(keys, want);
