@@ -509,7 +509,10 @@ pin_project! {
         inner: B,
         hider: UsageHider,
         done: bool,
-        trailers: Option<http::HeaderMap>,
+        // Boxed: rare, and inline they put the boxed body stack of a
+        // hidden stream (`upstream::idle_timeout`) past the 1,032 bytes
+        // glibc's per-thread cache serves.
+        trailers: Option<Box<http::HeaderMap>>,
         // The part of a frame after what went out without a copy.
         rest: Option<Bytes>,
         error: Option<E>,
@@ -548,7 +551,7 @@ where
                 if let Some(e) = this.error.take() {
                     return Poll::Ready(Some(Err(e)));
                 }
-                return Poll::Ready(this.trailers.take().map(|t| Ok(Frame::trailers(t))));
+                return Poll::Ready(this.trailers.take().map(|t| Ok(Frame::trailers(*t))));
             }
             let mut out = BytesMut::new();
             let data = match this.rest.take() {
@@ -561,7 +564,7 @@ where
                         Err(frame) => {
                             *this.done = true;
                             this.hider.finish(&mut out);
-                            *this.trailers = frame.into_trailers().ok();
+                            *this.trailers = frame.into_trailers().ok().map(Box::new);
                             Bytes::new()
                         }
                     },
