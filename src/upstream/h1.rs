@@ -856,15 +856,9 @@ fn whole_chunks(buf: &[u8], mut each: impl FnMut(std::ops::Range<usize>)) -> usi
         // The size line as servers write it: hex digits and a CRLF, read
         // in one pass. Extensions, a bare LF or a bad size go to the
         // decoder's step, which judges them.
-        let mut size: u64 = 0;
-        let mut digits = 0;
-        while let Some(d) = rest.get(digits).and_then(|&b| hex_digit(b)) {
-            if digits == 16 {
-                return at;
-            }
-            size = size << 4 | u64::from(d);
-            digits += 1;
-        }
+        let Some((size, digits)) = hex_prefix(rest) else {
+            return at;
+        };
         if digits == 0 || size == 0 || rest.get(digits..digits + 2) != Some(&b"\r\n"[..]) {
             return at;
         }
@@ -904,38 +898,38 @@ fn parse_trailers(block: &[u8]) -> Result<HeaderMap, Error> {
     Ok(map)
 }
 
-/// A hex digit's value.
-fn hex_digit(b: u8) -> Option<u8> {
-    match b {
-        b'0'..=b'9' => Some(b - b'0'),
-        b'a'..=b'f' => Some(b - b'a' + 10),
-        b'A'..=b'F' => Some(b - b'A' + 10),
-        _ => None,
+/// The hex digits at the front of `line`: their value and how many there
+/// are; `None` past 16 (a size no `u64` holds).
+fn hex_prefix(line: &[u8]) -> Option<(u64, usize)> {
+    let mut size: u64 = 0;
+    let mut digits = 0;
+    while let Some(&b) = line.get(digits) {
+        let d = match b {
+            b'0'..=b'9' => b - b'0',
+            b'a'..=b'f' => b - b'a' + 10,
+            b'A'..=b'F' => b - b'A' + 10,
+            _ => break,
+        };
+        if digits == 16 {
+            return None;
+        }
+        size = size << 4 | u64::from(d);
+        digits += 1;
     }
+    Some((size, digits))
 }
 
 /// A chunk-size line (without its LF): hex digits, then extensions.
 fn chunk_size(line: &[u8]) -> Result<u64, Error> {
     const BAD: Error = Error::Parse("bad chunk size");
     let line = line.strip_suffix(b"\r").unwrap_or(line);
-    let mut size: u64 = 0;
-    let mut digits = 0;
-    for &b in line {
-        let d = match (hex_digit(b), b) {
-            (Some(d), _) => d,
-            (None, b';' | b' ' | b'\t') => break,
-            (None, _) => return Err(BAD),
-        };
-        digits += 1;
-        if digits > 16 {
-            return Err(BAD);
-        }
-        size = size << 4 | u64::from(d);
+    match hex_prefix(line) {
+        Some((size, digits)) if digits > 0 => match line.get(digits) {
+            None | Some(b';' | b' ' | b'\t') => Ok(size),
+            Some(_) => Err(BAD),
+        },
+        _ => Err(BAD),
     }
-    if digits == 0 {
-        return Err(BAD);
-    }
-    Ok(size)
 }
 
 /// The body of a response being read, and the connection it is read from.
