@@ -26,6 +26,7 @@
 pub mod chat;
 pub(crate) mod civil;
 pub mod cli;
+pub(crate) mod clock;
 pub mod codec;
 pub mod compaction;
 pub mod config;

@@ -12,6 +12,7 @@ use std::time::Duration;
 use bytes::Bytes;
 use hyper::body::Frame;
 use support::*;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 fn assert_openai_error(body: &Bytes, code: &str) -> serde_json::Value {
     let v: serde_json::Value = serde_json::from_slice(body).unwrap();
@@ -77,6 +78,109 @@ async fn slow_upstream_is_504() {
         up.wait_for(Duration::from_secs(10), |u| u.closed_connections() == 1)
             .await
     );
+}
+
+/// Timeouts past what a clock instant can hold (`u64::MAX` seconds, an
+/// operator's "never") are deadlines 30 years on: adding one to the clock
+/// panicked the task that armed it — the first-byte timeout on the chat
+/// path (the hold-back) and on the passthrough path (the attempt), the
+/// upstream's idle timeout between a body's frames, the client's idle
+/// timeout between a connection's requests.
+#[tokio::test]
+async fn a_timeout_past_the_clocks_range_is_no_timeout() {
+    let reply = || Reply::Full {
+        status: 200,
+        headers: vec![("content-type", "application/json".into())],
+        body: Bytes::from_static(br#"{"choices":[],"usage":{"prompt_tokens":3}}"#),
+    };
+    let up = MockUpstream::builder()
+        .route("/v1/chat/completions", reply())
+        .route("/v1/models", reply())
+        // A body that makes the proxy wait between frames: the idle timer
+        // is armed.
+        .route(
+            "/v1/slow",
+            Reply::Chunks {
+                status: 200,
+                headers: vec![],
+                chunks: vec![
+                    (Duration::ZERO, Bytes::from_static(b"one ")),
+                    (Duration::from_millis(50), Bytes::from_static(b"two")),
+                ],
+            },
+        )
+        .run()
+        .await;
+    let never = u64::MAX;
+    let proxy = start_proxy(
+        &up.url(),
+        &format!(
+            "[timeouts]\nfirst_byte_secs = {never}\nidle_secs = {never}\nclient_idle_secs = {never}\n"
+        ),
+    )
+    .await;
+    let chat = r#"{"model":"m","messages":[{"role":"user","content":"hi"}]}"#;
+    let (status, _, body) = fetch(request(
+        "POST",
+        &format!("{}/v1/chat/completions", proxy.url()),
+        full(chat),
+    ))
+    .await;
+    assert_eq!(status, 200, "{body:?}");
+    let (status, _, _) = fetch(request(
+        "GET",
+        &format!("{}/v1/models", proxy.url()),
+        full(""),
+    ))
+    .await;
+    assert_eq!(status, 200);
+    let (status, _, body) = get(&format!("{}/v1/slow", proxy.url())).await;
+    assert_eq!(
+        (status, &body[..]),
+        (hyper::StatusCode::OK, &b"one two"[..])
+    );
+    // The client's idle timer is armed between a connection's requests:
+    // a second request on the same connection is answered.
+    let addr = proxy.url().trim_start_matches("http://").to_owned();
+    let mut conn = tokio::net::TcpStream::connect(addr).await.unwrap();
+    for _ in 0..2 {
+        conn.write_all(b"GET /v1/models HTTP/1.1\r\nhost: x\r\n\r\n")
+            .await
+            .unwrap();
+        let head = read_response(&mut conn).await;
+        assert!(head.starts_with("HTTP/1.1 200"), "{head}");
+    }
+}
+
+/// One response's head (as text) from `conn`, its body (by its length)
+/// read past.
+async fn read_response(conn: &mut tokio::net::TcpStream) -> String {
+    let mut buf = Vec::new();
+    let head_end = loop {
+        if let Some(at) = buf.windows(4).position(|w| w == b"\r\n\r\n") {
+            break at + 4;
+        }
+        let mut chunk = [0u8; 4096];
+        let n = conn.read(&mut chunk).await.unwrap();
+        assert!(n > 0, "connection closed before a response head");
+        buf.extend_from_slice(&chunk[..n]);
+    };
+    let head = String::from_utf8_lossy(&buf[..head_end]).into_owned();
+    let length: usize = head
+        .lines()
+        .find_map(|l| {
+            let (name, value) = l.split_once(':')?;
+            name.eq_ignore_ascii_case("content-length")
+                .then(|| value.trim().parse().ok())?
+        })
+        .expect("a content-length");
+    while buf.len() < head_end + length {
+        let mut chunk = [0u8; 4096];
+        let n = conn.read(&mut chunk).await.unwrap();
+        assert!(n > 0, "connection closed inside a body");
+        buf.extend_from_slice(&chunk[..n]);
+    }
+    head
 }
 
 #[tokio::test]

@@ -231,7 +231,7 @@ fn hold_back(upstream: &Upstream) -> HoldBack {
     let t = upstream.timeouts();
     HoldBack {
         idle: t.idle,
-        deadline: tokio::time::Instant::now() + t.first_byte,
+        deadline: crate::clock::deadline(tokio::time::Instant::now(), t.first_byte),
     }
 }
 

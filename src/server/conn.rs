@@ -93,7 +93,9 @@ impl AsyncRead for IdleIo {
         }
         if !this.armed {
             this.armed = true;
-            this.sleep.as_mut().reset(Instant::now() + this.idle);
+            this.sleep
+                .as_mut()
+                .reset(crate::clock::deadline(Instant::now(), this.idle));
         }
         match this.sleep.as_mut().poll(cx) {
             Poll::Ready(()) => {

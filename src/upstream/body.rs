@@ -219,7 +219,9 @@ where
                     // The timer is armed only when a wait really starts, so
                     // frames that are already buffered cost no timer update.
                     *this.waiting = true;
-                    this.sleep.as_mut().reset(Instant::now() + *this.idle);
+                    this.sleep
+                        .as_mut()
+                        .reset(crate::clock::deadline(Instant::now(), *this.idle));
                 }
                 match this.sleep.poll(cx) {
                     Poll::Ready(()) => {

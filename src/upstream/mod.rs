@@ -322,8 +322,9 @@ impl Upstream {
         };
         let timeout = self.timeouts.first_byte;
         let sent = Instant::now();
-        let result = tokio::time::timeout(
-            timeout,
+        // The deadline from `sent`: `timeout` would read the clock again.
+        let result = tokio::time::timeout_at(
+            crate::clock::deadline(sent, timeout),
             self.pool.request(&parts.method, &uri, &headers, body),
         )
         .await;
