@@ -81,6 +81,9 @@ pub(crate) struct Conversation {
     pub(crate) no_room_noted: bool,
     /// The inspector's figures of the last turns and compactions.
     pub(crate) inspect: super::inspect::TurnLog,
+    /// The session key as the response header's value, built on the
+    /// first response that exposes it (see [`Conversation::session_value`]).
+    session_value: Option<http::HeaderValue>,
 }
 
 impl Default for Conversation {
@@ -102,6 +105,7 @@ impl Default for Conversation {
             restored_trigger: None,
             no_room_noted: false,
             inspect: super::inspect::TurnLog::default(),
+            session_value: None,
         }
     }
 }
@@ -172,6 +176,19 @@ impl Conversation {
     /// Applies usage posted by finished responses: the calibration learns
     /// from the real figures and hands the trigger the same usage in the
     /// engine's rough units.
+    /// `key` (this conversation's) as the session header's value. Built
+    /// once: formatting, checking and copying the 32 digits cost every
+    /// response ~400 instructions; a clone shares them.
+    pub(crate) fn session_value(
+        &mut self,
+        key: crate::session::key::SessionKey,
+    ) -> Option<http::HeaderValue> {
+        if self.session_value.is_none() {
+            self.session_value = http::HeaderValue::from_bytes(&key.hex()).ok();
+        }
+        self.session_value.clone()
+    }
+
     pub(crate) fn drain_inbox(&mut self) {
         let posted = std::mem::take(&mut *crate::sync::lock(&self.inbox));
         for (sent, report) in posted {

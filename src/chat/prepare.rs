@@ -69,6 +69,8 @@ pub(super) struct Prepared {
     pub(crate) fresh_compaction: bool,
     /// Calibrated prompt estimate of `body`.
     pub(crate) est_tokens: u64,
+    /// The session key's response header value, when headers are exposed.
+    pub(crate) session_value: Option<http::HeaderValue>,
 }
 
 /// The messages about to go upstream and where they came from.
@@ -203,7 +205,10 @@ pub(super) async fn prepare(
         window,
         "chat request prepared"
     );
-    let prepared = build(creq, conv, out, est, action);
+    let mut prepared = build(creq, conv, out, est, action);
+    if chat.expose_headers {
+        prepared.session_value = conv.session_value(key);
+    }
     creq.restore_messages(original);
     prepared
 }
@@ -462,5 +467,6 @@ fn build(
         inbox: Arc::clone(&conv.inbox),
         fresh_compaction: action == Action::Compacted,
         est_tokens: est.tokens,
+        session_value: None,
     }
 }

@@ -67,7 +67,7 @@ pub(super) async fn send(
 fn length_value(n: usize) -> HeaderValue {
     let mut buf = [0; 20];
     let digits = crate::telemetry::line::decimal(n as u64, &mut buf);
-    HeaderValue::from_str(digits).unwrap_or_else(|_| HeaderValue::from(n))
+    HeaderValue::from_bytes(digits).unwrap_or_else(|_| HeaderValue::from(n))
 }
 
 /// Books an overflow retry about to be prepared (the window bounded, the
@@ -167,7 +167,8 @@ pub(super) fn mark_head(
         ACTION_NAME.clone(),
         HeaderValue::from_static(prepared.action.as_str()),
     );
-    if let Ok(v) = HeaderValue::from_bytes(&key.hex()) {
+    let session = prepared.session_value.clone();
+    if let Some(v) = session.or_else(|| HeaderValue::from_bytes(&key.hex()).ok()) {
         headers.insert(SESSION_NAME.clone(), v);
     }
     if prepared.replaced > 0 {

@@ -617,7 +617,7 @@ fn implied_framing(
         }
         Declared::Known(n) if can_have_content_length(status) => {
             out.extend_from_slice(b"content-length: ");
-            out.extend_from_slice(crate::telemetry::line::decimal(n, &mut [0; 20]).as_bytes());
+            out.extend_from_slice(crate::telemetry::line::decimal(n, &mut [0; 20]));
             out.extend_from_slice(b"\r\n");
             Framing::Length(n)
         }

@@ -8,7 +8,6 @@
 use std::convert::Infallible;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
-use std::time::Duration;
 
 use bytes::Bytes;
 use http::{header, HeaderValue, Method, Request, Response, StatusCode};
@@ -196,8 +195,8 @@ where
             status: status.as_u16(),
             bytes_in,
             bytes_out,
-            upstream_ms: upstream_wait.map(millis),
-            total_ms: millis(stats.start.elapsed()),
+            upstream_us: upstream_wait.map(crate::telemetry::request::micros),
+            total_us: crate::telemetry::request::micros(stats.start.elapsed()),
             eos: eos.as_str(),
         });
     });
@@ -222,11 +221,6 @@ impl Drop for InFlight {
     fn drop(&mut self) {
         self.0.request_finished();
     }
-}
-
-/// Milliseconds with microsecond resolution, for log lines.
-fn millis(d: Duration) -> f64 {
-    (d.as_secs_f64() * 1e6).round() / 1e3
 }
 
 /// Rejects a declared oversize body up front and wraps the body so the

@@ -143,12 +143,15 @@ fn write_int(w: &mut Writer<'_>, negative: bool, v: u64) -> fmt::Result {
     if negative {
         w.write_char('-')?;
     }
-    w.write_str(decimal(v, &mut [0; 20]))
+    // Only ASCII digits were written.
+    w.write_str(std::str::from_utf8(decimal(v, &mut [0; 20])).map_err(|_| fmt::Error)?)
 }
 
-/// `v` in decimal, written into `buf` from its end: the log lines' integers
-/// without the formatting machinery.
-pub(crate) fn decimal(mut v: u64, buf: &mut [u8; 20]) -> &str {
+/// `v`'s ASCII digits, written into `buf` from its end: the log lines'
+/// integers without the formatting machinery. Bytes, not a `str`: a caller
+/// that appends them to a `String` pushes them as characters, which costs
+/// less than checking them as UTF-8.
+pub(crate) fn decimal(mut v: u64, buf: &mut [u8; 20]) -> &[u8] {
     let mut at = buf.len();
     loop {
         at -= 1;
@@ -158,8 +161,12 @@ pub(crate) fn decimal(mut v: u64, buf: &mut [u8; 20]) -> &str {
             break;
         }
     }
-    // Only ASCII digits were written.
-    std::str::from_utf8(&buf[at..]).unwrap_or_default()
+    &buf[at..]
+}
+
+/// `v` in decimal, appended to `out`.
+pub(crate) fn push_decimal(out: &mut String, v: u64) {
+    out.extend(decimal(v, &mut [0; 20]).iter().map(|&d| char::from(d)));
 }
 
 impl Visit for PlainVisitor<'_> {

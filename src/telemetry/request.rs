@@ -44,10 +44,12 @@ pub struct RequestLine<'a> {
     pub bytes_in: u64,
     /// Response body bytes written.
     pub bytes_out: u64,
-    /// Time waiting for the upstream's response head, when it was asked.
-    pub upstream_ms: Option<f64>,
-    /// Time from the request head to the end of the response.
-    pub total_ms: f64,
+    /// Time waiting for the upstream's response head, when it was asked,
+    /// in microseconds (written as milliseconds).
+    pub upstream_us: Option<u64>,
+    /// Time from the request head to the end of the response, in
+    /// microseconds (written as milliseconds).
+    pub total_us: u64,
     /// How the response body ended.
     pub eos: &'static str,
 }
@@ -87,8 +89,8 @@ pub fn log(l: &RequestLine<'_>) {
         status = l.status,
         bytes_in = l.bytes_in,
         bytes_out = l.bytes_out,
-        upstream_ms = l.upstream_ms,
-        total_ms = l.total_ms,
+        upstream_ms = l.upstream_us.map(millis),
+        total_ms = millis(l.total_us),
         eos = l.eos,
         "request"
     );
@@ -111,12 +113,12 @@ fn plain(out: &mut String, l: &RequestLine<'_>) {
     push_int(out, l.bytes_in);
     out.push_str(" bytes_out=");
     push_int(out, l.bytes_out);
-    if let Some(ms) = l.upstream_ms {
+    if let Some(us) = l.upstream_us {
         out.push_str(" upstream_ms=");
-        push_float(out, ms);
+        push_millis(out, us);
     }
     out.push_str(" total_ms=");
-    push_float(out, l.total_ms);
+    push_millis(out, l.total_us);
     out.push_str(" eos=");
     quoted(out, l.eos);
     out.push('\n');
@@ -137,28 +139,17 @@ fn quoted(out: &mut String, s: &str) {
 }
 
 fn push_int(out: &mut String, v: u64) {
-    out.push_str(super::line::decimal(v, &mut [0; 20]));
+    super::line::push_decimal(out, v);
 }
 
-/// `v` as `{:?}` writes it. Durations in milliseconds rounded to the
-/// microsecond are whole thousandths: below 10^9 those have one shortest
-/// representation, their digits, so they are written from the integer;
-/// anything else goes through `Debug`.
-fn push_float(out: &mut String, v: f64) {
-    let thousandths = (v * 1000.0).round();
-    let exact = v.is_finite() && (0.001..1e9).contains(&v) && thousandths / 1000.0 == v;
-    if v == 0.0 && v.is_sign_positive() {
-        out.push_str("0.0");
-        return;
-    }
-    if !exact {
-        let _ = write!(out, "{v:?}");
-        return;
-    }
-    let n = thousandths as u64;
-    push_int(out, n / 1000);
+/// A duration in whole microseconds as milliseconds, as the text format
+/// writes the `f64` field (`{:?}`): below 10^9 ms a whole number of
+/// thousandths has one shortest representation, its digits, so it is
+/// written from the integer (no float is formatted or rounded).
+fn push_millis(out: &mut String, us: u64) {
+    push_int(out, us / 1000);
     out.push('.');
-    let frac = n % 1000;
+    let frac = us % 1000;
     let digits = [frac / 100, frac / 10 % 10, frac % 10];
     let keep = match digits {
         [_, 0, 0] => 1,
@@ -168,6 +159,16 @@ fn push_float(out: &mut String, v: f64) {
     out.extend(digits[..keep].iter().map(|&d| char::from(b'0' + d as u8)));
 }
 
+/// Microseconds as the milliseconds field tracing's formats write.
+fn millis(us: u64) -> f64 {
+    us as f64 / 1e3
+}
+
+/// `d` in whole microseconds, rounded to the nearest (half up).
+pub fn micros(d: std::time::Duration) -> u64 {
+    u64::try_from(d.as_nanos().saturating_add(500) / 1000).unwrap_or(u64::MAX)
+}
+
 #[cfg(test)]
 mod tests {
     use crate::telemetry::capture::Captured;
@@ -175,28 +176,28 @@ mod tests {
     use super::*;
 
     #[test]
-    fn floats_are_written_as_debug_writes_them() {
-        let mut cases: Vec<f64> = (0..200_000u64).map(|n| n as f64 / 1000.0).collect();
-        cases.extend((0..2_000u64).map(|n| (n * 999_983) as f64 / 1000.0));
-        cases.extend([
-            0.0,
-            -0.0,
-            1e-4,
-            0.0005,
-            -1.5,
-            1e9,
-            123_456_789.123,
-            f64::NAN,
-            f64::INFINITY,
-            0.1 + 0.2,
-            2.5e-7,
-            1e300,
-        ]);
-        for v in cases {
+    fn millis_are_written_as_debug_writes_the_float() {
+        let mut cases: Vec<u64> = (0..200_000).collect();
+        cases.extend((0..2_000u64).map(|n| n * 999_983));
+        cases.extend((0..2_000u64).map(|n| 999_999_999_999 - n * 7_919));
+        cases.extend([1_000_000, 123_456_789_123, 999_999_999_999]);
+        for us in cases {
             let mut ours = String::new();
-            push_float(&mut ours, v);
-            assert_eq!(ours, format!("{v:?}"), "{v}");
+            push_millis(&mut ours, us);
+            assert_eq!(ours, format!("{:?}", millis(us)), "{us}");
         }
+    }
+
+    #[test]
+    fn micros_round_to_the_nearest() {
+        use std::time::Duration;
+        assert_eq!(micros(Duration::from_nanos(0)), 0);
+        assert_eq!(micros(Duration::from_nanos(499)), 0);
+        assert_eq!(micros(Duration::from_nanos(500)), 1);
+        assert_eq!(micros(Duration::from_nanos(1_499)), 1);
+        assert_eq!(micros(Duration::from_nanos(104_500)), 105);
+        assert_eq!(micros(Duration::from_secs(30)), 30_000_000);
+        assert_eq!(micros(Duration::MAX), u64::MAX);
     }
 
     #[test]
@@ -209,8 +210,8 @@ mod tests {
                 status: 200,
                 bytes_in: 79,
                 bytes_out: 271,
-                upstream_ms: Some(0.104),
-                total_ms: 0.25,
+                upstream_us: Some(104),
+                total_us: 250,
                 eos: "complete",
             },
             RequestLine {
@@ -220,8 +221,8 @@ mod tests {
                 status: 502,
                 bytes_in: 0,
                 bytes_out: 18_446_744_073_709_551_615,
-                upstream_ms: None,
-                total_ms: 30_000.0,
+                upstream_us: None,
+                total_us: 30_000_000,
                 eos: "cancelled",
             },
         ];
