@@ -31,6 +31,7 @@ use std::cell::RefCell;
 use std::convert::Infallible;
 use std::future::{poll_fn, Future};
 use std::io::{self, IoSlice};
+use std::mem::MaybeUninit;
 use std::pin::Pin;
 use std::task::{Context, Poll};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
@@ -171,9 +172,11 @@ enum Parsed {
 type Field = (HeaderName, usize, usize);
 
 fn parse(buf: &mut BytesMut, names: &mut Vec<Field>) -> Parsed {
-    let mut fields = [httparse::EMPTY_HEADER; MAX_HEADERS];
-    let mut parsed = httparse::Request::new(&mut fields);
-    let head_len = match parsed.parse(buf) {
+    // Left uninitialised, as in `upstream::h1`: filling 64 empty fields
+    // cost each request ~300 instructions before a byte was parsed.
+    let mut fields = [const { MaybeUninit::<httparse::Header<'_>>::uninit() }; MAX_HEADERS];
+    let mut parsed = httparse::Request::new(&mut []);
+    let head_len = match parsed.parse_with_uninit_headers(buf, &mut fields) {
         Ok(httparse::Status::Complete(n)) => n,
         Ok(httparse::Status::Partial) if buf.len() < MAX_MESSAGE => return Parsed::Partial(0),
         Ok(httparse::Status::Partial) | Err(_) => return Parsed::Hyper,

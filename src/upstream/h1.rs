@@ -36,6 +36,7 @@
 use std::collections::VecDeque;
 use std::future::Future;
 use std::io::{self, IoSlice};
+use std::mem::MaybeUninit;
 use std::pin::Pin;
 use std::task::{Context, Poll};
 
@@ -452,9 +453,15 @@ const ADDED_RESPONSE_HEADERS: usize = 3;
 /// interim 1xx responses; `None` while it is incomplete.
 fn parse_head(buf: &mut BytesMut, is_head: bool) -> Result<Option<Head>, Error> {
     loop {
-        let mut fields = [httparse::EMPTY_HEADER; MAX_HEADERS];
-        let mut parsed = httparse::Response::new(&mut fields);
-        let len = match parsed.parse(buf)? {
+        // Left uninitialised: filling 128 empty fields cost each response
+        // ~600 instructions before a byte was parsed.
+        let mut fields = [const { MaybeUninit::<httparse::Header<'_>>::uninit() }; MAX_HEADERS];
+        let mut parsed = httparse::Response::new(&mut []);
+        let len = match httparse::ParserConfig::default().parse_response_with_uninit_headers(
+            &mut parsed,
+            buf,
+            &mut fields,
+        )? {
             httparse::Status::Partial => return Ok(None),
             httparse::Status::Complete(len) => len,
         };
