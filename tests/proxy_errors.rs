@@ -85,7 +85,8 @@ async fn slow_upstream_is_504() {
 /// panicked the task that armed it — the first-byte timeout on the chat
 /// path (the hold-back) and on the passthrough path (the attempt), the
 /// upstream's idle timeout between a body's frames, the client's idle
-/// timeout between a connection's requests.
+/// timeout between a connection's requests, the request body's read
+/// deadline.
 #[tokio::test]
 async fn a_timeout_past_the_clocks_range_is_no_timeout() {
     let reply = || Reply::Full {
@@ -115,7 +116,7 @@ async fn a_timeout_past_the_clocks_range_is_no_timeout() {
     let proxy = start_proxy(
         &up.url(),
         &format!(
-            "[timeouts]\nfirst_byte_secs = {never}\nidle_secs = {never}\nclient_idle_secs = {never}\n"
+            "[timeouts]\nfirst_byte_secs = {never}\nidle_secs = {never}\nclient_idle_secs = {never}\nbody_read_secs = {never}\n"
         ),
     )
     .await;

@@ -247,7 +247,7 @@ where
     parts.extensions.insert(Arc::clone(stats));
     let secs = state.config.timeouts.body_read;
     let mut body = LimitedBody::new(body, limit, Arc::clone(&stats.bytes_in))
-        .with_deadline(stats.start + secs, secs.as_secs());
+        .with_deadline(crate::clock::deadline(stats.start, secs), secs.as_secs());
     if stats.is_budgeted() {
         body = body.with_budget(ByteBudget {
             used: Arc::clone(&state.metrics),
