@@ -31,6 +31,8 @@ pub(crate) struct CachedUtc;
 
 /// `YYYY-MM-DDTHH:MM:SS`
 const SECOND_LEN: usize = 19;
+/// `YYYY-MM-DDTHH:MM:SS.ffffffZ`
+pub(super) const STAMP_LEN: usize = SECOND_LEN + 8;
 
 thread_local! {
     /// The last second formatted on this thread.
@@ -49,20 +51,27 @@ impl FormatTime for CachedUtc {
 
 /// Writes `secs.micros` since the epoch as `YYYY-MM-DDTHH:MM:SS.ffffffZ`.
 pub(super) fn write_timestamp(w: &mut impl fmt::Write, secs: u64, micros: u32) -> fmt::Result {
+    // ASCII by construction.
+    w.write_str(std::str::from_utf8(&timestamp(secs, micros)).map_err(|_| fmt::Error)?)
+}
+
+/// `secs.micros` since the epoch as `YYYY-MM-DDTHH:MM:SS.ffffffZ`, its
+/// second formatted once per second on each thread.
+pub(super) fn timestamp(secs: u64, micros: u32) -> [u8; STAMP_LEN] {
     let (cached, mut text) = SECOND.with(Cell::get);
     if cached != secs {
         text = format_second(secs);
         SECOND.with(|c| c.set((secs, text)));
     }
-    let mut frac = *b".000000Z";
+    let mut out = [0u8; STAMP_LEN];
+    out[..SECOND_LEN].copy_from_slice(&text);
+    out[SECOND_LEN..].copy_from_slice(b".000000Z");
     let mut m = micros.min(999_999);
-    for slot in frac[1..7].iter_mut().rev() {
+    for slot in out[SECOND_LEN + 1..STAMP_LEN - 1].iter_mut().rev() {
         *slot = b'0' + (m % 10) as u8;
         m /= 10;
     }
-    // Both halves are ASCII by construction.
-    w.write_str(std::str::from_utf8(&text).map_err(|_| fmt::Error)?)?;
-    w.write_str(std::str::from_utf8(&frac).map_err(|_| fmt::Error)?)
+    out
 }
 
 /// `YYYY-MM-DDTHH:MM:SS` of `secs` since the epoch (years up to 9999).
@@ -148,9 +157,9 @@ fn write_int(w: &mut Writer<'_>, negative: bool, v: u64) -> fmt::Result {
 }
 
 /// `v`'s ASCII digits, written into `buf` from its end: the log lines'
-/// integers without the formatting machinery. Bytes, not a `str`: a caller
-/// that appends them to a `String` pushes them as characters, which costs
-/// less than checking them as UTF-8.
+/// integers without the formatting machinery. Bytes, not a `str`: the
+/// request line and the response heads are bytes, and checking digits as
+/// UTF-8 cost more than writing them.
 pub(crate) fn decimal(mut v: u64, buf: &mut [u8; 20]) -> &[u8] {
     let mut at = buf.len();
     loop {
@@ -162,11 +171,6 @@ pub(crate) fn decimal(mut v: u64, buf: &mut [u8; 20]) -> &[u8] {
         }
     }
     &buf[at..]
-}
-
-/// `v` in decimal, appended to `out`.
-pub(crate) fn push_decimal(out: &mut String, v: u64) {
-    out.extend(decimal(v, &mut [0; 20]).iter().map(|&d| char::from(d)));
 }
 
 impl Visit for PlainVisitor<'_> {

@@ -9,7 +9,6 @@
 //! them together) for ~1,500. JSON output and colour still go through
 //! tracing, and so does any filtering: `RUST_LOG` decides as before.
 
-use std::fmt::Write as _;
 use std::io::Write as _;
 use std::sync::OnceLock;
 
@@ -72,12 +71,12 @@ pub fn log(l: &RequestLine<'_>) {
         return;
     }
     if let Some(w) = PLAIN.get() {
-        let mut line = String::with_capacity(256);
+        let mut line = Vec::with_capacity(256);
         if let Ok(d) = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH) {
-            let _ = super::line::write_timestamp(&mut line, d.as_secs(), d.subsec_micros());
-            line.push(' ');
+            line.extend_from_slice(&super::line::timestamp(d.as_secs(), d.subsec_micros()));
+            line.push(b' ');
             plain(&mut line, l);
-            let _ = w.make_writer().write_all(line.as_bytes());
+            let _ = w.make_writer().write_all(&line);
             return;
         }
     }
@@ -97,58 +96,59 @@ pub fn log(l: &RequestLine<'_>) {
 }
 
 /// The line after its timestamp, as the text format writes it with
-/// [`super::line::PlainFields`].
-fn plain(out: &mut String, l: &RequestLine<'_>) {
-    out.push_str(" INFO ");
-    out.push_str(TARGET);
-    out.push_str(": request method=");
-    out.push_str(l.method);
-    out.push_str(" path=");
-    out.push_str(l.path);
-    out.push_str(" route=");
+/// [`super::line::PlainFields`]. Bytes, not a `String`: its integers are
+/// digits written into it, not characters pushed one by one.
+fn plain(out: &mut Vec<u8>, l: &RequestLine<'_>) {
+    out.extend_from_slice(b" INFO ");
+    out.extend_from_slice(TARGET.as_bytes());
+    out.extend_from_slice(b": request method=");
+    out.extend_from_slice(l.method.as_bytes());
+    out.extend_from_slice(b" path=");
+    out.extend_from_slice(l.path.as_bytes());
+    out.extend_from_slice(b" route=");
     quoted(out, l.route);
-    out.push_str(" status=");
+    out.extend_from_slice(b" status=");
     push_int(out, u64::from(l.status));
-    out.push_str(" bytes_in=");
+    out.extend_from_slice(b" bytes_in=");
     push_int(out, l.bytes_in);
-    out.push_str(" bytes_out=");
+    out.extend_from_slice(b" bytes_out=");
     push_int(out, l.bytes_out);
     if let Some(us) = l.upstream_us {
-        out.push_str(" upstream_ms=");
+        out.extend_from_slice(b" upstream_ms=");
         push_millis(out, us);
     }
-    out.push_str(" total_ms=");
+    out.extend_from_slice(b" total_ms=");
     push_millis(out, l.total_us);
-    out.push_str(" eos=");
+    out.extend_from_slice(b" eos=");
     quoted(out, l.eos);
-    out.push('\n');
+    out.push(b'\n');
 }
 
 /// A string field as the visitor writes it: quoted, escaped as `Debug`
 /// escapes it when it has anything to escape.
-fn quoted(out: &mut String, s: &str) {
+fn quoted(out: &mut Vec<u8>, s: &str) {
     if s.bytes()
         .all(|b| b.is_ascii_graphic() && b != b'"' && b != b'\\' || b == b' ')
     {
-        out.push('"');
-        out.push_str(s);
-        out.push('"');
+        out.push(b'"');
+        out.extend_from_slice(s.as_bytes());
+        out.push(b'"');
     } else {
         let _ = write!(out, "{s:?}");
     }
 }
 
-fn push_int(out: &mut String, v: u64) {
-    super::line::push_decimal(out, v);
+fn push_int(out: &mut Vec<u8>, v: u64) {
+    out.extend_from_slice(super::line::decimal(v, &mut [0; 20]));
 }
 
 /// A duration in whole microseconds as milliseconds, as the text format
 /// writes the `f64` field (`{:?}`): below 10^9 ms a whole number of
 /// thousandths has one shortest representation, its digits, so it is
 /// written from the integer (no float is formatted or rounded).
-fn push_millis(out: &mut String, us: u64) {
+fn push_millis(out: &mut Vec<u8>, us: u64) {
     push_int(out, us / 1000);
-    out.push('.');
+    out.push(b'.');
     let frac = us % 1000;
     let digits = [frac / 100, frac / 10 % 10, frac % 10];
     let keep = match digits {
@@ -156,7 +156,7 @@ fn push_millis(out: &mut String, us: u64) {
         [_, _, 0] => 2,
         _ => 3,
     };
-    out.extend(digits[..keep].iter().map(|&d| char::from(b'0' + d as u8)));
+    out.extend(digits[..keep].iter().map(|&d| b'0' + d as u8));
 }
 
 /// Microseconds as the milliseconds field tracing's formats write.
@@ -182,9 +182,9 @@ mod tests {
         cases.extend((0..2_000u64).map(|n| 999_999_999_999 - n * 7_919));
         cases.extend([1_000_000, 123_456_789_123, 999_999_999_999]);
         for us in cases {
-            let mut ours = String::new();
+            let mut ours = Vec::new();
             push_millis(&mut ours, us);
-            assert_eq!(ours, format!("{:?}", millis(us)), "{us}");
+            assert_eq!(ours, format!("{:?}", millis(us)).as_bytes(), "{us}");
         }
     }
 
@@ -237,8 +237,9 @@ mod tests {
             // The fallback path: no plain batch is installed in tests.
             tracing::subscriber::with_default(subscriber, || log(&l));
             let theirs = buf.text();
-            let mut ours = String::new();
+            let mut ours = Vec::new();
             plain(&mut ours, &l);
+            let ours = String::from_utf8(ours).unwrap();
             // Without a timestamp the text format starts at the level.
             assert_eq!(ours.trim_start(), theirs.trim_start(), "{l:?}");
             assert!(ours.starts_with(" INFO "));
