@@ -148,6 +148,16 @@ fn default_proxy_toml_in_working_directory_is_used() {
     assert_eq!(code, 0, "{stderr}");
 }
 
+/// The next line of `p`'s output that contains `what`.
+fn line_of(p: &Proc, what: &str) -> String {
+    loop {
+        let l = p.lines.recv_timeout(Duration::from_secs(10)).unwrap();
+        if l.contains(what) {
+            return l;
+        }
+    }
+}
+
 #[tokio::test]
 async fn binary_serves_with_env_override_and_stops_on_sigterm() {
     let up = MockUpstream::builder()
@@ -157,6 +167,14 @@ async fn binary_serves_with_env_override_and_stops_on_sigterm() {
                 status: 200,
                 headers: vec![],
                 body: Bytes::from_static(b"models"),
+            },
+        )
+        .route(
+            "/v1/chat/completions",
+            Reply::Full {
+                status: 200,
+                headers: vec![("content-type", "application/json".into())],
+                body: Bytes::from_static(br#"{"choices":[],"usage":{"prompt_tokens":3}}"#),
             },
         )
         .run()
@@ -182,12 +200,7 @@ async fn binary_serves_with_env_override_and_stops_on_sigterm() {
     assert_eq!(body, "models");
 
     // One content-free line per request.
-    let line = loop {
-        let l = p.lines.recv_timeout(Duration::from_secs(10)).unwrap();
-        if l.contains("path=/v1/models") {
-            break l;
-        }
-    };
+    let line = line_of(&p, "path=/v1/models");
     for field in [
         "method=GET",
         "status=200",
@@ -195,6 +208,20 @@ async fn binary_serves_with_env_override_and_stops_on_sigterm() {
         "upstream_ms=",
         "total_ms=",
     ] {
+        assert!(line.contains(field), "{field} missing: {line}");
+    }
+    // A chat request's line counts its wait for the upstream too (the chat
+    // walk hands the request's accounting to the upstream's attempt).
+    let chat = r#"{"model":"m","messages":[{"role":"user","content":"hi"}]}"#;
+    let (status, _, _) = fetch(request(
+        "POST",
+        &format!("http://{addr}/v1/chat/completions"),
+        full(chat),
+    ))
+    .await;
+    assert_eq!(status, 200);
+    let line = line_of(&p, "path=/v1/chat/completions");
+    for field in ["method=POST", "route=\"chat\"", "upstream_ms=", "total_ms="] {
         assert!(line.contains(field), "{field} missing: {line}");
     }
 

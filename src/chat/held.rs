@@ -55,7 +55,7 @@ const KEEP_ALIVE_LINE: &[u8] = b": keep-alive\n\n";
 pub(super) struct Retry {
     pub(crate) chat: Arc<ChatState>,
     pub(crate) upstream: Arc<Upstream>,
-    /// The client's request (method, URI, extensions).
+    /// The client's request (method, URI).
     pub(crate) parts: Parts,
     pub(crate) client_headers: Arc<HeaderMap>,
     /// Taken by the retry; released with the stream otherwise.
@@ -265,7 +265,9 @@ async fn retry(
         // request: the client gets the upstream's own error.
         return None;
     }
-    let resp = walk::send(&upstream, &parts, &client_headers, retry.body.clone())
+    // The router logged the upstream wait with the head, before this
+    // retry inside the stream: its wait is not counted.
+    let resp = walk::send(&upstream, &parts, &client_headers, retry.body.clone(), None)
         .await
         .ok()?;
     let prepared = Prepared {

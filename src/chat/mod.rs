@@ -56,8 +56,6 @@ pub(crate) mod summarise;
 pub mod walk;
 mod worker;
 
-pub use walk::handle;
-
 use std::sync::Arc;
 use std::time::Duration;
 

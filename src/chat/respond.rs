@@ -13,7 +13,7 @@ use crate::error::{ProxyBody, ProxyError};
 use crate::session::key::SessionKey;
 use crate::upstream::body::TapBody;
 use crate::upstream::coalesce::CoalesceBody;
-use crate::upstream::{headers, Upstream, UpstreamBody};
+use crate::upstream::{headers, RequestStats, Upstream, UpstreamBody};
 use crate::usage::hide::HideUsageBody;
 use crate::usage::{BodyKind, TapOutcome, UsageObserver};
 use crate::window::overflow::Overflow;
@@ -39,12 +39,13 @@ static REPLACED_NAME: HeaderName = HeaderName::from_static(REPLACED_HEADER);
 pub(super) const MAX_STREAM_PEEK: usize = 64 << 10;
 
 /// Sends `body` upstream with the client's headers (Content-Length fixed);
-/// `parts` gives the method, URI and extensions.
+/// `parts` gives the method and URI; `stats`, when given, count the wait.
 pub(super) async fn send(
     upstream: &Upstream,
     parts: &Parts,
     client_headers: &HeaderMap,
     body: Bytes,
+    stats: Option<&RequestStats>,
 ) -> Result<Response<UpstreamBody>, ProxyError> {
     // The usage tap and hider read the response: a compressed body would
     // hide the usage from calibration and leave the forced usage chunk in
@@ -58,7 +59,7 @@ pub(super) async fn send(
         (header::CONTENT_LENGTH, length_value(body.len())),
     ];
     upstream
-        .send_bytes_with(parts, client_headers, &set, body)
+        .send_bytes_with(parts, client_headers, &set, body, stats)
         .await
 }
 

@@ -45,15 +45,6 @@ pub(crate) fn error_shape(api: Api) -> ErrorShape {
     }
 }
 
-/// Handles one chat completion request.
-pub async fn handle(
-    chat: &Arc<ChatState>,
-    upstream: &Arc<Upstream>,
-    req: Request<ProxyReqBody>,
-) -> Response<ProxyBody> {
-    handle_api(Api::Chat, chat, upstream, req).await
-}
-
 /// Handles one conversation request of `api` (chat completions, Anthropic
 /// Messages, OpenAI Responses): the same walk, the API's codec.
 pub async fn handle_api(
@@ -61,18 +52,16 @@ pub async fn handle_api(
     chat: &Arc<ChatState>,
     upstream: &Arc<Upstream>,
     req: Request<ProxyReqBody>,
+    stats: &RequestStats,
 ) -> Response<ProxyBody> {
     let (mut parts, body) = req.into_parts();
     // A compressed body cannot be read without decoding it: forward untouched.
     // The rare branches' awaits are boxed: inline, their state would be
     // part of every request's future, copied each time it moves.
     if parts.headers.contains_key(header::CONTENT_ENCODING) {
-        return Box::pin(upstream.forward(Request::from_parts(parts, body))).await;
+        return Box::pin(upstream.forward(Request::from_parts(parts, body), Some(stats))).await;
     }
-    let seen = parts
-        .extensions
-        .get::<Arc<RequestStats>>()
-        .map(|s| Arc::clone(&s.bytes_in));
+    let seen = Some(Arc::clone(&stats.bytes_in));
     let guard = worker::BodyGuard::new(&chat.metrics, seen);
     let bytes = match crate::upstream::body::whole(body).await {
         Ok(b) => b,
@@ -82,7 +71,7 @@ pub async fn handle_api(
     // Once per request: a retry prepares the same decoded request again.
     let creq = match worker::decode(chat, api, bytes.clone()).await {
         Ok(creq) => creq,
-        Err(e) => return Box::pin(unmapped(chat, upstream, api, (parts, bytes), &e)).await,
+        Err(e) => return Box::pin(unmapped(chat, upstream, api, (parts, bytes), &e, stats)).await,
     };
     let (job, client_headers, key) = job_for(chat, upstream, &mut parts, creq, bytes.len());
     let (mut prepared, mut job) = match worker::run(job).await {
@@ -91,7 +80,8 @@ pub async fn handle_api(
     };
     let mut retried = false;
     loop {
-        let resp = match send(upstream, &parts, &client_headers, prepared.body.clone()).await {
+        let body = prepared.body.clone();
+        let resp = match send(upstream, &parts, &client_headers, body, Some(stats)).await {
             Ok(r) => r,
             Err(e) => return upstream.error_reply_in(error_shape(api), &e),
         };
@@ -196,6 +186,7 @@ async fn unmapped(
     api: Api,
     (parts, bytes): (Parts, Bytes),
     e: &crate::codec::DecodeError,
+    stats: &RequestStats,
 ) -> Response<ProxyBody> {
     let (reason, member, role) = e.labels();
     chat.metrics
@@ -208,7 +199,7 @@ async fn unmapped(
         role,
         "request forwarded untouched: its codec cannot map it (no compaction)"
     );
-    send_plain(upstream, api, parts, bytes).await
+    send_plain(upstream, api, parts, bytes, stats).await
 }
 
 /// Forwards bytes we could not parse exactly as received.
@@ -217,8 +208,9 @@ async fn send_plain(
     api: Api,
     parts: Parts,
     bytes: Bytes,
+    stats: &RequestStats,
 ) -> Response<ProxyBody> {
-    match upstream.send_bytes(&parts, bytes).await {
+    match upstream.send_bytes(&parts, bytes, Some(stats)).await {
         Ok(resp) => upstream.stream_response(resp),
         Err(e) => upstream.error_reply_in(error_shape(api), &e),
     }

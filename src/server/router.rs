@@ -166,9 +166,9 @@ where
                     &e,
                 ),
                 (Ok(req), Some(api)) => {
-                    crate::chat::walk::handle_api(api, &state.chat, upstream, req).await
+                    crate::chat::walk::handle_api(api, &state.chat, upstream, req, &stats).await
                 }
-                (Ok(req), None) => upstream.forward(req).await,
+                (Ok(req), None) => upstream.forward(req, Some(&stats)).await,
             }
         }
     };
@@ -243,8 +243,7 @@ where
     if declared.is_some_and(|n| n > limit) {
         return Err(ProxyError::BodyTooLarge { limit });
     }
-    let (mut parts, body) = req.into_parts();
-    parts.extensions.insert(Arc::clone(stats));
+    let (parts, body) = req.into_parts();
     let secs = state.config.timeouts.body_read;
     let mut body = LimitedBody::new(body, limit, Arc::clone(&stats.bytes_in))
         .with_deadline(crate::clock::deadline(stats.start, secs), secs.as_secs());

@@ -56,8 +56,10 @@ pub(crate) fn replayable_len(headers: &HeaderMap) -> Option<u64> {
         .filter(|n| (1..=REPLAYABLE_BODY_BYTES).contains(n))
 }
 
-/// Per-request accounting shared between the router, [`Upstream::send`] and
-/// the end-of-stream log line; travels in the request extensions.
+/// Per-request accounting shared between the router, the upstream's
+/// attempts and the end-of-stream log line. Handed to them, not carried in
+/// the request's extensions: a first extension cost each request three
+/// allocations (the value, the map, its table) and their frees.
 #[derive(Debug)]
 pub struct RequestStats {
     /// When the request head was received.
@@ -206,21 +208,26 @@ impl Upstream {
 
     /// Forwards a request and streams the response back; errors become
     /// OpenAI-shaped responses.
-    pub async fn forward(&self, req: Request<ProxyReqBody>) -> Response<ProxyBody> {
+    /// `stats`, when given, count the wait for the response head.
+    pub async fn forward(
+        &self,
+        req: Request<ProxyReqBody>,
+        stats: Option<&RequestStats>,
+    ) -> Response<ProxyBody> {
         let (parts, body) = req.into_parts();
         let sent = if http_body::Body::is_end_stream(&body) {
             // Nothing to stream: replayable, so a keep-alive race is retried.
-            self.send_bytes(&parts, Bytes::new()).await
+            self.send_bytes(&parts, Bytes::new(), stats).await
         } else if replayable_len(&parts.headers).is_some() {
             // Small enough to hold (the router reserved it in the body
             // budget): read whole, it can be sent again when the upstream
             // closed the pooled connection just as it went out.
             match self::body::whole(body).await {
-                Ok(b) => self.send_bytes(&parts, b).await,
+                Ok(b) => self.send_bytes(&parts, b, stats).await,
                 Err(e) => return self.error_reply(&body_read_error(&e)),
             }
         } else {
-            self.send_streamed(&parts, body).await
+            self.send_streamed(&parts, body, stats).await
         };
         match sent {
             Ok(resp) => self.stream_response(resp),
@@ -238,6 +245,7 @@ impl Upstream {
         &self,
         parts: &Parts,
         body: ProxyReqBody,
+        stats: Option<&RequestStats>,
     ) -> Result<Response<UpstreamBody>, ProxyError> {
         let budget = ByteBudget {
             used: Arc::clone(&self.metrics),
@@ -245,14 +253,14 @@ impl Upstream {
         };
         let replay = Replay::new(body, budget);
         let result = match self
-            .attempt(parts, &parts.headers, &[], replay.first())
+            .attempt(parts, &parts.headers, &[], replay.first(), stats)
             .await
         {
             Err(Attempt::Client(e)) if unsent(&e) => match replay.again() {
                 Some(body) => {
                     self.metrics.record_upstream_retry();
                     tracing::debug!(error = %error_chain(&e), "upstream closed the connection before answering; replaying the streamed body once");
-                    self.attempt(parts, &parts.headers, &[], body).await
+                    self.attempt(parts, &parts.headers, &[], body, stats).await
                 }
                 None => Err(Attempt::Client(e)),
             },
@@ -270,12 +278,14 @@ impl Upstream {
         &self,
         parts: &Parts,
         body: Bytes,
+        stats: Option<&RequestStats>,
     ) -> Result<Response<UpstreamBody>, ProxyError> {
-        self.send_bytes_with(parts, &parts.headers, &[], body).await
+        self.send_bytes_with(parts, &parts.headers, &[], body, stats)
+            .await
     }
 
     /// [`Upstream::send_bytes`] with the client's header `fields` (not
-    /// those of `parts`, whose method, URI and extensions are used) and
+    /// those of `parts`, whose method and URI are used) and
     /// `set` written in place of theirs of the same names
     /// ([`headers::RequestHeaders`]).
     pub(crate) async fn send_bytes_with(
@@ -284,15 +294,16 @@ impl Upstream {
         fields: &HeaderMap,
         set: &[(HeaderName, HeaderValue)],
         body: Bytes,
+        stats: Option<&RequestStats>,
     ) -> Result<Response<UpstreamBody>, ProxyError> {
         match self
-            .attempt(parts, fields, set, boxed(Full::new(body.clone())))
+            .attempt(parts, fields, set, boxed(Full::new(body.clone())), stats)
             .await
         {
             Err(Attempt::Client(e)) if unsent(&e) => {
                 self.metrics.record_upstream_retry();
                 tracing::debug!(error = %error_chain(&e), "upstream closed the connection before answering; retrying once");
-                self.attempt(parts, fields, set, boxed(Full::new(body)))
+                self.attempt(parts, fields, set, boxed(Full::new(body)), stats)
                     .await
                     .map_err(|e| self.attempt_error(e))
             }
@@ -309,6 +320,7 @@ impl Upstream {
         fields: &HeaderMap,
         set: &[(HeaderName, HeaderValue)],
         body: ProxyReqBody,
+        stats: Option<&RequestStats>,
     ) -> Result<Response<UpstreamBody>, Attempt> {
         let uri = join_uri(&self.base, &parts.uri).map_err(|e| {
             Attempt::Failed(ProxyError::BadRequest(format!(
@@ -328,7 +340,7 @@ impl Upstream {
             self.pool.request(&parts.method, &uri, &headers, body),
         )
         .await;
-        if let Some(stats) = parts.extensions.get::<Arc<RequestStats>>() {
+        if let Some(stats) = stats {
             stats.add_upstream_wait(sent.elapsed());
         }
         match result {
