@@ -10,6 +10,10 @@
 #   MODES="json json_agent" scripts/bench_instructions.sh
 #   COMPACTOR_BIN=/tmp/old-compactor scripts/bench_instructions.sh   # A/B
 #   CONNS=1 MODES=sse scripts/bench_instructions.sh   # one connection (default 4)
+#   MODES="pass json" scripts/bench_instructions.sh
+#       # pass: the small JSON body on a passthrough route (/v1/embeddings):
+#       # compactor's HTTP hop alone, without the chat work json adds (the
+#       # difference of the two is that work)
 #   MODES="conv_chat conv_messages conv_responses" scripts/bench_instructions.sh
 #       # one conversation of CONV_BLOCKS text blocks (default 5,000) as chat,
 #       # Messages and Responses: the three routes compared request for request
@@ -44,6 +48,7 @@ COMPACTOR_BIN="${COMPACTOR_BIN:-$BIN/compactor}"
 
 . scripts/bench_bodies.sh
 write_bodies "$OUT"
+cp "$OUT/json.lua" "$OUT/pass.lua"
 case " $MODES " in *" conv_"*) write_conv_bodies "$OUT" "${CONV_BLOCKS:-5000}" ;; esac
 
 # The binary's default store is a file under the state directory: one
@@ -102,6 +107,7 @@ count() {
   case "$mode" in
     conv_messages) url="http://$addr/v1/messages" ;;
     conv_responses) url="http://$addr/v1/responses" ;;
+    pass) url="http://$addr/v1/embeddings" ;;
     *) url="http://$addr/v1/chat/completions" ;;
   esac
   # One conversation's requests come one after another (an agent waits
