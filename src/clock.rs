@@ -17,6 +17,11 @@ pub(crate) fn deadline(start: Instant, d: Duration) -> Instant {
     start.checked_add(d).unwrap_or_else(|| start + FAR)
 }
 
+/// [`deadline`] from now.
+pub(crate) fn from_now(d: Duration) -> Instant {
+    deadline(Instant::now(), d)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -173,9 +173,6 @@ impl Conversation {
         self.calibration.engine_scale()
     }
 
-    /// Applies usage posted by finished responses: the calibration learns
-    /// from the real figures and hands the trigger the same usage in the
-    /// engine's rough units.
     /// `key` (this conversation's) as the session header's value. Built
     /// once: formatting, checking and copying the 32 digits cost every
     /// response ~400 instructions; a clone shares them.
@@ -189,6 +186,9 @@ impl Conversation {
         self.session_value.clone()
     }
 
+    /// Applies usage posted by finished responses: the calibration learns
+    /// from the real figures and hands the trigger the same usage in the
+    /// engine's rough units.
     pub(crate) fn drain_inbox(&mut self) {
         let posted = std::mem::take(&mut *crate::sync::lock(&self.inbox));
         for (sent, report) in posted {

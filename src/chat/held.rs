@@ -77,7 +77,7 @@ pub(super) fn commit(
     headers::strip_hop_by_hop(&mut head.headers);
     // A retry's stream may follow: the first answer's length would lie.
     head.headers.remove(header::CONTENT_LENGTH);
-    walk::mark_head(&retry.chat, &mut head.headers, &prepared, retry.key);
+    walk::mark_head(&retry.chat, &mut head.headers, &prepared);
     let state = State::Holding(Box::new(Holding {
         peek,
         limit,

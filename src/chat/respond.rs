@@ -155,12 +155,7 @@ pub(super) fn finish_body(
 
 /// compactor's own response headers (when exposed): what it did, the
 /// session key, how many messages a record replaced.
-pub(super) fn mark_head(
-    chat: &ChatState,
-    headers: &mut HeaderMap,
-    prepared: &Prepared,
-    key: SessionKey,
-) {
+pub(super) fn mark_head(chat: &ChatState, headers: &mut HeaderMap, prepared: &Prepared) {
     if !chat.expose_headers {
         return;
     }
@@ -168,8 +163,8 @@ pub(super) fn mark_head(
         ACTION_NAME.clone(),
         HeaderValue::from_static(prepared.action.as_str()),
     );
-    let session = prepared.session_value.clone();
-    if let Some(v) = session.or_else(|| HeaderValue::from_bytes(&key.hex()).ok()) {
+    // Set by the preparation whenever headers are exposed.
+    if let Some(v) = prepared.session_value.clone() {
         headers.insert(SESSION_NAME.clone(), v);
     }
     if prepared.replaced > 0 {

@@ -63,7 +63,7 @@ pub(super) async fn claim(chat: &ChatState, h: &History<'_>) -> Claim {
     }
     let wait = Duration::from_secs(chat.compaction.summary_timeout_secs.max(1));
     let token = token();
-    let deadline = crate::clock::deadline(Instant::now(), wait);
+    let deadline = crate::clock::from_now(wait);
     loop {
         match chat
             .store

@@ -59,7 +59,7 @@ pub async fn handle_api(
     // The rare branches' awaits are boxed: inline, their state would be
     // part of every request's future, copied each time it moves.
     if parts.headers.contains_key(header::CONTENT_ENCODING) {
-        return Box::pin(upstream.forward(Request::from_parts(parts, body), Some(stats))).await;
+        return Box::pin(upstream.forward(Request::from_parts(parts, body), stats)).await;
     }
     let seen = Some(Arc::clone(&stats.bytes_in));
     let guard = worker::BodyGuard::new(&chat.metrics, seen);
@@ -118,7 +118,7 @@ pub async fn handle_api(
                     // alone would resend the same overflowing request): the
                     // client gets the upstream's own error.
                     worker::release(job);
-                    return finish(chat, upstream, resp, &prepared, key);
+                    return finish(chat, upstream, resp, &prepared);
                 }
                 prepared = Prepared {
                     action: Action::Retried,
@@ -129,7 +129,7 @@ pub async fn handle_api(
                 // No retry from here on: the decoded request goes before
                 // the response streams.
                 worker::release(job);
-                return finish(chat, upstream, resp, &prepared, key);
+                return finish(chat, upstream, resp, &prepared);
             }
         }
     }
@@ -223,7 +223,7 @@ fn hold_back(upstream: &Upstream) -> HoldBack {
     let t = upstream.timeouts();
     HoldBack {
         idle: t.idle,
-        deadline: crate::clock::deadline(tokio::time::Instant::now(), t.first_byte),
+        deadline: crate::clock::from_now(t.first_byte),
     }
 }
 
@@ -283,7 +283,6 @@ fn finish(
     upstream: &Upstream,
     resp: Response<HeldBody>,
     prepared: &Prepared,
-    key: SessionKey,
 ) -> Response<ProxyBody> {
     let (mut parts, body) = resp.into_parts();
     let body = finish_body(
@@ -294,6 +293,6 @@ fn finish(
         body,
         prepared,
     );
-    mark_head(chat, &mut parts.headers, prepared, key);
+    mark_head(chat, &mut parts.headers, prepared);
     Response::from_parts(parts, body)
 }

@@ -14,7 +14,7 @@ use std::time::Duration;
 
 use tokio::io::{AsyncRead, AsyncWrite, AsyncWriteExt, ReadBuf};
 use tokio::net::TcpStream;
-use tokio::time::{Instant, Sleep};
+use tokio::time::Sleep;
 
 use crate::error::RETRY_AFTER_SECS;
 use crate::metrics::Metrics;
@@ -93,9 +93,7 @@ impl AsyncRead for IdleIo {
         }
         if !this.armed {
             this.armed = true;
-            this.sleep
-                .as_mut()
-                .reset(crate::clock::deadline(Instant::now(), this.idle));
+            this.sleep.as_mut().reset(crate::clock::from_now(this.idle));
         }
         match this.sleep.as_mut().poll(cx) {
             Poll::Ready(()) => {

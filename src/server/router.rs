@@ -168,7 +168,7 @@ where
                 (Ok(req), Some(api)) => {
                     crate::chat::walk::handle_api(api, &state.chat, upstream, req, &stats).await
                 }
-                (Ok(req), None) => upstream.forward(req, Some(&stats)).await,
+                (Ok(req), None) => upstream.forward(req, &stats).await,
             }
         }
     };

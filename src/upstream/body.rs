@@ -221,7 +221,7 @@ where
                     *this.waiting = true;
                     this.sleep
                         .as_mut()
-                        .reset(crate::clock::deadline(Instant::now(), *this.idle));
+                        .reset(crate::clock::from_now(*this.idle));
                 }
                 match this.sleep.poll(cx) {
                     Poll::Ready(()) => {

@@ -208,13 +208,14 @@ impl Upstream {
 
     /// Forwards a request and streams the response back; errors become
     /// OpenAI-shaped responses.
-    /// `stats`, when given, count the wait for the response head.
+    /// `stats` count the wait for the response head.
     pub async fn forward(
         &self,
         req: Request<ProxyReqBody>,
-        stats: Option<&RequestStats>,
+        stats: &RequestStats,
     ) -> Response<ProxyBody> {
         let (parts, body) = req.into_parts();
+        let stats = Some(stats);
         let sent = if http_body::Body::is_end_stream(&body) {
             // Nothing to stream: replayable, so a keep-alive race is retried.
             self.send_bytes(&parts, Bytes::new(), stats).await

@@ -90,9 +90,7 @@ where
             if comments && comment_prefix_len(&self.held) > 0 {
                 return Stop::Comments;
             }
-            let until = limit
-                .deadline
-                .min(crate::clock::deadline(Instant::now(), limit.idle));
+            let until = limit.deadline.min(crate::clock::from_now(limit.idle));
             let Ok(next) = tokio::time::timeout_at(until, self.body.frame()).await else {
                 break;
             };
