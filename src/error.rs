@@ -56,9 +56,6 @@ pub(crate) enum ProxyError {
     /// A capacity limit of compactor was reached; retry later.
     #[error("compactor is at capacity: {0}")]
     Overloaded(String),
-    /// The request cannot be forwarded as given.
-    #[error("bad request: {0}")]
-    BadRequest(String),
     /// Something inside compactor failed.
     #[error("internal error: {0}")]
     Internal(String),
@@ -84,7 +81,7 @@ impl ProxyError {
                 StatusCode::GATEWAY_TIMEOUT
             }
             ProxyError::BodyTooLarge { .. } => StatusCode::PAYLOAD_TOO_LARGE,
-            ProxyError::ClientBody(_) | ProxyError::BadRequest(_) => StatusCode::BAD_REQUEST,
+            ProxyError::ClientBody(_) => StatusCode::BAD_REQUEST,
             ProxyError::BodyReadTimeout(_) => StatusCode::REQUEST_TIMEOUT,
             ProxyError::Overloaded(_) => StatusCode::SERVICE_UNAVAILABLE,
             ProxyError::Internal(_) => StatusCode::INTERNAL_SERVER_ERROR,
@@ -99,8 +96,7 @@ impl ProxyError {
             | ProxyError::FirstByteTimeout(_) => ErrorSource::Upstream,
             ProxyError::BodyTooLarge { .. }
             | ProxyError::ClientBody(_)
-            | ProxyError::BodyReadTimeout(_)
-            | ProxyError::BadRequest(_) => ErrorSource::Client,
+            | ProxyError::BodyReadTimeout(_) => ErrorSource::Client,
             ProxyError::Internal(_) | ProxyError::Overloaded(_) => ErrorSource::Internal,
         }
     }
@@ -124,7 +120,6 @@ impl ProxyError {
             ProxyError::ClientBody(_) => "client_body_error",
             ProxyError::BodyReadTimeout(_) => "request_body_timeout",
             ProxyError::Overloaded(_) => "overloaded",
-            ProxyError::BadRequest(_) => "bad_request",
             ProxyError::Internal(_) => "internal_error",
         }
     }
@@ -261,7 +256,7 @@ mod tests {
                 "request_too_large",
             ),
             (
-                ProxyError::BadRequest("x".into()),
+                ProxyError::ClientBody("x".into()),
                 400,
                 "invalid_request_error",
             ),

@@ -172,34 +172,38 @@ pin_project! {
     /// the response was cut short: hyper aborts the chunked encoding / h2
     /// stream. Only time spent waiting on the upstream counts: a slow reader
     /// (backpressure, nobody polling) never trips it.
-    pub(crate) struct IdleTimeoutBody<B> {
+    pub(crate) struct IdleTimeoutBody<B, F> {
         #[pin]
         inner: B,
         idle: Duration,
         waiting: bool,
+        // Built at the first wait: a response delivered without one (a
+        // JSON reply read with its head) never touches the timer.
         #[pin]
-        sleep: Sleep,
-        on_timeout: Option<Box<dyn FnOnce() + Send>>,
+        sleep: Option<Sleep>,
+        // Generic, not boxed: no allocation of its own per response.
+        on_timeout: Option<F>,
     }
 }
 
-impl<B> IdleTimeoutBody<B> {
+impl<B, F: FnOnce()> IdleTimeoutBody<B, F> {
     /// Wraps `inner`; `on_timeout` runs once if the timeout fires.
-    pub(crate) fn new(inner: B, idle: Duration, on_timeout: Box<dyn FnOnce() + Send>) -> Self {
+    pub(crate) fn new(inner: B, idle: Duration, on_timeout: F) -> Self {
         IdleTimeoutBody {
             inner,
             idle,
             waiting: false,
-            sleep: tokio::time::sleep(idle),
+            sleep: None,
             on_timeout: Some(on_timeout),
         }
     }
 }
 
-impl<B> Body for IdleTimeoutBody<B>
+impl<B, F> Body for IdleTimeoutBody<B, F>
 where
     B: Body,
     B::Error: Into<BoxError>,
+    F: FnOnce(),
 {
     type Data = B::Data;
     type Error = BoxError;
@@ -219,11 +223,16 @@ where
                     // The timer is armed only when a wait really starts, so
                     // frames that are already buffered cost no timer update.
                     *this.waiting = true;
-                    this.sleep
-                        .as_mut()
-                        .reset(crate::clock::from_now(*this.idle));
+                    let deadline = crate::clock::from_now(*this.idle);
+                    match this.sleep.as_mut().as_pin_mut() {
+                        Some(sleep) => sleep.reset(deadline),
+                        None => this.sleep.set(Some(tokio::time::sleep_until(deadline))),
+                    }
                 }
-                match this.sleep.poll(cx) {
+                let Some(sleep) = this.sleep.as_pin_mut() else {
+                    return Poll::Pending;
+                };
+                match sleep.poll(cx) {
                     Poll::Ready(()) => {
                         if let Some(f) = this.on_timeout.take() {
                             f();
@@ -626,9 +635,9 @@ mod tests {
         let mut b = Box::pin(IdleTimeoutBody::new(
             inner,
             Duration::from_secs(10),
-            Box::new(move || {
+            move || {
                 f.fetch_add(1, Ordering::Relaxed);
-            }),
+            },
         ));
         assert!(poll_once(&mut b).is_pending());
         tokio::time::advance(Duration::from_secs(5)).await;

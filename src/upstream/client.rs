@@ -1,5 +1,7 @@
-//! The upstream connector (HTTP or HTTPS via rustls/ring) and URI joining.
+//! The upstream connector (HTTP or HTTPS via rustls/ring) and the
+//! request-target a request is sent upstream with.
 
+use std::borrow::Cow;
 use std::path::Path;
 use std::sync::Arc;
 
@@ -104,49 +106,34 @@ pub(crate) fn connector(
         .wrap_connector(http))
 }
 
-/// Joins the upstream base with the client's path and query. Only the
-/// path and query of the client URI are used: an absolute-form URI cannot
-/// redirect the request to another host.
-pub(crate) fn join_uri(base: &UpstreamBase, client_uri: &Uri) -> Result<Uri, http::Error> {
-    // No prefix to add: the client's path and query as they were parsed (a
-    // shared copy), not formatted and parsed again for every request.
-    if base.path_prefix.is_empty() {
-        if let Some(pq) = client_uri
-            .path_and_query()
-            .filter(|pq| pq.as_str().starts_with('/'))
-        {
-            return Uri::builder()
-                .scheme(base.scheme.clone())
-                .authority(base.authority.clone())
-                .path_and_query(pq.clone())
-                .build();
-        }
-    }
+/// The request-target sent upstream: the base's path prefix, then the
+/// client's path and query. Only the path and query of the client URI are
+/// used: an absolute-form URI cannot redirect the request to another host.
+/// With no prefix it is the client's own text, borrowed: no URI is built or
+/// parsed again for a request (the connection's origin is the base's).
+pub(crate) fn request_target<'a>(base: &UpstreamBase, client_uri: &'a Uri) -> Cow<'a, str> {
     let pq = client_uri
         .path_and_query()
         .map(PathAndQuery::as_str)
         .unwrap_or("/");
     // CONNECT-style authority-form or `*` have no leading slash.
-    let pq = if pq.starts_with('/') {
-        pq.to_owned()
+    let slash = if pq.starts_with('/') { "" } else { "/" };
+    if base.path_prefix.is_empty() && slash.is_empty() {
+        Cow::Borrowed(pq)
     } else {
-        format!("/{pq}")
-    };
-    let joined = format!("{}{}", base.path_prefix, pq);
-    Uri::builder()
-        .scheme(base.scheme.clone())
-        .authority(base.authority.clone())
-        .path_and_query(joined)
-        .build()
+        Cow::Owned(format!("{}{slash}{pq}", base.path_prefix))
+    }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
 
+    /// The URL a request for `path` reaches under `base`.
     fn join(base: &str, path: &str) -> String {
         let b = UpstreamBase::parse(base).unwrap();
-        join_uri(&b, &path.parse().unwrap()).unwrap().to_string()
+        let uri = path.parse().unwrap();
+        format!("{}://{}{}", b.scheme, b.authority, request_target(&b, &uri))
     }
 
     #[test]
@@ -161,6 +148,17 @@ mod tests {
         );
         assert_eq!(join("http://h:8080", "/"), "http://h:8080/");
         assert_eq!(join("http://h:8080", "/health"), "http://h:8080/health");
+        assert_eq!(join("http://h:8080", "*"), "http://h:8080/*");
+        assert_eq!(join("http://h:8080/p", "*"), "http://h:8080/p/*");
+    }
+
+    #[test]
+    fn without_a_prefix_the_clients_text_is_borrowed() {
+        let b = UpstreamBase::parse("http://h:1").unwrap();
+        let uri: Uri = "/v1/chat/completions?x=1".parse().unwrap();
+        let target = request_target(&b, &uri);
+        assert!(matches!(target, Cow::Borrowed(_)));
+        assert_eq!(target, "/v1/chat/completions?x=1");
     }
 
     #[test]
@@ -169,6 +167,11 @@ mod tests {
             join("http://up:1/p", "http://evil.example:9/v1/x?q=1"),
             "http://up:1/p/v1/x?q=1"
         );
+        assert_eq!(
+            join("http://up:1", "http://evil.example:9/v1/x"),
+            "http://up:1/v1/x"
+        );
+        assert_eq!(join("http://up:1", "http://evil.example:9"), "http://up:1/");
     }
 
     #[test]

@@ -36,9 +36,9 @@ use body::{
     boxed, BodyBudgetExceeded, BodyLimitExceeded, BodyReadTimeout, ByteBudget, IdleTimeoutBody,
     ProxyReqBody,
 };
-use client::{join_uri, UpstreamSetupError};
+use client::{request_target, UpstreamSetupError};
 pub(crate) use pool::UpstreamBody;
-use pool::{ClientError, Pool};
+use pool::{ClientError, Origin, Pool};
 use replay::Replay;
 
 /// Passthrough request bodies up to this size (by their Content-Length) are
@@ -158,6 +158,8 @@ pub struct Upstream {
     /// a replay counts against it.
     budget_max: u64,
     base: UpstreamBase,
+    /// The base's scheme and authority: where requests' connections go.
+    origin: Origin,
     /// The Host header sent upstream, built once.
     host: HeaderValue,
     timeouts: Timeouts,
@@ -185,6 +187,7 @@ impl Upstream {
             pool,
             budget_max: config.limits.max_buffered_body_bytes,
             base: config.upstream.clone(),
+            origin: Origin::of(&config.upstream),
             host,
             timeouts: config.timeouts,
             metrics,
@@ -323,11 +326,7 @@ impl Upstream {
         body: ProxyReqBody,
         stats: Option<&RequestStats>,
     ) -> Result<Response<UpstreamBody>, Attempt> {
-        let uri = join_uri(&self.base, &parts.uri).map_err(|e| {
-            Attempt::Failed(ProxyError::BadRequest(format!(
-                "cannot build upstream URI: {e}"
-            )))
-        })?;
+        let target = request_target(&self.base, &parts.uri);
         let headers = headers::RequestHeaders {
             fields,
             set,
@@ -338,7 +337,8 @@ impl Upstream {
         // The deadline from `sent`: `timeout` would read the clock again.
         let result = tokio::time::timeout_at(
             crate::clock::deadline(sent, timeout),
-            self.pool.request(&parts.method, &uri, &headers, body),
+            self.pool
+                .request(&parts.method, &self.origin, &target, &headers, body),
         )
         .await;
         if let Some(stats) = stats {
@@ -380,10 +380,10 @@ impl Upstream {
     {
         let metrics = Arc::clone(&self.metrics);
         let idle = self.timeouts.idle;
-        let on_timeout = Box::new(move || {
+        let on_timeout = move || {
             metrics.record_idle_timeout();
             tracing::warn!(idle_secs = idle.as_secs(), "upstream idle, ending stream");
-        });
+        };
         IdleTimeoutBody::new(body, idle, on_timeout).boxed_unsync()
     }
 
@@ -510,7 +510,7 @@ impl Upstream {
         body: ProxyReqBody,
         limit: usize,
     ) -> Result<(StatusCode, Bytes), FetchError> {
-        let uri = join_uri(base, uri).map_err(|e| FetchError::Uri(e.to_string()))?;
+        let target = request_target(base, uri);
         let host = host_header(base).ok();
         let outgoing = headers::RequestHeaders {
             fields: &headers,
@@ -519,7 +519,7 @@ impl Upstream {
         };
         let resp = self
             .pool
-            .request(&method, &uri, &outgoing, body)
+            .request(&method, &Origin::of(base), &target, &outgoing, body)
             .await
             .map_err(|e| FetchError::Transport(error_chain(&e)))?;
         self.pool.learn(resp.headers());

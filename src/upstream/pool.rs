@@ -44,6 +44,7 @@ use super::body::ProxyReqBody;
 use super::h1::{self, Reading};
 use super::headers::RequestHeaders;
 use super::keepalive::{announced_timeout, idle_within};
+use crate::config::UpstreamBase;
 use crate::error::BoxError;
 use crate::sync::lock;
 
@@ -61,10 +62,6 @@ pub(crate) enum ClientError {
     /// response head came back.
     #[error("client error (SendRequest)")]
     Send(#[source] h1::Error),
-    /// The request URI has no scheme or authority (a bug: every caller
-    /// joins it onto a base).
-    #[error("client error (request URI is not absolute)")]
-    NotAbsolute,
 }
 
 impl ClientError {
@@ -75,18 +72,28 @@ impl ClientError {
 }
 
 /// Where a connection goes: scheme and authority.
-#[derive(Clone)]
-struct Origin {
+#[derive(Clone, Debug)]
+pub(crate) struct Origin {
     scheme: Scheme,
     authority: Authority,
 }
 
 impl Origin {
-    fn of(uri: &Uri) -> Option<Origin> {
-        Some(Origin {
-            scheme: uri.scheme()?.clone(),
-            authority: uri.authority()?.clone(),
-        })
+    /// The origin of an upstream base URL.
+    pub(crate) fn of(base: &UpstreamBase) -> Origin {
+        Origin {
+            scheme: base.scheme.clone(),
+            authority: base.authority.clone(),
+        }
+    }
+
+    /// The URI a connector is asked to connect to.
+    fn uri(&self) -> Result<Uri, http::Error> {
+        Uri::builder()
+            .scheme(self.scheme.clone())
+            .authority(self.authority.clone())
+            .path_and_query("/")
+            .build()
     }
 
     fn is(&self, other: &Origin) -> bool {
@@ -254,21 +261,22 @@ impl Pool {
         });
     }
 
-    /// Sends a request to `uri` (absolute) on an idle connection to its
-    /// origin, or a new one, and waits for the response head.
+    /// Sends a request for `target` (origin-form: path and query) on an
+    /// idle connection to `origin`, or a new one, and waits for the
+    /// response head.
     pub(crate) async fn request(
         &self,
         method: &Method,
-        uri: &Uri,
+        origin: &Origin,
+        target: &str,
         headers: &RequestHeaders<'_>,
         body: ProxyReqBody,
     ) -> Result<Response<UpstreamBody>, ClientError> {
-        let origin = Origin::of(uri).ok_or(ClientError::NotAbsolute)?;
         let (head, framing) =
-            h1::encode_head(method, origin_form(uri), headers, &body).map_err(ClientError::Send)?;
-        let mut conn = match self.shared.checkout(&origin) {
+            h1::encode_head(method, target, headers, &body).map_err(ClientError::Send)?;
+        let mut conn = match self.shared.checkout(origin) {
             Some(conn) => conn,
-            None => self.connect(uri).await?,
+            None => self.connect(origin).await?,
         };
         let h1::Head {
             response,
@@ -281,7 +289,7 @@ impl Pool {
         let mut body = UpstreamBody {
             reading: Some(Reading::new(conn, decoder, keep_alive)),
             shared: Arc::clone(&self.shared),
-            origin,
+            origin: origin.clone(),
             end_owed: false,
         };
         if body.reading.as_ref().is_some_and(Reading::is_done) {
@@ -290,31 +298,20 @@ impl Pool {
         Ok(response.map(|()| body))
     }
 
-    /// A new connection to `target`'s origin.
-    async fn connect(&self, target: &Uri) -> Result<Link, ClientError> {
+    /// A new connection to `origin`.
+    async fn connect(&self, origin: &Origin) -> Result<Link, ClientError> {
+        let target = origin.uri().map_err(|e| ClientError::Connect(e.into()))?;
         let mut connector = self.connector.clone();
         poll_fn(|cx| connector.poll_ready(cx))
             .await
             .map_err(ClientError::Connect)?;
-        let io = connector
-            .call(target.clone())
-            .await
-            .map_err(ClientError::Connect)?;
+        let io = connector.call(target).await.map_err(ClientError::Connect)?;
         Ok(Box::new(h1::Conn::new(TokioIo::new(io))))
     }
 }
 
 fn nanos(d: Duration) -> u64 {
     u64::try_from(d.as_nanos()).unwrap_or(u64::MAX)
-}
-
-/// `target`'s path and query alone, as an HTTP/1.1 request line carries
-/// them to an origin server.
-fn origin_form(target: &Uri) -> &str {
-    match target.path_and_query() {
-        Some(pq) if pq.as_str().starts_with('/') || pq.as_str() == "*" => pq.as_str(),
-        _ => "/",
-    }
 }
 
 /// An upstream response body: frames cut out of what the connection read,
@@ -427,7 +424,12 @@ mod tests {
             set: &[],
             host: parts.headers.get(http::header::HOST),
         };
-        pool.request(&parts.method, &parts.uri, &headers, body)
+        let origin = Origin {
+            scheme: parts.uri.scheme().unwrap().clone(),
+            authority: parts.uri.authority().unwrap().clone(),
+        };
+        let target = parts.uri.path_and_query().unwrap().as_str();
+        pool.request(&parts.method, &origin, target, &headers, body)
             .await
     }
 
@@ -723,16 +725,6 @@ mod tests {
             .await
             .unwrap()
             .unwrap();
-    }
-
-    #[test]
-    fn the_request_line_carries_the_path_and_query_only() {
-        let uri = |s: &str| origin_form(&s.parse().unwrap()).to_owned();
-        assert_eq!(
-            uri("https://h:1/v1/chat/completions?x=1"),
-            "/v1/chat/completions?x=1"
-        );
-        assert_eq!(uri("http://h:1"), "/");
     }
 
     #[test]
