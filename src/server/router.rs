@@ -283,6 +283,45 @@ mod tests {
     use super::*;
 
     #[test]
+    fn route_labels_are_written_quoted_as_they_are() {
+        // The request log line writes a label between quotes without
+        // escaping it (telemetry::request::label), as `Debug` would.
+        let every = [
+            Route::Health,
+            Route::Metrics,
+            Route::Session,
+            Route::Sessions,
+            Route::Ui,
+            Route::Admin,
+            Route::Chat,
+            Route::Messages,
+            Route::Responses,
+            Route::Passthrough,
+        ];
+        for r in every {
+            // Fails to compile when a route is added: add it above.
+            match r {
+                Route::Health
+                | Route::Metrics
+                | Route::Session
+                | Route::Sessions
+                | Route::Ui
+                | Route::Admin
+                | Route::Chat
+                | Route::Messages
+                | Route::Responses
+                | Route::Passthrough => {}
+            }
+            let l = r.label();
+            assert_eq!(format!("{l:?}"), format!("\"{l}\""));
+            assert!(
+                l.bytes().all(|b| b.is_ascii_lowercase() || b == b'_'),
+                "{l}"
+            );
+        }
+    }
+
+    #[test]
     fn routes() {
         assert_eq!(Route::of(&Method::GET, "/_compactor/health"), Route::Health);
         assert_eq!(

@@ -530,6 +530,19 @@ where
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn eos_labels_are_written_quoted_as_they_are() {
+        // As the request log line writes them (telemetry::request::label).
+        for e in [Eos::Complete, Eos::Error, Eos::Cancelled] {
+            let l = e.as_str();
+            assert_eq!(format!("{l:?}"), format!("\"{l}\""));
+            assert!(
+                l.bytes().all(|b| b.is_ascii_lowercase() || b == b'_'),
+                "{l}"
+            );
+        }
+    }
     use http_body_util::Full;
     use std::sync::Mutex;
 
