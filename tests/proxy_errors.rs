@@ -12,7 +12,7 @@ use std::time::Duration;
 use bytes::Bytes;
 use hyper::body::Frame;
 use support::*;
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::io::AsyncWriteExt;
 
 fn assert_openai_error(body: &Bytes, code: &str) -> serde_json::Value {
     let v: serde_json::Value = serde_json::from_slice(body).unwrap();
@@ -151,37 +151,6 @@ async fn a_timeout_past_the_clocks_range_is_no_timeout() {
         let head = read_response(&mut conn).await;
         assert!(head.starts_with("HTTP/1.1 200"), "{head}");
     }
-}
-
-/// One response's head (as text) from `conn`, its body (by its length)
-/// read past.
-async fn read_response(conn: &mut tokio::net::TcpStream) -> String {
-    let mut buf = Vec::new();
-    let head_end = loop {
-        if let Some(at) = buf.windows(4).position(|w| w == b"\r\n\r\n") {
-            break at + 4;
-        }
-        let mut chunk = [0u8; 4096];
-        let n = conn.read(&mut chunk).await.unwrap();
-        assert!(n > 0, "connection closed before a response head");
-        buf.extend_from_slice(&chunk[..n]);
-    };
-    let head = String::from_utf8_lossy(&buf[..head_end]).into_owned();
-    let length: usize = head
-        .lines()
-        .find_map(|l| {
-            let (name, value) = l.split_once(':')?;
-            name.eq_ignore_ascii_case("content-length")
-                .then(|| value.trim().parse().ok())?
-        })
-        .expect("a content-length");
-    while buf.len() < head_end + length {
-        let mut chunk = [0u8; 4096];
-        let n = conn.read(&mut chunk).await.unwrap();
-        assert!(n > 0, "connection closed inside a body");
-        buf.extend_from_slice(&chunk[..n]);
-    }
-    head
 }
 
 #[tokio::test]

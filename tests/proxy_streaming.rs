@@ -14,7 +14,7 @@ use bytes::Bytes;
 use http_body_util::BodyExt;
 use hyper::body::Frame;
 use support::*;
-use tokio::io::AsyncWriteExt;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 const FIRST: &str = "data: {\"choices\":[{\"delta\":{\"content\":\"first\"}}]}\n\n";
 const LAST: &str = "data: {\"choices\":[],\"usage\":{\"prompt_tokens\":3}}\n\ndata: [DONE]\n\n";
@@ -324,6 +324,79 @@ async fn graceful_shutdown_lets_in_flight_stream_finish() {
     tokio::time::timeout(Duration::from_secs(10), shutdown)
         .await
         .expect("shutdown did not complete after the stream ended")
+        .unwrap();
+}
+
+/// A shutdown closes a keep-alive connection idling between requests at
+/// once, and makes the response in flight on another the last on its
+/// connection: `Connection: close`, then the connection ends.
+#[tokio::test]
+async fn shutdown_closes_idle_connections_and_busy_ones_after_their_response() {
+    let release = Release::new();
+    let answer = || Reply::Full {
+        status: 200,
+        headers: vec![("content-type", "application/json".into())],
+        body: Bytes::from_static(b"{}"),
+    };
+    let up = MockUpstream::builder()
+        .route("/v1/models", answer())
+        .route(
+            "/slow",
+            Reply::AfterRelease {
+                release: release.clone(),
+                then: Box::new(answer()),
+            },
+        )
+        .run()
+        .await;
+    let proxy = start_proxy(&up.url(), "[timeouts]\nshutdown_grace_secs = 30\n").await;
+    let addr = proxy.addr;
+    let get = |path: &str| format!("GET {path} HTTP/1.1\r\nhost: x\r\n\r\n");
+
+    // Answered, and kept alive: it idles, waiting for a next request.
+    let mut idle = tokio::net::TcpStream::connect(addr).await.unwrap();
+    idle.write_all(get("/v1/models").as_bytes()).await.unwrap();
+    let head = read_response(&mut idle).await.to_ascii_lowercase();
+    assert!(head.starts_with("http/1.1 200"), "{head}");
+    assert!(!head.contains("connection: close"), "{head}");
+    // Two requests answered on it before: the wait is the same each time.
+    idle.write_all(get("/v1/models").as_bytes()).await.unwrap();
+    read_response(&mut idle).await;
+
+    // Its request is upstream, its response head not come yet.
+    let mut busy = tokio::net::TcpStream::connect(addr).await.unwrap();
+    busy.write_all(get("/slow").as_bytes()).await.unwrap();
+    let asked = up
+        .wait_for(Duration::from_secs(10), |u| {
+            u.requests().iter().any(|r| r.uri.path() == "/slow")
+        })
+        .await;
+    assert!(asked, "the slow request did not reach the upstream");
+
+    let shutdown = tokio::spawn(proxy.shutdown());
+    let mut rest = [0u8; 64];
+    let n = tokio::time::timeout(Duration::from_secs(10), idle.read(&mut rest))
+        .await
+        .expect("the idle connection was not closed")
+        .unwrap();
+    assert_eq!(n, 0, "an idle connection got bytes, not its end");
+    assert!(
+        !shutdown.is_finished(),
+        "shutdown did not wait for the busy one"
+    );
+
+    release.release();
+    let head = read_response(&mut busy).await.to_ascii_lowercase();
+    assert!(head.starts_with("http/1.1 200"), "{head}");
+    assert!(head.contains("connection: close"), "{head}");
+    let n = tokio::time::timeout(Duration::from_secs(10), busy.read(&mut rest))
+        .await
+        .expect("the connection stayed open after its last response")
+        .unwrap();
+    assert_eq!(n, 0);
+    tokio::time::timeout(Duration::from_secs(10), shutdown)
+        .await
+        .expect("shutdown did not complete")
         .unwrap();
 }
 

@@ -553,3 +553,38 @@ pub async fn digest_body(body: Incoming) -> (u64, u128) {
 pub fn install_crypto() {
     let _ = rustls::crypto::ring::default_provider().install_default();
 }
+
+/// One response's head (as text) from `conn`, its body (by its length)
+/// read past.
+pub async fn read_response(conn: &mut tokio::net::TcpStream) -> String {
+    let mut buf = Vec::new();
+    let head_end = loop {
+        if let Some(at) = buf.windows(4).position(|w| w == b"\r\n\r\n") {
+            break at + 4;
+        }
+        let mut chunk = [0u8; 4096];
+        let n = tokio::io::AsyncReadExt::read(conn, &mut chunk)
+            .await
+            .unwrap();
+        assert!(n > 0, "connection closed before a response head");
+        buf.extend_from_slice(&chunk[..n]);
+    };
+    let head = String::from_utf8_lossy(&buf[..head_end]).into_owned();
+    let length: usize = head
+        .lines()
+        .find_map(|l| {
+            let (name, value) = l.split_once(':')?;
+            name.eq_ignore_ascii_case("content-length")
+                .then(|| value.trim().parse().ok())?
+        })
+        .expect("a content-length");
+    while buf.len() < head_end + length {
+        let mut chunk = [0u8; 4096];
+        let n = tokio::io::AsyncReadExt::read(conn, &mut chunk)
+            .await
+            .unwrap();
+        assert!(n > 0, "connection closed inside a body");
+        buf.extend_from_slice(&chunk[..n]);
+    }
+    head
+}
