@@ -314,10 +314,6 @@ mod tests {
             }
             let l = r.label();
             assert_eq!(format!("{l:?}"), format!("\"{l}\""));
-            assert!(
-                l.bytes().all(|b| b.is_ascii_lowercase() || b == b'_'),
-                "{l}"
-            );
         }
     }
 

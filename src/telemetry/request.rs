@@ -134,7 +134,9 @@ fn plain(out: &mut Vec<u8>, l: &RequestLine<'_>) {
 
 /// A label field (a route's, an end of stream's: lowercase words, which
 /// `Debug` quotes and has nothing to escape in) as the visitor writes it.
-/// Checked by `labels_are_written_as_debug_writes_them`, not per line.
+/// Every route's and every end's label is held to that by a test
+/// (`route_labels_are_written_quoted_as_they_are`,
+/// `eos_labels_are_written_quoted_as_they_are`), not checked per line.
 fn label(out: &mut Vec<u8>, s: &'static str) {
     debug_assert!(plain_label(s), "{s}");
     out.push(b'"');
