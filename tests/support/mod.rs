@@ -562,12 +562,7 @@ pub async fn read_response(conn: &mut tokio::net::TcpStream) -> String {
         if let Some(at) = buf.windows(4).position(|w| w == b"\r\n\r\n") {
             break at + 4;
         }
-        let mut chunk = [0u8; 4096];
-        let n = tokio::io::AsyncReadExt::read(conn, &mut chunk)
-            .await
-            .unwrap();
-        assert!(n > 0, "connection closed before a response head");
-        buf.extend_from_slice(&chunk[..n]);
+        read_into(conn, &mut buf, "before a response head").await;
     };
     let head = String::from_utf8_lossy(&buf[..head_end]).into_owned();
     let length: usize = head
@@ -579,12 +574,17 @@ pub async fn read_response(conn: &mut tokio::net::TcpStream) -> String {
         })
         .expect("a content-length");
     while buf.len() < head_end + length {
-        let mut chunk = [0u8; 4096];
-        let n = tokio::io::AsyncReadExt::read(conn, &mut chunk)
-            .await
-            .unwrap();
-        assert!(n > 0, "connection closed inside a body");
-        buf.extend_from_slice(&chunk[..n]);
+        read_into(conn, &mut buf, "inside a body").await;
     }
     head
+}
+
+/// What `conn` has next, appended to `buf`; its end is a failure `at`.
+async fn read_into(conn: &mut tokio::net::TcpStream, buf: &mut Vec<u8>, at: &str) {
+    let mut chunk = [0u8; 4096];
+    let n = tokio::io::AsyncReadExt::read(conn, &mut chunk)
+        .await
+        .unwrap();
+    assert!(n > 0, "connection closed {at}");
+    buf.extend_from_slice(&chunk[..n]);
 }
