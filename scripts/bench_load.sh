@@ -26,7 +26,10 @@
 # (sse_paced: 1 ms between events, like a fast model) requests; the proxies'
 # CPU per request (utime+stime / requests) is read from /proc/PID/stat (for
 # nginx, its worker's). A summary then sets compactor against nginx (the
-# issue 25 targets). Then time to first SSE byte (examples/ttfb.rs).
+# issue 25 targets), and splits their CPU on small JSON at c=64 into user and
+# system time (with the threads' voluntary context switches): the system
+# side is the sockets' syscalls, the user side each proxy's own work. Then
+# time to first SSE byte (examples/ttfb.rs).
 #
 # Layouts:
 #   shared  everything shares both cores (what a laptop does; a proxy hop
@@ -126,6 +129,29 @@ to_us() { awk -v v="$1" 'BEGIN{ n=v+0; if (v ~ /us$/) print n; else if (v ~ /ms$
 
 # CPU time (user+system) of a process in microseconds.
 cpu_us() { awk -v hz="$(getconf CLK_TCK)" '{ printf "%.0f", ($14 + $15) * 1e6 / hz }' "/proc/$1/stat"; }
+
+# cpu_split PID → "user_us system_us switches": a process's CPU time, user
+# and system apart, and its threads' voluntary context switches (a thread
+# that found nothing to do and slept).
+cpu_split() {
+  awk -v hz="$(getconf CLK_TCK)" '{ printf "%.0f %.0f", $14 * 1e6 / hz, $15 * 1e6 / hz }' "/proc/$1/stat"
+  awk '/^voluntary_ctxt_switches/ { s += $2 } END { printf " %d\n", s }' /proc/"$1"/task/*/status
+}
+
+# split TARGET PID LABEL: where a proxy's CPU goes at c=64 on small JSON:
+# user and system time and voluntary context switches per request (the
+# system side is the sockets' syscalls, the same for every proxy hop; the
+# user side is the proxy's own work).
+split() {
+  local target="$1" pid="$2" label="$3" u0 s0 v0 u1 s1 v1 n
+  local f="$OUT/wrk_split_${LAYOUT_NOW}_${label}.txt"
+  read -r u0 s0 v0 < <(cpu_split "$pid")
+  $LOADGEN wrk -t2 -c64 -d"${DUR}s" -s "$OUT/json.lua" "http://$target/v1/chat/completions" >"$f"
+  read -r u1 s1 v1 < <(cpu_split "$pid")
+  n=$(awk '/requests in/{print $1}' "$f")
+  awk -v l="$label" -v n="$n" -v u=$((u1 - u0)) -v s=$((s1 - s0)) -v v=$((v1 - v0)) 'BEGIN {
+    printf "  %-10s user %5.1f µs   system %5.1f µs   voluntary context switches %.2f\n", l, u / n, s / n, v / n }'
+}
 
 # run TARGET PID MODE CONNS → prints "p50_us p99_us rps cpu_us_per_request"
 # (cpu is 0 for the direct run: PID is empty).
@@ -270,6 +296,11 @@ bench_layout() {
       $1, $5 - $3, $8 - $3, ($5 > $3 ? ($8 - $3) / ($5 - $3) : 0), $6, $9, $9 - $6, $10, $7, ($7 > 0 ? $10 / $7 : 0);
     else printf "  %-9s c=64  cpu/req: nginx %5.1f µs, compactor %5.1f µs (%.2fx)\n", $1, $7, $10, ($7 > 0 ? $10 / $7 : 0)
   }' "$OUT/summary_$LAYOUT_NOW.txt"
+
+  echo
+  echo "where the CPU goes, per request (c=64, small JSON, ${DUR}s each, one run):"
+  split "$NGINX_ADDR" "$NGINX_PID" nginx
+  split "$PROXY" "$PROXY_PID" compactor
 
   echo
   echo "the issue 25 table (markdown; latency in ms, added latency over direct in brackets, CPU in µs per request; load average now $(cut -d' ' -f1-3 /proc/loadavg)):"
