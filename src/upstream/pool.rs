@@ -72,7 +72,7 @@ impl ClientError {
 }
 
 /// Where a connection goes: scheme and authority.
-#[derive(Clone, Debug)]
+#[derive(Clone)]
 pub(crate) struct Origin {
     scheme: Scheme,
     authority: Authority,
