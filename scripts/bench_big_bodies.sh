@@ -38,6 +38,7 @@ BIN=target/perf
 COMPACTOR_BIN="${COMPACTOR_BIN:-$BIN/compactor}"
 
 . scripts/bench_bodies.sh
+. scripts/bench_procs.sh
 for api in chat messages responses; do
   [ -s "$OUT/$api.$BLOCKS.json" ] || big_body "$api" "$BLOCKS" "$OUT/$api.$BLOCKS.json"
 done
@@ -52,17 +53,6 @@ cleanup() {
   rm -rf "$STATE"
 }
 trap cleanup EXIT
-
-wait_addr() {
-  for _ in $(seq 1 100); do
-    if grep -q "listening on" "$1"; then
-      grep -o "listening on [0-9.:]*" "$1" | head -1 | awk '{print $3}'
-      return
-    fi
-    sleep 0.1
-  done
-  echo "process did not start: $1" >&2; cat "$1" >&2; exit 1
-}
 
 "$BIN/examples/mock_upstream" 127.0.0.1:0 0 >"$OUT/mock.log" 2>&1 &
 PIDS+=($!)

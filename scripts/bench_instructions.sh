@@ -47,6 +47,7 @@ BIN="${BIN:-target/perf}"
 COMPACTOR_BIN="${COMPACTOR_BIN:-$BIN/compactor}"
 
 . scripts/bench_bodies.sh
+. scripts/bench_procs.sh
 write_bodies "$OUT"
 cp "$OUT/json.lua" "$OUT/pass.lua"
 case " $MODES " in *" conv_"*) write_conv_bodies "$OUT" "${CONV_BLOCKS:-5000}" ;; esac
@@ -63,18 +64,6 @@ cleanup() {
   rm -rf "$STATE"
 }
 trap cleanup EXIT
-
-# wait_addr LOG: the address of the `listening on <addr>` line in LOG.
-wait_addr() {
-  for _ in $(seq 1 300); do
-    if grep -q "listening on" "$1"; then
-      grep -o "listening on [0-9.:]*" "$1" | head -1 | awk '{print $3}'
-      return
-    fi
-    sleep 0.1
-  done
-  echo "process did not start: $1" >&2; cat "$1" >&2; exit 1
-}
 
 "$BIN/examples/mock_upstream" 127.0.0.1:0 0 >"$OUT/mock.log" 2>&1 &
 PIDS+=($!)

@@ -26,6 +26,7 @@ BIN="${BIN:-target/perf}"
 COMPACTOR_BIN="${COMPACTOR_BIN:-$BIN/compactor}"
 
 . scripts/bench_bodies.sh
+. scripts/bench_procs.sh
 write_bodies "$OUT"
 # json_big, each request under a session id of its own.
 body=$(sed -n "s/^wrk.body = '\(.*\)'$/\1/p" "$OUT/json_big.lua")
@@ -54,16 +55,6 @@ printf '[session]\nmax_sessions = %d\n[store]\nbackend = "memory"\n' "$SESSIONS"
 PIDS=()
 cleanup() { for p in "${PIDS[@]}"; do kill "$p" 2>/dev/null || true; done; }
 trap cleanup EXIT
-wait_addr() {
-  for _ in $(seq 1 100); do
-    if grep -q "listening on" "$1"; then
-      grep -o "listening on [0-9.:]*" "$1" | head -1 | awk '{print $3}'
-      return
-    fi
-    sleep 0.1
-  done
-  echo "process did not start: $1" >&2; cat "$1" >&2; exit 1
-}
 "$BIN/examples/mock_upstream" 127.0.0.1:0 0 >"$OUT/mock.log" 2>&1 &
 PIDS+=($!)
 MOCK=$(wait_addr "$OUT/mock.log")

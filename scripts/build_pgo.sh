@@ -50,6 +50,7 @@ cargo build -q --profile perf --example mock_upstream
 rm -rf "$PROFILES"
 
 . scripts/bench_bodies.sh
+. scripts/bench_procs.sh
 BODIES="$OUT/bodies"
 mkdir -p "$BODIES"
 write_bodies "$BODIES"
@@ -62,17 +63,6 @@ cleanup() {
   rm -rf "$STATE"
 }
 trap cleanup EXIT
-
-wait_addr() {
-  for _ in $(seq 1 300); do
-    if grep -q "listening on" "$1"; then
-      grep -o "listening on [0-9.:]*" "$1" | head -1 | awk '{print $3}'
-      return
-    fi
-    sleep 0.1
-  done
-  echo "process did not start: $1" >&2; cat "$1" >&2; exit 1
-}
 
 echo "2/3 training load"
 target/perf/examples/mock_upstream 127.0.0.1:0 0 >"$OUT/mock.log" 2>&1 &
