@@ -8,9 +8,9 @@
 #
 # The result is the `perf` profile (the release settings: fat LTO, one
 # codegen unit) with the profile applied: the same code as `cargo build
-# --release`, laid out for the request path. On the 2-core development machine it ran a small
-# chat request in ~15% fewer user-space instructions (issue 25's note and
-# README's benchmark section give the figures and the commands).
+# --release`, laid out for the request path. On the 2-core development
+# machine it ran a small chat request in ~14% fewer user-space instructions
+# (README's benchmark section gives the figures and the commands).
 #
 # Needs rustup's llvm-tools component (added when missing: llvm-profdata
 # must match rustc's LLVM) and wrk (installed from the distribution's
@@ -83,7 +83,9 @@ train() {
   addr=$(wait_addr "$log")
   wrk -t1 -c"$conns" -d"${DUR}s" -s "$BODIES/$mode.lua" "http://$addr$path" >/dev/null
   kill "$pid"
-  wait "$pid" || true
+  # A training run that crashed wrote no profile: stop rather than build
+  # from a part of the load.
+  wait "$pid" || { echo "compactor exited badly under $mode:" >&2; tail -5 "$log" >&2; exit 1; }
 }
 
 big=1000000000
