@@ -7,7 +7,8 @@
 //! prompt (or developer message) leading the list is never shortened; the
 //! newest user message and the running summary only when nothing else is
 //! left to shorten. When even that cannot make the messages fit by the
-//! estimate, the oldest whole exchanges are dropped
+//! estimate, the oldest whole exchanges (then the oldest continuations of
+//! the newest ask) are dropped
 //! ([`drop_oldest_exchanges`]) rather than send a request estimated over
 //! the window; when not even that fits, nothing is changed (the upstream
 //! answers the request as it is), unless the upstream has already refused
@@ -163,14 +164,70 @@ pub(crate) fn shrink_to_fit(messages: &[Value], budget: u64, fit: Fit) -> Option
 /// fewest oldest whole exchanges are dropped (each from a real user row to
 /// the next) for [`shrink_to_fit`] to reach the budget with what is left.
 /// The leading rows before the first exchange (instructions, a summary)
-/// and the newest ask with what follows it always stay; an exchange holds
-/// its tool calls with their results, so pairing is kept. `None` when even
-/// dropping every earlier exchange is not enough.
+/// and the newest ask always stay; an exchange holds its tool calls with
+/// their results, so pairing is kept. When dropping every earlier exchange
+/// is not enough, the oldest continuations of the newest ask go too (a
+/// runtime's "continue" turns after a reply cut at `max_tokens`), the
+/// newest one kept ([`drop_continuations`]). `None` when even that is not
+/// enough.
 pub(crate) fn drop_oldest_exchanges(messages: &[Value], budget: u64) -> Option<Dropped> {
     let newest_user = messages.iter().rposition(view::is_real_user)?;
     let starts: Vec<usize> = (0..newest_user)
         .filter(|&i| view::is_real_user(&messages[i]))
         .collect();
+    if let Some(d) = drop_exchanges_before(messages, &starts, newest_user, budget) {
+        return Some(d);
+    }
+    // Not even the newest ask's turn fits: without the earlier exchanges,
+    // its oldest continuations go too.
+    let first = starts.first().copied().unwrap_or(newest_user);
+    let mut base = messages[..first].to_vec();
+    base.extend_from_slice(&messages[newest_user..]);
+    let d = drop_continuations(&base, first, budget)?;
+    Some(Dropped {
+        rows: d.rows + (newest_user - first),
+        ..d
+    })
+}
+
+/// The oldest continuations after the ask at `ask` dropped, the fewest
+/// that fit. A continuation is what a runtime's synthetic user row (hermes'
+/// "[System: Your previous response was truncated … Continue …]") closes:
+/// the partial answer, its tool rounds and that row. Dropping the first
+/// `j` keeps the ask followed by an assistant row, so roles still
+/// alternate and every tool result stays with its call; the newest
+/// continuation (the row the model answers) always stays.
+fn drop_continuations(messages: &[Value], ask: usize, budget: u64) -> Option<Dropped> {
+    let ends: Vec<usize> = (ask + 1..messages.len())
+        .filter(|&i| view::is_synthetic_user(&messages[i]))
+        .collect();
+    let droppable = ends.len().checked_sub(1)?;
+    (1..=droppable).find_map(|j| {
+        let mut rest = messages[..=ask].to_vec();
+        rest.extend_from_slice(&messages[ends[j - 1] + 1..]);
+        let shrunk = if tokens::estimate_messages_tokens_rough(&rest) <= budget {
+            Shrunk {
+                messages: rest,
+                rows: 0,
+            }
+        } else {
+            shrink_to_fit(&rest, budget, Fit::IfReachable)?
+        };
+        Some(Dropped {
+            shrunk,
+            rows: ends[j - 1] - ask,
+        })
+    })
+}
+
+/// [`drop_oldest_exchanges`] before the newest ask: the exchanges starting
+/// at `starts`, the fewest that fit.
+fn drop_exchanges_before(
+    messages: &[Value],
+    starts: &[usize],
+    newest_user: usize,
+    budget: u64,
+) -> Option<Dropped> {
     let first = *starts.first()?;
     // Dropping the first k exchanges keeps messages[..first] and
     // messages[end(k)..]; more dropped never fits worse, so the fewest that
@@ -402,5 +459,62 @@ mod tests {
         assert_eq!(shrink_to_fit(&kept, budget, Fit::IfReachable), None);
         // Below what the newest round alone can be cut to: nothing.
         assert_eq!(drop_oldest_exchanges(&m, system), None);
+    }
+
+    /// hermes-agent's run at a 2,048-token window: instructions filling
+    /// most of it, the pasted log (the one real ask), then answers cut at
+    /// `max_tokens`, each followed by hermes' synthetic "continue" row.
+    fn continued_ask() -> Vec<Value> {
+        let cont = "[System: Your previous response was truncated by the output length limit. \
+                    Continue exactly where you left off.]";
+        let mut m = vec![
+            json!({"role": "system", "content": "S".repeat(4_000)}),
+            json!({"role": "user", "content": format!("log {}", "l".repeat(2_000))}),
+        ];
+        for i in 0..3 {
+            m.push(
+                json!({"role": "assistant", "content": format!("part {i} {}", "a".repeat(1_000))}),
+            );
+            m.push(json!({"role": "user", "content": cont}));
+        }
+        m
+    }
+
+    #[test]
+    fn the_oldest_continuations_of_the_ask_go_when_nothing_else_fits() {
+        let m = continued_ask();
+        let newest = m.len() - 2;
+        // Room for the instructions, the ask and the newest continuation
+        // at their floors, not for every continuation at its floor.
+        let mut floor = m.clone();
+        for r in &mut floor[1..] {
+            shorten(r, LAST_RESORT_MIN_CHARS);
+        }
+        let newest_only = [&floor[..2], &floor[newest..]].concat();
+        let budget = tokens::estimate_messages_tokens_rough(&newest_only) + 10;
+        assert!(tokens::estimate_messages_tokens_rough(&floor) > budget);
+        assert_eq!(shrink_to_fit(&m, budget, Fit::IfReachable), None);
+
+        let d = drop_oldest_exchanges(&m, budget).expect("fits without old continuations");
+        let out = &d.shrunk.messages;
+        assert!(tokens::estimate_messages_tokens_rough(out) <= budget);
+        assert_eq!(
+            d.rows, 4,
+            "the two oldest continuations, answer and row each"
+        );
+        assert_eq!(out.len(), m.len() - 4);
+        assert_eq!(out[0], m[0], "instructions kept");
+        assert!(view::text(&out[1]).starts_with("log "), "the ask kept");
+        assert!(
+            view::text(&out[2]).starts_with("part 2 "),
+            "the newest answer kept"
+        );
+        assert_eq!(out[3], m[newest + 1], "the newest continue row kept");
+        for pair in out[1..].windows(2) {
+            assert_ne!(pair[0]["role"], pair[1]["role"], "roles alternate");
+        }
+        // Room for no continuation at all: nothing, the newest one stays.
+        let ask_only = tokens::estimate_messages_tokens_rough(&floor[..2]);
+        assert_eq!(drop_oldest_exchanges(&m, ask_only), None);
     }
 }
