@@ -195,11 +195,17 @@ pub(crate) fn drop_oldest_exchanges(messages: &[Value], budget: u64) -> Option<D
 /// "[System: Your previous response was truncated … Continue …]") closes:
 /// the partial answer, its tool rounds and that row. Dropping the first
 /// `j` keeps the ask followed by an assistant row, so roles still
-/// alternate and every tool result stays with its call; the newest
+/// alternate and every tool result stays with its call (a synthetic row
+/// followed by another user row is no place to cut); the newest
 /// continuation (the row the model answers) always stays.
 fn drop_continuations(messages: &[Value], ask: usize, budget: u64) -> Option<Dropped> {
     let ends: Vec<usize> = (ask + 1..messages.len())
         .filter(|&i| view::is_synthetic_user(&messages[i]))
+        .filter(|&i| {
+            !messages
+                .get(i + 1)
+                .is_some_and(|m| view::is_role(m, "user"))
+        })
         .collect();
     let droppable = ends.len().checked_sub(1)?;
     (1..=droppable).find_map(|j| {
@@ -516,5 +522,24 @@ mod tests {
         // Room for no continuation at all: nothing, the newest one stays.
         let ask_only = tokens::estimate_messages_tokens_rough(&floor[..2]);
         assert_eq!(drop_oldest_exchanges(&m, ask_only), None);
+        // A continue row followed by another user row is no place to cut:
+        // the ask would be followed by a user row. With room for all but
+        // the oldest pair, the cut moves past the note after it.
+        let mut two = m.clone();
+        let note = json!({"role": "user", "content": "[System note: a background task ended]"});
+        two.insert(4, note);
+        let mut floor = two.clone();
+        for r in &mut floor[1..] {
+            shorten(r, LAST_RESORT_MIN_CHARS);
+        }
+        let without_oldest = [&floor[..2], &floor[4..]].concat();
+        let budget = tokens::estimate_messages_tokens_rough(&without_oldest) + 10;
+        let d = drop_oldest_exchanges(&two, budget).expect("fits cut after the note");
+        let out = &d.shrunk.messages;
+        assert_eq!(d.rows, 3, "the oldest pair and the note");
+        assert!(view::text(&out[2]).starts_with("part 1 "));
+        for pair in out[1..].windows(2) {
+            assert_ne!(pair[0]["role"], pair[1]["role"], "roles alternate");
+        }
     }
 }
