@@ -209,21 +209,26 @@ fn drop_continuations(messages: &[Value], ask: usize, budget: u64) -> Option<Dro
         .collect();
     let droppable = ends.len().checked_sub(1)?;
     (1..=droppable).find_map(|j| {
-        let mut rest = messages[..=ask].to_vec();
-        rest.extend_from_slice(&messages[ends[j - 1] + 1..]);
-        let shrunk = if tokens::estimate_messages_tokens_rough(&rest) <= budget {
-            Shrunk {
-                messages: rest,
-                rows: 0,
-            }
-        } else {
-            shrink_to_fit(&rest, budget, Fit::IfReachable)?
-        };
+        let shrunk = fit_without(messages, ask + 1, ends[j - 1] + 1, budget)?;
         Some(Dropped {
             shrunk,
             rows: ends[j - 1] - ask,
         })
     })
+}
+
+/// `messages` without the rows `from..to`, shortened as far as they must
+/// be to fit `budget`; `None` when they cannot.
+fn fit_without(messages: &[Value], from: usize, to: usize, budget: u64) -> Option<Shrunk> {
+    let mut rest = messages[..from].to_vec();
+    rest.extend_from_slice(&messages[to..]);
+    if tokens::estimate_messages_tokens_rough(&rest) <= budget {
+        return Some(Shrunk {
+            messages: rest,
+            rows: 0,
+        });
+    }
+    shrink_to_fit(&rest, budget, Fit::IfReachable)
 }
 
 /// [`drop_oldest_exchanges`] before the newest ask: the exchanges starting
@@ -239,17 +244,7 @@ fn drop_exchanges_before(
     // messages[end(k)..]; more dropped never fits worse, so the fewest that
     // fit is found by bisection.
     let end = |k: usize| starts.get(k).copied().unwrap_or(newest_user);
-    let attempt = |k: usize| -> Option<Shrunk> {
-        let mut rest = messages[..first].to_vec();
-        rest.extend_from_slice(&messages[end(k)..]);
-        if tokens::estimate_messages_tokens_rough(&rest) <= budget {
-            return Some(Shrunk {
-                messages: rest,
-                rows: 0,
-            });
-        }
-        shrink_to_fit(&rest, budget, Fit::IfReachable)
-    };
+    let attempt = |k: usize| fit_without(messages, first, end(k), budget);
     let (mut lo, mut hi) = (1, starts.len());
     let mut best = Some(hi).zip(attempt(hi))?;
     while lo < hi {
@@ -486,16 +481,22 @@ mod tests {
         m
     }
 
+    /// `m` with every row after the instructions cut to its floor.
+    fn at_floor(m: &[Value]) -> Vec<Value> {
+        let mut floor = m.to_vec();
+        for r in &mut floor[1..] {
+            shorten(r, LAST_RESORT_MIN_CHARS);
+        }
+        floor
+    }
+
     #[test]
     fn the_oldest_continuations_of_the_ask_go_when_nothing_else_fits() {
         let m = continued_ask();
         let newest = m.len() - 2;
         // Room for the instructions, the ask and the newest continuation
         // at their floors, not for every continuation at its floor.
-        let mut floor = m.clone();
-        for r in &mut floor[1..] {
-            shorten(r, LAST_RESORT_MIN_CHARS);
-        }
+        let floor = at_floor(&m);
         let newest_only = [&floor[..2], &floor[newest..]].concat();
         let budget = tokens::estimate_messages_tokens_rough(&newest_only) + 10;
         assert!(tokens::estimate_messages_tokens_rough(&floor) > budget);
@@ -528,10 +529,7 @@ mod tests {
         let mut two = m.clone();
         let note = json!({"role": "user", "content": "[System note: a background task ended]"});
         two.insert(4, note);
-        let mut floor = two.clone();
-        for r in &mut floor[1..] {
-            shorten(r, LAST_RESORT_MIN_CHARS);
-        }
+        let floor = at_floor(&two);
         let without_oldest = [&floor[..2], &floor[4..]].concat();
         let budget = tokens::estimate_messages_tokens_rough(&without_oldest) + 10;
         let d = drop_oldest_exchanges(&two, budget).expect("fits cut after the note");
