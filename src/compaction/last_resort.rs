@@ -181,7 +181,9 @@ pub(crate) fn drop_oldest_exchanges(messages: &[Value], budget: u64) -> Option<D
     // Not even the newest ask's turn fits: without the earlier exchanges,
     // its oldest continuations go too.
     let first = starts.first().copied().unwrap_or(newest_user);
-    let d = drop_continuations(&without(messages, first, newest_user), first, budget)?;
+    let mut base = messages[..first].to_vec();
+    base.extend_from_slice(&messages[newest_user..]);
+    let d = drop_continuations(&base, first, budget)?;
     Some(Dropped {
         rows: d.rows + (newest_user - first),
         ..d
@@ -206,45 +208,20 @@ fn drop_continuations(messages: &[Value], ask: usize, budget: u64) -> Option<Dro
         })
         .collect();
     let droppable = ends.len().checked_sub(1)?;
-    let (j, shrunk) = fewest(droppable, |j| {
-        fit_without(messages, ask + 1, ends[j - 1] + 1, budget)
-    })?;
-    Some(Dropped {
-        shrunk,
-        rows: ends[j - 1] - ask,
+    (1..=droppable).find_map(|j| {
+        let shrunk = fit_without(messages, ask + 1, ends[j - 1] + 1, budget)?;
+        Some(Dropped {
+            shrunk,
+            rows: ends[j - 1] - ask,
+        })
     })
-}
-
-/// The smallest `k` in `1..=n` for which `attempt` fits, with its result,
-/// by bisection: `attempt` drops the first `k` of something from the
-/// front, and more dropped never fits worse.
-fn fewest(n: usize, attempt: impl Fn(usize) -> Option<Shrunk>) -> Option<(usize, Shrunk)> {
-    let (mut lo, mut hi) = (1, n);
-    let mut best = Some(hi).zip(attempt(hi))?;
-    while lo < hi {
-        let mid = lo + (hi - lo) / 2;
-        match attempt(mid) {
-            Some(s) => {
-                best = (mid, s);
-                hi = mid;
-            }
-            None => lo = mid + 1,
-        }
-    }
-    Some(best)
-}
-
-/// `messages` without the rows `from..to`.
-fn without(messages: &[Value], from: usize, to: usize) -> Vec<Value> {
-    let mut rest = messages[..from].to_vec();
-    rest.extend_from_slice(&messages[to..]);
-    rest
 }
 
 /// `messages` without the rows `from..to`, shortened as far as they must
 /// be to fit `budget`; `None` when they cannot.
 fn fit_without(messages: &[Value], from: usize, to: usize, budget: u64) -> Option<Shrunk> {
-    let rest = without(messages, from, to);
+    let mut rest = messages[..from].to_vec();
+    rest.extend_from_slice(&messages[to..]);
     if tokens::estimate_messages_tokens_rough(&rest) <= budget {
         return Some(Shrunk {
             messages: rest,
@@ -264,11 +241,23 @@ fn drop_exchanges_before(
 ) -> Option<Dropped> {
     let first = *starts.first()?;
     // Dropping the first k exchanges keeps messages[..first] and
-    // messages[end(k)..].
+    // messages[end(k)..]; more dropped never fits worse, so the fewest that
+    // fit is found by bisection.
     let end = |k: usize| starts.get(k).copied().unwrap_or(newest_user);
-    let (k, shrunk) = fewest(starts.len(), |k| {
-        fit_without(messages, first, end(k), budget)
-    })?;
+    let attempt = |k: usize| fit_without(messages, first, end(k), budget);
+    let (mut lo, mut hi) = (1, starts.len());
+    let mut best = Some(hi).zip(attempt(hi))?;
+    while lo < hi {
+        let mid = lo + (hi - lo) / 2;
+        match attempt(mid) {
+            Some(s) => {
+                best = (mid, s);
+                hi = mid;
+            }
+            None => lo = mid + 1,
+        }
+    }
+    let (k, shrunk) = best;
     Some(Dropped {
         shrunk,
         rows: end(k) - first,
