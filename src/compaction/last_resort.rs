@@ -523,6 +523,10 @@ mod tests {
         // Room for no continuation at all: nothing, the newest one stays.
         let ask_only = tokens::estimate_messages_tokens_rough(&floor[..2]);
         assert_eq!(drop_oldest_exchanges(&m, ask_only), None);
+        // One continuation, the newest: nothing to drop, and no panic (a
+        // bisection over no candidates once underflowed here in a CI run).
+        let one = &m[..4];
+        assert_eq!(drop_oldest_exchanges(one, ask_only), None);
         // A continue row followed by another user row is no place to cut:
         // the ask would be followed by a user row. With room for all but
         // the oldest pair, the cut moves past the note after it.
