@@ -181,9 +181,7 @@ pub(crate) fn drop_oldest_exchanges(messages: &[Value], budget: u64) -> Option<D
     // Not even the newest ask's turn fits: without the earlier exchanges,
     // its oldest continuations go too.
     let first = starts.first().copied().unwrap_or(newest_user);
-    let mut base = messages[..first].to_vec();
-    base.extend_from_slice(&messages[newest_user..]);
-    let d = drop_continuations(&base, first, budget)?;
+    let d = drop_continuations(&without(messages, first, newest_user), first, budget)?;
     Some(Dropped {
         rows: d.rows + (newest_user - first),
         ..d
@@ -208,20 +206,50 @@ fn drop_continuations(messages: &[Value], ask: usize, budget: u64) -> Option<Dro
         })
         .collect();
     let droppable = ends.len().checked_sub(1)?;
-    (1..=droppable).find_map(|j| {
-        let shrunk = fit_without(messages, ask + 1, ends[j - 1] + 1, budget)?;
-        Some(Dropped {
-            shrunk,
-            rows: ends[j - 1] - ask,
-        })
+    let (j, shrunk) = fewest(droppable, |j| {
+        fit_without(messages, ask + 1, ends[j - 1] + 1, budget)
+    })?;
+    Some(Dropped {
+        shrunk,
+        rows: ends[j - 1] - ask,
     })
+}
+
+/// The smallest `k` in `1..=n` for which `attempt` fits, with its result,
+/// by bisection: `attempt` drops the first `k` of something from the
+/// front, and more dropped never fits worse. `None` when nothing fits,
+/// and when there is nothing to drop (`n == 0`: `attempt(0)` is never
+/// tried, its callers index the `k - 1`th row).
+fn fewest(n: usize, attempt: impl Fn(usize) -> Option<Shrunk>) -> Option<(usize, Shrunk)> {
+    if n == 0 {
+        return None;
+    }
+    let (mut lo, mut hi) = (1, n);
+    let mut best = Some(hi).zip(attempt(hi))?;
+    while lo < hi {
+        let mid = lo + (hi - lo) / 2;
+        match attempt(mid) {
+            Some(s) => {
+                best = (mid, s);
+                hi = mid;
+            }
+            None => lo = mid + 1,
+        }
+    }
+    Some(best)
+}
+
+/// `messages` without the rows `from..to`.
+fn without(messages: &[Value], from: usize, to: usize) -> Vec<Value> {
+    let mut rest = messages[..from].to_vec();
+    rest.extend_from_slice(&messages[to..]);
+    rest
 }
 
 /// `messages` without the rows `from..to`, shortened as far as they must
 /// be to fit `budget`; `None` when they cannot.
 fn fit_without(messages: &[Value], from: usize, to: usize, budget: u64) -> Option<Shrunk> {
-    let mut rest = messages[..from].to_vec();
-    rest.extend_from_slice(&messages[to..]);
+    let rest = without(messages, from, to);
     if tokens::estimate_messages_tokens_rough(&rest) <= budget {
         return Some(Shrunk {
             messages: rest,
@@ -241,23 +269,11 @@ fn drop_exchanges_before(
 ) -> Option<Dropped> {
     let first = *starts.first()?;
     // Dropping the first k exchanges keeps messages[..first] and
-    // messages[end(k)..]; more dropped never fits worse, so the fewest that
-    // fit is found by bisection.
+    // messages[end(k)..].
     let end = |k: usize| starts.get(k).copied().unwrap_or(newest_user);
-    let attempt = |k: usize| fit_without(messages, first, end(k), budget);
-    let (mut lo, mut hi) = (1, starts.len());
-    let mut best = Some(hi).zip(attempt(hi))?;
-    while lo < hi {
-        let mid = lo + (hi - lo) / 2;
-        match attempt(mid) {
-            Some(s) => {
-                best = (mid, s);
-                hi = mid;
-            }
-            None => lo = mid + 1,
-        }
-    }
-    let (k, shrunk) = best;
+    let (k, shrunk) = fewest(starts.len(), |k| {
+        fit_without(messages, first, end(k), budget)
+    })?;
     Some(Dropped {
         shrunk,
         rows: end(k) - first,
@@ -322,6 +338,31 @@ mod tests {
             json!({"role": "tool", "tool_call_id": "c1", "content": format!("HEAD{}TAIL", "x".repeat(8_000))}),
             json!({"role": "user", "content": format!("now fix it {}", "u".repeat(600))}),
         ]
+    }
+
+    #[test]
+    fn fewest_finds_the_smallest_drop_that_fits_and_tries_none_when_there_is_nothing_to_drop() {
+        let tried = std::cell::RefCell::new(Vec::new());
+        let fits_from = |from: usize| {
+            let tried = &tried;
+            move |k: usize| {
+                tried.borrow_mut().push(k);
+                (k >= from).then(|| Shrunk {
+                    messages: Vec::new(),
+                    rows: k,
+                })
+            }
+        };
+        assert!(fewest(0, fits_from(0)).is_none());
+        assert!(tried.borrow().is_empty(), "nothing to drop: no attempt");
+        for n in 1..=9 {
+            for from in 1..=n {
+                let (k, s) = fewest(n, fits_from(from)).expect("dropping all fits");
+                assert_eq!((k, s.rows), (from, from), "n={n}");
+            }
+            assert!(fewest(n, fits_from(n + 1)).is_none(), "n={n}");
+        }
+        assert!(tried.borrow().iter().all(|&k| k >= 1));
     }
 
     #[test]
