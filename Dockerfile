@@ -10,8 +10,8 @@ RUN mkdir -p src && echo 'fn main() {}' > src/main.rs && touch src/lib.rs \
 COPY . .
 # `--build-arg PGO=1`: the profile-guided build of scripts/build_pgo.sh (an
 # instrumented build trained on the benchmarks' load through the mock
-# upstream, then the optimised build), the build README's load figures
-# favour. Two full builds and a minute of training: about twice the time of
+# upstream, then the optimised build; README's load figures give both
+# builds). Two full builds and a minute of training: about twice the time of
 # the default, which is the plain release build. The training needs wrk
 # and python3 (the benchmark bodies), this stage only.
 ARG PGO=0

@@ -44,8 +44,8 @@ command -v wrk >/dev/null || apt-get install -y wrk >/dev/null
 # dependency, and the plain target/ stays as it was.
 echo "1/3 instrumented build"
 RUSTFLAGS="-Cprofile-generate=$PWD/$PROFILES" CARGO_TARGET_DIR="$OUT/gen" \
-  cargo build -q --profile perf --bin compactor
-cargo build -q --profile perf --example mock_upstream
+  cargo build -q --locked --profile perf --bin compactor
+cargo build -q --locked --profile perf --example mock_upstream
 # The build scripts the instrumented build ran wrote profiles of their own.
 rm -rf "$PROFILES"
 
@@ -105,5 +105,5 @@ echo "3/3 optimised build"
 # A function the training never reached has no profile: that is expected,
 # not worth a warning per function.
 RUSTFLAGS="-Cprofile-use=$PWD/$OUT/compactor.profdata -Cllvm-args=-pgo-warn-missing-function=false" \
-  CARGO_TARGET_DIR="$OUT" cargo build -q --profile perf --bin compactor
+  CARGO_TARGET_DIR="$OUT" cargo build -q --locked --profile perf --bin compactor
 echo "built $OUT/perf/compactor"
