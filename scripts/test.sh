@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # THE one command that runs every test of the repository (CI runs it through .ci/run):
 #   rustfmt check, the layer check (no import circle in src/, no import up scripts/layers.txt), clippy (warnings are errors), cargo tests, docker-compose config check,
+#   the Dockerfile's dependency layer run without docker (scripts/check_dockerfile.py),
 #   then the end-to-end suite against a real llama.cpp server (tests/e2e, pytest).
 # Stops at the first failing step and ends with a one-line summary.
 # Arguments are passed to pytest (e.g. `-k sdk`); TEST_SH_SKIP="fmt clippy" skips named steps
@@ -72,6 +73,7 @@ step cargo-test cargo test --all-targets
 if [[ -f docker-compose.yml ]]; then
     step compose compose_check
 fi
+step dockerfile python3 scripts/check_dockerfile.py
 step e2e-setup bash scripts/setup_e2e.sh
 step build cargo build --bin compactor
 step e2e e2e "$@"

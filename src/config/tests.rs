@@ -133,6 +133,17 @@ fn store_section_env_and_bounds() {
     let e = parse("[store]\nurl = \"cache:6379\"\n").unwrap_err();
     assert_eq!(e.keys(), vec!["store.url"]);
     assert!(!format!("{e}").contains("pw"));
+    // The image sets COMPACTOR_STORE_PATH; a deployment that adds a URL
+    // (docker-compose.scale.yml) shares the Redis store, not the file.
+    let env = MapEnv::from_pairs([
+        ("COMPACTOR_STORE_PATH", "/var/lib/compactor/state.log"),
+        ("COMPACTOR_STORE_URL", "redis://valkey:6379/0"),
+    ]);
+    let c = Config::from_toml_str("", &env).unwrap();
+    assert_eq!(
+        c.store.backend,
+        StoreBackend::Redis("redis://valkey:6379/0".into())
+    );
 }
 
 #[test]
