@@ -9,6 +9,8 @@
 #   UPSTREAM_DELAY_MS=2 scripts/bench_load.sh  # upstream think time
 #   MODES="json sse" scripts/bench_load.sh     # a subset of the request kinds
 #   REPS=3 scripts/bench_load.sh               # median of 3 runs per figure (targets in turn)
+#   ACCESS_LOG=1 scripts/bench_load.sh         # nginx writes an access log, as compactor
+#                                              # writes its request log (both defaults)
 #
 # Builds with --profile perf, starts the fast mock upstream
 # (examples/mock_upstream.rs), the naive proxy (examples/naive_proxy.rs:
@@ -96,12 +98,15 @@ start() {
 }
 
 # start_nginx LOG CPUS: nginx as a reverse proxy to $MOCK (1 worker, no
-# response buffering, a keep-alive upstream pool, no access log); sets NGINX
+# response buffering, a keep-alive upstream pool, no access log unless
+# ACCESS_LOG is set); sets NGINX
 # to its address and NGINX_PID to its worker's pid.
 start_nginx() {
   local dir="$OUT/nginx" port cpus="$2"
   port=$(free_port)
-  write_nginx_conf "$dir" "$MOCK" "127.0.0.1:$port" "$PWD/$1"
+  local access=off
+  [ -z "${ACCESS_LOG:-}" ] || access="$PWD/$dir/access.log"
+  NGINX_ACCESS_LOG="$access" write_nginx_conf "$dir" "$MOCK" "127.0.0.1:$port" "$PWD/$1"
   if [ -n "$cpus" ]; then
     taskset -c "$cpus" "$NGINX" -c "$PWD/$dir/nginx.conf" -p "$PWD/$dir" >"$1.out" 2>&1 &
   else
@@ -268,6 +273,9 @@ bench_layout() {
   echo
   echo "== layout: $LAYOUT_NOW   mock upstream $MOCK (delay ${DELAY} ms)   ${DUR}s per run, median of ${REPS:-1}   $(nproc) cores"
   echo "   p50/p99 in µs; rps = requests/s; cpu = proxy CPU µs per request; load average $(cut -d' ' -f1-3 /proc/loadavg)"
+  local nginx_log=off
+  [ -z "${ACCESS_LOG:-}" ] || nginx_log="on (access_log, unbuffered)"
+  echo "   request logs: compactor on (its default), nginx $nginx_log"
   echo "   dir = direct to the mock, hop = bare hyper hop (naive_proxy), raw = hop without HTTP library (raw_hop), ngx = nginx, cmp = compactor"
   printf "%-9s %-3s | %6s %6s %6s | %6s %6s %6s %6s | %6s %6s %6s %6s | %6s %6s %6s %6s | %6s %6s %6s %6s\n" \
     mode conc "dirp50" "dirp99" "dirrps" "hopp50" "hopp99" "hoprps" "hopcpu" \

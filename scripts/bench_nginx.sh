@@ -1,7 +1,9 @@
 # nginx as the benchmarks run it beside compactor, sourced by
 # scripts/bench_load.sh and scripts/bench_instructions.sh so both measure
 # the same proxy: one worker, no response or request buffering, a
-# keep-alive upstream pool, no access log.
+# keep-alive upstream pool, no access log (NGINX_ACCESS_LOG=FILE: one line a
+# request in FILE, nginx's default format and unbuffered writes, as its own
+# default configuration logs; compactor logs a line a request by default).
 
 # Installed from the distribution's packages when missing (the tests do not
 # need it); NGINX is its path.
@@ -30,7 +32,7 @@ pid $PWD/$dir/nginx.pid;
 error_log $errlog warn;
 events { worker_connections 4096; }
 http {
-  access_log off;
+  access_log ${NGINX_ACCESS_LOG:-off};
   client_body_temp_path $PWD/$dir/body;
   proxy_temp_path $PWD/$dir/proxy;
   fastcgi_temp_path $PWD/$dir/fastcgi;
