@@ -29,7 +29,8 @@
 # CPU per request (utime+stime / requests) is read from /proc/PID/stat (for
 # nginx, its worker's). A summary then sets compactor against nginx (the
 # issue 25 targets), and splits their CPU on small JSON at c=64 into user and
-# system time (with the threads' voluntary context switches): the system
+# system time (with the threads' voluntary context switches) and counts
+# their syscalls per request (perf stat, when perf is installed): the system
 # side is the sockets' syscalls, the user side each proxy's own work. Then
 # time to first SSE byte (examples/ttfb.rs).
 #
@@ -156,6 +157,31 @@ split() {
   n=$(awk '/requests in/{print $1}' "$f")
   awk -v l="$label" -v n="$n" -v u=$((u1 - u0)) -v s=$((s1 - s0)) -v v=$((v1 - v0)) 'BEGIN {
     printf "  %-10s user %5.1f µs   system %5.1f µs   voluntary context switches %.2f\n", l, u / n, s / n, v / n }'
+}
+
+# syscalls TARGET PID LABEL: a proxy's syscalls per request at c=64 on small
+# JSON, counted by perf's raw_syscalls tracepoint (counting, not tracing) in
+# a run of its own so the count's cost stays out of split's times.
+syscalls() {
+  local target="$1" pid="$2" label="$3" n count perf_pid
+  local f="$OUT/wrk_syscalls_${LAYOUT_NOW}_${label}.txt" p="$OUT/perf_syscalls_${LAYOUT_NOW}_${label}.txt"
+  if ! command -v perf >/dev/null; then
+    echo "  $label syscalls: perf not installed (Debian: linux-perf)"
+    return
+  fi
+  perf stat -x, -e raw_syscalls:sys_enter -p "$pid" -o "$p" 2>/dev/null &
+  perf_pid=$!
+  sleep 0.2
+  $LOADGEN wrk -t2 -c64 -d3s -s "$OUT/json.lua" "http://$target/v1/chat/completions" >"$f"
+  kill -INT "$perf_pid" 2>/dev/null || true
+  wait "$perf_pid" 2>/dev/null || true
+  n=$(awk '/requests in/{print $1}' "$f")
+  count=$(awk -F, '/raw_syscalls:sys_enter/ && $1 ~ /^[0-9]+$/ {print $1}' "$p" 2>/dev/null)
+  if [ -z "$count" ]; then
+    echo "  $label syscalls: not counted (perf stat could not read the tracepoint: root or perf_event_paranoid)"
+    return
+  fi
+  awk -v l="$label" -v n="$n" -v c="$count" 'BEGIN { printf "  %-10s syscalls %.2f a request\n", l, c / n }'
 }
 
 # run TARGET PID MODE CONNS → prints "p50_us p99_us rps cpu_us_per_request"
@@ -309,6 +335,8 @@ bench_layout() {
   echo "where the CPU goes, per request (c=64, small JSON, ${DUR}s each, one run):"
   split "$NGINX_ADDR" "$NGINX_PID" nginx
   split "$PROXY" "$PROXY_PID" compactor
+  syscalls "$NGINX_ADDR" "$NGINX_PID" nginx
+  syscalls "$PROXY" "$PROXY_PID" compactor
 
   echo
   echo "the issue 25 table (markdown; latency in ms, added latency over direct in brackets, CPU in µs per request; load average now $(cut -d' ' -f1-3 /proc/loadavg)):"
