@@ -105,9 +105,7 @@ start() {
 start_nginx() {
   local dir="$OUT/nginx" port cpus="$2"
   port=$(free_port)
-  local access=off
-  [ -z "${ACCESS_LOG:-}" ] || access="$PWD/$dir/access.log"
-  NGINX_ACCESS_LOG="$access" write_nginx_conf "$dir" "$MOCK" "127.0.0.1:$port" "$PWD/$1"
+  NGINX_ACCESS_LOG="${ACCESS_LOG:+$PWD/$dir/access.log}" write_nginx_conf "$dir" "$MOCK" "127.0.0.1:$port" "$PWD/$1"
   if [ -n "$cpus" ]; then
     taskset -c "$cpus" "$NGINX" -c "$PWD/$dir/nginx.conf" -p "$PWD/$dir" >"$1.out" 2>&1 &
   else
@@ -144,17 +142,22 @@ cpu_split() {
   awk '/^voluntary_ctxt_switches/ { s += $2 } END { printf " %d\n", s }' /proc/"$1"/task/*/status
 }
 
+# json64 TARGET SECONDS FILE: small JSON at c=64 for SECONDS, wrk's report
+# in FILE; prints the requests it completed.
+json64() {
+  $LOADGEN wrk -t2 -c64 -d"$2s" -s "$OUT/json.lua" "http://$1/v1/chat/completions" >"$3"
+  awk '/requests in/{print $1}' "$3"
+}
+
 # split TARGET PID LABEL: where a proxy's CPU goes at c=64 on small JSON:
 # user and system time and voluntary context switches per request (the
 # system side is the sockets' syscalls, the same for every proxy hop; the
 # user side is the proxy's own work).
 split() {
   local target="$1" pid="$2" label="$3" u0 s0 v0 u1 s1 v1 n
-  local f="$OUT/wrk_split_${LAYOUT_NOW}_${label}.txt"
   read -r u0 s0 v0 < <(cpu_split "$pid")
-  $LOADGEN wrk -t2 -c64 -d"${DUR}s" -s "$OUT/json.lua" "http://$target/v1/chat/completions" >"$f"
+  n=$(json64 "$target" "$DUR" "$OUT/wrk_split_${LAYOUT_NOW}_${label}.txt")
   read -r u1 s1 v1 < <(cpu_split "$pid")
-  n=$(awk '/requests in/{print $1}' "$f")
   awk -v l="$label" -v n="$n" -v u=$((u1 - u0)) -v s=$((s1 - s0)) -v v=$((v1 - v0)) 'BEGIN {
     printf "  %-10s user %5.1f µs   system %5.1f µs   voluntary context switches %.2f\n", l, u / n, s / n, v / n }'
 }
@@ -164,7 +167,7 @@ split() {
 # a run of its own so the count's cost stays out of split's times.
 syscalls() {
   local target="$1" pid="$2" label="$3" n count perf_pid
-  local f="$OUT/wrk_syscalls_${LAYOUT_NOW}_${label}.txt" p="$OUT/perf_syscalls_${LAYOUT_NOW}_${label}.txt"
+  local p="$OUT/perf_syscalls_${LAYOUT_NOW}_${label}.txt"
   if ! command -v perf >/dev/null; then
     echo "  $label syscalls: perf not installed (Debian: linux-perf)"
     return
@@ -172,10 +175,9 @@ syscalls() {
   perf stat -x, -e raw_syscalls:sys_enter -p "$pid" -o "$p" 2>/dev/null &
   perf_pid=$!
   sleep 0.2
-  $LOADGEN wrk -t2 -c64 -d3s -s "$OUT/json.lua" "http://$target/v1/chat/completions" >"$f"
+  n=$(json64 "$target" 3 "$OUT/wrk_syscalls_${LAYOUT_NOW}_${label}.txt")
   kill -INT "$perf_pid" 2>/dev/null || true
   wait "$perf_pid" 2>/dev/null || true
-  n=$(awk '/requests in/{print $1}' "$f")
   count=$(awk -F, '/raw_syscalls:sys_enter/ && $1 ~ /^[0-9]+$/ {print $1}' "$p" 2>/dev/null)
   if [ -z "$count" ]; then
     echo "  $label syscalls: not counted (perf stat could not read the tracepoint: root or perf_event_paranoid)"

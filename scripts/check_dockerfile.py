@@ -30,10 +30,9 @@ def instructions(text):
     out, pending = [], ""
     for line in text.splitlines():
         stripped = line.strip()
-        if not pending and (not stripped or stripped.startswith("#")):
+        # A comment may sit inside a continued instruction too.
+        if stripped.startswith("#") or not (stripped or pending):
             continue
-        if stripped.startswith("#"):
-            continue  # a comment inside a continued instruction
         if stripped.endswith("\\"):
             pending += stripped[:-1] + " "
             continue
@@ -73,11 +72,8 @@ def copy(args, workdir):
             raise SystemExit(f"COPY {source}: no such file in the repository")
         if os.path.isdir(path):
             shutil.copytree(path, target, dirs_exist_ok=True)
-        elif into_dir:
-            os.makedirs(target, exist_ok=True)
-            shutil.copy(path, target)
         else:
-            os.makedirs(os.path.dirname(target) or ".", exist_ok=True)
+            os.makedirs(target if into_dir else os.path.dirname(target), exist_ok=True)
             shutil.copy(path, target)
 
 
