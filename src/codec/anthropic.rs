@@ -17,13 +17,15 @@
 //! there), and `cache_control` markers beyond Anthropic's four are dropped
 //! from converted messages.
 
+use std::borrow::Cow;
+
 use serde::Deserialize;
 use serde_json::value::RawValue;
 use serde_json::{json, Map, Value};
 
 use crate::request::ChatRequest;
 
-use super::{to_raw, Api, DecodeError, Piece, Resume, WireMap};
+use super::{to_raw, Api, DecodeError, Decoded, Piece, Resume, WireMap};
 
 /// Anthropic's limit of `cache_control` breakpoints per request.
 pub(crate) const MAX_CACHE_CONTROL: usize = 4;
@@ -33,7 +35,7 @@ pub(super) fn decode(
     creq: &ChatRequest,
     wire: Vec<Box<RawValue>>,
     map: WireMap,
-) -> Result<(Vec<Box<RawValue>>, WireMap), DecodeError> {
+) -> Result<Decoded, DecodeError> {
     let system = creq.get_raw("system");
     let (resume, mut out, mut map) = Resume::new(Api::Messages, system, &wire, map);
     if !resume.resumed {
@@ -55,12 +57,14 @@ pub(super) fn decode(
     for (i, w) in wire.iter().enumerate().skip(resume.start) {
         let v: Value =
             serde_json::from_str(w.get()).map_err(|_| DecodeError::Unsupported("message"))?;
+        let role = super::role_label(v.get("role").and_then(Value::as_str));
         let engine = decode_message(v, i, &mut map)?;
+        map.wire_roles.push(role);
         map.push(&mut out, i..i + 1, engine);
     }
-    resume.keep((wire.len(), out.len()), &out, &map);
+    let keep = resume.keep((wire.len(), out.len()), &out);
     map.wire = wire;
-    Ok((out, map))
+    Ok((out, map, keep))
 }
 
 fn block_type(b: &Value) -> &str {
@@ -172,7 +176,7 @@ pub(super) fn encode(
     let mut rows: Vec<Row<'_>> = Vec::with_capacity(outgoing.len());
     for piece in map.pieces(outgoing) {
         match piece {
-            Piece::Wire(w) => rows.push(Row::Wire(w)),
+            Piece::Wire(w, k) => rows.push(Row::Wire(w, map.wire_roles.get(k).copied())),
             Piece::Engine(m, client_system) => {
                 let Ok(v) = serde_json::from_str::<Value>(m.get()) else {
                     continue;
@@ -191,7 +195,7 @@ pub(super) fn encode(
     let kept = rows
         .iter()
         .filter_map(|r| match r {
-            Row::Wire(w) => Some(count_cache_control_raw(w)),
+            Row::Wire(w, _) => Some(count_cache_control_raw(w)),
             Row::New(_) => None,
         })
         .sum::<usize>()
@@ -209,7 +213,7 @@ pub(super) fn encode(
     let wire = rows
         .into_iter()
         .filter_map(|r| match r {
-            Row::Wire(w) => Some(w.to_owned()),
+            Row::Wire(w, _) => Some(w.to_owned()),
             Row::New(v) => to_raw(&v),
         })
         .collect();
@@ -218,31 +222,35 @@ pub(super) fn encode(
 
 /// One message of the encoded list.
 enum Row<'a> {
-    Wire(&'a RawValue),
+    /// A client message, and its role when the decode recorded it.
+    Wire(&'a RawValue, Option<&'static str>),
     New(Value),
 }
 
 #[derive(Deserialize)]
 struct RoleOnly<'a> {
     #[serde(borrow)]
-    role: Option<std::borrow::Cow<'a, str>>,
+    role: Option<Cow<'a, str>>,
 }
 
 impl Row<'_> {
-    fn role(&self) -> String {
+    fn role(&self) -> Cow<'static, str> {
         match self {
-            Row::Wire(w) => serde_json::from_str::<RoleOnly<'_>>(w.get())
-                .ok()
-                .and_then(|r| r.role)
-                .map(|r| r.into_owned())
-                .unwrap_or_default(),
-            Row::New(v) => super::role(v).to_owned(),
+            Row::Wire(_, Some(role)) => Cow::Borrowed(role),
+            Row::Wire(w, None) => Cow::Owned(
+                serde_json::from_str::<RoleOnly<'_>>(w.get())
+                    .ok()
+                    .and_then(|r| r.role)
+                    .map(Cow::into_owned)
+                    .unwrap_or_default(),
+            ),
+            Row::New(v) => Cow::Owned(super::role(v).to_owned()),
         }
     }
 
     fn into_value(self) -> Value {
         match self {
-            Row::Wire(w) => serde_json::from_str(w.get()).unwrap_or(Value::Null),
+            Row::Wire(w, _) => serde_json::from_str(w.get()).unwrap_or(Value::Null),
             Row::New(v) => v,
         }
     }
@@ -252,11 +260,11 @@ impl Row<'_> {
 /// first in a user message (Anthropic wants them right after the call).
 fn merge_same_role(rows: Vec<Row<'_>>) -> Vec<Row<'_>> {
     let mut out: Vec<Row<'_>> = Vec::with_capacity(rows.len());
-    let mut last_role = String::new();
+    let mut last_role = Cow::Borrowed("");
     for row in rows {
         let role = row.role();
         // Instructions stand where the client put them, each as it was.
-        let instructions = matches!(role.as_str(), "system" | "developer");
+        let instructions = matches!(role.as_ref(), "system" | "developer");
         if role != last_role || out.is_empty() || instructions {
             last_role = role;
             out.push(row);

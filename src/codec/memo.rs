@@ -9,7 +9,7 @@
 //! wire messages it consumed (and the API and system member before them),
 //! and the next request whose wire messages start with the same bytes
 //! takes it over and decodes only what follows; the longer decode is then
-//! kept in its place (one copy a request).
+//! kept in its place, moved there when its request is dropped (no copy).
 //!
 //! Content-addressed, an entry is never stale; bounded by the bytes it
 //! holds ([`MEMO_BYTES`]), the least recently used going first. Only
@@ -119,24 +119,17 @@ impl Memo {
         Some(prefix)
     }
 
-    /// Keeps a copy of the decode of the first `wire_len` wire messages
-    /// (`out`, and the map `map` makes) under `key`, the most recently
-    /// used.
-    pub(super) fn store(
-        &self,
-        key: u128,
-        wire_len: usize,
-        out: &[Box<RawValue>],
-        map: impl FnOnce() -> WireMap,
-    ) {
+    /// Keeps the decode of the first `wire_len` wire messages (`out`, and
+    /// its `map`) under `key`, the most recently used.
+    pub(super) fn store(&self, key: u128, wire_len: usize, out: Vec<Box<RawValue>>, map: WireMap) {
         let bytes = out.iter().map(|m| m.get().len() + 64).sum::<usize>() + 256;
         if bytes > self.budget / 4 {
             return;
         }
         let prefix = Prefix {
             wire_len,
-            out: out.to_vec(),
-            map: map(),
+            out,
+            map,
             bytes,
         };
         let mut entries = self.lock();

@@ -21,7 +21,7 @@ use serde_json::{json, Value};
 
 use crate::request::ChatRequest;
 
-use super::{to_raw, Api, DecodeError, Piece, Resume, WireMap};
+use super::{to_raw, Api, DecodeError, Decoded, Keep, Piece, Resume, WireMap};
 
 fn item_type(v: &Value) -> &str {
     match v.get("type").and_then(Value::as_str) {
@@ -50,7 +50,7 @@ pub(super) fn decode(
     creq: &ChatRequest,
     wire: Vec<Box<RawValue>>,
     map: WireMap,
-) -> Result<(Vec<Box<RawValue>>, WireMap), DecodeError> {
+) -> Result<Decoded, DecodeError> {
     if is_set(creq.get_raw("previous_response_id")) || is_set(creq.get_raw("conversation")) {
         return Err(DecodeError::ServerState);
     }
@@ -72,14 +72,14 @@ pub(super) fn decode(
     let walked = walk(creq, &mut items, &mut out, kept, !resume.resumed);
     match walked {
         Ok((map, cut)) => {
-            resume.keep(cut, &out, &map);
-            Ok(finish(out, map, wire))
+            let keep = resume.keep(cut, &out);
+            Ok(finish(out, map, wire, keep))
         }
         Err(_) => {
             let mut items = Items::strict(&wire)?;
             let mut out = Vec::with_capacity(wire.len() + 1);
             let (map, _) = walk(creq, &mut items, &mut out, map, true)?;
-            Ok(finish(out, map, wire))
+            Ok(finish(out, map, wire, None))
         }
     }
 }
@@ -88,9 +88,10 @@ fn finish(
     out: Vec<Box<RawValue>>,
     mut map: WireMap,
     wire: Vec<Box<RawValue>>,
-) -> (Vec<Box<RawValue>>, WireMap) {
+    keep: Option<Keep>,
+) -> Decoded {
     map.wire = wire;
-    (out, map)
+    (out, map, keep)
 }
 
 /// The wire items as `Value`s, items `base..base + window.len()` at hand.
@@ -325,7 +326,7 @@ pub(super) fn encode(
     let mut items = Vec::with_capacity(outgoing.len());
     for piece in map.pieces(outgoing) {
         match piece {
-            Piece::Wire(w) => items.push(w.to_owned()),
+            Piece::Wire(w, _) => items.push(w.to_owned()),
             // `instructions` carries it, untouched.
             Piece::Engine(_, true) => {}
             Piece::Engine(m, false) => {

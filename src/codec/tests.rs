@@ -3,6 +3,7 @@
 use serde_json::json;
 
 use super::*;
+use crate::request::raw_hash;
 
 fn raw(v: &Value) -> Box<RawValue> {
     to_raw(v).unwrap()
@@ -286,8 +287,9 @@ fn decoded_state(r: &ApiRequest) -> String {
     let wire_counts: Vec<usize> = (0..=r.messages().len()).map(|k| r.wire_count(k)).collect();
     let engine: Vec<&str> = r.messages().iter().map(|m| m.get()).collect();
     format!(
-        "{engine:?}\n{:?}\n{:?}\n{:?}\n{:?}\n{:?}\n{:?}\n{calls:?}\n{results:?}\n{wire_counts:?}",
+        "{engine:?}\n{:?}\n{:?}\n{:?}\n{:?}\n{:?}\n{:?}\n{:?}\n{calls:?}\n{results:?}\n{wire_counts:?}",
         r.raw_hashes(),
+        r.map.wire_roles,
         r.rough(),
         r.map.groups,
         r.map.engine_hashes,
@@ -351,9 +353,24 @@ fn a_decode_resumed_from_a_kept_prefix_equals_a_full_decode() {
                 decoded_state(&full),
                 "{api:?}, {k} items"
             );
+            // The raw hashes read off the decode's own are the messages',
+            // and the roles it recorded (Messages) the wire messages'.
+            for r in [&full, &memo] {
+                let made: Vec<u64> = r.messages().iter().map(|m| raw_hash(m)).collect();
+                assert_eq!(r.raw_hashes(), made.as_slice(), "{api:?}, {k} items");
+                if api == Api::Messages {
+                    let roles: Vec<&str> = list[..k]
+                        .iter()
+                        .map(|m| {
+                            role_label(serde_json::from_str::<Value>(m).unwrap()["role"].as_str())
+                        })
+                        .collect();
+                    assert_eq!(r.map.wire_roles, roles, "{k} messages");
+                }
+            }
             // What an unchanged conversation sends is the client's body.
             let mut memo = memo;
-            let rows = memo.take_messages();
+            let rows = memo.messages().to_vec();
             memo.with_messages(rows);
             assert_eq!(memo.to_bytes(), body.as_bytes(), "{api:?}, {k} items");
             if let Some(at) = at {
@@ -392,11 +409,40 @@ fn messages_resume_where_the_previous_request_ended() {
 }
 
 #[test]
+fn a_decode_is_kept_once_its_request_is_dropped_with_its_messages() {
+    let turn = |n: usize| {
+        let list: Vec<String> = (0..n)
+            .map(|i| {
+                let role = if i % 2 == 0 { "user" } else { "assistant" };
+                format!(r#"{{"role":"{role}","content":"memo-drop {i}"}}"#)
+            })
+            .collect();
+        format!(
+            r#"{{"model":"m","max_tokens":9,"messages":[{}]}}"#,
+            list.join(",")
+        )
+    };
+    let (first, at) = decode_for_test(Api::Messages, &turn(3), false);
+    assert_eq!(at, None);
+    // The first request is not done: its decode is not kept yet.
+    let (mut second, at) = decode_for_test(Api::Messages, &turn(4), false);
+    assert_eq!(at, None);
+    // Dropped without its messages (taken, not put back): not kept.
+    drop(second.take_messages());
+    drop(second);
+    assert_eq!(decode_for_test(Api::Messages, &turn(4), false).1, None);
+    // That one was dropped whole (kept at 4), and now the first (at 3):
+    // the longest is resumed.
+    drop(first);
+    assert_eq!(decode_for_test(Api::Messages, &turn(5), false).1, Some(4));
+}
+
+#[test]
 fn the_memo_stays_within_its_budget_and_forgets_the_least_recent_first() {
     let memo = memo::Memo::new(64 * 1024);
     let out = |bytes: usize| vec![raw(&json!("x".repeat(bytes)))];
     for key in 0..40u128 {
-        memo.store(key, 1, &out(4000), WireMap::default);
+        memo.store(key, 1, out(4000), WireMap::default());
         assert!(memo.held_bytes() <= 64 * 1024, "{}", memo.held_bytes());
     }
     let chain = |key: u128| [0, key];
@@ -409,17 +455,17 @@ fn the_memo_stays_within_its_budget_and_forgets_the_least_recent_first() {
         memo.take(&chain(25)).is_none(),
         "taken over, until kept again"
     );
-    memo.store(25, 1, &out(4000), WireMap::default);
-    memo.store(40, 1, &out(4000), WireMap::default);
+    memo.store(25, 1, out(4000), WireMap::default());
+    memo.store(40, 1, out(4000), WireMap::default());
     assert!(memo.take(&chain(26)).is_none());
     assert!(memo.take(&chain(25)).is_some());
     assert!(memo.take(&chain(40)).is_some(), "the newest is kept");
     // An entry over a quarter of the budget is not kept at all.
-    memo.store(500, 1, &out(20_000), WireMap::default);
+    memo.store(500, 1, out(20_000), WireMap::default());
     assert!(memo.take(&chain(500)).is_none());
     // The longest kept prefix of the input is the one taken.
-    memo.store(600, 1, &out(10), WireMap::default);
-    memo.store(601, 2, &out(10), WireMap::default);
+    memo.store(600, 1, out(10), WireMap::default());
+    memo.store(601, 2, out(10), WireMap::default());
     assert_eq!(memo.take(&[0, 600, 601]).map(|p| p.wire_len), Some(2));
     assert_eq!(memo.take(&[0, 600, 601]).map(|p| p.wire_len), Some(1));
 }
