@@ -29,10 +29,11 @@
 # CPU per request (utime+stime / requests) is read from /proc/PID/stat (for
 # nginx, its worker's). A summary then sets compactor against nginx (the
 # issue 25 targets), and splits their CPU on small JSON at c=64 into user and
-# system time (with the threads' voluntary context switches) and counts
-# their syscalls per request (perf stat, when perf is installed): the system
-# side is the sockets' syscalls, the user side each proxy's own work. Then
-# time to first SSE byte (examples/ttfb.rs).
+# system time, with the threads' voluntary context switches (compactor's
+# also on a passthrough route, /v1/embeddings: its hop without the chat
+# work), and counts their syscalls per request (perf stat, when perf is
+# installed): the system side is the sockets' syscalls, the user side each
+# proxy's own work. Then time to first SSE byte (examples/ttfb.rs).
 #
 # Layouts:
 #   shared  everything shares both cores (what a laptop does; a proxy hop
@@ -142,24 +143,27 @@ cpu_split() {
   awk '/^voluntary_ctxt_switches/ { s += $2 } END { printf " %d\n", s }' /proc/"$1"/task/*/status
 }
 
-# json64 TARGET SECONDS FILE: small JSON at c=64 for SECONDS, wrk's report
-# in FILE; prints the requests it completed.
+# json64 TARGET SECONDS FILE [PATH]: small JSON at c=64 for SECONDS (to PATH,
+# default the chat route), wrk's report in FILE; prints the requests it
+# completed.
 json64() {
-  $LOADGEN wrk -t2 -c64 -d"$2s" -s "$OUT/json.lua" "http://$1/v1/chat/completions" >"$3"
+  $LOADGEN wrk -t2 -c64 -d"$2s" -s "$OUT/json.lua" "http://$1${4:-/v1/chat/completions}" >"$3"
   awk '/requests in/{print $1}' "$3"
 }
 
-# split TARGET PID LABEL: where a proxy's CPU goes at c=64 on small JSON:
-# user and system time and voluntary context switches per request (the
+# split TARGET PID LABEL [PATH]: where a proxy's CPU goes at c=64 on small
+# JSON: user and system time and voluntary context switches per request (the
 # system side is the sockets' syscalls, the same for every proxy hop; the
-# user side is the proxy's own work).
+# user side is the proxy's own work). PATH (default the chat route) lets
+# compactor forward the same body on a passthrough route: its hop without
+# the chat work.
 split() {
-  local target="$1" pid="$2" label="$3" u0 s0 v0 u1 s1 v1 n
+  local target="$1" pid="$2" label="$3" path="${4:-}" u0 s0 v0 u1 s1 v1 n
   read -r u0 s0 v0 < <(cpu_split "$pid")
-  n=$(json64 "$target" "$DUR" "$OUT/wrk_split_${LAYOUT_NOW}_${label}.txt")
+  n=$(json64 "$target" "$DUR" "$OUT/wrk_split_${LAYOUT_NOW}_${label// /_}.txt" "$path")
   read -r u1 s1 v1 < <(cpu_split "$pid")
   awk -v l="$label" -v n="$n" -v u=$((u1 - u0)) -v s=$((s1 - s0)) -v v=$((v1 - v0)) 'BEGIN {
-    printf "  %-10s user %5.1f µs   system %5.1f µs   voluntary context switches %.2f\n", l, u / n, s / n, v / n }'
+    printf "  %-16s user %5.1f µs   system %5.1f µs   total %5.1f µs   voluntary context switches %.2f\n", l, u / n, s / n, (u + s) / n, v / n }'
 }
 
 # syscalls TARGET PID LABEL: a proxy's syscalls per request at c=64 on small
@@ -183,7 +187,7 @@ syscalls() {
     echo "  $label syscalls: not counted (perf stat could not read the tracepoint: root or perf_event_paranoid)"
     return
   fi
-  awk -v l="$label" -v n="$n" -v c="$count" 'BEGIN { printf "  %-10s syscalls %.2f a request\n", l, c / n }'
+  awk -v l="$label" -v n="$n" -v c="$count" 'BEGIN { printf "  %-16s syscalls %.2f a request\n", l, c / n }'
 }
 
 # run TARGET PID MODE CONNS → prints "p50_us p99_us rps cpu_us_per_request"
@@ -337,6 +341,7 @@ bench_layout() {
   echo "where the CPU goes, per request (c=64, small JSON, ${DUR}s each, one run):"
   split "$NGINX_ADDR" "$NGINX_PID" nginx
   split "$PROXY" "$PROXY_PID" compactor
+  split "$PROXY" "$PROXY_PID" "compactor pass" /v1/embeddings
   syscalls "$NGINX_ADDR" "$NGINX_PID" nginx
   syscalls "$PROXY" "$PROXY_PID" compactor
 
