@@ -385,20 +385,24 @@ fn a_decode_resumed_from_a_kept_prefix_equals_a_full_decode() {
     }
 }
 
+/// A Messages body of `n` alternating messages, each text led by `marker`
+/// (a test's own: the memo is shared by the tests running at once).
+fn messages_turn(marker: &str, n: usize) -> String {
+    let list: Vec<String> = (0..n)
+        .map(|i| {
+            let role = if i % 2 == 0 { "user" } else { "assistant" };
+            format!(r#"{{"role":"{role}","content":"{marker} {i}"}}"#)
+        })
+        .collect();
+    format!(
+        r#"{{"model":"m","max_tokens":9,"messages":[{}]}}"#,
+        list.join(",")
+    )
+}
+
 #[test]
 fn messages_resume_where_the_previous_request_ended() {
-    let turn = |n: usize| {
-        let list: Vec<String> = (0..n)
-            .map(|i| {
-                let role = if i % 2 == 0 { "user" } else { "assistant" };
-                format!(r#"{{"role":"{role}","content":"memo-resume {i}"}}"#)
-            })
-            .collect();
-        format!(
-            r#"{{"model":"m","max_tokens":9,"messages":[{}]}}"#,
-            list.join(",")
-        )
-    };
+    let turn = |n: usize| messages_turn("memo-resume", n);
     assert_eq!(decode_for_test(Api::Messages, &turn(3), false).1, None);
     assert_eq!(decode_for_test(Api::Messages, &turn(5), false).1, Some(3));
     assert_eq!(decode_for_test(Api::Messages, &turn(5), false).1, Some(5));
@@ -410,18 +414,7 @@ fn messages_resume_where_the_previous_request_ended() {
 
 #[test]
 fn a_decode_is_kept_once_its_request_is_dropped_with_its_messages() {
-    let turn = |n: usize| {
-        let list: Vec<String> = (0..n)
-            .map(|i| {
-                let role = if i % 2 == 0 { "user" } else { "assistant" };
-                format!(r#"{{"role":"{role}","content":"memo-drop {i}"}}"#)
-            })
-            .collect();
-        format!(
-            r#"{{"model":"m","max_tokens":9,"messages":[{}]}}"#,
-            list.join(",")
-        )
-    };
+    let turn = |n: usize| messages_turn("memo-drop", n);
     let (first, at) = decode_for_test(Api::Messages, &turn(3), false);
     assert_eq!(at, None);
     // The first request is not done: its decode is not kept yet.
