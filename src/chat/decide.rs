@@ -6,13 +6,14 @@ use crate::compaction::trigger::Trigger;
 use crate::session::calibration::{Basis, Estimate};
 
 /// "Fits the window" needs the estimate plus 1/10 of it (see [`decide`]),
-/// unless the upstream counted all but the newest messages (see
+/// unless the upstream counted most of the request (see
 /// [`estimate_margin`]).
 pub(super) const ESTIMATE_MARGIN_DIVISOR: u64 = 10;
 
 /// How far the estimate of a request may be short of the real count. An
-/// estimate that extends a request the upstream counted is that real count
-/// plus the calibrated estimate of what was added: only the added part is
+/// estimate that shares a prefix with a request the upstream counted is
+/// that real count plus the calibrated estimate of what changed since (the
+/// messages added, the counted ones no longer sent): only that part is
 /// uncertain, so a third of it is margin (the added part is priced by the
 /// conversation's own marginal ratio; a misjudged one costs an overflow
 /// retry, not a lost request), and at least 1% of the whole, at most the
@@ -21,16 +22,14 @@ pub(super) const ESTIMATE_MARGIN_DIVISOR: u64 = 10;
 /// again because the last one "did not fit". Near the window's edge the
 /// upstream's tokenizer, when it has one, settles it instead
 /// (`prepare::size_up`).
-pub(super) fn estimate_margin(est: &Estimate, last_real: Option<u64>) -> u64 {
-    margin(est.tokens, est.basis, last_real)
+pub(super) fn estimate_margin(est: &Estimate) -> u64 {
+    margin(est.tokens, est.basis)
 }
 
-fn margin(tokens: u64, basis: Basis, last_real: Option<u64>) -> u64 {
+fn margin(tokens: u64, basis: Basis) -> u64 {
     let whole = tokens / ESTIMATE_MARGIN_DIVISOR;
-    match (basis, last_real) {
-        (Basis::Incremental { .. }, Some(real)) if real <= tokens => {
-            ((tokens - real) / 3).max(tokens / 100).min(whole)
-        }
+    match basis {
+        Basis::Incremental { uncounted, .. } => (uncounted / 3).max(tokens / 100).min(whole),
         _ => whole,
     }
 }
@@ -47,15 +46,15 @@ pub(super) const DENSE_ADDITION_FACTOR: u64 = 5;
 /// Whether the upstream's tokenizer, when it has one, settles a request
 /// before it is sent: when it is under the window by the estimate (over it,
 /// it is compacted anyway) but could be over it by its error: within a
-/// tenth of the estimate, or within [`DENSE_ADDITION_FACTOR`] times what was
-/// added since the upstream's last count.
-pub(super) fn count_due(est: &Estimate, last_real: Option<u64>, window: u64, reply: u64) -> bool {
+/// tenth of the estimate, or within [`DENSE_ADDITION_FACTOR`] times what
+/// changed since the upstream's last count.
+pub(super) fn count_due(est: &Estimate, window: u64, reply: u64) -> bool {
     let tokens = est.tokens;
     if tokens + reply >= window {
         return false;
     }
-    let added = match (est.basis, last_real) {
-        (Basis::Incremental { .. }, Some(real)) if real <= tokens => tokens - real,
+    let added = match est.basis {
+        Basis::Incremental { uncounted, .. } => uncounted,
         _ => 0,
     };
     let error =
@@ -168,30 +167,32 @@ mod tests {
         }
     }
 
+    fn inc(uncounted: u64) -> Basis {
+        Basis::Incremental {
+            reused: 10,
+            uncounted,
+        }
+    }
+
     #[test]
-    fn a_large_addition_near_the_window_is_counted_and_a_small_one_is_not() {
-        let inc = Basis::Incremental { reused: 10 };
+    fn a_large_change_near_the_window_is_counted_and_a_small_one_is_not() {
         // hermes-agent at 8,192: 5,900 counted, ~600 estimated added (2,300
         // real): far under the tenth's band, but five times the addition
         // reaches the window.
-        assert!(count_due(&estimate(6_500, inc), Some(5_900), 8_192, 0));
+        assert!(count_due(&estimate(6_500, inc(600)), 8_192, 0));
         // The same request with a one-line addition stays uncounted.
-        assert!(!count_due(&estimate(6_000, inc), Some(5_900), 8_192, 0));
+        assert!(!count_due(&estimate(6_000, inc(100)), 8_192, 0));
         // Within a tenth of the estimate is counted whatever was added, and
         // the reply cap counts as part of the request.
-        assert!(count_due(&estimate(7_500, Basis::Ratio), None, 8_192, 0));
-        assert!(!count_due(&estimate(6_500, Basis::Ratio), None, 8_192, 0));
-        assert!(count_due(
-            &estimate(6_500, Basis::Ratio),
-            None,
-            8_192,
-            1_100
-        ));
+        assert!(count_due(&estimate(7_500, Basis::Ratio), 8_192, 0));
+        assert!(!count_due(&estimate(6_500, Basis::Ratio), 8_192, 0));
+        assert!(count_due(&estimate(6_500, Basis::Ratio), 8_192, 1_100));
         // Over the window by the estimate: compacted without a count.
-        assert!(!count_due(&estimate(8_192, inc), Some(5_900), 8_192, 0));
-        // A shrinking request (the upstream counted more than is estimated
-        // now) is judged by the tenth alone.
-        assert!(!count_due(&estimate(6_000, inc), Some(6_400), 8_192, 0));
+        assert!(!count_due(&estimate(8_192, inc(600)), 8_192, 0));
+        // A rewritten message counts what it removed as well as what it
+        // added: 6,000 after dropping 500 and adding 100 is uncertain by 600.
+        assert!(count_due(&estimate(6_000, inc(600)), 8_192, 0));
+        assert!(!count_due(&estimate(6_000, inc(50)), 8_192, 0));
     }
 
     #[test]
@@ -226,16 +227,21 @@ mod tests {
 
     #[test]
     fn only_what_the_upstream_did_not_count_is_uncertain() {
-        let inc = Basis::Incremental { reused: 10 };
         // 7,400 counted, 550 added: a third of the addition.
-        assert_eq!(margin(7_950, inc, Some(7_400)), 183);
+        assert_eq!(margin(7_950, inc(550)), 183);
         // Never under 1% of the whole, never over the tenth.
-        assert_eq!(margin(8_000, inc, Some(7_990)), 80);
-        assert_eq!(margin(8_000, inc, Some(100)), 800);
-        // Not extending a counted request: the tenth.
-        assert_eq!(margin(7_950, Basis::Ratio, Some(7_400)), 795);
-        assert_eq!(margin(7_950, Basis::Uncalibrated, None), 795);
-        assert_eq!(margin(7_950, inc, None), 795);
+        assert_eq!(margin(8_000, inc(10)), 80);
+        assert_eq!(margin(8_000, inc(7_900)), 800);
+        // qwen-code's rewritten reminder at 9,300 (rewritten-history case):
+        // 8,511 estimated; its last user message rewritten (~816 tokens
+        // dropped, ~787 back) and a turn added (~680): 1,466 changed. The
+        // tenth (851) made it "not fit" and compact under its trigger; what
+        // changed does not.
+        assert!(8_511 + margin(8_511, inc(1_466)) < 9_300);
+        assert!(8_511 + margin(8_511, Basis::Ratio) >= 9_300);
+        // Sharing nothing with a counted request: the tenth.
+        assert_eq!(margin(7_950, Basis::Ratio), 795);
+        assert_eq!(margin(7_950, Basis::Uncalibrated), 795);
     }
 
     #[test]

@@ -280,9 +280,8 @@ async fn size_up(
             est = counted;
         }
     }
-    let last_real = conv.calibration.last_real_prompt();
-    let mut margin = super::decide::estimate_margin(&est, last_real);
-    if super::decide::count_due(&est, last_real, window, max_out.unwrap_or(0)) {
+    let mut margin = super::decide::estimate_margin(&est);
+    if super::decide::count_due(&est, window, max_out.unwrap_or(0)) {
         let counting = (overhead, est.clone());
         if let Some(counted) =
             Box::pin(count_now(chat, upstream, client, conv, creq, out, counting)).await

@@ -4,9 +4,12 @@
 //! Per session we keep what was last sent (per-message rough estimates and
 //! the hash chain) and the real `prompt_tokens` the upstream reported for it.
 //! The next estimate is then:
-//! - when the new request extends that one (its chain starts with the sent
-//!   chain): last real count + ratio × rough estimate of only the new
-//!   messages (and of any change in the non-message overhead);
+//! - when the new request shares a prefix with that one (its chain starts
+//!   with some of the sent chain): last real count + ratio × (rough estimate
+//!   of the messages after the shared prefix − that of the counted ones it
+//!   no longer carries, and any change in the non-message overhead). An
+//!   agent that rewrites its previous user message every turn (qwen-code and
+//!   aider move a date or a reminder) then costs only what it changed;
 //! - otherwise: ratio × rough estimate of the whole request;
 //!
 //! where ratio = real / rough of the last observation, clamped to
@@ -59,11 +62,16 @@ pub enum Basis {
     Uncalibrated,
     /// ratio × rough estimate of the whole request.
     Ratio,
-    /// Last real count plus the calibrated estimate of what is new;
+    /// Last real count plus the calibrated estimate of what changed since:
     /// `reused` leading messages were already counted by the upstream.
     Incremental {
         /// Messages covered by the last real count.
         reused: usize,
+        /// The calibrated size (real tokens) of what the last count does not
+        /// cover: the messages added after the shared prefix, the counted
+        /// ones no longer sent, and any change in the overhead. Only this
+        /// part of the estimate is uncertain.
+        uncounted: u64,
     },
 }
 
@@ -144,6 +152,41 @@ pub(crate) fn calibrated(
         }
         None => (ratio * rough_total as f64).round() as u64,
     }
+}
+
+/// What changed between a counted request and a new one, in rough tokens.
+struct Change {
+    /// Leading messages the two share.
+    reused: usize,
+    /// Rough tokens added minus those dropped (overhead included).
+    net: i64,
+    /// The larger of the rough tokens added and those dropped (plus any
+    /// overhead change): the part the count does not vouch for. Not their
+    /// sum: a rewritten message is mostly its old text again, priced by the
+    /// same ratio, so the errors of pricing what left and what came back
+    /// cancel rather than add.
+    moved: u64,
+}
+
+/// The change from `obs` to `sent` when they share at least their first
+/// message: the counted prefix is kept and only the rest is priced again,
+/// so a rewritten message costs what it changed, not the whole request.
+fn changed_since(obs: &Observation, sent: &SentRequest) -> Option<Change> {
+    let before = &obs.sent;
+    let k = common_prefix_len(&before.hashes, &sent.hashes)
+        .min(before.rough.len())
+        .min(sent.rough.len());
+    if k == 0 {
+        return None;
+    }
+    let dropped: u64 = before.rough[k..].iter().sum();
+    let added: u64 = sent.rough[k..].iter().sum();
+    let overhead = sent.overhead as i64 - before.overhead as i64;
+    Some(Change {
+        reused: k,
+        net: added as i64 - dropped as i64 + overhead,
+        moved: added.max(dropped) + overhead.unsigned_abs(),
+    })
 }
 
 impl Calibration {
@@ -262,19 +305,16 @@ impl Calibration {
         };
         let rough_total = sent.rough_total();
         let ratio = self.ratio.unwrap_or(1.0);
-        let (tokens, basis) = match &self.last {
-            Some(obs)
-                if !obs.sent.hashes.is_empty()
-                    && common_prefix_len(&obs.sent.hashes, &sent.hashes)
-                        == obs.sent.hashes.len() =>
-            {
-                let k = obs.sent.hashes.len();
-                let suffix: u64 = sent.rough[k..].iter().sum();
-                let new_rough = suffix as i64 + (overhead as i64 - obs.sent.overhead as i64);
-                let ratio = self.marginal.unwrap_or(ratio);
+        let (tokens, basis) = match self.last.as_ref().map(|obs| (obs, changed_since(obs, &sent))) {
+            Some((obs, Some(change))) => {
+                let ratio = self.marginal.unwrap_or(ratio).clamp(MIN_RATIO, MAX_RATIO);
+                let uncounted = (ratio * change.moved as f64).round() as u64;
                 (
-                    calibrated(Some(obs.real_prompt), ratio, rough_total, new_rough),
-                    Basis::Incremental { reused: k },
+                    calibrated(Some(obs.real_prompt), ratio, rough_total, change.net),
+                    Basis::Incremental {
+                        reused: change.reused,
+                        uncounted,
+                    },
                 )
             }
             _ if self.ratio.is_some() => (calibrated(None, ratio, rough_total, 0), Basis::Ratio),
@@ -421,15 +461,53 @@ mod tests {
         // Next turn extends: 30 real + 1.5 × 10 new.
         let t2 = msgs(&["aaaaaaaaaa", "bbbbbbbbbb", "cccc", "dddddd"]);
         let e2 = c.estimate(&t2, message_hashes(&t2), 0, len_est);
-        assert_eq!(e2.basis, Basis::Incremental { reused: 2 });
+        assert_eq!(
+            e2.basis,
+            Basis::Incremental {
+                reused: 2,
+                uncounted: 15
+            }
+        );
         assert_eq!(e2.tokens, 45);
         assert_eq!(e2.rough_total, 30);
 
-        // A request that does not extend (edited history): ratio × rough.
-        let t3 = msgs(&["aaaaaaaaaa", "XXXXXXXXXX", "cccc"]);
+        // A request that shares nothing with the counted one (another
+        // opening): ratio × rough.
+        let t3 = msgs(&["XXXXXXXXXX", "bbbbbbbbbb", "cccc"]);
         let e3 = c.estimate(&t3, message_hashes(&t3), 0, len_est);
         assert_eq!(e3.basis, Basis::Ratio);
         assert_eq!(e3.tokens, 36); // 1.5 × 24
+    }
+
+    /// qwen-code and aider rewrite their previous user message every turn
+    /// (a date or a reminder moved): the counted prefix before it still
+    /// holds, and only the rewritten message and what follows are priced
+    /// again, so the uncertain part is what changed, not the request.
+    #[test]
+    fn a_rewritten_message_costs_what_it_changed() {
+        let mut c = Calibration::new();
+        let system = "s".repeat(4_000);
+        let t1 = msgs(&[&system, "first ask", &"log ".repeat(200)]);
+        let e1 = c.estimate(&t1, message_hashes(&t1), 0, len_est);
+        c.observe(e1.sent.clone(), e1.tokens * 2);
+        // The next turn drops a reminder from the last user message (100
+        // rough fewer) and adds an answer and a new ask.
+        let rewritten = "log ".repeat(175);
+        let t2 = msgs(&[&system, "first ask", &rewritten, "answer", "second ask"]);
+        let e2 = c.estimate(&t2, message_hashes(&t2), 0, len_est);
+        let dropped = 800;
+        let added = 700 + 6 + 10;
+        assert_eq!(
+            e2.basis,
+            Basis::Incremental {
+                reused: 2,
+                uncounted: 2 * dropped
+            }
+        );
+        assert_eq!(e2.tokens, e1.tokens * 2 + 2 * added - 2 * dropped);
+        // The whole-request ratio gives the same figure here; what differs
+        // is that only 1,600 of its 9,450 tokens are uncertain.
+        assert_eq!(e2.tokens, 9_450);
     }
 
     #[test]
