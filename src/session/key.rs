@@ -1,12 +1,18 @@
 //! Session keys: which conversation a request belongs to.
 //!
-//! Key = hash(credential fingerprint ‖ session id). The credential is only
-//! ever hashed (with a per-process secret, so a key seen in a response
-//! header cannot be used to test guesses of an API key) and never stored.
-//! The session id comes from the first configured header present, then the
-//! body (`session_id`, `prompt_cache_key`), then a fingerprint of the
-//! conversation's opening (model + first system/developer message + first
-//! other message), which later turns repeat verbatim.
+//! Key = hash(credential fingerprint ‖ session id ‖ instructions). The
+//! credential is only ever hashed (with a per-process secret, so a key seen
+//! in a response header cannot be used to test guesses of an API key) and
+//! never stored. The session id comes from the first configured header
+//! present, then the body (`session_id`, `prompt_cache_key`), then a
+//! fingerprint of the conversation's opening (model + first system/developer
+//! message + first other message), which later turns repeat verbatim.
+//!
+//! An explicit id is joined by the first system/developer message: an
+//! agent's sub-agent or memory pass (qwen-code's sends the agent's own
+//! `prompt_cache_key` with another system prompt and other tools) is another
+//! conversation, with its own fixed part, trigger and calibration, not one
+//! whose trigger flips between the two fixed parts every request.
 
 use std::borrow::Cow;
 use std::fmt;
@@ -415,6 +421,10 @@ impl SessionKeyer {
         (messages, raw): (&[Box<RawValue>], Option<&[u64]>),
     ) -> (SessionKey, SessionSource) {
         let held = present(headers, self.rules.iter().map(|r| &r.name));
+        let instructions = || {
+            let (system, _) = self.openings.opening(messages, raw);
+            system.unwrap_or(0).to_le_bytes()
+        };
         for (i, rule) in self.rules.iter().enumerate() {
             if i < 64 && held & (1 << i) == 0 {
                 continue;
@@ -429,21 +439,26 @@ impl SessionKeyer {
                 .as_ref()
                 .and_then(|c| headers.get(c))
                 .filter(|v| !v.is_empty());
+            let sys_h = instructions();
             let key = match extra {
-                Some(extra) => self.key(cred, TAG_EXPLICIT, &[v.as_bytes(), extra.as_bytes()]),
-                None => self.key(cred, TAG_EXPLICIT, &[v.as_bytes()]),
+                Some(extra) => self.key(
+                    cred,
+                    TAG_EXPLICIT,
+                    &[v.as_bytes(), extra.as_bytes(), &sys_h],
+                ),
+                None => self.key(cred, TAG_EXPLICIT, &[v.as_bytes(), &sys_h]),
             };
             return (key, SessionSource::Header(rule.label()));
         }
         if let Some(id) = body_session_id.filter(|s| !s.is_empty()) {
             return (
-                self.key(cred, TAG_EXPLICIT, &[id.as_bytes()]),
+                self.key(cred, TAG_EXPLICIT, &[id.as_bytes(), &instructions()]),
                 SessionSource::BodySessionId,
             );
         }
         if let Some(id) = prompt_cache_key.filter(|s| !s.is_empty()) {
             return (
-                self.key(cred, TAG_EXPLICIT, &[id.as_bytes()]),
+                self.key(cred, TAG_EXPLICIT, &[id.as_bytes(), &instructions()]),
                 SessionSource::BodyPromptCacheKey,
             );
         }

@@ -145,6 +145,29 @@ fn claude_code_agent_id_separates_subagents() {
     assert_ne!(k.derive(&split, &r).0, ka);
 }
 
+/// qwen-code's memory sub-agent sends the agent's own `prompt_cache_key`
+/// with another system prompt (shared-cache-key case): two conversations,
+/// each stable across its own turns, under any explicit id.
+#[test]
+fn one_id_with_other_instructions_is_another_conversation() {
+    let k = keyer();
+    let sub = CONV.replace("\"S\"", "\"memory agent\"");
+    let sub_later = CONV_LATER.replace("\"S\"", "\"memory agent\"");
+    for (h, body_id) in [
+        (headers(&[("x-session-id", "s1")]), ""),
+        (headers(&[("x-claude-code-session-id", "u1")]), ""),
+        (headers(&[]), r#""prompt_cache_key":"p","#),
+        (headers(&[]), r#""session_id":"s1","#),
+    ] {
+        let with_id = |body: &str| req(&body.replacen('{', &format!("{{{body_id}"), 1));
+        let main = k.derive(&h, &with_id(CONV)).0;
+        assert_eq!(main, k.derive(&h, &with_id(CONV_LATER)).0, "{body_id}");
+        let other = k.derive(&h, &with_id(&sub)).0;
+        assert_ne!(main, other, "{body_id}");
+        assert_eq!(other, k.derive(&h, &with_id(&sub_later)).0, "{body_id}");
+    }
+}
+
 #[test]
 fn body_fields_then_fingerprint() {
     let k = keyer();
