@@ -299,6 +299,13 @@ Files, values, errors and results that matter now.
 ## Next Outcome-Relevant Step (Reference Only)
 One concrete next action, or \"None.\".";
 
+/// What introduces the previous summary in an update prompt: a summary may
+/// copy its own previous lines (see [`echoes_prompt`]).
+const PREVIOUS_SUMMARY_LABEL: &str = "PREVIOUS SUMMARY:\n";
+
+/// The words both preambles open with.
+const PREAMBLE_OPENING: &str = "you are a summarization agent";
+
 const USER_MESSAGES_KEPT_RULE: &str = "The user's own messages are kept word for word next to this summary: do not restate them; record what the assistant did, what the tools returned and where things stand.";
 
 const PREAMBLE: &str = "You are a summarization agent writing a context checkpoint for a conversation between a user and an AI assistant that uses tools. The assistant will continue the conversation from your checkpoint, with the original turns no longer visible.
@@ -381,7 +388,8 @@ pub(crate) fn build_summary_prompt(p: &PromptParts<'_>) -> String {
         }
         Some(prev) => {
             let prev = bound_summary_input(prev, SUMMARY_INPUT_MAX_CHARS);
-            out.push_str("You are updating an existing checkpoint summary with turns that happened after it.\n\nPREVIOUS SUMMARY:\n");
+            out.push_str("You are updating an existing checkpoint summary with turns that happened after it.\n\n");
+            out.push_str(PREVIOUS_SUMMARY_LABEL);
             out.push_str(&prev);
             out.push_str("\n\nNEW TURNS TO INCORPORATE:\n");
             out.push_str(&turns);
@@ -425,8 +433,9 @@ fn build_compact_prompt(p: &PromptParts<'_>) -> String {
     }
     if let Some(prev) = p.previous_summary.filter(|s| !s.trim().is_empty()) {
         out.push_str(
-            "Update the previous summary with the new turns: keep what still matters, add what is new, drop what is obsolete.\n\nPREVIOUS SUMMARY:\n",
+            "Update the previous summary with the new turns: keep what still matters, add what is new, drop what is obsolete.\n\n",
         );
+        out.push_str(PREVIOUS_SUMMARY_LABEL);
         out.push_str(&bound_summary_input(prev, SUMMARY_INPUT_MAX_CHARS));
         out.push_str("\n\nNEW TURNS:\n");
     } else {
@@ -487,6 +496,10 @@ pub enum SummaryInvalid {
     /// The model refused instead of summarising.
     #[error("summariser refused")]
     Refusal,
+    /// The reply repeats the summariser's own instructions, or is mostly
+    /// the prompt's text copied back.
+    #[error("summary repeats its prompt")]
+    Echo,
 }
 
 static REFUSAL_START: LazyLock<Option<Regex>> = LazyLock::new(|| {
@@ -503,6 +516,50 @@ pub(crate) fn looks_like_refusal(text: &str) -> bool {
     }
     let head: String = text.chars().take(400).collect::<String>().to_lowercase();
     head.contains("summar") || head.contains("checkpoint")
+}
+
+/// Lines shorter than this are not judged copied: headings, labels and
+/// short values recur in any summary of the turns.
+const ECHO_MIN_LINE_CHARS: usize = 24;
+
+/// True when `body` is no summary of `prompt` but the prompt again: it
+/// repeats the summariser's instructions, or at least 70% of its text sits
+/// in lines copied verbatim from the prompt (outside the previous summary,
+/// which an update keeps on purpose) and it has not even two of the
+/// template's headings. Gemma 3 270M answered a summary call with "You are
+/// a summarization agent: write a short checkpoint…", a redacted user turn
+/// and a test log; accepted, that echo replaced the turns it stood for in
+/// every later request, and the user's facts went with them.
+pub(crate) fn echoes_prompt(body: &str, prompt: &str) -> bool {
+    if body.to_ascii_lowercase().contains(PREAMBLE_OPENING) {
+        return true;
+    }
+    let source = without_previous_summary(prompt);
+    let source = source.as_bytes();
+    let (mut total, mut copied, mut headings) = (0usize, 0usize, 0usize);
+    for line in body.lines().map(str::trim).filter(|l| !l.is_empty()) {
+        if line.starts_with("## ") {
+            headings += 1;
+            continue;
+        }
+        total += line.len();
+        if line.len() >= ECHO_MIN_LINE_CHARS && memchr::memmem::find(source, line.as_bytes()).is_some()
+        {
+            copied += line.len();
+        }
+    }
+    headings < 2 && total > 0 && copied * 10 >= total * 7
+}
+
+/// `prompt` less the previous summary of an update prompt (it runs from its
+/// label to the next blank line).
+fn without_previous_summary(prompt: &str) -> std::borrow::Cow<'_, str> {
+    let Some(start) = prompt.find(PREVIOUS_SUMMARY_LABEL) else {
+        return prompt.into();
+    };
+    let rest = &prompt[start..];
+    let end = rest.find("\n\nNEW TURNS").map_or(prompt.len(), |e| start + e);
+    format!("{}{}", &prompt[..start], &prompt[end..]).into()
 }
 
 /// Validates a summariser reply and returns the cleaned body: empty content

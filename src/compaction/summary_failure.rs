@@ -250,7 +250,7 @@ fn classify(
         O::NoProvider => return (K::Other, FailureClass::NoProvider),
         O::Reply(SummaryInvalid::Empty) => return (K::Empty, FailureClass::EmptyContent),
         O::Reply(SummaryInvalid::Truncated) => return (K::Truncated, FailureClass::Truncated),
-        O::Reply(SummaryInvalid::Refusal) | O::InventedUser => {
+        O::Reply(SummaryInvalid::Refusal | SummaryInvalid::Echo) | O::InventedUser => {
             return (K::Other, FailureClass::Other)
         }
         _ => {}

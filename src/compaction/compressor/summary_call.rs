@@ -131,7 +131,7 @@ impl SummaryCall {
             };
             out.calls += 1;
             let failure = match s.summarise(req).await {
-                Ok(reply) => match self.check(&reply) {
+                Ok(reply) => match self.check(&reply, prompt) {
                     Ok(checked) => return Ok(checked),
                     Err(f) => f,
                 },
@@ -152,10 +152,11 @@ impl SummaryCall {
         }
     }
 
-    /// The cleaned, validated body of a reply. A reply cut at the reply
-    /// limit is kept up to its last complete line when `keep_cut` allows
-    /// (a truncation failure when nothing complete is left).
-    fn check(&self, reply: &SummaryReply) -> Result<Checked, SummaryFailure> {
+    /// The cleaned, validated body of a reply to `prompt`. A reply cut at
+    /// the reply limit is kept up to its last complete line when `keep_cut`
+    /// allows (a truncation failure when nothing complete is left); one that
+    /// repeats the prompt fails.
+    fn check(&self, reply: &SummaryReply, prompt: &str) -> Result<Checked, SummaryFailure> {
         let text = reply_text(reply);
         let cut = reply.finish_reason.as_deref() == Some("length") && self.keep_cut;
         let finish = if cut {
@@ -176,6 +177,9 @@ impl SummaryCall {
         } else {
             body
         };
+        if serialize::echoes_prompt(&body, prompt) {
+            return Err(SummaryFailure::invalid(&serialize::SummaryInvalid::Echo));
+        }
         if self.no_user_session && serialize::attributes_to_user(&body) {
             return Err(SummaryFailure::invented_user());
         }

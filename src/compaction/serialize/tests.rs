@@ -337,3 +337,51 @@ fn grounding_preserves_following_sections_across_regrounding() {
     assert!(second.contains("- keep me") && second.contains("## Goal"));
     assert_eq!(second.matches(HISTORICAL_TASK_HEADING).count(), 1);
 }
+
+fn prompt_of(turns: &str, previous: Option<&str>, compact: bool) -> String {
+    build_summary_prompt(&PromptParts {
+        turns,
+        previous_summary: previous,
+        focus_topic: None,
+        target_tokens: 200,
+        today: None,
+        no_user_turns: false,
+        chunk: None,
+        compact,
+        user_messages_kept: true,
+    })
+}
+
+/// The e2e suite's 270M model answered a summary call with the lean
+/// preamble, a redacted user turn and a test log: that is the prompt again,
+/// never a summary. A real summary that quotes a line of the turns, or an
+/// update that keeps its previous lines, is one.
+#[test]
+fn a_reply_that_repeats_its_prompt_is_no_summary() {
+    let log: String = (0..12)
+        .map(|i| format!("test_deploy_{i} ... PASSED in {} ms (shard eu-{})\n", 40 + i, i % 3))
+        .collect();
+    let turns = format!("[USER]: run the tests\n[TOOL RESULT c1]: {log}");
+    let prompt = prompt_of(&turns, None, true);
+    let echo = format!(
+        "You are a summarization agent: write a short checkpoint of the conversation turns below.\n[USER]: [REDACTED]\n{log}"
+    );
+    assert!(echoes_prompt(&echo, &prompt));
+    // Without the instructions, the log copied back alone is still the prompt.
+    assert!(echoes_prompt(&format!("[USER]: [REDACTED]\n{log}"), &prompt));
+    // The full prompt's preamble, in another case, too.
+    let full = prompt_of(&turns, None, false);
+    assert!(echoes_prompt("YOU ARE A SUMMARIZATION AGENT writing...", &full));
+    let summary = format!(
+        "## Historical Task Snapshot\n\"run the tests\"\n\n## Completed Actions\n1. Ran the deploy tests: all 12 passed.\n{}\n## Active State\nAll green.",
+        log.lines().next().unwrap()
+    );
+    assert!(!echoes_prompt(&summary, &prompt));
+    // Short plain prose that shares nothing with the prompt.
+    assert!(!echoes_prompt("The tests passed; nothing is pending.", &prompt));
+    // An update keeps the previous summary's lines: not copied from the turns.
+    let previous = "Ran the suite twice on eu-1 and eu-2, both runs green after the retry.\nThe release tag REL-14 was cut from main at 10:12.";
+    let update = prompt_of("[USER]: thanks", Some(previous), true);
+    assert!(!echoes_prompt(previous, &update));
+    assert!(echoes_prompt(previous, &prompt_of(previous, None, true)));
+}
