@@ -1,0 +1,69 @@
+//! Request bodies recorded from real coding agents (`tests/fixtures/agent-cases`,
+//! see its README) replayed through the proxy: each is a case where an
+//! earlier build spent more than the work needs.
+
+// Test code: a failed unwrap is a failed test.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+mod support;
+
+use std::path::PathBuf;
+
+use support::apis::{ApiMock, ApiSettings};
+use support::chat::*;
+
+const AUTH: (&str, &str) = ("authorization", "Bearer k");
+
+fn case(path: &str) -> Vec<u8> {
+    let p = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("tests/fixtures/agent-cases")
+        .join(path);
+    std::fs::read(&p).unwrap_or_else(|e| panic!("{}: {e}", p.display()))
+}
+
+/// qwen-code rewrites its previous user message every turn (a date
+/// reminder dropped from it). The turn after a counted request shares all
+/// but that message and what follows with it: only the changed part is
+/// uncertain, so a request under its trigger is sent as it is, not
+/// compacted for the margin a request nothing of which was counted needs.
+#[tokio::test]
+async fn a_rewritten_earlier_message_does_not_compact_under_the_trigger() {
+    let mock = ChatMock::start(Settings::default()).await;
+    let proxy = start_proxy(
+        &mock.url(),
+        "[models.\"zoo-model\"]\ncontext_length = 9300\n",
+    )
+    .await;
+    let r1 = case("rewritten-history/r1.json");
+    let (st, h, _) = post_chat(&proxy.url(), r1, &[AUTH]).await;
+    assert_eq!((st.as_u16(), action(&h)), (200, "passthrough"));
+    let rewrite = case("rewritten-history/r2_rewrite.json");
+    let (st, h, _) = post_chat(&proxy.url(), rewrite.clone(), &[AUTH]).await;
+    assert_eq!(st, 200);
+    assert_eq!(action(&h), "passthrough", "the rewritten turn was compacted");
+    // What went upstream is the client's body, byte for byte.
+    assert_eq!(mock.last_chat().body, rewrite);
+    assert!(mock.summaries().is_empty());
+}
+
+/// qwen-code's memory sub-agent sends the agent's own `prompt_cache_key`
+/// with another system prompt and other tools: two conversations, each
+/// the same session across its own turns.
+#[tokio::test]
+async fn a_sub_agent_under_the_agents_cache_key_is_its_own_conversation() {
+    let mock = ApiMock::start(ApiSettings::default()).await;
+    let proxy = start_proxy(&mock.url(), "").await;
+    let mut main = Vec::new();
+    let mut sub = Vec::new();
+    for turn in 1..=3 {
+        for (name, keys) in [("main", &mut main), ("sub", &mut sub)] {
+            let body = case(&format!("shared-cache-key/{name}_{turn}.json"));
+            let (st, h, b) = post_path(&proxy.url(), "/v1/responses", body, &[AUTH]).await;
+            assert_eq!(st, 200, "{name}_{turn}: {}", String::from_utf8_lossy(&b));
+            keys.push(session_of(&h));
+        }
+    }
+    assert!(main.iter().all(|k| *k == main[0]), "{main:?}");
+    assert!(sub.iter().all(|k| *k == sub[0]), "{sub:?}");
+    assert_ne!(main[0], sub[0]);
+}
