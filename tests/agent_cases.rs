@@ -40,7 +40,11 @@ async fn a_rewritten_earlier_message_does_not_compact_under_the_trigger() {
     let rewrite = case("rewritten-history/r2_rewrite.json");
     let (st, h, _) = post_chat(&proxy.url(), rewrite.clone(), &[AUTH]).await;
     assert_eq!(st, 200);
-    assert_eq!(action(&h), "passthrough", "the rewritten turn was compacted");
+    assert_eq!(
+        action(&h),
+        "passthrough",
+        "the rewritten turn was compacted"
+    );
     // What went upstream is the client's body, byte for byte.
     assert_eq!(mock.last_chat().body, rewrite);
     assert!(mock.summaries().is_empty());
@@ -66,4 +70,60 @@ async fn a_sub_agent_under_the_agents_cache_key_is_its_own_conversation() {
     assert!(main.iter().all(|k| *k == main[0]), "{main:?}");
     assert!(sub.iter().all(|k| *k == sub[0]), "{sub:?}");
     assert_ne!(main[0], sub[0]);
+}
+
+/// Plays `first` (an aider chat's opening request) on, a pasted log per
+/// turn, until a turn is compacted; returns the messages that went
+/// upstream for that turn.
+async fn play_until_compacted(
+    proxy: &str,
+    mock: &ChatMock,
+    first: &[u8],
+) -> Vec<serde_json::Value> {
+    let body: serde_json::Value = serde_json::from_slice(first).unwrap();
+    let mut messages = body["messages"].as_array().unwrap().clone();
+    for turn in 0..16 {
+        let (st, h, b) = post_chat(proxy, chat_body("zoo-model", &messages, false), &[AUTH]).await;
+        assert_eq!(st, 200, "{}", String::from_utf8_lossy(&b));
+        if action(&h) == "compacted" {
+            return mock.last_chat().messages();
+        }
+        messages.push(
+            serde_json::json!({"role": "assistant", "content": format!("Noted part {turn}.")}),
+        );
+        let log: String = (0..60)
+            .map(|i| {
+                format!(
+                    "build[{turn}] step {i}: compiled unit_{i}.c in {} ms\n",
+                    10 + i * turn
+                )
+            })
+            .collect();
+        messages.push(
+            serde_json::json!({"role": "user", "content": format!("Next part of the log:\n{log}")}),
+        );
+    }
+    panic!("no turn was compacted");
+}
+
+/// Two aider chats from one credential and model share one fingerprint
+/// (aider's system prompt and few-shot head are fixed). The second chat's
+/// first compaction is a first compaction all the same: its history
+/// carries no summary, so its protected head (the few-shot exchange) is
+/// kept as the first chat's was.
+#[tokio::test]
+async fn a_second_chat_with_the_same_opening_keeps_its_head() {
+    let mock = ChatMock::start(Settings::default()).await;
+    let proxy = start_proxy(
+        &mock.url(),
+        "[models.\"zoo-model\"]\ncontext_length = 8192\n",
+    )
+    .await;
+    for chat in ["aider_chat_A.json", "aider_chat_B.json"] {
+        let first = case(&format!("aider-two-chats/{chat}"));
+        let opening: serde_json::Value = serde_json::from_slice(&first).unwrap();
+        let head = &opening["messages"].as_array().unwrap()[..4];
+        let sent = play_until_compacted(&proxy.url(), &mock, &first).await;
+        assert_eq!(&sent[..4], head, "{chat}: the protected head was not kept");
+    }
 }

@@ -115,6 +115,7 @@ pub(super) async fn run_engine(
     current_tokens: u64,
     fit: Option<LastResort>,
 ) -> CompactionDone {
+    comp.judge_by_history(values);
     let r = if micro_pass {
         comp.micro_compact(values, summariser).await
     } else {

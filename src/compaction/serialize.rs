@@ -543,7 +543,8 @@ pub(crate) fn echoes_prompt(body: &str, prompt: &str) -> bool {
             continue;
         }
         total += line.len();
-        if line.len() >= ECHO_MIN_LINE_CHARS && memchr::memmem::find(source, line.as_bytes()).is_some()
+        if line.len() >= ECHO_MIN_LINE_CHARS
+            && memchr::memmem::find(source, line.as_bytes()).is_some()
         {
             copied += line.len();
         }
@@ -558,7 +559,9 @@ fn without_previous_summary(prompt: &str) -> std::borrow::Cow<'_, str> {
         return prompt.into();
     };
     let rest = &prompt[start..];
-    let end = rest.find("\n\nNEW TURNS").map_or(prompt.len(), |e| start + e);
+    let end = rest
+        .find("\n\nNEW TURNS")
+        .map_or(prompt.len(), |e| start + e);
     format!("{}{}", &prompt[..start], &prompt[end..]).into()
 }
 

@@ -305,7 +305,11 @@ impl Calibration {
         };
         let rough_total = sent.rough_total();
         let ratio = self.ratio.unwrap_or(1.0);
-        let (tokens, basis) = match self.last.as_ref().map(|obs| (obs, changed_since(obs, &sent))) {
+        let (tokens, basis) = match self
+            .last
+            .as_ref()
+            .map(|obs| (obs, changed_since(obs, &sent)))
+        {
             Some((obs, Some(change))) => {
                 let ratio = self.marginal.unwrap_or(ratio).clamp(MIN_RATIO, MAX_RATIO);
                 let uncounted = (ratio * change.moved as f64).round() as u64;

@@ -230,6 +230,22 @@ impl Compressor {
         &mut self.trigger
     }
 
+    /// Judges "first compaction" by the history about to be compacted, not
+    /// by this compressor's past: a history that carries no summary row was
+    /// never compacted (another chat with the same opening, or the client's
+    /// own history again after it diverged from the record), so the count
+    /// of compactions and the running summary of the earlier one are
+    /// forgotten and its head is protected as a first compaction's is.
+    /// aider's chats from one credential share one fingerprint (its system
+    /// prompt and few-shot head are fixed): the second chat's first
+    /// compaction was treated as a later one and dropped the few-shot head.
+    pub(crate) fn judge_by_history(&mut self, msgs: &[Value]) {
+        if !msgs.iter().any(view::is_summary) {
+            self.trigger.compression_count = 0;
+            self.previous_summary = None;
+        }
+    }
+
     /// `protect_first_n` after decay: 0 once a compaction happened, a
     /// summary is in memory, or a handoff sits near the start (the head it
     /// would protect was summarised already).

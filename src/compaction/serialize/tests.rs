@@ -359,7 +359,13 @@ fn prompt_of(turns: &str, previous: Option<&str>, compact: bool) -> String {
 #[test]
 fn a_reply_that_repeats_its_prompt_is_no_summary() {
     let log: String = (0..12)
-        .map(|i| format!("test_deploy_{i} ... PASSED in {} ms (shard eu-{})\n", 40 + i, i % 3))
+        .map(|i| {
+            format!(
+                "test_deploy_{i} ... PASSED in {} ms (shard eu-{})\n",
+                40 + i,
+                i % 3
+            )
+        })
         .collect();
     let turns = format!("[USER]: run the tests\n[TOOL RESULT c1]: {log}");
     let prompt = prompt_of(&turns, None, true);
@@ -368,17 +374,26 @@ fn a_reply_that_repeats_its_prompt_is_no_summary() {
     );
     assert!(echoes_prompt(&echo, &prompt));
     // Without the instructions, the log copied back alone is still the prompt.
-    assert!(echoes_prompt(&format!("[USER]: [REDACTED]\n{log}"), &prompt));
+    assert!(echoes_prompt(
+        &format!("[USER]: [REDACTED]\n{log}"),
+        &prompt
+    ));
     // The full prompt's preamble, in another case, too.
     let full = prompt_of(&turns, None, false);
-    assert!(echoes_prompt("YOU ARE A SUMMARIZATION AGENT writing...", &full));
+    assert!(echoes_prompt(
+        "YOU ARE A SUMMARIZATION AGENT writing...",
+        &full
+    ));
     let summary = format!(
         "## Historical Task Snapshot\n\"run the tests\"\n\n## Completed Actions\n1. Ran the deploy tests: all 12 passed.\n{}\n## Active State\nAll green.",
         log.lines().next().unwrap()
     );
     assert!(!echoes_prompt(&summary, &prompt));
     // Short plain prose that shares nothing with the prompt.
-    assert!(!echoes_prompt("The tests passed; nothing is pending.", &prompt));
+    assert!(!echoes_prompt(
+        "The tests passed; nothing is pending.",
+        &prompt
+    ));
     // An update keeps the previous summary's lines: not copied from the turns.
     let previous = "Ran the suite twice on eu-1 and eu-2, both runs green after the retry.\nThe release tag REL-14 was cut from main at 10:12.";
     let update = prompt_of("[USER]: thanks", Some(previous), true);
