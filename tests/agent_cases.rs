@@ -127,3 +127,89 @@ async fn a_second_chat_with_the_same_opening_keeps_its_head() {
         assert_eq!(&sent[..4], head, "{chat}: the protected head was not kept");
     }
 }
+
+/// One recorded request: its path, its extra headers and its body.
+type Recorded = (String, Vec<(String, String)>, Vec<u8>);
+
+/// The requests of the opencode case in order, with their headers.
+fn opencode_requests() -> Vec<Recorded> {
+    (0..7)
+        .map(|i| {
+            let path =
+                String::from_utf8(case(&format!("opencode-over-mark/req{i:02}.path"))).unwrap();
+            let headers = String::from_utf8(case(&format!("opencode-over-mark/req{i:02}.hdr")))
+                .unwrap()
+                .lines()
+                .filter_map(|l| l.split_once(": "))
+                .map(|(n, v)| (n.to_owned(), v.to_owned()))
+                .collect();
+            (
+                path.trim().to_owned(),
+                headers,
+                case(&format!("opencode-over-mark/req{i:02}.json")),
+            )
+        })
+        .collect()
+}
+
+/// opencode at a 16,000-token window (fixed part ~7.7k, a ~1.5k paste a
+/// turn): a compaction lands at its target, so the next one is turns
+/// away, never on the next turn. Its recorded turns are played, then the
+/// session goes on with pastes of the same size.
+#[tokio::test]
+async fn one_compaction_buys_several_turns() {
+    let mock = ChatMock::start(Settings {
+        tools_count: true,
+        ..Settings::default()
+    })
+    .await;
+    let proxy = start_proxy(
+        &mock.url(),
+        "[models.\"zoo-model\"]\ncontext_length = 16000\n",
+    )
+    .await;
+    let mut actions = Vec::new();
+    let mut last = serde_json::Value::Null;
+    for (path, headers, body) in opencode_requests() {
+        let mut h: Vec<(&str, &str)> = headers
+            .iter()
+            .map(|(n, v)| (n.as_str(), v.as_str()))
+            .collect();
+        h.push(AUTH);
+        let (st, hd, b) = post_path(&proxy.url(), &path, body.clone(), &h).await;
+        assert_eq!(st, 200, "{}", String::from_utf8_lossy(&b));
+        actions.push(action(&hd).to_owned());
+        last = serde_json::from_slice(&body).unwrap();
+    }
+    let paste = last["messages"].as_array().unwrap().last().unwrap()["content"].clone();
+    let session = opencode_requests()[1].1.clone();
+    let mut h: Vec<(&str, &str)> = session
+        .iter()
+        .map(|(n, v)| (n.as_str(), v.as_str()))
+        .collect();
+    h.push(AUTH);
+    for turn in 0..8 {
+        let msgs = last["messages"].as_array_mut().unwrap();
+        msgs.push(
+            serde_json::json!({"role": "assistant", "content": format!("Read part {turn}.")}),
+        );
+        let text = paste
+            .as_str()
+            .map(|p| format!("{turn}: {p}"))
+            .unwrap_or_default();
+        msgs.push(serde_json::json!({"role": "user", "content": text}));
+        let body = serde_json::to_vec(&last).unwrap();
+        let (st, hd, b) = post_path(&proxy.url(), "/v1/chat/completions", body, &h).await;
+        assert_eq!(st, 200, "{}", String::from_utf8_lossy(&b));
+        actions.push(action(&hd).to_owned());
+    }
+    let compacted: Vec<usize> = (0..actions.len())
+        .filter(|&i| actions[i] == "compacted")
+        .collect();
+    assert!(!compacted.is_empty(), "{actions:?}");
+    assert!(
+        compacted.windows(2).all(|w| w[1] - w[0] >= 3),
+        "compactions too close: {actions:?}"
+    );
+    assert!(mock.chats().iter().all(|c| !c.overflowed));
+}

@@ -109,6 +109,10 @@ pub struct Settings {
     /// Every ASCII digit of `messages` is a token of its own, the rest 4
     /// bytes a token (Gemma's tokenizer splits numbers into digits).
     pub digits_are_tokens: bool,
+    /// The prompt counts the `tools` JSON too (4 bytes a token), as the
+    /// upstream behind `tests/fixtures/agent-cases` counted; otherwise only
+    /// `messages` count.
+    pub tools_count: bool,
     /// Every request must present this key (`x-goog-api-key`, `?key=`
     /// or a bearer token), else 401, as Google's endpoints answer.
     pub require_key: Option<String>,
@@ -130,6 +134,7 @@ impl Default for Settings {
             frame_bytes: None,
             tokenizer: false,
             digits_are_tokens: false,
+            tools_count: false,
             require_key: None,
         }
     }
@@ -510,6 +515,9 @@ async fn serve(
     } else {
         (prompt_tokens_of(&v) as f64 * 4.0 / settings.bytes_per_token) as u64
     };
+    if settings.tools_count {
+        prompt += (serde_json::to_string(&v["tools"]).map_or(0, |t| t.len()) / 4) as u64;
+    }
     if is_summary_call(&v) && settings.bytes_per_token != 4.0 {
         // The summariser's own instructions are English prose (4 bytes per
         // token); only the quoted turns have the conversation's density.

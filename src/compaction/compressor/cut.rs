@@ -86,6 +86,30 @@ fn with_salient_lines(mut pruned: Value, raw: &Value, to: SalientUse) -> Value {
 }
 
 impl Compressor {
+    /// Whether keeping the protected head verbatim would hold the result
+    /// over its target: the rows it keeps past the instructions, with the
+    /// tail the cut keeps, take the whole history target (what the history
+    /// may take after a compaction, [`crate::compaction::Trigger::history_target`]).
+    /// The head then yields: its rows are summarised with the middle, and
+    /// the next compaction is turns away rather than one. opencode at a
+    /// 16,000 window (fixed part ~7.7k, history target ~3.3k, a ~1.5k paste
+    /// a turn): a head of two pastes plus the tail left the result ~1,400
+    /// under the trigger, less than a turn, and the next turn compacted
+    /// again. Judged only once the caller measured the fixed part: without
+    /// it the target is not known.
+    fn head_holds_result_high(&mut self, messages: &[Value]) -> bool {
+        if self.trigger.fixed_tokens() == 0 {
+            return false;
+        }
+        let full = self.protect_head_size(messages);
+        let minimal = minimal_head_size(messages).min(full);
+        if full <= minimal {
+            return false;
+        }
+        let head = tokens::estimate_messages_tokens_rough(&messages[minimal..full]);
+        head + self.trigger.tail_token_budget() > self.trigger.history_target()
+    }
+
     /// Head, pruning and tail cut: the rows to summarise, or why there are
     /// none.
     pub(super) fn cut(
@@ -99,7 +123,8 @@ impl Compressor {
         // rounds: an agent's first rounds would leave too few rows to
         // compact (a no-op, then an overflow). The head shrinks to the
         // system prompt; an oversized active turn then carries the task.
-        let relax_head = small && n <= self.protect_head_size(messages) + MIN_ROWS_AFTER_HEAD;
+        let relax_head = (small && n <= self.protect_head_size(messages) + MIN_ROWS_AFTER_HEAD)
+            || self.head_holds_result_high(messages);
         let head_size = self.head_size(messages, relax_head);
         tel.head_rows = head_size;
         if n <= head_size + MIN_ROWS_AFTER_HEAD {
