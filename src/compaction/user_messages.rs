@@ -70,15 +70,42 @@ fn find_heading(body: &str) -> Option<usize> {
     (at == 0 || body[..at].ends_with('\n')).then_some(at)
 }
 
-/// The text of every real user message of `turns`, oldest first.
+/// The text of every real user message of `turns`, oldest first: what the
+/// user wrote, without the reminders an agent puts in the user's message.
 pub(crate) fn of_turns(turns: &[Value]) -> Vec<String> {
     turns
         .iter()
         .filter(|m| view::is_real_user(m))
-        .map(view::text)
-        .map(|t| t.trim().to_owned())
+        .map(|m| without_reminders(&view::text(m)))
         .filter(|t| !t.is_empty())
         .collect()
+}
+
+/// Opening and closing tags of an agent's reminder inside a user message.
+const REMINDER: (&str, &str) = ("<system-reminder>", "</system-reminder>");
+
+/// `text` without its `<system-reminder>` blocks, trimmed. Claude Code and
+/// qwen-code put reminder parts (dates, tool lists, file notes) before the
+/// user's own text part in one user message; the agent wrote them, not the
+/// user, and with them a one-line ask weighed like a pasted log and was
+/// left out of the section.
+fn without_reminders(text: &str) -> String {
+    let (open, close) = REMINDER;
+    if !text.contains(open) {
+        return text.trim().to_owned();
+    }
+    let mut out = String::with_capacity(text.len());
+    let mut rest = text;
+    while let Some(at) = rest.find(open) {
+        out.push_str(&rest[..at]);
+        match rest[at..].find(close) {
+            Some(end) => rest = &rest[at + end + close.len()..],
+            // An unclosed reminder runs to the end.
+            None => rest = "",
+        }
+    }
+    out.push_str(rest);
+    out.trim().to_owned()
 }
 
 /// The messages to keep of `candidates` (oldest first) within `budget`
@@ -145,9 +172,27 @@ fn item_tokens(text: &str) -> u64 {
     tokens::estimate_text_tokens(text) + 2
 }
 
-/// `text` cut to about `budget` tokens: its start and its end around a
-/// marker saying how much was left out.
+/// Lines above which a message is a paste (a log, a file) rather than a
+/// statement.
+const STATEMENT_MAX_LINES: usize = 3;
+
+/// What stands between the kept sentences of an excerpted statement.
+const GAP: &str = " […] ";
+
+/// `text` cut to about `budget` tokens. A statement keeps its sentences
+/// that carry facts (numbers, paths, names, codes), whole and in order: a
+/// 200-character message cut in its middle lost the vault path the user
+/// gave in it. A paste, or a statement without such sentences, keeps its
+/// start and its end around a marker saying how much was left out. A cut
+/// that would leave out less than twice its marker is no saving: the text
+/// stays whole (a 66-character cut was once replaced by a 60-character
+/// marker).
 fn excerpt(text: &str, budget: u64) -> String {
+    if text.lines().count() <= STATEMENT_MAX_LINES {
+        if let Some(facts) = fact_sentences(text, budget) {
+            return facts;
+        }
+    }
     let chars: Vec<char> = text.chars().collect();
     let keep = usize::try_from(
         budget
@@ -155,19 +200,90 @@ fn excerpt(text: &str, budget: u64) -> String {
             .saturating_mul(tokens::CHARS_PER_TOKEN),
     )
     .unwrap_or(usize::MAX);
-    if chars.len() <= keep {
+    let left_out = chars.len().saturating_sub(keep);
+    let marker = format!(" […{left_out} chars of this message left out…] ");
+    if left_out <= 2 * marker.chars().count() {
         return text.to_owned();
     }
     let head = keep * 2 / 3;
     let tail = keep - head;
     let start: String = chars[..head].iter().collect();
     let end: String = chars[chars.len() - tail..].iter().collect();
-    format!(
-        "{} […{} chars of this message left out…] {}",
-        start.trim_end(),
-        chars.len() - keep,
-        end.trim_start()
-    )
+    format!("{}{marker}{}", start.trim_end(), end.trim_start())
+}
+
+/// The sentences of `text` that carry a fact, in order, within `budget`
+/// tokens, joined by [`GAP`] where others were left out; `None` when no
+/// sentence carries one, or when every one does (nothing to choose by), or
+/// when not even the first fits.
+fn fact_sentences(text: &str, budget: u64) -> Option<String> {
+    let sentences = sentences(text);
+    let facts = sentences.iter().filter(|s| has_fact(s)).count();
+    if facts == 0 || facts == sentences.len() {
+        return None;
+    }
+    let mut out = String::new();
+    let mut gap = false;
+    for s in &sentences {
+        if !has_fact(s) {
+            gap = true;
+            continue;
+        }
+        let piece = if out.is_empty() && !gap {
+            s.to_string()
+        } else if gap {
+            format!("{}{s}", GAP.trim_start())
+        } else {
+            format!(" {s}")
+        };
+        if tokens::estimate_text_tokens(&out) + tokens::estimate_text_tokens(&piece) > budget {
+            break;
+        }
+        out.push_str(&piece);
+        gap = false;
+    }
+    if out.is_empty() {
+        return None;
+    }
+    if gap || !text.trim_end().ends_with(out.trim_end()) {
+        out.push_str(GAP.trim_end());
+    }
+    Some(out)
+}
+
+/// `text` split after each `.`, `?`, `!` or `;` followed by a space, and at
+/// line ends; pieces trimmed, empty ones dropped.
+fn sentences(text: &str) -> Vec<&str> {
+    let mut out = Vec::new();
+    for line in text.lines() {
+        let mut start = 0;
+        let bytes = line.as_bytes();
+        for i in 0..bytes.len() {
+            let ends = matches!(bytes[i], b'.' | b'?' | b'!' | b';')
+                && bytes.get(i + 1).is_some_and(|b| *b == b' ');
+            if ends {
+                out.push(line[start..=i].trim());
+                start = i + 1;
+            }
+        }
+        out.push(line[start..].trim());
+    }
+    out.retain(|s| !s.is_empty());
+    out
+}
+
+/// Whether a sentence names something exact: a number, a path or URL, an
+/// identifier (`a_b`, `a.b`, `a@b`, `a-1`), a code in capitals, or quoted
+/// text.
+fn has_fact(sentence: &str) -> bool {
+    sentence.split_whitespace().any(|word| {
+        let w =
+            word.trim_matches(|c: char| matches!(c, ',' | '.' | ';' | ':' | '!' | '?' | '(' | ')'));
+        w.chars().any(|c| c.is_ascii_digit())
+            || w.contains(['/', '\\', '_', '@', '`', '"'])
+            || (w.contains('.') && w.chars().filter(|c| c.is_alphabetic()).count() >= 2)
+            || (w.len() >= 3 && w.chars().all(|c| c.is_ascii_uppercase() || c == '-'))
+    })
 }
 
 /// Rough tokens the section holding `kept` takes (at most the budget
@@ -237,6 +353,55 @@ mod tests {
         assert_eq!(rest, "## Summary\nthings happened\n\nrolling: step 9 done");
         assert_eq!(back, kept);
         assert_eq!(render("b", &[]), "b");
+    }
+
+    /// Claude Code's reminder parts before the user's own text part: the
+    /// ask is the user's message, the reminders are not.
+    #[test]
+    fn reminders_are_the_agents_not_the_users() {
+        let reminder = format!(
+            "<system-reminder>\n{}\n</system-reminder>",
+            "The following tools are available: read, write, grep. ".repeat(40)
+        );
+        let turns = vec![
+            json!({"role": "user", "content": [
+                {"type": "text", "text": reminder},
+                {"type": "text", "text": "<system-reminder>Today is 2026-12-07.</system-reminder>"},
+                {"type": "text", "text": "Use port 8443 for the admin API."}
+            ]}),
+            json!({"role": "user", "content": reminder}),
+        ];
+        let said = of_turns(&turns);
+        assert_eq!(said, s(&["Use port 8443 for the admin API."]));
+        // Kept whole: a short statement once the reminders are gone.
+        assert_eq!(select(&said, 60), said);
+        assert_eq!(without_reminders("a <system-reminder>x"), "a");
+    }
+
+    /// A statement too long for the budget keeps its sentences with facts
+    /// whole; a paste keeps its start and end; a cut that would save less
+    /// than its marker is not made.
+    #[test]
+    fn an_excerpt_keeps_the_facts_and_saves_more_than_it_costs() {
+        let statement = "Before we start: the deploy key lives in the vault at /srv/vault-7/deploy. Please be careful with the staging cluster, it is shared with another team and they get upset. Always run the whole test suite first, then ask me before you push anything.";
+        let ex = excerpt(statement, 24);
+        assert!(ex.contains("/srv/vault-7/deploy"), "{ex}");
+        assert!(ex.starts_with("Before we start:"), "{ex}");
+        assert!(ex.ends_with("[…]"), "{ex}");
+        assert!(tokens::estimate_text_tokens(&ex) < tokens::estimate_text_tokens(statement));
+        // A cut of a few characters is not made.
+        let near = "x".repeat(150);
+        assert_eq!(excerpt(&near, 45), near);
+        // A paste is cut in its middle, its start and end kept.
+        let paste = format!("log:\n{}done?", "step ok\n".repeat(100));
+        let ex = excerpt(&paste, 40);
+        assert!(
+            ex.starts_with("log:") && ex.ends_with("done?") && ex.contains("left out"),
+            "{ex}"
+        );
+        // Nothing exact in it: start and end.
+        let prose = "please be careful with everything. ".repeat(10);
+        assert!(excerpt(&prose, 20).contains("left out"));
     }
 
     #[test]
