@@ -283,3 +283,26 @@ async fn a_request_near_the_window_edge_is_counted_by_the_upstream_tokenizer() {
         }
     }
 }
+
+/// The admin view right after the first real usage moved the scale: its
+/// trigger is the one the request was judged by, in real tokens, under
+/// the window (it was shown as the old rough threshold times the new
+/// scale, over the window).
+#[tokio::test]
+async fn the_admin_trigger_stays_under_the_window_when_the_scale_moves() {
+    let mock = ChatMock::start(Settings {
+        bytes_per_token: 2.0,
+        ..Settings::default()
+    })
+    .await;
+    let proxy = start_proxy(&mock.url(), &config()).await;
+    let mut conv = Conversation::new(600);
+    let sent = conv.ask();
+    let (st, h, _) = post_chat(&proxy.url(), chat_body("m", &sent, false), &[AUTH]).await;
+    assert_eq!(st, 200);
+    let (_, view) = admin_view(&proxy.url(), TOKEN, &session_of(&h)).await;
+    assert!(view["engine_scale"].as_f64().unwrap() > 1.5, "{view}");
+    let threshold = view["threshold_tokens"].as_u64().unwrap();
+    assert!(threshold < 2048, "{view}");
+    assert_eq!(view["turn_figures"][0]["trigger_tokens"], view["threshold_tokens"]);
+}

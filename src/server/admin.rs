@@ -196,7 +196,19 @@ fn row(key: &SessionKey, conv: &mut Conversation) -> Map<String, Value> {
     // The engine works in rough units; show real tokens at the top level.
     let scale = conv.engine_scale().factor();
     let real = |rough: u64| (rough as f64 * scale).round() as u64;
-    let threshold = trigger.as_ref().and_then(|t| t.threshold_tokens).map(real);
+    // The threshold was derived for the engine window of its own time: in
+    // real tokens it is that window's share of the real one, not the
+    // threshold times a scale the drain above may just have moved (a
+    // trigger of 35,815 was shown against a window of 30,000).
+    let threshold =
+        trigger
+            .as_ref()
+            .and_then(|t| match (t.threshold_tokens, t.window, conv.real_window) {
+                (Some(th), Some(w), Some(real_w)) if w > 0 => {
+                    Some((u128::from(th) * u128::from(real_w) / u128::from(w)) as u64)
+                }
+                (th, _, _) => th.map(real),
+            });
     let calibration = conv.calibration.snapshot();
     let mut o = match conv.inspect.summary() {
         Value::Object(o) => o,
