@@ -34,6 +34,10 @@ struct PassStats {
     force: bool,
     /// The trigger's threshold (rough units).
     threshold: u64,
+    /// Why the pass ran ([`Decision::reason`]).
+    reason: &'static str,
+    /// Real tokens one rough token is worth (the log line is in real ones).
+    scale: f64,
     summariser_calls: u64,
     took: Duration,
 }
@@ -262,10 +266,19 @@ async fn compact_now(
         micro_pass: d.micro_pass,
         force: d.force,
         threshold: d.threshold,
+        reason: d.reason,
+        scale: conv.engine_scale().factor(),
         summariser_calls: summariser.calls(),
         took,
     };
     book_pass(chat, conv, (h, w), &stats, &result)
+}
+
+impl PassStats {
+    /// `rough` engine tokens in real ones.
+    fn real(&self, rough: u64) -> u64 {
+        (rough as f64 * self.scale).round() as u64
+    }
 }
 
 /// Books a finished engine pass: conversation stats, metrics and the log
@@ -298,16 +311,20 @@ fn book_pass(
                 .chat
                 .compaction(result.label, saved, summariser_took);
             let (new_outgoing, record) = commit_record(chat, conv, h, result);
+            let saved_real = p.real(saved);
+            // Every figure in real tokens: the estimate before and after, the
+            // trigger it was judged against, the window.
             tracing::info!(
                 session = %h.key,
                 outcome = result.label,
+                reason = p.reason,
                 fallback = result.fallback_used,
                 messages_before = h.outgoing.len(),
                 messages_after = new_outgoing.len(),
-                tokens_before = result.tokens_before,
-                tokens_after = result.tokens_after,
                 estimated_prompt = w.est_tokens,
-                threshold = p.threshold,
+                estimated_after = w.est_tokens.saturating_sub(saved_real),
+                saved = saved_real,
+                trigger = p.real(p.threshold),
                 window = w.window,
                 summariser_calls = p.summariser_calls,
                 summariser_ms = p.took.as_millis() as u64,
@@ -335,10 +352,11 @@ fn book_pass(
             tracing::info!(
                 session = %h.key,
                 outcome = result.label,
-                reason,
+                reason = p.reason,
+                why_not = reason,
                 messages = h.outgoing.len(),
                 estimated_prompt = w.est_tokens,
-                threshold = p.threshold,
+                trigger = p.real(p.threshold),
                 window = w.window,
                 summariser_calls = p.summariser_calls,
                 summariser_ms = p.took.as_millis() as u64,

@@ -85,6 +85,10 @@ pub(super) struct Sizes {
 pub(super) struct Decision {
     /// The trigger's threshold (rough units), for the log line.
     pub(super) threshold: u64,
+    /// Why it is compacted, for the log line: `overflow` (the upstream
+    /// refused it), `window` (it does not fit with its margin and reply),
+    /// `trigger` (over the trigger), `micro` (a micro pass's turn), or `""`.
+    pub(super) reason: &'static str,
     /// A batch compaction runs.
     pub(super) wanted: bool,
     /// A micro pass runs instead (strategy `micro`, its turn, no batch).
@@ -119,8 +123,20 @@ pub(super) fn decide(trigger: &mut Trigger, s: Sizes, overflow: bool, micro_due:
     // Micro-compaction is per turn (every Nth turn, whatever the size); over the threshold the batch compaction still runs, since
     // absorbing one exchange per request cannot keep up with a full window.
     let micro_pass = !wanted && !overflow && micro_due;
+    let reason = if overflow {
+        "overflow"
+    } else if !fits_window {
+        "window"
+    } else if wanted {
+        "trigger"
+    } else if micro_pass {
+        "micro"
+    } else {
+        ""
+    };
     Decision {
         threshold,
+        reason,
         wanted,
         micro_pass,
         force,
@@ -206,6 +222,22 @@ mod tests {
         assert!(!d.wanted && !d.micro_pass && !d.force);
         let d = decide(&mut trigger(), sizes(th), false, false);
         assert!(d.wanted && !d.micro_pass && !d.force);
+        assert_eq!(d.reason, "trigger");
+        // Under the trigger but not fitting with its margin: the window.
+        let s = Sizes {
+            margin: WINDOW,
+            ..sizes(th - 1)
+        };
+        assert_eq!(decide(&mut trigger(), s, false, false).reason, "window");
+        assert_eq!(
+            decide(&mut trigger(), sizes(10), true, false).reason,
+            "overflow"
+        );
+        assert_eq!(
+            decide(&mut trigger(), sizes(10), false, true).reason,
+            "micro"
+        );
+        assert_eq!(decide(&mut trigger(), sizes(10), false, false).reason, "");
     }
 
     #[test]
