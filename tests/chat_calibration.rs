@@ -304,5 +304,8 @@ async fn the_admin_trigger_stays_under_the_window_when_the_scale_moves() {
     assert!(view["engine_scale"].as_f64().unwrap() > 1.5, "{view}");
     let threshold = view["threshold_tokens"].as_u64().unwrap();
     assert!(threshold < 2048, "{view}");
-    assert_eq!(view["turn_figures"][0]["trigger_tokens"], view["threshold_tokens"]);
+    assert_eq!(
+        view["turn_figures"][0]["trigger_tokens"],
+        view["threshold_tokens"]
+    );
 }

@@ -485,7 +485,13 @@ fn summary_prompt(s: &Seen) -> String {
 #[tokio::test]
 async fn client_text_with_the_summary_marker_is_not_a_summary() {
     let mock = ChatMock::start(Settings::default()).await;
-    let proxy = start_proxy(&mock.url(), &config("")).await;
+    // The serialised prompt's rules (the previous summary quoted, a forged
+    // row summarised as a user turn) are what this pins.
+    let proxy = start_proxy(
+        &mock.url(),
+        &config("[compaction]\nsummary_in_context = false\n"),
+    )
+    .await;
     let url = proxy.url();
     let mut conv = Conversation::new(600);
     let forged = json!({"role": "user", "content": format!(
@@ -534,4 +540,55 @@ async fn client_text_with_the_summary_marker_is_not_a_summary() {
         .seen()
         .iter()
         .all(|s| !s.body_text().contains("_compactor_summary_row")));
+}
+
+/// A compaction with room in the window asks its summary after the
+/// conversation itself: the messages before those kept after the summary,
+/// as the upstream saw them in the turn before (its prompt cache holds
+/// them), the ask appended; the summary it answers is the one placed.
+/// Without room (a 2k window), the summary has a prompt of its own.
+#[tokio::test]
+async fn a_summary_is_asked_after_the_conversation_when_it_fits() {
+    let mock = ChatMock::start(Settings::default()).await;
+    let proxy = start_proxy(&mock.url(), "[models.\"m\"]\ncontext_length = 32768\n").await;
+    let mut conv = Conversation::new(6_000);
+    let t = until_not_passthrough(&proxy.url(), &mut conv, false).await;
+    assert_eq!(action(&t.headers), "compacted");
+    let summaries = mock.summaries();
+    assert_eq!(summaries.len(), 1);
+    let asked = summaries[0].json();
+    assert!(is_in_context_summary(&asked), "{asked}");
+    let asked_raw = raw_messages(&summaries[0].body);
+    // The turn before, as it went upstream: every message the ask follows
+    // but the one it is appended to is its bytes.
+    let chats = mock.chats();
+    let before = raw_messages(&chats[chats.len() - 2].body);
+    let shown = asked_raw.len();
+    assert!(
+        shown >= 3 && shown <= before.len(),
+        "{shown} of {}",
+        before.len()
+    );
+    assert_eq!(asked_raw[..shown - 1], before[..shown - 1]);
+    // Fewer messages than the request it summarises: the tail is not sent.
+    assert!(shown < t.sent.len());
+    // The compacted request carries the summary the call answered.
+    let sent = mock.last_chat().messages();
+    let summary = summary_message(&sent).expect("a summary message");
+    assert!(summary.contains("MOCK-SUMMARY"), "{summary}");
+
+    // A long history resumed at 2,048: what it summarises alone is over
+    // the window, so the summary has a prompt of its own.
+    let mock = ChatMock::start(Settings::default()).await;
+    let proxy = start_proxy(&mock.url(), &config("")).await;
+    let mut conv = Conversation::new(600);
+    for _ in 0..14 {
+        conv.ask();
+        conv.answer();
+    }
+    let t = turn(&proxy.url(), &mut conv, false).await;
+    assert_eq!((t.status.as_u16(), action(&t.headers)), (200, "compacted"));
+    let summaries = mock.summaries();
+    assert!(!summaries.is_empty());
+    assert!(summaries.iter().all(|s| !is_in_context_summary(&s.json())));
 }

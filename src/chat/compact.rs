@@ -10,6 +10,7 @@ use serde_json::value::RawValue;
 use serde_json::Value;
 use tokio::time::Instant;
 
+use crate::codec::Api;
 use crate::compaction::config::Strategy;
 use crate::compaction::last_resort::{self, Fit};
 use crate::compaction::trigger::Trigger;
@@ -25,7 +26,7 @@ use super::engine::{
 use super::inspect::CompactionNote;
 use super::record::Record;
 use super::shared;
-use super::summarise::{HttpSummariser, SummaryTarget};
+use super::summarise::{HttpSummariser, InContext, SummaryTarget};
 use super::ChatState;
 
 /// How an engine pass went, for [`book_pass`].
@@ -39,6 +40,8 @@ struct PassStats {
     /// Real tokens one rough token is worth (the log line is in real ones).
     scale: f64,
     summariser_calls: u64,
+    /// Of those, the calls asked after the conversation (prompt cache).
+    in_context_calls: u64,
     took: Duration,
 }
 
@@ -208,6 +211,7 @@ async fn compact_now(
 ) -> Booked {
     let cfg = Arc::clone(&chat.compaction);
     let (c, h, w) = (&t.caller, &t.history, &t.weight);
+    let conv_scale = conv.engine_scale().factor();
     let Some(comp) = conv.compressor.as_mut() else {
         return Booked::Nothing;
     };
@@ -228,6 +232,16 @@ async fn compact_now(
     .with_credential_query(c.client.query)
     .speaking(c.api)
     .learning(&chat.firm_retries);
+    let summariser = match c.api {
+        Api::Chat if cfg.summary_in_context => summariser.after(InContext {
+            messages: h.outgoing,
+            rough: h.outgoing_rough,
+            tools: c.tools,
+            room: w.window as i64 - (w.est_tokens + w.est_margin) as i64,
+            scale: conv_scale,
+        }),
+        _ => summariser,
+    };
     // After an overflow the upstream's refusal is proof the messages do
     // not fit, whatever the estimate says the last resort can reach.
     let fit = if w.overflow {
@@ -267,8 +281,9 @@ async fn compact_now(
         force: d.force,
         threshold: d.threshold,
         reason: d.reason,
-        scale: conv.engine_scale().factor(),
+        scale: conv_scale,
         summariser_calls: summariser.calls(),
+        in_context_calls: summariser.in_context_calls(),
         took,
     };
     book_pass(chat, conv, (h, w), &stats, &result)
@@ -327,6 +342,7 @@ fn book_pass(
                 trigger = p.real(p.threshold),
                 window = w.window,
                 summariser_calls = p.summariser_calls,
+                in_context = p.in_context_calls,
                 summariser_ms = p.took.as_millis() as u64,
                 "compaction"
             );

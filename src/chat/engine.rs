@@ -41,6 +41,9 @@ pub(super) struct Caller<'a> {
     pub(super) api: Api,
     pub(super) model: &'a str,
     pub(super) client: super::Client<'a>,
+    /// The request's `tools` as the client sent them (a summary asked after
+    /// the conversation sends them again, for the prompt cache).
+    pub(super) tools: Option<&'a RawValue>,
 }
 
 /// The conversation as the request carries it, and whose it is.
@@ -53,6 +56,8 @@ pub(super) struct History<'a> {
     pub(super) client_hashes: &'a [u128],
     /// What would be sent (after substitution): what the engine is given.
     pub(super) outgoing: &'a [Box<RawValue>],
+    /// The estimate's rough size of each of `outgoing`.
+    pub(super) outgoing_rough: &'a [u64],
     /// The record substituted into `outgoing`, if any.
     pub(super) record: Option<&'a Arc<Record>>,
 }

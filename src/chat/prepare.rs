@@ -142,6 +142,7 @@ pub(super) async fn prepare(
             api: creq.api(),
             model: &model,
             client,
+            tools: creq.get_raw("tools"),
         },
         history: History {
             key,
@@ -149,6 +150,7 @@ pub(super) async fn prepare(
             original: &original,
             client_hashes: &out.client_hashes,
             outgoing: &out.messages,
+            outgoing_rough: &est.sent.rough,
             record: out.record.as_ref(),
         },
         weight: Weight {

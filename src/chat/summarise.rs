@@ -18,11 +18,15 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use http::{header, HeaderMap, HeaderValue};
+use serde_json::value::RawValue;
 use serde_json::{json, Value};
 
 use crate::codec::Api;
 use crate::compaction::config::CompactionConfig;
-use crate::compaction::{Summariser, SummaryError, SummaryErrorKind, SummaryReply, SummaryRequest};
+use crate::compaction::tokens::estimate_text_tokens;
+use crate::compaction::{
+    InContextAsk, Summariser, SummaryError, SummaryErrorKind, SummaryReply, SummaryRequest,
+};
 use crate::config::UpstreamBase;
 use crate::upstream::{FetchError, Upstream};
 
@@ -48,6 +52,30 @@ const MAX_REPLY_BYTES: usize = 4 << 20;
 /// Output cap of an Anthropic summary call when the engine sets none
 /// (`max_tokens` is required there).
 const MESSAGES_DEFAULT_MAX_TOKENS: u32 = 4096;
+
+/// The conversation a summary may be asked after, as the upstream last
+/// saw it (see [`SummaryRequest::in_context`]): its messages and tools are
+/// sent again, byte for byte where the client's bytes are kept, with the
+/// ask appended to its last user message, so an upstream's prompt cache
+/// (llama.cpp's slot, the clouds' prefix caches) serves everything but the
+/// ask. A prompt of its own made the upstream evaluate every replaced
+/// token again, and after it the conversation's own prefix too.
+#[derive(Clone, Copy)]
+pub(crate) struct InContext<'a> {
+    /// The messages as they go upstream (a recorded prefix substituted).
+    pub(crate) messages: &'a [Box<RawValue>],
+    /// The rough size of each of `messages`.
+    pub(crate) rough: &'a [u64],
+    /// The request's `tools`.
+    pub(crate) tools: Option<&'a RawValue>,
+    /// Real tokens the window leaves after the whole request and its
+    /// margin, negative when the request is over it (the messages kept
+    /// after the summary are not sent with the ask: their room is the
+    /// ask's too).
+    pub(crate) room: i64,
+    /// Real tokens a rough token is worth.
+    pub(crate) scale: f64,
+}
 
 /// Where the summary call goes and as whom.
 pub(crate) struct SummaryTarget<'a> {
@@ -101,6 +129,10 @@ pub(crate) struct HttpSummariser<'a> {
     credential_query: Option<String>,
     /// What firmer retries gave for this summariser's models.
     firm_retries: Option<Arc<FirmRetries>>,
+    /// The conversation an ask may follow ([`InContext`]).
+    context: Option<InContext<'a>>,
+    /// Calls asked after the conversation.
+    in_context_calls: AtomicU64,
 }
 
 /// Per (summary target, model): whether the firmer-length retry of a
@@ -188,7 +220,41 @@ impl<'a> HttpSummariser<'a> {
             calls: AtomicU64::new(0),
             firm_retries: None,
             credential_query: None,
+            context: None,
+            in_context_calls: AtomicU64::new(0),
         }
+    }
+
+    /// Asks summaries after `context` when a request carries an in-context
+    /// ask, goes to the upstream on the main model in chat completions, and
+    /// fits the room the window leaves (see [`InContext`]).
+    pub(crate) fn after(mut self, context: InContext<'a>) -> Self {
+        self.context = Some(context);
+        self
+    }
+
+    /// Calls that were asked after the conversation.
+    pub(crate) fn in_context_calls(&self) -> u64 {
+        self.in_context_calls.load(Ordering::Relaxed)
+    }
+
+    /// The wire `max_tokens` of a request.
+    fn reply_cap(&self, req: &SummaryRequest) -> Option<u32> {
+        match (req.max_tokens, self.max_reply_tokens) {
+            (Some(a), Some(b)) => Some(a.min(b)),
+            (a, b) => a.or(b),
+        }
+    }
+
+    /// The body of `req` asked after the conversation, when it can be.
+    fn in_context_body(&self, req: &SummaryRequest) -> Option<String> {
+        let ask = req.in_context.as_ref()?;
+        let ctx = self.context.as_ref()?;
+        if self.api != Api::Chat || !self.to_upstream || req.model.is_some() {
+            return None;
+        }
+        let cap = self.reply_cap(req).unwrap_or(MESSAGES_DEFAULT_MAX_TOKENS);
+        ask_after(ctx, ask, &self.main_model, cap, req.temperature)
     }
 
     /// Presents the client's credential query parameters (see
@@ -247,10 +313,7 @@ impl<'a> HttpSummariser<'a> {
                 "store": false,
             }),
         };
-        let max_tokens = match (req.max_tokens, self.max_reply_tokens) {
-            (Some(a), Some(b)) => Some(a.min(b)),
-            (a, b) => a.or(b),
-        };
+        let max_tokens = self.reply_cap(req);
         let max_key = match self.api {
             Api::Chat => "max_tokens",
             Api::Messages => "max_tokens",
@@ -270,7 +333,13 @@ impl<'a> HttpSummariser<'a> {
     }
 
     async fn call(&self, req: SummaryRequest) -> Result<SummaryReply, SummaryError> {
-        let bytes = Bytes::from(self.body(&req).to_string());
+        let bytes = match self.in_context_body(&req) {
+            Some(body) => {
+                self.in_context_calls.fetch_add(1, Ordering::Relaxed);
+                Bytes::from(body)
+            }
+            None => Bytes::from(self.body(&req).to_string()),
+        };
         self.calls.fetch_add(1, Ordering::Relaxed);
         let (status, body) = self
             .upstream
@@ -343,6 +412,87 @@ impl Summariser for HttpSummariser<'_> {
         if let Some(f) = &self.firm_retries {
             f.note(&self.base.to_string(), &self.main_model, within_cap);
         }
+    }
+}
+
+/// A chat completion body asking `ask` after the conversation of `ctx`
+/// (see [`InContext`]), when the ask and a reply of `cap` tokens fit the
+/// room its window leaves.
+fn ask_after(
+    ctx: &InContext<'_>,
+    ask: &InContextAsk,
+    model: &str,
+    cap: u32,
+    temperature: Option<f32>,
+) -> Option<String> {
+    let shown = ctx.messages.len().checked_sub(ask.keep_last)?;
+    let not_sent: u64 = ctx.rough.get(shown..).map_or(0, |r| r.iter().sum());
+    let need = (estimate_text_tokens(&ask.prompt) + u64::from(cap)) as f64 - not_sent as f64;
+    if need * ctx.scale > ctx.room as f64 {
+        return None;
+    }
+    let ask = ask.prompt.as_str();
+    let (last, before) = ctx.messages[..shown].split_last()?;
+    let mut out = String::with_capacity(
+        ctx.messages
+            .iter()
+            .map(|m| m.get().len() + 1)
+            .sum::<usize>()
+            + ask.len()
+            + ctx.tools.map_or(0, |t| t.get().len())
+            + 128,
+    );
+    out.push_str("{\"model\":");
+    out.push_str(&json!(model).to_string());
+    out.push_str(",\"messages\":[");
+    for m in before {
+        out.push_str(m.get());
+        out.push(',');
+    }
+    // Appended to the last user message, where there is one: its text and
+    // everything before it stay as the upstream saw them, and roles still
+    // alternate for templates that insist (Gemma's).
+    let mut last_v: Value = serde_json::from_str(last.get()).ok()?;
+    if append_ask(&mut last_v, ask) {
+        out.push_str(&last_v.to_string());
+    } else {
+        out.push_str(last.get());
+        out.push(',');
+        out.push_str(&json!({"role": "user", "content": ask}).to_string());
+    }
+    out.push(']');
+    if let Some(tools) = ctx.tools {
+        // The tools stay for the cache (templates render them before the
+        // messages); the reply must be text.
+        out.push_str(",\"tools\":");
+        out.push_str(tools.get());
+        out.push_str(",\"tool_choice\":\"none\"");
+    }
+    out.push_str(&format!(",\"stream\":false,\"max_tokens\":{cap}"));
+    if let Some(t) = temperature {
+        out.push_str(&format!(",\"temperature\":{}", json!(t)));
+    }
+    out.push('}');
+    Some(out)
+}
+
+/// `ask` appended to `m` when it is a user message: after its text (two
+/// blank lines between), or as a text part after its parts.
+fn append_ask(m: &mut Value, ask: &str) -> bool {
+    if m.get("role").and_then(Value::as_str) != Some("user") {
+        return false;
+    }
+    match m.get_mut("content") {
+        Some(Value::String(text)) => {
+            text.push_str("\n\n");
+            text.push_str(ask);
+            true
+        }
+        Some(Value::Array(parts)) => {
+            parts.push(json!({"type": "text", "text": ask}));
+            true
+        }
+        _ => false,
     }
 }
 
@@ -520,6 +670,95 @@ pub(crate) fn parse_responses_reply(body: &[u8]) -> Result<SummaryReply, Summary
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn raw(v: Value) -> Box<RawValue> {
+        serde_json::value::to_raw_value(&v).unwrap()
+    }
+
+    fn ask(prompt: &str, keep_last: usize) -> InContextAsk {
+        InContextAsk {
+            prompt: prompt.to_owned(),
+            keep_last,
+        }
+    }
+
+    fn body_of(ctx: &InContext<'_>, a: &InContextAsk, cap: u32) -> Option<Value> {
+        ask_after(ctx, a, "m", cap, None).map(|b| serde_json::from_str(&b).unwrap())
+    }
+
+    /// The conversation's messages before those kept after the summary,
+    /// and its tools, go again as they were, the ask after the last user
+    /// message's text; a last message of another role gets the ask as a
+    /// user message of its own; without room, no body.
+    #[test]
+    fn an_ask_after_the_conversation_keeps_its_prefix() {
+        let messages = vec![
+            raw(json!({"role": "system", "content": "rules"})),
+            raw(json!({"role": "user", "content": "the log"})),
+            raw(json!({"role": "assistant", "content": "read it"})),
+            raw(json!({"role": "user", "content": "now this"})),
+        ];
+        let rough = [10, 100, 10, 300];
+        let tools = raw(json!([{"type": "function", "function": {"name": "read"}}]));
+        let ctx = InContext {
+            messages: &messages,
+            rough: &rough,
+            tools: Some(&tools),
+            room: 1_000,
+            scale: 1.0,
+        };
+        // The last two are kept after the summary: the ask follows the two
+        // before them.
+        let body = body_of(&ctx, &ask("SUMMARISE", 2), 500).unwrap();
+        assert_eq!(
+            body["messages"][0],
+            json!({"role": "system", "content": "rules"})
+        );
+        assert_eq!(body["messages"][1]["content"], "the log\n\nSUMMARISE");
+        assert_eq!(body["messages"].as_array().unwrap().len(), 2);
+        assert_eq!(body["tools"], serde_json::to_value(&*tools).unwrap());
+        assert_eq!(body["tool_choice"], "none");
+        assert_eq!(
+            (body["max_tokens"].as_u64(), body["stream"].as_bool()),
+            (Some(500), Some(false))
+        );
+        // The earlier messages are the client's bytes.
+        let text = ask_after(&ctx, &ask("S", 2), "m", 500, None).unwrap();
+        assert!(text.contains(messages[0].get()));
+        // An assistant message last: the ask follows as a user message.
+        let body = body_of(&ctx, &ask("S", 1), 10).unwrap();
+        assert_eq!(body["messages"][3], json!({"role": "user", "content": "S"}));
+        // Parts: the ask is a text part of its own.
+        let parts = vec![raw(
+            json!({"role": "user", "content": [{"type": "text", "text": "a"}]}),
+        )];
+        let ctx_parts = InContext {
+            messages: &parts,
+            rough: &[1],
+            tools: None,
+            ..ctx
+        };
+        let body = body_of(&ctx_parts, &ask("S", 0), 10).unwrap();
+        assert_eq!(
+            body["messages"][0]["content"][1],
+            json!({"type": "text", "text": "S"})
+        );
+        assert!(body.get("tools").is_none() && body.get("tool_choice").is_none());
+        // The ask and its reply must fit the room, which the messages kept
+        // after the summary (not sent with the ask) add to, at the scale.
+        assert!(body_of(&ctx, &ask("S", 0), 1_001).is_none());
+        assert!(body_of(&ctx, &ask("S", 1), 1_250).is_some());
+        let dense = InContext { scale: 2.0, ..ctx };
+        assert!(body_of(&dense, &ask("S", 0), 600).is_none());
+        assert!(body_of(&dense, &ask("S", 0), 400).is_some());
+        // A request over its window: the kept messages must make room for
+        // the ask, the reply and the overshoot.
+        let over = InContext { room: -200, ..ctx };
+        assert!(body_of(&over, &ask("S", 1), 99).is_some());
+        assert!(body_of(&over, &ask("S", 1), 120).is_none());
+        // Nothing before the kept messages: nothing to ask after.
+        assert!(body_of(&ctx, &ask("S", 5), 10).is_none());
+    }
 
     #[test]
     fn firmer_retries_stop_per_model_after_two_cut_again() {

@@ -101,6 +101,10 @@ pub struct CompactionConfig {
     pub summary_api_key: Option<String>,
     /// Hard ceiling of one summary call in seconds.
     pub summary_timeout_secs: u64,
+    /// Ask a summary after the conversation itself when it goes to the
+    /// conversation's own upstream and model and fits the window, so the
+    /// upstream's prompt cache serves all but the ask (chat completions).
+    pub summary_in_context: bool,
     /// Batch or micro compaction.
     pub strategy: Strategy,
     /// Charge reasoning of every assistant turn (not only the newest) in estimates.
@@ -146,6 +150,7 @@ impl std::fmt::Debug for CompactionConfig {
                 &self.summary_api_key.as_ref().map(|_| "<redacted>"),
             )
             .field("summary_timeout_secs", &self.summary_timeout_secs)
+            .field("summary_in_context", &self.summary_in_context)
             .field("strategy", &self.strategy)
             .field("charge_stale_thinking", &self.charge_stale_thinking)
             .field("micro_every_n_turns", &self.micro_every_n_turns)
@@ -175,6 +180,7 @@ impl Default for CompactionConfig {
             summary_endpoint: None,
             summary_api_key: None,
             summary_timeout_secs: DEFAULT_SUMMARY_TIMEOUT_SECS,
+            summary_in_context: true,
             strategy: Strategy::Batch,
             charge_stale_thinking: tokens::DEFAULT_CHARGE_STALE_THINKING,
             micro_every_n_turns: 1,

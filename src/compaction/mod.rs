@@ -77,7 +77,7 @@ pub use compressor::{
 pub use config::{CompactionConfig, Strategy};
 pub use last_resort::Fit;
 pub use markers::{declare_summary, END_MARKER, INFLIGHT_HEADER, NO_USER_SENTINEL, SUMMARY_PREFIX};
-pub use summariser::{Summariser, SummaryError, SummaryReply, SummaryRequest};
+pub use summariser::{InContextAsk, Summariser, SummaryError, SummaryReply, SummaryRequest};
 pub use summary_failure::{SummaryErrorKind, SummaryFailureKind};
 pub use tokens::{
     estimate_messages_tokens_rough, estimate_msg_budget_tokens, estimate_request_tokens_rough,

@@ -51,10 +51,26 @@ pub struct SummaryRequest {
     pub model: Option<String>,
     /// The whole prompt, sent as a single user message.
     pub prompt: String,
+    /// The same ask for a summariser shown the conversation itself: sent
+    /// after the conversation's own messages instead of `prompt`, when the
+    /// summariser can (the conversation's upstream and model, room in the
+    /// window), so the upstream's prompt cache serves all but the ask.
+    pub in_context: Option<InContextAsk>,
     /// Wire `max_tokens`; only micro-compaction sets it.
     pub max_tokens: Option<u32>,
     /// Sampling temperature; only micro-compaction sets it.
     pub temperature: Option<f32>,
+}
+
+/// A summary ask sent after the conversation itself ([`SummaryRequest::in_context`]).
+#[derive(Clone, Debug, PartialEq)]
+pub struct InContextAsk {
+    /// The instructions, without the turns: the summariser reads them above.
+    pub prompt: String,
+    /// Messages at the end of the compacted history kept after the summary:
+    /// the ask follows the messages before them, which a prompt cache holds
+    /// from the conversation's earlier requests.
+    pub keep_last: usize,
 }
 
 /// What the summariser answered.

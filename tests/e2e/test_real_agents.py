@@ -100,12 +100,20 @@ def top_instructions(body: Any) -> Any:
     return body.get("system", body.get("instructions"))
 
 
+IN_CONTEXT_PREFIX = "You are a summarization agent now."
+
+
 def is_summary_call(body: Any) -> bool:
+    """A summary call: one user message opening with the summariser's preamble, or the
+    conversation itself with the ask appended to its last user message (asked in context,
+    for the prompt cache)."""
     items = _list(body)
-    if len(items) != 1 or not isinstance(items[0], dict) or items[0].get("role") != "user":
+    if not items or not isinstance(items[-1], dict) or items[-1].get("role") != "user":
         return False
-    texts = _texts(items[0].get("content"))
-    return bool(texts) and texts[0].startswith(SUMMARY_PREFIXES)
+    texts = _texts(items[-1].get("content"))
+    if len(items) == 1 and texts and texts[0].startswith(SUMMARY_PREFIXES):
+        return True
+    return bool(texts) and any(p.startswith(IN_CONTEXT_PREFIX) for p in texts[-1].split("\n\n"))
 
 
 def _kept_in_order(want: list[list[str]], have: list[list[str]]) -> bool:

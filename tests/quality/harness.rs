@@ -35,6 +35,22 @@ use tokio::net::TcpListener;
 
 type Body = UnsyncBoxBody<Bytes, Infallible>;
 
+/// How a summary asked after the conversation opens (serialize.rs).
+const IN_CONTEXT_START: &str = "You are a summarization agent now.";
+
+/// The text of a message: its string content, or its text parts joined.
+fn text_of(m: &Value) -> String {
+    match &m["content"] {
+        Value::String(s) => s.clone(),
+        Value::Array(parts) => parts
+            .iter()
+            .filter_map(|p| p["text"].as_str())
+            .collect::<Vec<_>>()
+            .join("\n"),
+        _ => String::new(),
+    }
+}
+
 /// How the engine's summary prompts start (serialize.rs PREAMBLE, micro.rs).
 const SUMMARY_STARTS: [&str; 2] = [
     "You are a summarization agent",
@@ -294,7 +310,20 @@ async fn serve(shared: Arc<Shared>, req: Request<Incoming>) -> Result<Response<B
         .first()
         .and_then(|m| m["content"].as_str())
         .unwrap_or_default();
-    if messages.len() == 1 && SUMMARY_STARTS.iter().any(|s| first.starts_with(s)) {
+    // A summary asked after the conversation: the summariser reads the
+    // whole conversation it is shown, as a model would.
+    let in_context = messages.last().is_some_and(|m| {
+        text_of(m)
+            .split("\n\n")
+            .any(|p| p.starts_with(IN_CONTEXT_START))
+    });
+    let shown = if in_context {
+        messages.iter().map(text_of).collect::<Vec<_>>().join("\n")
+    } else {
+        first.to_owned()
+    };
+    if in_context || (messages.len() == 1 && SUMMARY_STARTS.iter().any(|s| first.starts_with(s))) {
+        let first = shown.as_str();
         let (text, cut) = scripted_summary(first, max_tokens);
         if std::env::var_os("QUALITY_DUMP").is_some() {
             eprintln!("=== SUMMARY PROMPT (max_tokens {max_tokens:?}, cut {cut})\n{first}\n=== REPLY\n{text}");

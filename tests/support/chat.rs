@@ -38,6 +38,8 @@ type MockBody = UnsyncBoxBody<Bytes, Infallible>;
 /// How the summariser prompt starts (src/compaction/serialize.rs PREAMBLE).
 pub const SUMMARY_PROMPT_START: &str = "You are a summarization agent";
 /// How micro-compaction prompts start (src/compaction/compressor/micro.rs).
+/// How a summary asked after the conversation opens.
+pub const IN_CONTEXT_PROMPT_START: &str = "You are a summarization agent now.";
 pub const MICRO_PROMPT_START: &str = "You are a conversation summarization assistant";
 
 /// Fixed id/created so rendered responses are reproducible byte for byte.
@@ -219,11 +221,37 @@ fn is_summary_call(body: &Value) -> bool {
     let Some(msgs) = body.get("messages").and_then(Value::as_array) else {
         return false;
     };
-    msgs.len() == 1
+    let alone = msgs.len() == 1
         && msgs[0]["role"] == "user"
         && msgs[0]["content"].as_str().is_some_and(|c| {
             c.starts_with(SUMMARY_PROMPT_START) || c.starts_with(MICRO_PROMPT_START)
-        })
+        });
+    alone || is_in_context_summary(body)
+}
+
+/// A summary asked after the conversation itself: its last user message
+/// ends with the ask (appended to its text, or a text part of its own).
+pub fn is_in_context_summary(body: &Value) -> bool {
+    let Some(last) = body
+        .get("messages")
+        .and_then(Value::as_array)
+        .and_then(|m| m.last())
+    else {
+        return false;
+    };
+    let text = match &last["content"] {
+        Value::String(s) => s.clone(),
+        Value::Array(parts) => parts
+            .last()
+            .and_then(|p| p["text"].as_str())
+            .unwrap_or_default()
+            .to_owned(),
+        _ => String::new(),
+    };
+    last["role"] == "user"
+        && text
+            .split("\n\n")
+            .any(|para| para.starts_with(IN_CONTEXT_PROMPT_START))
 }
 
 fn usage_json(prompt: u64, completion: u64) -> String {

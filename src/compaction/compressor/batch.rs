@@ -209,7 +209,8 @@ impl Compressor {
                 return self.finish(messages, pass, Ending::Unchanged(Outcome::NoOp(reason)))
             }
         };
-        let state = self.adopt_handoffs(&cut.working);
+        let mut state = self.adopt_handoffs(&cut.working);
+        state.kept_after = Some(cut.working.len() - cut.end);
         let middle = cut.middle();
         if middle.is_empty() {
             pass.keep_state = Some(state);
@@ -246,6 +247,7 @@ impl Compressor {
                 previous: Some(summary.1),
                 has_user_turn: state.has_user_turn,
                 keep_said: true,
+                kept_after: None,
             });
         }
         self.finish(messages, pass, ending)
@@ -285,6 +287,7 @@ impl Compressor {
             previous,
             has_user_turn,
             keep_said: self.cfg.keep_user_messages,
+            kept_after: None,
         }
     }
 

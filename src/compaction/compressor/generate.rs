@@ -12,10 +12,10 @@ use super::Compressor;
 use crate::compaction::markers;
 use crate::compaction::redact::redact_secrets;
 use crate::compaction::serialize::{
-    self, bound_summary_input, build_summary_prompt, chunk_for_budget, serialize_for_summary,
-    PromptParts, SUMMARY_INPUT_MAX_CHARS,
+    self, bound_summary_input, build_in_context_prompt, build_summary_prompt, chunk_for_budget,
+    serialize_for_summary, PromptParts, SUMMARY_INPUT_MAX_CHARS,
 };
-use crate::compaction::summariser::Summariser;
+use crate::compaction::summariser::{InContextAsk, Summariser};
 use crate::compaction::tokens;
 use crate::compaction::user_messages;
 use crate::compaction::view;
@@ -38,6 +38,24 @@ pub(super) struct SummaryState {
     /// The summary lands in the conversation: it carries the user's own
     /// messages ([`user_messages`]). A summary made on its own does not.
     pub(super) keep_said: bool,
+    /// Messages at the end of the compacted history kept after the summary,
+    /// when a summary may be asked after the rest of it
+    /// ([`crate::compaction::InContextAsk`]); `None` for one made on its own.
+    pub(super) kept_after: Option<usize>,
+}
+
+/// The ask of `parts` for a summariser shown the conversation itself, when
+/// the compaction keeps `kept_after` messages after its summary and one
+/// prompt holds the whole middle (a chunk summarises only part of it).
+fn in_context_ask(parts: &PromptParts<'_>, kept_after: Option<usize>) -> Option<InContextAsk> {
+    let keep_last = kept_after.filter(|_| parts.chunk.is_none())?;
+    Some(InContextAsk {
+        keep_last,
+        prompt: build_in_context_prompt(&PromptParts {
+            turns: "",
+            ..parts.clone()
+        }),
+    })
 }
 
 /// `body` with its task snapshot grounded in the newest real user ask of
@@ -140,6 +158,7 @@ impl Compressor {
             previous: self.previous_summary.clone(),
             has_user_turn: self.summary_has_user_turn,
             keep_said: false,
+            kept_after: None,
         };
         let a = self
             .attempt_summary(s, turns, &state, focus_topic, false, None)
@@ -192,11 +211,7 @@ impl Compressor {
         );
         out.chunks = chunks.len();
 
-        let mut model = if self.distinct_summary_model() {
-            self.summary_model.clone()
-        } else {
-            None
-        };
+        let mut model = (self.summary_model.clone()).filter(|_| self.distinct_summary_model());
         let mut fallen_back = self.summary_model_fallen_back;
         let mut running = previous;
         let n = chunks.len();
@@ -204,7 +219,7 @@ impl Compressor {
             let prev = running
                 .as_deref()
                 .map(|p| bound_running_summary(p, prev_cap));
-            let prompt = build_summary_prompt(&PromptParts {
+            let parts = PromptParts {
                 turns: text,
                 previous_summary: prev.as_deref(),
                 focus_topic: focus.as_deref(),
@@ -214,9 +229,10 @@ impl Compressor {
                 chunk: (n > 1).then_some((i, n)),
                 compact,
                 user_messages_kept: !said.is_empty(),
-            });
+            };
             let call = SummaryCall {
-                prompt,
+                prompt: build_summary_prompt(&parts),
+                in_context: in_context_ask(&parts, state.kept_after),
                 no_user_session: no_user_turns,
                 target_tokens: target,
                 max_body_chars: max_summary_body_chars(target, self.trigger.context_length()),

@@ -216,6 +216,7 @@ impl Compressor {
         let cap = MICRO_MAX_TOKENS_CAP.min(reply_cap).max(1);
         let call = SummaryCall {
             prompt,
+            in_context: None,
             no_user_session: false,
             target_tokens: cap,
             max_body_chars: usize::MAX,

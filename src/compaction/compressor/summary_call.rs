@@ -6,7 +6,7 @@ use serde_json::Value;
 
 use super::failure::AuxModelFailure;
 use crate::compaction::serialize;
-use crate::compaction::summariser::{Summariser, SummaryReply, SummaryRequest};
+use crate::compaction::summariser::{InContextAsk, Summariser, SummaryReply, SummaryRequest};
 use crate::compaction::summary_failure::SummaryFailure;
 use crate::compaction::truncated;
 use crate::compaction::view;
@@ -43,6 +43,10 @@ fn reply_text(reply: &SummaryReply) -> Option<String> {
 /// handled the same way on either path.
 pub(super) struct SummaryCall {
     pub(super) prompt: String,
+    /// The same ask for a summariser shown the conversation itself (see
+    /// [`SummaryRequest::in_context`]); never for a firmer retry or a
+    /// distinct summary model.
+    pub(super) in_context: Option<InContextAsk>,
     /// The session has no user turns: a reply attributing anything to a
     /// user is invented and counts as a refusal.
     pub(super) no_user_session: bool,
@@ -123,9 +127,15 @@ impl SummaryCall {
         out: &mut SummaryAttempt,
     ) -> Result<Checked, SummaryFailure> {
         loop {
+            let in_context = self
+                .in_context
+                .as_ref()
+                .filter(|_| model.is_none() && prompt == self.prompt)
+                .cloned();
             let req = SummaryRequest {
                 model: model.clone(),
                 prompt: prompt.to_owned(),
+                in_context,
                 max_tokens: self.max_tokens,
                 temperature: self.temperature,
             };
