@@ -14,8 +14,8 @@
 //! - [`telemetry`] and [`config`].
 //! - Support: [`session`] (keys, the session store, calibration),
 //!   [`store`] (what outlives a process), [`metrics`].
-//! - Pure leaves: `window`, [`compaction`] (the engine, synchronous, no
-//!   I/O), [`codec`] (each API's request mapped onto the engine's
+//! - Leaves: `window`, [`compaction`] (the engine: deterministic, no I/O;
+//!   async only at the `Summariser` trait, its one edge), [`codec`] (each API's request mapped onto the engine's
 //!   conversation and back), [`request`], `skim` (a validating skim of a
 //!   JSON object's members), `error`, [`sync`], `civil`.
 //!

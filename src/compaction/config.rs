@@ -31,8 +31,9 @@ pub(crate) const DEFAULT_SUMMARY_TIMEOUT_SECS: u64 = 600;
 pub(crate) const DEFAULT_TARGET_RATIO: f64 = 0.5;
 
 /// The first bad setting of a `[compaction]` table. The engine is a leaf and
-/// cannot name `crate::config::InvalidSetting`, the one configuration error a
-/// user sees; the config layer turns this into one of its problems.
+/// cannot name `crate::config::ConfigError`, the one configuration error a
+/// user sees; the config layer turns this into one of its problems (a key
+/// under `compaction.`).
 #[derive(Debug, thiserror::Error)]
 #[error("invalid setting compaction{}: {message}", key.as_deref().map(|k| format!(".{k}")).unwrap_or_default())]
 pub(crate) struct InvalidSetting {

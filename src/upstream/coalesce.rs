@@ -1,12 +1,13 @@
-//! Hands hyper every response byte that is already available in one go:
-//! the data frames ready back to back leave as one frame, one chunk, one
-//! write.
+//! Hands the client's server every response byte that is already available
+//! in one go: the data frames ready back to back leave as one frame, one
+//! chunk, one write.
 //!
 //! The upstream client (`upstream::h1`) already joins the body data one
 //! read of the socket brought; when the socket has more by the time that
 //! frame is taken (an SSE burst larger than a read, or one that arrived in
 //! several segments), the body stack above (usage tap, usage hider, idle
-//! timeout) and hyper's chunk encoder would still run once per read.
+//! timeout) and the server's chunk framing (`server::h1`, or hyper's server
+//! on a connection `server::h1` handed over) would still run once per read.
 //! [`CoalesceBody`] takes frames while the inner body has them ready and
 //! releases what it gathered, joined, at the first `Pending`. A frame
 //! released alone is the upstream client's own buffer (no copy).

@@ -2,18 +2,22 @@
 //! not answered and little of it went out.
 //!
 //! The keep-alive race (an upstream closing a pooled connection just as a
-//! request goes out on it) ends in hyper's "connection closed before
-//! message completed" before any response byte: the upstream never
-//! answered, and the request is sent once more on a new connection. A
-//! held body ([`super::Upstream::send_bytes`]) is simply sent again. A
+//! request goes out on it) ends before any response byte, in the upstream
+//! client's "connection closed before message completed"
+//! (`upstream::h1::Error::Incomplete`) or a write that met the closed
+//! socket (reset, broken pipe): the upstream never answered, and the
+//! request is sent once more on a new connection (`super::unsent` decides).
+//! A held body ([`super::Upstream::send_bytes`]) is simply sent again. A
 //! streamed one (a chunked upload, a body over
-//! [`super::REPLAYABLE_BODY_BYTES`]) is not held: it is *leased* to hyper,
-//! and the frames that went out are kept, up to [`KEEP_BYTES`] and within
-//! the process-wide buffered-body budget, until the response head arrives.
-//! A second lease sends the kept frames, then goes on reading the client's
+//! [`super::REPLAYABLE_BODY_BYTES`]) is not held: it is *leased* to the
+//! upstream client, which writes it while it reads the response, and the
+//! frames that went out are kept, up to [`KEEP_BYTES`] and within the
+//! process-wide buffered-body budget, until the response head arrives. A
+//! second lease sends the kept frames, then goes on reading the client's
 //! body where the first stopped (the client's stream stays with the
-//! [`Replay`], not with the request hyper dropped). Past the cap, or once
-//! the upstream answered, nothing is kept and no replay is offered.
+//! [`Replay`], not with the failed attempt's request, which was dropped).
+//! Past the cap, or once the upstream answered, nothing is kept and no
+//! replay is offered.
 
 use std::pin::Pin;
 use std::sync::atomic::Ordering;
@@ -90,7 +94,7 @@ impl Drop for Shared {
     }
 }
 
-/// A streamed body that can be leased to hyper more than once.
+/// A streamed body that can be leased to the upstream client more than once.
 pub(crate) struct Replay {
     shared: Arc<Mutex<Shared>>,
 }

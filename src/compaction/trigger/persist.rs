@@ -51,7 +51,9 @@ pub(crate) struct TriggerStatus {
     pub(crate) ineffective_compression_count: u32,
     /// Consecutive fallback summaries.
     pub(crate) fallback_streak: u32,
-    /// Feasibility skips.
+    /// Summary calls skipped since the usage was last forgotten (new
+    /// session, model or window): the middle was under a tenth of the
+    /// threshold after an ineffective compaction (`feasibility_skip`).
     pub(crate) prellm_skip_count: u32,
     /// Seconds left on the failure cooldown.
     pub(crate) cooldown_remaining_secs: Option<u64>,
