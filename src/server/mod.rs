@@ -1,12 +1,15 @@
 //! The server layer: the state every request shares, bind, the accept loop
 //! and graceful shutdown; [`h1`] reads requests and writes responses (hyper's
 //! server for what it leaves), [`router`] dispatches each request, [`admin`]
-//! serves the session view.
+//! serves the session view. [`cores`] runs the accept loop on one thread per
+//! core (it uses this module; this module uses only [`balance`], which
+//! spreads the connections between those threads).
 //!
 //! Below it, [`crate::chat`] walks a chat completion and [`crate::upstream`]
 //! talks to the upstream; neither reaches back up here.
 
 pub mod admin;
+pub(crate) mod balance;
 pub mod conn;
 pub mod cores;
 pub mod fdlimit;
@@ -26,6 +29,8 @@ use hyper_util::server::graceful::GracefulShutdown;
 use tokio::net::TcpListener;
 use tokio::sync::{oneshot, watch};
 use tokio::task::JoinHandle;
+
+use balance::{handed_over, Balance, Load, Placed};
 
 use crate::chat::ChatState;
 use crate::config::{Config, ConfigError};
@@ -165,7 +170,7 @@ pub(crate) async fn serve_on<F>(
     state: Arc<AppState>,
     shutdown: F,
     duties: Duties,
-    mut balance: Option<cores::Balance>,
+    mut balance: Option<Balance>,
 ) -> bool
 where
     F: Future<Output = ()>,
@@ -231,11 +236,11 @@ where
                     continue;
                 };
                 match b.place(stream) {
-                    cores::Placed::Here(stream, load) => (stream, Some(load)),
-                    cores::Placed::Elsewhere => continue,
+                    Placed::Here(stream, load) => (stream, Some(load)),
+                    Placed::Elsewhere => continue,
                 }
             }
-            handed = cores::handed_over(&mut balance) => match handed {
+            handed = handed_over(&mut balance) => match handed {
                 Some(placed) => placed,
                 None => continue,
             },
@@ -271,7 +276,7 @@ fn serve_connection(
     own: &watch::Sender<()>,
     state: &Arc<AppState>,
     stream: tokio::net::TcpStream,
-    load: Option<cores::Load>,
+    load: Option<Load>,
 ) {
     if let Err(e) = stream.set_nodelay(true) {
         tracing::debug!(error = %e, "set_nodelay failed");
