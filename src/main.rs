@@ -10,7 +10,9 @@ const EXIT_USAGE: u8 = 64;
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
-    let mut config = match config::Config::load(cli.config.as_deref(), &config::ProcessEnv) {
+    let loaded =
+        config::Config::load_with(cli.config.as_deref(), &config::ProcessEnv, &cli.overrides());
+    let mut config = match loaded {
         Ok(c) => c,
         Err(e) => {
             eprintln!("compactor: {e}");

@@ -263,3 +263,72 @@ fn json_log_format() {
         .collect();
     assert_eq!(shape, "dddd-dd-ddTdd:dd:dd.ddddddZ", "{ts}");
 }
+
+/// `--listen` and `--upstream` win over `COMPACTOR_*` and the file: the
+/// binary serves on the flag's address and forwards to the flag's upstream.
+#[tokio::test]
+async fn flags_win_over_env_and_file() {
+    let up = MockUpstream::builder()
+        .route(
+            "/v1/models",
+            Reply::Full {
+                status: 200,
+                headers: vec![],
+                body: Bytes::from_static(b"from the flag's upstream"),
+            },
+        )
+        .run()
+        .await;
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::write(
+        dir.path().join("proxy.toml"),
+        "listen = \"127.0.0.1:1\"\nupstream = \"http://127.0.0.1:9\"\n",
+    )
+    .unwrap();
+    let mut cmd = command(dir.path());
+    // The environment says something else (and an address that cannot be
+    // bound): the flags win.
+    cmd.env("COMPACTOR_LISTEN", "127.0.0.1:1")
+        .env("COMPACTOR_UPSTREAM", "http://127.0.0.1:9")
+        .args(["--listen", "127.0.0.1:0", "--upstream", &up.url()]);
+    let p = spawn(cmd);
+    let (addr, line) = listening_addr(&p);
+    assert_ne!(addr.port(), 1, "{line}");
+    let (status, _, body) = get(&format!("http://{addr}/v1/models")).await;
+    assert_eq!(status, 200);
+    assert_eq!(body, "from the flag's upstream");
+}
+
+/// A bad flag value exits 64 naming its key; `--help` names the config
+/// file, the env prefix and the inspector; `--version` the crate's version.
+#[test]
+fn flag_errors_help_and_version() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut cmd = command(dir.path());
+    cmd.args(["--listen", "not-an-address"]);
+    let (code, stderr) = run_to_end(cmd);
+    assert_eq!(code, 64, "{stderr}");
+    assert!(stderr.contains("`listen`"), "{stderr}");
+
+    let out = command(dir.path()).arg("--help").output().unwrap();
+    assert_eq!(out.status.code(), Some(0));
+    let help = String::from_utf8_lossy(&out.stdout);
+    for needle in [
+        "--upstream <URL>",
+        "--listen <ADDR>",
+        "--config <FILE>",
+        "proxy.toml",
+        "COMPACTOR_",
+        "/_compactor/ui",
+    ] {
+        assert!(help.contains(needle), "{needle} missing:\n{help}");
+    }
+
+    let out = command(dir.path()).arg("--version").output().unwrap();
+    assert_eq!(out.status.code(), Some(0));
+    let version = String::from_utf8_lossy(&out.stdout);
+    assert_eq!(
+        version.trim(),
+        format!("compactor {}", env!("CARGO_PKG_VERSION"))
+    );
+}

@@ -1,4 +1,6 @@
-//! Configuration: `proxy.toml` + `COMPACTOR_*` environment overrides.
+//! Configuration: `proxy.toml` + `COMPACTOR_*` environment overrides +
+//! the command line's [`Overrides`] (`--upstream`, `--listen`), each over
+//! the one before.
 //!
 //! Two stages, so every problem can be reported with the key that caused it:
 //! [`RawConfig`] mirrors the file (serde, `deny_unknown_fields`, defaults), and
@@ -135,6 +137,17 @@ impl EnvSource for MapEnv {
     fn get(&self, key: &str) -> Option<String> {
         self.0.get(key).cloned()
     }
+}
+
+/// Settings given on the command line (`compactor --upstream URL --listen
+/// ADDR`): applied over the file and the `COMPACTOR_*` environment, then
+/// validated with the rest (a bad value is named by its key).
+#[derive(Debug, Default, Clone, PartialEq, Eq)]
+pub struct Overrides {
+    /// `--listen`: the `listen` key.
+    pub listen: Option<String>,
+    /// `--upstream`: the `upstream` key.
+    pub upstream: Option<String>,
 }
 
 /// Log output format.
@@ -344,6 +357,16 @@ impl Config {
     /// Loads the configuration the binary uses: `path` if given (must exist),
     /// else `./proxy.toml` if present, else defaults; then env overrides.
     pub fn load(path: Option<&Path>, env: &dyn EnvSource) -> Result<Config, ConfigError> {
+        Self::load_with(path, env, &Overrides::default())
+    }
+
+    /// [`Config::load`], then the command line's `flags` over the file and
+    /// the environment.
+    pub fn load_with(
+        path: Option<&Path>,
+        env: &dyn EnvSource,
+        flags: &Overrides,
+    ) -> Result<Config, ConfigError> {
         let (text, origin) = match path {
             Some(p) => (read(p)?, Some(p.to_path_buf())),
             None => {
@@ -358,18 +381,25 @@ impl Config {
         let origin = origin
             .map(|p| format!(" in {}", p.display()))
             .unwrap_or_default();
-        Self::parse(&text, env, &origin)
+        Self::parse(&text, env, flags, &origin)
     }
 
     /// Parses TOML text and applies env overrides (no filesystem access for
     /// the config itself).
     pub fn from_toml_str(text: &str, env: &dyn EnvSource) -> Result<Config, ConfigError> {
-        Self::parse(text, env, "")
+        Self::parse(text, env, &Overrides::default(), "")
     }
 
-    fn parse(text: &str, env: &dyn EnvSource, origin: &str) -> Result<Config, ConfigError> {
+    /// File text, then `env`, then `flags`; validated as a whole.
+    fn parse(
+        text: &str,
+        env: &dyn EnvSource,
+        flags: &Overrides,
+        origin: &str,
+    ) -> Result<Config, ConfigError> {
         let mut raw: RawConfig = toml::from_str(text).map_err(|e| parse_error(&e, text, origin))?;
         raw.apply_env(env, origin)?;
+        raw.apply_flags(flags);
         raw.validate(origin)
     }
 }

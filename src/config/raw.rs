@@ -1,6 +1,6 @@
 //! `proxy.toml` as written: one struct per table, serde's defaults and
-//! `deny_unknown_fields`, and the `COMPACTOR_*` overrides applied to it
-//! before anything is checked.
+//! `deny_unknown_fields`, and the `COMPACTOR_*` overrides and the command
+//! line's flags applied to it before anything is checked.
 
 use std::collections::BTreeMap;
 use std::path::PathBuf;
@@ -8,7 +8,7 @@ use std::path::PathBuf;
 use serde::Deserialize;
 
 use super::{
-    ConfigError, EnvSource, LogFormat, DEFAULT_LISTEN, DEFAULT_MAX_BODY_BYTES,
+    ConfigError, EnvSource, LogFormat, Overrides, DEFAULT_LISTEN, DEFAULT_MAX_BODY_BYTES,
     DEFAULT_SESSION_HEADERS, DEFAULT_UPSTREAM,
 };
 
@@ -220,6 +220,16 @@ pub(crate) struct LogConfig {
 impl RawConfig {
     /// Applies `COMPACTOR_*` overrides. Unparseable values are reported under
     /// the env variable's name.
+    /// The command line's settings, over the file's and the environment's.
+    pub(super) fn apply_flags(&mut self, flags: &Overrides) {
+        if let Some(v) = &flags.listen {
+            self.listen.clone_from(v);
+        }
+        if let Some(v) = &flags.upstream {
+            self.upstream.clone_from(v);
+        }
+    }
+
     pub(super) fn apply_env(
         &mut self,
         env: &dyn EnvSource,

@@ -105,6 +105,57 @@ fn env_overrides_file() {
     assert_eq!(c.log_format, LogFormat::Json);
 }
 
+/// `--listen` / `--upstream` win over `COMPACTOR_*`, which wins over the
+/// file; a flag left out leaves the others in force.
+#[test]
+fn flags_win_over_env_which_wins_over_file() {
+    let file = "listen = \"127.0.0.1:1\"\nupstream = \"http://file:1\"\n";
+    let env = MapEnv::from_pairs([
+        ("COMPACTOR_LISTEN", "127.0.0.1:2"),
+        ("COMPACTOR_UPSTREAM", "http://env:2"),
+    ]);
+    let flags = Overrides {
+        listen: Some("127.0.0.1:3".to_owned()),
+        upstream: Some("https://flag:3/api/".to_owned()),
+    };
+    let c = Config::parse(file, &env, &flags, "").unwrap();
+    assert_eq!(c.listen.port(), 3);
+    assert_eq!(c.upstream.authority.as_str(), "flag:3");
+    assert_eq!(c.upstream.path_prefix, "/api");
+    assert!(c.upstream.is_https());
+
+    // Only --upstream: the env's listen stays.
+    let flags = Overrides {
+        upstream: Some("http://flag:4".to_owned()),
+        ..Overrides::default()
+    };
+    let c = Config::parse(file, &env, &flags, "").unwrap();
+    assert_eq!(c.listen.port(), 2);
+    assert_eq!(c.upstream.authority.as_str(), "flag:4");
+
+    // No env either: the file's listen.
+    let c = Config::parse(file, &MapEnv::default(), &flags, "").unwrap();
+    assert_eq!(c.listen.port(), 1);
+
+    // No flags: what the environment says, as before.
+    let c = Config::parse(file, &env, &Overrides::default(), "").unwrap();
+    assert_eq!(c.listen.port(), 2);
+    assert_eq!(c.upstream.authority.as_str(), "env:2");
+}
+
+/// A bad flag value is named by its key, like the file's and the env's.
+#[test]
+fn bad_flag_values_are_named_by_their_keys() {
+    let flags = Overrides {
+        listen: Some("not-an-address".to_owned()),
+        upstream: Some("ftp://nope".to_owned()),
+    };
+    let e = Config::parse("", &MapEnv::default(), &flags, "").unwrap_err();
+    let mut keys = e.keys();
+    keys.sort_unstable();
+    assert_eq!(keys, vec!["listen", "upstream"]);
+}
+
 #[test]
 fn store_section_env_and_bounds() {
     use crate::store::StoreBackend;
