@@ -10,7 +10,7 @@
 # codegen unit) with the profile applied: the same code as `cargo build
 # --release`, laid out for the request path. On the 2-core development
 # machine it ran a small chat request in ~14% fewer user-space instructions
-# (README's benchmark section gives the figures and the commands).
+# (docs/benchmarks.md gives the figures and the commands).
 #
 # Needs rustup's llvm-tools component (added when missing: llvm-profdata
 # must match rustc's LLVM) and wrk (installed from the distribution's
