@@ -17,7 +17,8 @@
 //! - Leaves: `window`, [`compaction`] (the engine: deterministic, no I/O;
 //!   async only at the `Summariser` trait, its one edge), [`codec`] (each API's request mapped onto the engine's
 //!   conversation and back), [`request`], `skim` (a validating skim of a
-//!   JSON object's members), `error`, [`sync`], `civil`.
+//!   JSON object's members), `error`, `http1` (the HTTP/1 wire rules both
+//!   directions share), [`sync`], `civil`.
 //!
 //! `ARCHITECTURE.md` has the walk of a request and the module map;
 //! `scripts/layers.txt` writes the order down and `scripts/check_layers.sh`
@@ -31,6 +32,7 @@ pub mod codec;
 pub mod compaction;
 pub mod config;
 pub(crate) mod error;
+pub(crate) mod http1;
 pub mod metrics;
 pub mod request;
 pub mod server;

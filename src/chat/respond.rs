@@ -67,7 +67,7 @@ pub(super) async fn send(
 /// `From<usize>` builds it in a growable buffer, then a shared one (two).
 fn length_value(n: usize) -> HeaderValue {
     let mut buf = [0; 20];
-    let digits = crate::telemetry::line::decimal(n as u64, &mut buf);
+    let digits = crate::http1::decimal(n as u64, &mut buf);
     HeaderValue::from_bytes(digits).unwrap_or_else(|_| HeaderValue::from(n))
 }
 

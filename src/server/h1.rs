@@ -45,7 +45,7 @@ use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, ReadBuf};
 use tokio::sync::watch;
 
 use crate::error::ProxyBody;
-use crate::upstream::h1::parse_length;
+use crate::http1::{closes, content_length, has_token, is_chunked};
 
 /// Header fields a request served here may have (hyper takes up to 100).
 pub(crate) const MAX_HEADERS: usize = 64;
@@ -212,13 +212,13 @@ fn parse(buf: &mut BytesMut, names: &mut Vec<Field>) -> Parsed {
         match name {
             // Anything but digits is hyper's call.
             header::CONTENT_LENGTH => {
-                match parse_length(f.value).and_then(|n| usize::try_from(n).ok()) {
+                match content_length(f.value).and_then(|n| usize::try_from(n).ok()) {
                     Some(n) if length.is_none() => length = Some(n),
                     _ => return Parsed::Hyper,
                 }
             }
             header::TRANSFER_ENCODING | header::EXPECT | header::UPGRADE => return Parsed::Hyper,
-            header::CONNECTION if has_token(f.value, b"close") => return Parsed::Hyper,
+            header::CONNECTION if closes(f.value) => return Parsed::Hyper,
             header::TE => te_trailers |= has_token(f.value, b"trailers"),
             _ => {}
         }
@@ -270,13 +270,6 @@ fn build(
     *request.version_mut() = Version::HTTP_11;
     *request.headers_mut() = headers;
     Some(request)
-}
-
-/// Whether a comma-separated header value lists `token` (any case).
-fn has_token(value: &[u8], token: &[u8]) -> bool {
-    value
-        .split(|&b| b == b',')
-        .any(|t| t.trim_ascii().eq_ignore_ascii_case(token))
 }
 
 /// How a response body is delimited on the wire.
@@ -405,11 +398,11 @@ async fn write_response<I: AsyncWrite + Unpin>(
 
 /// Adds `close` to the response's `Connection` (hyper's keep-alive off).
 fn close_connection(headers: &mut HeaderMap) {
-    let closes = headers
+    let closing = headers
         .get_all(header::CONNECTION)
         .iter()
-        .any(|v| has_token(v.as_bytes(), b"close"));
-    if !closes {
+        .any(|v| closes(v.as_bytes()));
+    if !closing {
         headers.append(header::CONNECTION, HeaderValue::from_static("close"));
     }
 }
@@ -629,7 +622,7 @@ fn implied_framing(
         }
         Declared::Known(n) if can_have_content_length(status) => {
             out.extend_from_slice(b"content-length: ");
-            out.extend_from_slice(crate::telemetry::line::decimal(n, &mut [0; 20]));
+            out.extend_from_slice(crate::http1::decimal(n, &mut [0; 20]));
             out.extend_from_slice(b"\r\n");
             Framing::Length(n)
         }
@@ -692,7 +685,7 @@ impl Fields<'_> {
                 return Ok(());
             }
             header::CONNECTION => {
-                if has_token(value.as_bytes(), b"close") {
+                if closes(value.as_bytes()) {
                     *last = true;
                 }
                 self.joined(name, value, continuing);
@@ -722,7 +715,7 @@ impl Fields<'_> {
                 return Ok(());
             }
             Declared::Known(n) => n,
-            Declared::Unknown => parse_length(value.as_bytes()).ok_or(BadHead)?,
+            Declared::Unknown => content_length(value.as_bytes()).ok_or(BadHead)?,
         };
         match &self.framing {
             // A later value of the same field: the first one stands (when
@@ -789,14 +782,6 @@ fn is_valid_trailer_field(name: &HeaderName) -> bool {
             | header::TRANSFER_ENCODING
             | header::TE
     )
-}
-
-/// Whether a `Transfer-Encoding` value's last coding is `chunked`.
-fn is_chunked(value: &[u8]) -> bool {
-    value
-        .rsplit(|&b| b == b',')
-        .next()
-        .is_some_and(|t| t.trim_ascii().eq_ignore_ascii_case(b"chunked"))
 }
 
 /// Appends `date: <now>\r\n`, formatted once a second per thread.

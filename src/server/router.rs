@@ -235,11 +235,7 @@ where
     B::Error: Into<BoxError>,
 {
     let limit = state.config.max_body_bytes;
-    let declared = req
-        .headers()
-        .get(header::CONTENT_LENGTH)
-        .and_then(|v| v.to_str().ok())
-        .and_then(|v| v.trim().parse::<u64>().ok());
+    let declared = crate::http1::declared_length(req.headers());
     if declared.is_some_and(|n| n > limit) {
         return Err(ProxyError::BodyTooLarge { limit });
     }

@@ -25,6 +25,8 @@ use tracing_subscriber::fmt::format::Writer;
 use tracing_subscriber::fmt::time::FormatTime;
 use tracing_subscriber::fmt::FormatFields;
 
+use crate::http1::decimal;
+
 /// RFC 3339 UTC timestamps with microseconds (see the module docs).
 #[derive(Debug, Clone, Copy, Default)]
 pub(crate) struct CachedUtc;
@@ -154,23 +156,6 @@ fn write_int(w: &mut Writer<'_>, negative: bool, v: u64) -> fmt::Result {
     }
     // Only ASCII digits were written.
     w.write_str(std::str::from_utf8(decimal(v, &mut [0; 20])).map_err(|_| fmt::Error)?)
-}
-
-/// `v`'s ASCII digits, written into `buf` from its end: the log lines'
-/// integers without the formatting machinery. Bytes, not a `str`: the
-/// request line and the response heads are bytes, and checking digits as
-/// UTF-8 cost more than writing them.
-pub(crate) fn decimal(mut v: u64, buf: &mut [u8; 20]) -> &[u8] {
-    let mut at = buf.len();
-    loop {
-        at -= 1;
-        buf[at] = b'0' + (v % 10) as u8;
-        v /= 10;
-        if v == 0 {
-            break;
-        }
-    }
-    &buf[at..]
 }
 
 impl Visit for PlainVisitor<'_> {

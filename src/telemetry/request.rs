@@ -150,7 +150,7 @@ fn plain_label(s: &str) -> bool {
 }
 
 fn push_int(out: &mut Vec<u8>, v: u64) {
-    out.extend_from_slice(super::line::decimal(v, &mut [0; 20]));
+    out.extend_from_slice(crate::http1::decimal(v, &mut [0; 20]));
 }
 
 /// A duration in whole microseconds as milliseconds, as the text format

@@ -51,6 +51,7 @@ use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use super::body::ProxyReqBody;
 use super::headers::RequestHeaders;
 use crate::error::BoxError;
+use crate::http1::{decimal, BodyLength, FramingFields};
 
 /// The socket under a connection: TCP, or TLS over TCP, read and written
 /// with tokio's traits.
@@ -157,7 +158,9 @@ pub(crate) fn encode_head(
     let framing = if body.is_end_stream() {
         RequestFraming::Empty
     } else if let Some(v) = length {
-        RequestFraming::Length(parse_length(v.as_bytes()).ok_or(Error::RequestLength)?)
+        RequestFraming::Length(
+            crate::http1::content_length(v.as_bytes()).ok_or(Error::RequestLength)?,
+        )
     } else {
         match body.size_hint().exact() {
             Some(n) => RequestFraming::Length(n),
@@ -166,7 +169,7 @@ pub(crate) fn encode_head(
     };
     match framing {
         RequestFraming::Length(n) if length.is_none() => {
-            field(&mut out, "content-length", n.to_string().as_bytes());
+            field(&mut out, "content-length", decimal(n, &mut [0; 20]));
         }
         RequestFraming::Chunked => field(&mut out, "transfer-encoding", b"chunked"),
         _ => {}
@@ -181,16 +184,6 @@ fn field(out: &mut Vec<u8>, name: &str, value: &[u8]) {
     out.extend_from_slice(b": ");
     out.extend_from_slice(value);
     out.extend_from_slice(b"\r\n");
-}
-
-/// A `Content-Length` value: digits only (anything else is not a length
-/// either side of the proxy reads).
-pub(crate) fn parse_length(v: &[u8]) -> Option<u64> {
-    if v.is_empty() || v.len() > 19 || !v.iter().all(u8::is_ascii_digit) {
-        return None;
-    }
-    // Nineteen digits fit a u64 (its maximum has twenty).
-    Some(v.iter().fold(0, |n, &d| n * 10 + u64::from(d - b'0')))
 }
 
 /// What is left to write of a request.
@@ -486,14 +479,14 @@ fn parse_head(buf: &mut BytesMut, is_head: bool) -> Result<Option<Head>, Error> 
         // a few headers' map past 1,032 bytes (12 entries of 104) misses
         // glibc's per-thread cache, 600 instructions a response.
         let mut headers = HeaderMap::with_capacity(parsed.headers.len() + ADDED_RESPONSE_HEADERS);
-        let mut facts = Facts::new(version);
+        let mut facts = FramingFields::default();
         for f in parsed.headers.iter() {
             let name = HeaderName::from_bytes(f.name.as_bytes())
                 .map_err(|_| Error::Parse("bad header name"))?;
             let at = f.value.as_ptr() as usize - base;
             let value = HeaderValue::from_maybe_shared(raw.slice(at..at + f.value.len()))
                 .map_err(|_| Error::Parse("bad header value"))?;
-            facts.note(&name, f.value)?;
+            facts.note(&name, f.value);
             headers.append(name, value);
         }
         let reason = parsed
@@ -503,7 +496,22 @@ fn parse_head(buf: &mut BytesMut, is_head: bool) -> Result<Option<Head>, Error> 
         buf.advance(len);
         let bodiless =
             is_head || status == StatusCode::NO_CONTENT || status == StatusCode::NOT_MODIFIED;
-        let (decoder, keep_alive) = facts.framing(bodiless);
+        let framing = facts
+            .response(version == Version::HTTP_11, bodiless)
+            .map_err(Error::Parse)?;
+        if framing.drop_length {
+            // Read by its Transfer-Encoding: a length forwarded with it
+            // would frame the client's copy (the server holds a response
+            // to its Content-Length), cutting or stalling the body.
+            headers.remove(header::CONTENT_LENGTH);
+        }
+        let decoder = Decoder::new(match framing.body {
+            BodyLength::Empty => Framing::Done,
+            BodyLength::Length(n) => Framing::Length(n),
+            BodyLength::Chunked => Framing::Chunked(Chunk::Size),
+            BodyLength::ToClose => Framing::Close,
+        });
+        let keep_alive = framing.persistent;
         let mut response = Response::new(());
         *response.status_mut() = status;
         *response.version_mut() = version;
@@ -517,93 +525,6 @@ fn parse_head(buf: &mut BytesMut, is_head: bool) -> Result<Option<Head>, Error> 
             keep_alive,
         }));
     }
-}
-
-/// What a response's header fields say about its framing and connection.
-struct Facts {
-    version: Version,
-    length: Option<u64>,
-    transfer_encoded: bool,
-    chunked: bool,
-    close: bool,
-}
-
-impl Facts {
-    fn new(version: Version) -> Self {
-        Facts {
-            version,
-            length: None,
-            transfer_encoded: false,
-            chunked: false,
-            close: version == Version::HTTP_10,
-        }
-    }
-
-    fn note(&mut self, name: &HeaderName, value: &[u8]) -> Result<(), Error> {
-        if name == header::CONTENT_LENGTH {
-            // `5, 5` is one length said twice (as hyper reads it).
-            for part in value.split(|&b| b == b',') {
-                let n = parse_length(trim(part)).ok_or(Error::Parse("bad Content-Length"))?;
-                if self.length.is_some_and(|l| l != n) {
-                    return Err(Error::Parse("conflicting Content-Length"));
-                }
-                self.length = Some(n);
-            }
-        } else if name == header::TRANSFER_ENCODING {
-            self.transfer_encoded = true;
-            self.chunked = value
-                .rsplit(|&b| b == b',')
-                .next()
-                .is_some_and(|last| trim(last).eq_ignore_ascii_case(b"chunked"));
-        } else if name == header::CONNECTION {
-            for token in value.split(|&b| b == b',').map(trim) {
-                if token.eq_ignore_ascii_case(b"close") {
-                    self.close = true;
-                } else if token.eq_ignore_ascii_case(b"keep-alive") {
-                    self.close = false;
-                }
-            }
-        }
-        Ok(())
-    }
-
-    /// The body's decoder, and whether the connection may be used again.
-    fn framing(mut self, bodiless: bool) -> (Decoder, bool) {
-        let framing = if bodiless {
-            Framing::Done
-        } else if self.transfer_encoded && self.version == Version::HTTP_11 {
-            if self.length.is_some() {
-                // Both: the message may be crafted; read it by its
-                // Transfer-Encoding and do not trust the connection after.
-                self.close = true;
-            }
-            if self.chunked {
-                Framing::Chunked(Chunk::Size)
-            } else {
-                Framing::Close
-            }
-        } else {
-            match self.length {
-                Some(0) => Framing::Done,
-                Some(n) => Framing::Length(n),
-                None => Framing::Close,
-            }
-        };
-        (
-            Decoder::new(framing),
-            !self.close && framing != Framing::Close,
-        )
-    }
-}
-
-fn trim(mut v: &[u8]) -> &[u8] {
-    while let [b' ' | b'\t', rest @ ..] = v {
-        v = rest;
-    }
-    while let [rest @ .., b' ' | b'\t'] = v {
-        v = rest;
-    }
-    v
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -49,11 +49,7 @@ pub(crate) const REPLAYABLE_BODY_BYTES: u64 = 1 << 20;
 /// Content-Length from 1 to [`REPLAYABLE_BODY_BYTES`] (a chunked body's
 /// size is unknown until its end: streamed).
 pub(crate) fn replayable_len(headers: &HeaderMap) -> Option<u64> {
-    headers
-        .get(header::CONTENT_LENGTH)
-        .and_then(|v| v.to_str().ok())
-        .and_then(|v| v.trim().parse::<u64>().ok())
-        .filter(|n| (1..=REPLAYABLE_BODY_BYTES).contains(n))
+    crate::http1::declared_length(headers).filter(|n| (1..=REPLAYABLE_BODY_BYTES).contains(n))
 }
 
 /// Per-request accounting shared between the router, the upstream's

@@ -1,0 +1,297 @@
+//! HTTP/1 framing at the edges, both directions (issue 49): what an
+//! upstream's odd framing does to the client's copy and to the pool, and
+//! which requests are refused or cleaned before they go upstream. Each
+//! test names the behaviour it replaced.
+
+// Test code: a failed unwrap is a failed test. clippy.toml allows that in
+// #[test] functions only, not in the helpers they share.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+mod support;
+
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use bytes::Bytes;
+use support::*;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::{TcpListener, TcpStream};
+
+/// An upstream that answers every request, on every connection, with the
+/// same bytes, and leaves the connection open after it: whether the proxy
+/// uses it again is the proxy's call. Counts the connections it accepted.
+struct RawUpstream {
+    addr: SocketAddr,
+    connections: Arc<AtomicUsize>,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl Drop for RawUpstream {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}
+
+impl RawUpstream {
+    async fn start(response: Vec<u8>) -> Self {
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let connections = Arc::new(AtomicUsize::new(0));
+        let count = Arc::clone(&connections);
+        let response = Bytes::from(response);
+        let task = tokio::spawn(async move {
+            loop {
+                let Ok((mut sock, _)) = listener.accept().await else {
+                    return;
+                };
+                count.fetch_add(1, Ordering::SeqCst);
+                let response = response.clone();
+                tokio::spawn(async move {
+                    let mut buf = Vec::new();
+                    while skip_request(&mut sock, &mut buf).await {
+                        if sock.write_all(&response).await.is_err() {
+                            return;
+                        }
+                    }
+                });
+            }
+        });
+        RawUpstream {
+            addr,
+            connections,
+            task,
+        }
+    }
+
+    fn url(&self) -> String {
+        format!("http://{}", self.addr)
+    }
+
+    fn connections(&self) -> usize {
+        self.connections.load(Ordering::SeqCst)
+    }
+}
+
+/// Reads one request (its head, and a body by its Content-Length) off
+/// `sock`; false at the connection's end.
+async fn skip_request(sock: &mut TcpStream, buf: &mut Vec<u8>) -> bool {
+    let mut chunk = [0u8; 4096];
+    loop {
+        if let Some(end) = buf.windows(4).position(|w| w == b"\r\n\r\n") {
+            let head = String::from_utf8_lossy(&buf[..end]).to_ascii_lowercase();
+            let length: usize = head
+                .lines()
+                .find_map(|l| l.strip_prefix("content-length:"))
+                .map_or(0, |v| v.trim().parse().unwrap());
+            if buf.len() >= end + 4 + length {
+                buf.drain(..end + 4 + length);
+                return true;
+            }
+        }
+        match sock.read(&mut chunk).await {
+            Ok(0) | Err(_) => return false,
+            Ok(n) => buf.extend_from_slice(&chunk[..n]),
+        }
+    }
+}
+
+/// One response off `conn`: its head (text) and its body, by its
+/// Content-Length, else chunked, else to the close.
+async fn read_one(conn: &mut TcpStream) -> (String, Vec<u8>) {
+    let mut buf = Vec::new();
+    let end = loop {
+        if let Some(at) = buf.windows(4).position(|w| w == b"\r\n\r\n") {
+            break at + 4;
+        }
+        assert!(fill(conn, &mut buf).await > 0, "closed before a head");
+    };
+    let head = String::from_utf8_lossy(&buf[..end]).into_owned();
+    let lower = head.to_ascii_lowercase();
+    let field = |name: &str| {
+        lower
+            .lines()
+            .find_map(|l| l.strip_prefix(name).map(|v| v.trim().to_owned()))
+    };
+    let mut body = buf.split_off(end);
+    if let Some(n) = field("content-length:") {
+        let n: usize = n.parse().unwrap();
+        while body.len() < n {
+            assert!(fill(conn, &mut body).await > 0, "closed inside a body");
+        }
+        body.truncate(n);
+    } else if field("transfer-encoding:").is_some() {
+        while !body.ends_with(b"0\r\n\r\n") {
+            assert!(fill(conn, &mut body).await > 0, "closed inside chunks");
+        }
+        body = dechunk(&body);
+    } else {
+        while fill(conn, &mut body).await > 0 {}
+    }
+    (head, body)
+}
+
+/// Appends what `conn` has next to `buf`: how much (0 at its end).
+async fn fill(conn: &mut TcpStream, buf: &mut Vec<u8>) -> usize {
+    let mut chunk = [0u8; 4096];
+    let n = tokio::time::timeout(Duration::from_secs(10), conn.read(&mut chunk))
+        .await
+        .expect("a response within 10 s")
+        .unwrap();
+    buf.extend_from_slice(&chunk[..n]);
+    n
+}
+
+fn dechunk(mut wire: &[u8]) -> Vec<u8> {
+    let mut out = Vec::new();
+    loop {
+        let eol = wire.windows(2).position(|w| w == b"\r\n").unwrap();
+        let size = usize::from_str_radix(std::str::from_utf8(&wire[..eol]).unwrap(), 16).unwrap();
+        if size == 0 {
+            return out;
+        }
+        out.extend_from_slice(&wire[eol + 2..eol + 2 + size]);
+        wire = &wire[eol + 2 + size + 2..];
+    }
+}
+
+async fn connect(proxy: &compactor::server::RunningServer) -> TcpStream {
+    TcpStream::connect(proxy.addr).await.unwrap()
+}
+
+/// Sends `request` on a new connection and reads one response.
+async fn exchange(proxy: &compactor::server::RunningServer, request: &[u8]) -> (String, Vec<u8>) {
+    let mut conn = connect(proxy).await;
+    conn.write_all(request).await.unwrap();
+    read_one(&mut conn).await
+}
+
+fn error_code(body: &[u8]) -> String {
+    let v: serde_json::Value = serde_json::from_slice(body).unwrap();
+    assert!(
+        v["error"]["message"]
+            .as_str()
+            .is_some_and(|m| !m.is_empty()),
+        "{v}"
+    );
+    v["error"]["code"].as_str().unwrap().to_owned()
+}
+
+/// Defect 1: a Content-Length next to a Transfer-Encoding was forwarded
+/// and the client's copy framed by it (CL 10, a 270-byte body: 10 bytes,
+/// then a close). Now the length is dropped: the whole body, chunked.
+#[tokio::test]
+async fn a_length_next_to_a_transfer_encoding_does_not_frame_the_client_copy() {
+    let body = "y".repeat(270);
+    for te in ["chunked", "gzip, chunked"] {
+        let up = RawUpstream::start(
+            format!(
+                "HTTP/1.1 200 OK\r\ncontent-length: 10\r\ntransfer-encoding: {te}\r\n\r\n{:x}\r\n{body}\r\n0\r\n\r\n",
+                body.len()
+            )
+            .into_bytes(),
+        )
+        .await;
+        let proxy = start_proxy(&up.url(), "").await;
+        let (status, headers, got) = get(&format!("{}/v1/models", proxy.url())).await;
+        assert_eq!(status, 200, "{te}");
+        assert!(headers.get("content-length").is_none(), "{te}: {headers:?}");
+        assert_eq!(got, body.as_bytes(), "{te}");
+        // On the fast path too, read off the wire.
+        let (head, got) = exchange(&proxy, b"GET /v1/models HTTP/1.1\r\nhost: x\r\n\r\n").await;
+        assert!(head.starts_with("HTTP/1.1 200"), "{head}");
+        assert!(
+            !head.to_ascii_lowercase().contains("content-length"),
+            "{head}"
+        );
+        assert_eq!(got, body.as_bytes(), "{te}");
+    }
+}
+
+/// Defect 2: `Connection: close, keep-alive` kept the upstream connection
+/// pooled (the later token undid `close`). Every request now opens its own.
+#[tokio::test]
+async fn an_upstream_close_is_not_undone_by_a_later_keep_alive() {
+    for connection in [
+        "connection: close, keep-alive\r\n",
+        "connection: close\r\nconnection: keep-alive\r\n",
+    ] {
+        let up = RawUpstream::start(
+            format!("HTTP/1.1 200 OK\r\n{connection}content-length: 2\r\n\r\nok").into_bytes(),
+        )
+        .await;
+        let proxy = start_proxy(&up.url(), "").await;
+        for _ in 0..3 {
+            let (status, _, body) = get(&format!("{}/v1/models", proxy.url())).await;
+            assert_eq!(status, 200);
+            assert_eq!(body, "ok");
+        }
+        assert_eq!(up.connections(), 3, "{connection:?}");
+    }
+}
+
+/// Defect 3: an HTTP/1.0 response with a Transfer-Encoding was framed by
+/// its Content-Length (the chunk lines went to the client as body) and the
+/// connection reused. Now it is faulty framing: a 502 in the OpenAI shape,
+/// and the next request gets a new connection.
+#[tokio::test]
+async fn a_transfer_encoding_in_an_http10_response_is_a_502() {
+    let up = RawUpstream::start(
+        b"HTTP/1.0 200 OK\r\ntransfer-encoding: chunked\r\ncontent-length: 10\r\nconnection: keep-alive\r\n\r\n1\r\nx\r\n0\r\n\r\n"
+            .to_vec(),
+    )
+    .await;
+    let proxy = start_proxy(&up.url(), "").await;
+    for _ in 0..2 {
+        let (status, headers, body) = get(&format!("{}/v1/models", proxy.url())).await;
+        assert_eq!(status, 502);
+        assert_eq!(headers["content-type"], "application/json");
+        assert_eq!(error_code(&body), "upstream_unreachable");
+    }
+    // The first connection was dropped, and a refused one is not retried
+    // on another (a retry is for a connection closed before any answer).
+    assert_eq!(up.connections(), 2);
+}
+
+/// Defect 6 (Content-Length): a zero-padded 20-digit length was a 400 on
+/// passthrough and a 200 on chat; both routes now read it as hyper does
+/// (1*DIGIT that fits a u64), on the fast path and on hyper's.
+#[tokio::test]
+async fn a_zero_padded_length_is_read_alike_on_every_route() {
+    let up = MockUpstream::builder()
+        .route("/echo", Reply::BodyDigest)
+        .route(
+            "/v1/chat/completions",
+            Reply::Full {
+                status: 200,
+                headers: vec![("content-type", "application/json".into())],
+                body: Bytes::from_static(
+                    br#"{"id":"c","object":"chat.completion","choices":[{"index":0,"message":{"role":"assistant","content":"hi"},"finish_reason":"stop"}]}"#,
+                ),
+            },
+        )
+        .run()
+        .await;
+    let proxy = start_proxy(&up.url(), "").await;
+    let chat = br#"{"model":"m","messages":[{"role":"user","content":"hello there"}]}"#;
+    for path in ["/echo", "/v1/chat/completions"] {
+        // The fast path, and hyper's (a Connection: close is handed to it).
+        for close in ["", "connection: close\r\n"] {
+            let mut request = format!(
+                "POST {path} HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n{close}content-length: {:020}\r\n\r\n",
+                chat.len()
+            )
+            .into_bytes();
+            request.extend_from_slice(chat);
+            let (head, body) = exchange(&proxy, &request).await;
+            assert!(
+                head.starts_with("HTTP/1.1 200"),
+                "{path} {close:?}: {head}{}",
+                String::from_utf8_lossy(&body)
+            );
+            let seen = up.last_request();
+            assert_eq!(seen.body, &chat[..], "{path} {close:?}");
+        }
+    }
+}
