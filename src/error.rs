@@ -59,6 +59,10 @@ pub(crate) enum ProxyError {
     /// Something inside compactor failed.
     #[error("internal error: {0}")]
     Internal(String),
+    /// A request no HTTP/1.1 server may serve as sent (RFC 9112 §3.2: its
+    /// Host), or one only a forward proxy serves (`CONNECT`, `*`).
+    #[error("bad request: {0}")]
+    BadRequest(&'static str),
 }
 
 /// Which API's error body a client reads.
@@ -81,7 +85,7 @@ impl ProxyError {
                 StatusCode::GATEWAY_TIMEOUT
             }
             ProxyError::BodyTooLarge { .. } => StatusCode::PAYLOAD_TOO_LARGE,
-            ProxyError::ClientBody(_) => StatusCode::BAD_REQUEST,
+            ProxyError::ClientBody(_) | ProxyError::BadRequest(_) => StatusCode::BAD_REQUEST,
             ProxyError::BodyReadTimeout(_) => StatusCode::REQUEST_TIMEOUT,
             ProxyError::Overloaded(_) => StatusCode::SERVICE_UNAVAILABLE,
             ProxyError::Internal(_) => StatusCode::INTERNAL_SERVER_ERROR,
@@ -96,7 +100,8 @@ impl ProxyError {
             | ProxyError::FirstByteTimeout(_) => ErrorSource::Upstream,
             ProxyError::BodyTooLarge { .. }
             | ProxyError::ClientBody(_)
-            | ProxyError::BodyReadTimeout(_) => ErrorSource::Client,
+            | ProxyError::BodyReadTimeout(_)
+            | ProxyError::BadRequest(_) => ErrorSource::Client,
             ProxyError::Internal(_) | ProxyError::Overloaded(_) => ErrorSource::Internal,
         }
     }
@@ -121,6 +126,7 @@ impl ProxyError {
             ProxyError::BodyReadTimeout(_) => "request_body_timeout",
             ProxyError::Overloaded(_) => "overloaded",
             ProxyError::Internal(_) => "internal_error",
+            ProxyError::BadRequest(_) => "bad_request",
         }
     }
 
@@ -235,6 +241,7 @@ mod tests {
                 "request_too_large",
             ),
             (ProxyError::Internal("x".into()), 500, "internal_error"),
+            (ProxyError::BadRequest("why"), 400, "bad_request"),
         ];
         for (err, status, code) in cases {
             let resp = err.to_response();

@@ -295,3 +295,79 @@ async fn a_zero_padded_length_is_read_alike_on_every_route() {
         }
     }
 }
+
+/// An upstream that records what reaches it, for the refusals below.
+async fn recording_upstream() -> MockUpstream {
+    MockUpstream::builder()
+        .route("/echo", Reply::BodyDigest)
+        .route("/", Reply::BodyDigest)
+        .route("/*", Reply::BodyDigest)
+        .run()
+        .await
+}
+
+/// A 400 in the OpenAI shape that ends its connection.
+fn assert_bad_request(what: &str, head: &str, body: &[u8]) {
+    assert!(head.starts_with("HTTP/1."), "{what}: {head}");
+    assert!(head[9..].starts_with("400"), "{what}: {head}");
+    assert!(
+        head.to_ascii_lowercase().contains("connection: close"),
+        "{what}: {head}"
+    );
+    assert_eq!(error_code(body), "bad_request", "{what}");
+}
+
+/// Defect 5: `CONNECT host:443` went upstream as `CONNECT /` and the
+/// client got no answer; `OPTIONS *` and `GET *` went out as `/*`. Now a
+/// 400, and nothing reaches the upstream.
+#[tokio::test]
+async fn connect_and_asterisk_targets_are_400() {
+    let up = recording_upstream().await;
+    let proxy = start_proxy(&up.url(), "").await;
+    for request in [
+        "CONNECT api.openai.com:443 HTTP/1.1\r\nhost: api.openai.com:443\r\n\r\n",
+        "OPTIONS * HTTP/1.1\r\nhost: x\r\n\r\n",
+        "GET * HTTP/1.1\r\nhost: x\r\n\r\n",
+        "POST * HTTP/1.1\r\nhost: x\r\ncontent-length: 2\r\n\r\n{}",
+        // hyper's path (a Connection: close is handed to it).
+        "OPTIONS * HTTP/1.1\r\nhost: x\r\nconnection: close\r\n\r\n",
+        "CONNECT api.openai.com:443 HTTP/1.0\r\n\r\n",
+    ] {
+        let (head, body) = exchange(&proxy, request.as_bytes()).await;
+        assert_bad_request(request, &head, &body);
+    }
+    assert!(up.requests().is_empty(), "{:?}", up.requests());
+}
+
+/// Defect 6 (Host): an HTTP/1.1 request with no Host, two, or one with a
+/// space in it was forwarded. RFC 9112 §3.2: 400, on both server paths.
+/// HTTP/1.0 needs no Host, and a good one is served as before.
+#[tokio::test]
+async fn an_http11_request_needs_one_valid_host() {
+    let up = recording_upstream().await;
+    let proxy = start_proxy(&up.url(), "").await;
+    for close in ["", "connection: close\r\n"] {
+        for hosts in [
+            "",
+            "host: a\r\nhost: a\r\n",
+            "host: a\r\nhost: b\r\n",
+            "host: a b\r\n",
+            "host: a/b\r\n",
+        ] {
+            let request = format!("GET /echo HTTP/1.1\r\n{hosts}{close}\r\n");
+            let (head, body) = exchange(&proxy, request.as_bytes()).await;
+            assert_bad_request(&request, &head, &body);
+        }
+    }
+    assert!(up.requests().is_empty(), "{:?}", up.requests());
+    for request in [
+        "GET /echo HTTP/1.1\r\nhost: localhost:8080\r\n\r\n",
+        "GET /echo HTTP/1.1\r\nhost: [::1]:8080\r\nconnection: close\r\n\r\n",
+        "GET /echo HTTP/1.0\r\n\r\n",
+    ] {
+        let (head, _) = exchange(&proxy, request.as_bytes()).await;
+        assert!(head.starts_with("HTTP/1."), "{request}: {head}");
+        assert!(head[9..].starts_with("200"), "{request}: {head}");
+    }
+    assert_eq!(up.requests().len(), 3);
+}

@@ -10,7 +10,7 @@ use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
 use bytes::Bytes;
-use http::{header, HeaderValue, Method, Request, Response, StatusCode};
+use http::{header, HeaderValue, Method, Request, Response, StatusCode, Version};
 use http_body_util::BodyExt;
 
 use super::AppState;
@@ -137,40 +137,53 @@ where
     });
     let upstream = &state.upstream;
 
-    let resp = match route {
-        Route::Health => health(),
-        Route::Metrics => metrics(&state),
-        Route::Session | Route::Sessions | Route::Ui => {
-            let admin = super::admin::Admin {
-                token: state.config.admin_token.as_deref(),
-                show_content: state.config.admin_show_content,
-            };
-            let mut resp = match route {
-                Route::Session => super::admin::session_view(admin, &state.chat, &req).await,
-                Route::Sessions => super::admin::sessions_list(admin, &state.chat, &req).await,
-                _ => super::ui::serve(path, admin.token.is_some()),
-            };
-            super::admin::guard(&mut resp);
+    let resp = match refused(&req) {
+        Some(why) => {
+            let shape = route.api().map(crate::chat::walk::error_shape);
+            let mut resp =
+                upstream.error_reply_in(shape.unwrap_or_default(), &ProxyError::BadRequest(why));
+            // What follows such a request on its connection can not be
+            // trusted to be the next request (a tunnel's bytes, a request
+            // framed for another host): the connection ends with it.
+            resp.headers_mut()
+                .insert(header::CONNECTION, HeaderValue::from_static("close"));
             resp
         }
-        Route::Admin => error_response(
-            StatusCode::NOT_FOUND,
-            "unknown compactor endpoint",
-            "invalid_request_error",
-            "not_found",
-        ),
-        Route::Chat | Route::Messages | Route::Responses | Route::Passthrough => {
-            match (limit_request(&state, req, &stats), route.api()) {
-                (Err(e), api) => upstream.error_reply_in(
-                    api.map(crate::chat::walk::error_shape).unwrap_or_default(),
-                    &e,
-                ),
-                (Ok(req), Some(api)) => {
-                    crate::chat::walk::handle_api(api, &state.chat, upstream, req, &stats).await
-                }
-                (Ok(req), None) => upstream.forward(req, &stats).await,
+        None => match route {
+            Route::Health => health(),
+            Route::Metrics => metrics(&state),
+            Route::Session | Route::Sessions | Route::Ui => {
+                let admin = super::admin::Admin {
+                    token: state.config.admin_token.as_deref(),
+                    show_content: state.config.admin_show_content,
+                };
+                let mut resp = match route {
+                    Route::Session => super::admin::session_view(admin, &state.chat, &req).await,
+                    Route::Sessions => super::admin::sessions_list(admin, &state.chat, &req).await,
+                    _ => super::ui::serve(path, admin.token.is_some()),
+                };
+                super::admin::guard(&mut resp);
+                resp
             }
-        }
+            Route::Admin => error_response(
+                StatusCode::NOT_FOUND,
+                "unknown compactor endpoint",
+                "invalid_request_error",
+                "not_found",
+            ),
+            Route::Chat | Route::Messages | Route::Responses | Route::Passthrough => {
+                match (limit_request(&state, req, &stats), route.api()) {
+                    (Err(e), api) => upstream.error_reply_in(
+                        api.map(crate::chat::walk::error_shape).unwrap_or_default(),
+                        &e,
+                    ),
+                    (Ok(req), Some(api)) => {
+                        crate::chat::walk::handle_api(api, &state.chat, upstream, req, &stats).await
+                    }
+                    (Ok(req), None) => upstream.forward(req, &stats).await,
+                }
+            }
+        },
     };
 
     let upstream_wait = stats.upstream_wait();
@@ -204,6 +217,26 @@ where
     // upstream's body) must be written before an error.
     let body = observed(FlushBeforeError::new(body), on_eos).boxed_unsync();
     Ok(Response::from_parts(parts, body))
+}
+
+/// Why a request is answered 400 before it is routed: an HTTP/1.1
+/// request's Host fields (RFC 9112 §3.2: none, several, or a value that is
+/// no host), and the request targets only a forward proxy serves: a
+/// `CONNECT` (its authority-form target would go upstream as `/`, the
+/// client waiting for a tunnel) and the asterisk form (`OPTIONS *`, which
+/// would go upstream as `/*`). nginx answers these 400 too (405 for some
+/// methods with `*`); one status for all keeps it simple.
+fn refused<B>(req: &Request<B>) -> Option<&'static str> {
+    if req.method() == Method::CONNECT {
+        return Some("CONNECT is not served: compactor is not a forward proxy");
+    }
+    if req.uri().path() == "*" {
+        return Some("an asterisk-form request target (*) is not served");
+    }
+    if req.version() == Version::HTTP_11 {
+        return crate::http1::host_problem(req.headers());
+    }
+    None
 }
 
 /// Counts a request in flight until dropped: also when the client goes away
