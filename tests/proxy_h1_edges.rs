@@ -371,3 +371,37 @@ async fn an_http11_request_needs_one_valid_host() {
     }
     assert_eq!(up.requests().len(), 3);
 }
+
+/// Defect 4: `Transfer_Encoding: chunked` and `Content_Length: 92` were
+/// forwarded next to the framing compactor wrote (an upstream that reads
+/// `_` as `-` would frame the body twice). Dropped by default on both
+/// server paths, as nginx does; `[server] underscores_in_headers = true`
+/// keeps them.
+#[tokio::test]
+async fn header_names_with_underscores_are_dropped_unless_configured() {
+    let up = recording_upstream().await;
+    for (toml, kept) in [
+        ("", false),
+        ("[server]\nunderscores_in_headers = true\n", true),
+    ] {
+        let proxy = start_proxy(&up.url(), toml).await;
+        for close in ["", "connection: close\r\n"] {
+            let request = format!(
+                "POST /echo HTTP/1.1\r\nhost: x\r\n{close}Transfer_Encoding: chunked\r\nContent_Length: 92\r\nx-fine: 1\r\ncontent-length: 5\r\n\r\nhello"
+            );
+            let (head, _) = exchange(&proxy, request.as_bytes()).await;
+            assert!(head.starts_with("HTTP/1.1 200"), "{head}");
+            let seen = up.last_request();
+            assert_eq!(seen.body, "hello");
+            assert_eq!(seen.headers["x-fine"], "1");
+            assert_eq!(seen.headers["content-length"], "5");
+            for name in ["transfer_encoding", "content_length"] {
+                assert_eq!(
+                    seen.headers.contains_key(name),
+                    kept,
+                    "{name} {toml:?} {close:?}"
+                );
+            }
+        }
+    }
+}

@@ -298,6 +298,11 @@ pub struct Config {
     pub(crate) admin_turn_history: usize,
     /// Add `x-compactor-*` response headers.
     pub expose_headers: bool,
+    /// `[server] underscores_in_headers`: forward request header fields
+    /// whose name has an `_` (off: dropped, as nginx does, so that
+    /// `Content_Length` or `Transfer_Encoding` can not reach an upstream
+    /// that reads `_` as `-` next to the framing compactor wrote).
+    pub(crate) underscores_in_headers: bool,
     /// Log format.
     pub log_format: LogFormat,
     /// Where records outlive the process (`[store]`).
@@ -346,6 +351,7 @@ impl Default for Config {
                 admin_show_content: false,
                 admin_turn_history: DEFAULT_TURN_HISTORY,
                 expose_headers: true,
+                underscores_in_headers: false,
                 log_format: LogFormat::Text,
                 store: crate::store::StoreConfig::default(),
             },

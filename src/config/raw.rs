@@ -40,6 +40,8 @@ pub(crate) struct RawConfig {
     pub(crate) admin: AdminConfig,
     /// Response header policy.
     pub(crate) headers: HeadersConfig,
+    /// How client requests are read.
+    pub(crate) server: ServerConfig,
     /// Logging.
     pub(crate) log: LogConfig,
     /// Where records outlive the process.
@@ -61,6 +63,7 @@ impl Default for RawConfig {
             default_context_length: None,
             admin: AdminConfig::default(),
             headers: HeadersConfig::default(),
+            server: ServerConfig::default(),
             log: LogConfig::default(),
             store: crate::store::config::RawStore::default(),
         }
@@ -209,6 +212,15 @@ impl Default for HeadersConfig {
     }
 }
 
+/// `[server]`.
+#[derive(Debug, Clone, Default, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub(crate) struct ServerConfig {
+    /// Whether request header fields whose name has an `_` are forwarded
+    /// (nginx's `underscores_in_headers`; off: they are dropped).
+    pub(crate) underscores_in_headers: bool,
+}
+
 /// `[log]`.
 #[derive(Debug, Clone, Default, Deserialize)]
 #[serde(deny_unknown_fields, default)]
@@ -291,16 +303,23 @@ impl RawConfig {
                 )),
             }
         }
-        if let Some(v) = env.get("COMPACTOR_EXPOSE_HEADERS") {
-            match v.trim().to_ascii_lowercase().as_str() {
-                "1" | "true" | "yes" | "on" => self.headers.expose = true,
-                "0" | "false" | "no" | "off" => self.headers.expose = false,
-                _ => problems.push((
-                    "COMPACTOR_EXPOSE_HEADERS".to_owned(),
-                    format!("expected true or false, got {v:?}"),
-                )),
+        let mut flag = |name: &str, slot: &mut bool| {
+            if let Some(v) = env.get(name) {
+                match v.trim().to_ascii_lowercase().as_str() {
+                    "1" | "true" | "yes" | "on" => *slot = true,
+                    "0" | "false" | "no" | "off" => *slot = false,
+                    _ => problems.push((
+                        name.to_owned(),
+                        format!("expected true or false, got {v:?}"),
+                    )),
+                }
             }
-        }
+        };
+        flag("COMPACTOR_EXPOSE_HEADERS", &mut self.headers.expose);
+        flag(
+            "COMPACTOR_UNDERSCORES_IN_HEADERS",
+            &mut self.server.underscores_in_headers,
+        );
         if problems.is_empty() {
             Ok(())
         } else {

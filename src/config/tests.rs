@@ -24,6 +24,7 @@ fn defaults_when_empty() {
     assert_eq!(c.session.ttl, Duration::from_secs(3600));
     assert_eq!(c.session.max_sessions, 10_000);
     assert!(c.expose_headers);
+    assert!(!c.underscores_in_headers);
     assert_eq!(c.log_format, LogFormat::Text);
     assert!(c.admin_token.is_none());
     assert_eq!(
@@ -60,6 +61,8 @@ context_length = 128000
 token = "s3cret"
 [headers]
 expose = false
+[server]
+underscores_in_headers = true
 [log]
 format = "json"
 "#,
@@ -82,6 +85,7 @@ format = "json"
     assert_eq!(c.default_context_length, Some(8192));
     assert_eq!(c.admin_token.as_deref(), Some("s3cret"));
     assert!(!c.expose_headers);
+    assert!(c.underscores_in_headers);
     assert_eq!(c.log_format, LogFormat::Json);
 }
 
@@ -92,6 +96,7 @@ fn env_overrides_file() {
         ("COMPACTOR_UPSTREAM", "http://llama:8080/prefix"),
         ("COMPACTOR_IDLE_SECS", "7"),
         ("COMPACTOR_LOG_FORMAT", "json"),
+        ("COMPACTOR_UNDERSCORES_IN_HEADERS", "on"),
     ]);
     let c = Config::from_toml_str(
         "listen = \"127.0.0.1:1\"\nupstream = \"http://a:1\"\n",
@@ -103,6 +108,13 @@ fn env_overrides_file() {
     assert_eq!(c.upstream.path_prefix, "/prefix");
     assert_eq!(c.timeouts.idle, Duration::from_secs(7));
     assert_eq!(c.log_format, LogFormat::Json);
+    assert!(c.underscores_in_headers);
+    let env = MapEnv::from_pairs([("COMPACTOR_UNDERSCORES_IN_HEADERS", "maybe")]);
+    let e = Config::from_toml_str("[server]\nunderscores_in_headers = true\n", &env).unwrap_err();
+    assert_eq!(e.keys(), vec!["COMPACTOR_UNDERSCORES_IN_HEADERS"]);
+    let env = MapEnv::from_pairs([("COMPACTOR_UNDERSCORES_IN_HEADERS", "0")]);
+    let c = Config::from_toml_str("[server]\nunderscores_in_headers = true\n", &env).unwrap();
+    assert!(!c.underscores_in_headers);
 }
 
 /// `--listen` / `--upstream` win over `COMPACTOR_*`, which wins over the
@@ -287,6 +299,10 @@ fn shipped_proxy_toml_documents_real_keys() {
     assert_eq!(raw.session.ttl_secs, d.session.ttl_secs);
     assert_eq!(raw.session.max_sessions, d.session.max_sessions);
     assert_eq!(raw.headers.expose, d.headers.expose);
+    assert_eq!(
+        raw.server.underscores_in_headers,
+        d.server.underscores_in_headers
+    );
     assert_eq!(raw.log.format, d.log.format);
     assert!(raw.admin.token.is_some());
     assert!(raw.upstream_ca_file.is_some());

@@ -153,6 +153,7 @@ impl RawConfig {
                     admin_show_content: self.admin.show_content,
                     admin_turn_history: self.admin.turn_history,
                     expose_headers: self.headers.expose,
+                    underscores_in_headers: self.server.underscores_in_headers,
                     log_format: self.log.format,
                     store,
                 })

@@ -77,6 +77,11 @@ pub(crate) struct RequestHeaders<'a> {
     pub(crate) set: &'a [(HeaderName, HeaderValue)],
     /// The Host header to send (none: no Host at all).
     pub(crate) host: Option<&'a HeaderValue>,
+    /// Whether the client's fields whose name has an `_` go too (`[server]
+    /// underscores_in_headers`). Off, as nginx: an upstream behind a CGI-
+    /// style layer reads `Content_Length` as `Content-Length`, a second
+    /// framing next to the one written here.
+    pub(crate) underscores: bool,
 }
 
 impl<'a> RequestHeaders<'a> {
@@ -97,6 +102,7 @@ impl<'a> RequestHeaders<'a> {
             fields: self.fields.iter(),
             set: self.set,
             host: self.host,
+            underscores: self.underscores,
             listed,
             written: 0,
             rest: 0,
@@ -109,6 +115,7 @@ pub(crate) struct Fields<'a> {
     fields: header::Iter<'a, HeaderValue>,
     set: &'a [(HeaderName, HeaderValue)],
     host: Option<&'a HeaderValue>,
+    underscores: bool,
     listed: Vec<HeaderName>,
     /// Which of `set` went out (bit `i` for `set[i]`).
     written: u32,
@@ -132,7 +139,10 @@ impl<'a> Iterator for Fields<'a> {
                 let (k, v) = &self.set[i];
                 return Some((k, v));
             }
-            if dropped(name) || self.listed.contains(name) {
+            if dropped(name)
+                || (!self.underscores && name.as_str().as_bytes().contains(&b'_'))
+                || self.listed.contains(name)
+            {
                 continue;
             }
             return Some((name, value));
@@ -200,6 +210,42 @@ mod tests {
         assert!(h.contains_key("x-c"));
     }
 
+    /// Issue 49: `Transfer_Encoding` and `Content_Length` went upstream
+    /// next to the framing written there. Dropped unless the config keeps
+    /// them; a set field and the Host are never affected.
+    #[test]
+    fn fields_named_with_an_underscore_are_dropped_unless_kept() {
+        let mut h = HeaderMap::new();
+        h.append("transfer_encoding", HeaderValue::from_static("chunked"));
+        h.append("x-a", HeaderValue::from_static("1"));
+        h.append("content_length", HeaderValue::from_static("92"));
+        h.append("x_session_id", HeaderValue::from_static("s"));
+        let host = HeaderValue::from_static("up:1");
+        let names = |underscores| {
+            let out = RequestHeaders {
+                fields: &h,
+                set: &[],
+                host: Some(&host),
+                underscores,
+            };
+            written(&out)
+                .into_iter()
+                .map(|(k, _)| k)
+                .collect::<Vec<_>>()
+        };
+        assert_eq!(names(false), vec!["host", "x-a"]);
+        assert_eq!(
+            names(true),
+            vec![
+                "host",
+                "transfer_encoding",
+                "x-a",
+                "content_length",
+                "x_session_id"
+            ]
+        );
+    }
+
     fn written(h: &RequestHeaders<'_>) -> Vec<(String, String)> {
         h.iter()
             .map(|(k, v)| (k.to_string(), v.to_str().unwrap().to_owned()))
@@ -236,6 +282,7 @@ mod tests {
             fields: &h,
             set: &[],
             host: Some(&host),
+            underscores: false,
         };
         // The upstream's Host first, then the client's fields in order (a
         // repeated name's values together, as the map holds them).
@@ -261,6 +308,7 @@ mod tests {
             fields: &h,
             set: &[],
             host: None,
+            underscores: false,
         };
         assert!(written(&bare).iter().all(|(k, _)| k != "host"));
     }
@@ -283,6 +331,7 @@ mod tests {
             fields: &h,
             set: &set,
             host: None,
+            underscores: false,
         };
         // Accept-Encoding where the client's first was, once; the length
         // the client did not send after its fields.

@@ -159,6 +159,9 @@ pub struct Upstream {
     /// The Host header sent upstream, built once.
     host: HeaderValue,
     timeouts: Timeouts,
+    /// `[server] underscores_in_headers`: forward client fields named with
+    /// an `_` ([`headers::RequestHeaders::underscores`]).
+    underscores: bool,
     metrics: Arc<Metrics>,
 }
 
@@ -186,6 +189,7 @@ impl Upstream {
             origin: Origin::of(&config.upstream),
             host,
             timeouts: config.timeouts,
+            underscores: config.underscores_in_headers,
             metrics,
         })
     }
@@ -327,6 +331,7 @@ impl Upstream {
             fields,
             set,
             host: Some(&self.host),
+            underscores: self.underscores,
         };
         let timeout = self.timeouts.first_byte;
         let sent = Instant::now();
@@ -512,6 +517,8 @@ impl Upstream {
             fields: &headers,
             set: &[],
             host: host.as_ref(),
+            // compactor's own side requests: every field is its own.
+            underscores: true,
         };
         let resp = self
             .pool

@@ -423,6 +423,7 @@ mod tests {
             fields: &parts.headers,
             set: &[],
             host: parts.headers.get(http::header::HOST),
+            underscores: true,
         };
         let origin = Origin {
             scheme: parts.uri.scheme().unwrap().clone(),

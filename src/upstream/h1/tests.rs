@@ -437,6 +437,7 @@ fn the_request_head_is_written_with_the_framing_hyper_chose() {
             fields: h,
             set: &[],
             host: h.get("host"),
+            underscores: false,
         };
         let (b, f) = encode_head(&method, "/v1/x?q=1", &h, body).unwrap();
         (String::from_utf8(b.to_vec()).unwrap(), f)
@@ -474,6 +475,7 @@ fn the_request_head_is_written_with_the_framing_hyper_chose() {
                 fields: &bad,
                 set: &[],
                 host: None,
+                underscores: false,
             },
             &body_of(Some(b"{}"))
         ),
