@@ -405,3 +405,46 @@ async fn header_names_with_underscores_are_dropped_unless_configured() {
         }
     }
 }
+
+/// The fast path's handoffs to hyper are counted by reason: a chunked
+/// upload counts under `transfer_encoding`, a served request under none.
+#[tokio::test]
+async fn a_chunked_request_counts_as_a_transfer_encoding_handoff() {
+    let up = recording_upstream().await;
+    let proxy = start_proxy(&up.url(), "").await;
+    let count = |reason: &str| {
+        let text = proxy.state.metrics.render(0, 0);
+        let series = format!("compactor_h1_handoffs_total{{reason=\"{reason}\"}} ");
+        text.lines()
+            .find_map(|l| l.strip_prefix(series.as_str()))
+            .unwrap_or_else(|| panic!("no {series} in\n{text}"))
+            .parse::<u64>()
+            .unwrap()
+    };
+    assert_eq!(count("transfer_encoding"), 0);
+    let (head, _) = exchange(&proxy, b"GET /echo HTTP/1.1\r\nhost: x\r\n\r\n").await;
+    assert!(head.starts_with("HTTP/1.1 200"), "{head}");
+    let (head, _) = exchange(
+        &proxy,
+        b"POST /echo HTTP/1.1\r\nhost: x\r\ntransfer-encoding: chunked\r\n\r\n5\r\nhello\r\n0\r\n\r\n",
+    )
+    .await;
+    assert!(head.starts_with("HTTP/1.1 200"), "{head}");
+    assert_eq!(up.last_request().body, "hello");
+    assert_eq!(count("transfer_encoding"), 1);
+    let total: u64 = [
+        "http10",
+        "expect",
+        "upgrade",
+        "connect",
+        "connection_close",
+        "h2",
+        "malformed",
+        "oversized",
+        "slow",
+    ]
+    .into_iter()
+    .map(count)
+    .sum();
+    assert_eq!(total, 0);
+}

@@ -56,6 +56,69 @@ pub mod names {
     /// Chat request bodies of 1 MiB or more dropped before they were read
     /// whole (each asks the allocator to give the memory back).
     pub(crate) const ABANDONED_BODIES_TOTAL: &str = "compactor_abandoned_large_bodies_total";
+    /// Client connections compactor's HTTP/1.1 server handed to hyper's,
+    /// by the reason (`Handoff`).
+    pub(crate) const H1_HANDOFFS_TOTAL: &str = "compactor_h1_handoffs_total";
+}
+
+/// Why compactor's HTTP/1.1 server (`server::h1`) handed a connection to
+/// hyper's, for the rest of it: each is a label of
+/// `compactor_h1_handoffs_total`. A rise in one says which requests pay
+/// hyper's cost (or which clients send odd messages).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Handoff {
+    /// An HTTP/1.0 request (or another version).
+    Http10,
+    /// A `Transfer-Encoding` (a chunked upload).
+    TransferEncoding,
+    /// An `Expect` (`100-continue`).
+    Expect,
+    /// An `Upgrade`.
+    Upgrade,
+    /// A `CONNECT`.
+    Connect,
+    /// `Connection: close`.
+    ConnectionClose,
+    /// HTTP/2 prior knowledge (the client preface).
+    H2,
+    /// A head httparse, `http` or the length rule refuses.
+    Malformed,
+    /// Over 64 header fields, or a message over 256 KiB.
+    Oversized,
+    /// The rest of a message did not come within 200 ms.
+    Slow,
+}
+
+impl Handoff {
+    /// Every reason, in the order they are rendered.
+    pub(crate) const ALL: [Handoff; 10] = [
+        Handoff::Http10,
+        Handoff::TransferEncoding,
+        Handoff::Expect,
+        Handoff::Upgrade,
+        Handoff::Connect,
+        Handoff::ConnectionClose,
+        Handoff::H2,
+        Handoff::Malformed,
+        Handoff::Oversized,
+        Handoff::Slow,
+    ];
+
+    /// The metric label.
+    pub(crate) fn label(self) -> &'static str {
+        match self {
+            Handoff::Http10 => "http10",
+            Handoff::TransferEncoding => "transfer_encoding",
+            Handoff::Expect => "expect",
+            Handoff::Upgrade => "upgrade",
+            Handoff::Connect => "connect",
+            Handoff::ConnectionClose => "connection_close",
+            Handoff::H2 => "h2",
+            Handoff::Malformed => "malformed",
+            Handoff::Oversized => "oversized",
+            Handoff::Slow => "slow",
+        }
+    }
 }
 
 /// Fixed-bucket histogram (seconds).
@@ -143,6 +206,8 @@ pub struct Metrics {
     body_budget_rejections: AtomicU64,
     upstream_retries: AtomicU64,
     abandoned_bodies: AtomicU64,
+    /// By [`Handoff`], in the order of [`Handoff::ALL`].
+    h1_handoffs: [AtomicU64; Handoff::ALL.len()],
     /// Time until the upstream's response head.
     pub(crate) upstream_wait: Histogram,
     /// Time compactor added before the response head.
@@ -171,6 +236,7 @@ impl Default for Metrics {
             body_budget_rejections: AtomicU64::new(0),
             upstream_retries: AtomicU64::new(0),
             abandoned_bodies: AtomicU64::new(0),
+            h1_handoffs: [const { AtomicU64::new(0) }; Handoff::ALL.len()],
             upstream_wait: Histogram::new(UPSTREAM_BUCKETS),
             proxy_overhead: Histogram::new(OVERHEAD_BUCKETS),
             chat: ChatMetrics::default(),
@@ -200,6 +266,11 @@ impl Metrics {
         if let Ok(mut m) = self.errors.lock() {
             *m.entry(code).or_insert(0) += 1;
         }
+    }
+
+    /// Counts a connection handed to hyper's server, by why.
+    pub(crate) fn record_h1_handoff(&self, why: Handoff) {
+        self.h1_handoffs[why as usize].fetch_add(1, Ordering::Relaxed);
     }
 
     /// Counts a stream ended by the idle timeout.
@@ -334,6 +405,21 @@ impl Metrics {
                 let _ = writeln!(out, "{}{{code=\"{code}\"}} {v}", names::PROXY_ERRORS_TOTAL);
             }
         }
+        let _ = writeln!(
+            out,
+            "# HELP {} Client connections handed to hyper's HTTP server, by reason.",
+            names::H1_HANDOFFS_TOTAL
+        );
+        let _ = writeln!(out, "# TYPE {} counter", names::H1_HANDOFFS_TOTAL);
+        for why in Handoff::ALL {
+            let _ = writeln!(
+                out,
+                "{}{{reason=\"{}\"}} {}",
+                names::H1_HANDOFFS_TOTAL,
+                why.label(),
+                self.h1_handoffs[why as usize].load(Ordering::Relaxed)
+            );
+        }
         for (name, help, kind, v) in self.plain_series() {
             let _ = writeln!(out, "# HELP {name} {help}");
             let _ = writeln!(out, "# TYPE {name} {kind}");
@@ -440,6 +526,22 @@ impl Metrics {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn handoffs_are_counted_by_reason() {
+        let m = Metrics::default();
+        m.record_h1_handoff(Handoff::TransferEncoding);
+        m.record_h1_handoff(Handoff::TransferEncoding);
+        m.record_h1_handoff(Handoff::Slow);
+        let text = m.render(0, 0);
+        assert!(text.contains("# TYPE compactor_h1_handoffs_total counter"));
+        assert!(text.contains("compactor_h1_handoffs_total{reason=\"transfer_encoding\"} 2"));
+        assert!(text.contains("compactor_h1_handoffs_total{reason=\"slow\"} 1"));
+        assert!(text.contains("compactor_h1_handoffs_total{reason=\"h2\"} 0"));
+        for (i, why) in Handoff::ALL.into_iter().enumerate() {
+            assert_eq!(why as usize, i, "{why:?}: ALL is in declaration order");
+        }
+    }
 
     #[test]
     fn render_counts_and_histograms() {

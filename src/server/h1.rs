@@ -46,6 +46,7 @@ use tokio::sync::watch;
 
 use crate::error::ProxyBody;
 use crate::http1::{closes, content_length, has_token, is_chunked};
+use crate::metrics::Handoff;
 
 /// Header fields a request served here may have (hyper takes up to 100).
 pub(crate) const MAX_HEADERS: usize = 64;
@@ -65,8 +66,8 @@ const COPY_MAX: usize = 16 * 1024;
 pub(crate) enum Ended {
     /// The connection is over (closed by the client, a shutdown, an error).
     Closed,
-    /// hyper serves the rest of the connection, from these bytes on.
-    Handoff(Bytes),
+    /// hyper serves the rest of the connection, from these bytes on; why.
+    Handoff(Bytes, Handoff),
 }
 
 /// The request body of a request served here: its bytes, whole.
@@ -105,7 +106,7 @@ where
             if !buf.is_empty() {
                 match parse(&mut buf, &mut names) {
                     Parsed::Request(request, te_trailers) => break (request, te_trailers),
-                    Parsed::Hyper => return Ended::Handoff(buf.freeze()),
+                    Parsed::Hyper(why) => return Ended::Handoff(buf.freeze(), why),
                     Parsed::Partial(whole) => want = whole,
                 }
             }
@@ -120,7 +121,7 @@ where
                 // waits for it (with its own timers and answers).
                 match tokio::time::timeout(MESSAGE_WAIT, read_more(io, &mut buf, want)).await {
                     Ok(read) => read,
-                    Err(_) => return Ended::Handoff(buf.freeze()),
+                    Err(_) => return Ended::Handoff(buf.freeze(), Handoff::Slow),
                 }
             };
             match read {
@@ -173,8 +174,8 @@ enum Parsed {
     /// The start of a message served here: read more (the whole
     /// message's size when its head is in, else 0).
     Partial(usize),
-    /// A message for hyper (nothing was consumed).
-    Hyper,
+    /// A message for hyper (nothing was consumed), and why.
+    Hyper(Handoff),
 }
 
 /// A header field found in the head: its name and its value's range.
@@ -188,17 +189,22 @@ fn parse(buf: &mut BytesMut, names: &mut Vec<Field>) -> Parsed {
     let head_len = match parsed.parse_with_uninit_headers(buf, &mut fields) {
         Ok(httparse::Status::Complete(n)) => n,
         Ok(httparse::Status::Partial) if buf.len() < MAX_MESSAGE => return Parsed::Partial(0),
-        Ok(httparse::Status::Partial) | Err(_) => return Parsed::Hyper,
+        Ok(httparse::Status::Partial) | Err(httparse::Error::TooManyHeaders) => {
+            return Parsed::Hyper(Handoff::Oversized)
+        }
+        Err(_) if buf.starts_with(b"PRI * HTTP/2.0") => return Parsed::Hyper(Handoff::H2),
+        Err(_) => return Parsed::Hyper(Handoff::Malformed),
     };
     if parsed.version != Some(1) {
-        return Parsed::Hyper;
+        return Parsed::Hyper(Handoff::Http10);
     }
     let (Some(method), Some(path)) = (parsed.method, parsed.path) else {
-        return Parsed::Hyper;
+        return Parsed::Hyper(Handoff::Malformed);
     };
     let method = match Method::from_bytes(method.as_bytes()) {
-        Ok(m) if m != Method::CONNECT => m,
-        _ => return Parsed::Hyper,
+        Ok(m) if m == Method::CONNECT => return Parsed::Hyper(Handoff::Connect),
+        Ok(m) => m,
+        Err(_) => return Parsed::Hyper(Handoff::Malformed),
     };
     let base = buf.as_ptr() as usize;
     let path = (path.as_ptr() as usize - base, path.len());
@@ -207,28 +213,32 @@ fn parse(buf: &mut BytesMut, names: &mut Vec<Field>) -> Parsed {
     let mut te_trailers = false;
     for f in parsed.headers.iter() {
         let Ok(name) = HeaderName::from_bytes(f.name.as_bytes()) else {
-            return Parsed::Hyper;
+            return Parsed::Hyper(Handoff::Malformed);
         };
         match name {
             // Anything but digits is hyper's call.
             header::CONTENT_LENGTH => {
                 match content_length(f.value).and_then(|n| usize::try_from(n).ok()) {
                     Some(n) if length.is_none() => length = Some(n),
-                    _ => return Parsed::Hyper,
+                    _ => return Parsed::Hyper(Handoff::Malformed),
                 }
             }
-            header::TRANSFER_ENCODING | header::EXPECT | header::UPGRADE => return Parsed::Hyper,
-            header::CONNECTION if closes(f.value) => return Parsed::Hyper,
+            header::TRANSFER_ENCODING => return Parsed::Hyper(Handoff::TransferEncoding),
+            header::EXPECT => return Parsed::Hyper(Handoff::Expect),
+            header::UPGRADE => return Parsed::Hyper(Handoff::Upgrade),
+            header::CONNECTION if closes(f.value) => {
+                return Parsed::Hyper(Handoff::ConnectionClose)
+            }
             header::TE => te_trailers |= has_token(f.value, b"trailers"),
             _ => {}
         }
         names.push((name, f.value.as_ptr() as usize - base, f.value.len()));
     }
     let Some(total) = length.unwrap_or(0).checked_add(head_len) else {
-        return Parsed::Hyper;
+        return Parsed::Hyper(Handoff::Oversized);
     };
     if total > MAX_MESSAGE {
-        return Parsed::Hyper;
+        return Parsed::Hyper(Handoff::Oversized);
     }
     if buf.len() < total {
         return Parsed::Partial(total);
@@ -245,7 +255,7 @@ fn parse(buf: &mut BytesMut, names: &mut Vec<Field>) -> Parsed {
             whole.extend_from_slice(&body);
             whole.extend_from_slice(buf);
             *buf = whole;
-            Parsed::Hyper
+            Parsed::Hyper(Handoff::Malformed)
         }
     }
 }

@@ -303,7 +303,8 @@ fn serve_connection(
         };
         let ended = h1::serve(&mut io, handle, &mut shutdown).await;
         drop(shutdown);
-        if let h1::Ended::Handoff(prefix) = ended {
+        if let h1::Ended::Handoff(prefix, why) = ended {
+            metrics.record_h1_handoff(why);
             let service = service_fn(move |req| {
                 let active = conn::Active::new(&activity);
                 router::handle_on(Arc::clone(&st), req, Some(active))

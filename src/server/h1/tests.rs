@@ -436,56 +436,106 @@ async fn what_hyper_answers_is_handed_to_hyper_with_every_byte_read() {
             .map(|i| format!("x-h{i}: 1\r\n"))
             .collect::<String>()
     );
-    let cases: Vec<(&str, Vec<u8>)> = vec![
-        ("HTTP/1.0", b"GET /a HTTP/1.0\r\n\r\n".to_vec()),
+    let cases: Vec<(&str, Vec<u8>, Handoff)> = vec![
+        (
+            "HTTP/1.0",
+            b"GET /a HTTP/1.0\r\n\r\n".to_vec(),
+            Handoff::Http10,
+        ),
         (
             "a chunked upload",
             b"POST /a HTTP/1.1\r\ntransfer-encoding: chunked\r\n\r\n3\r\nabc\r\n0\r\n\r\n".to_vec(),
+            Handoff::TransferEncoding,
         ),
         (
             "Expect: 100-continue",
             b"POST /a HTTP/1.1\r\ncontent-length: 3\r\nexpect: 100-continue\r\n\r\n".to_vec(),
+            Handoff::Expect,
         ),
         (
             "an upgrade",
             b"GET /a HTTP/1.1\r\nconnection: upgrade\r\nupgrade: websocket\r\n\r\n".to_vec(),
+            Handoff::Upgrade,
         ),
         (
             "Connection: close",
             b"GET /a HTTP/1.1\r\nConnection: Close\r\n\r\n".to_vec(),
+            Handoff::ConnectionClose,
+        ),
+        (
+            "Connection: close after keep-alive",
+            b"GET /a HTTP/1.1\r\nConnection: keep-alive, close\r\n\r\n".to_vec(),
+            Handoff::ConnectionClose,
         ),
         (
             "CONNECT",
             b"CONNECT x:443 HTTP/1.1\r\nhost: x:443\r\n\r\n".to_vec(),
+            Handoff::Connect,
         ),
         (
             "HTTP/2 prior knowledge",
             b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n".to_vec(),
+            Handoff::H2,
         ),
         (
             "a malformed head",
             b"GET /a HTTP/1.1\r\nbad header\r\n\r\n".to_vec(),
+            Handoff::Malformed,
         ),
         (
             "a bad length",
             b"POST /a HTTP/1.1\r\ncontent-length: +3\r\n\r\nabc".to_vec(),
+            Handoff::Malformed,
+        ),
+        (
+            "a length past u64",
+            b"POST /a HTTP/1.1\r\ncontent-length: 18446744073709551616\r\n\r\nabc".to_vec(),
+            Handoff::Malformed,
         ),
         (
             "two lengths",
             b"POST /a HTTP/1.1\r\ncontent-length: 3\r\ncontent-length: 3\r\n\r\nabc".to_vec(),
+            Handoff::Malformed,
         ),
-        ("a head of too many fields", many_headers.into_bytes()),
-        ("a body over the size read here", big_body.into_bytes()),
+        (
+            "a head of too many fields",
+            many_headers.into_bytes(),
+            Handoff::Oversized,
+        ),
+        (
+            "a body over the size read here",
+            big_body.into_bytes(),
+            Handoff::Oversized,
+        ),
     ];
-    for (name, input) in cases {
+    for (name, input, reason) in cases {
         let served = serve_here(&input, &[], respond(|_, _| unreachable!())).await;
         assert!(served.seen.is_empty(), "{name}");
         assert!(served.wire.is_empty(), "{name}");
         match served.ended {
-            Ended::Handoff(prefix) => assert_eq!(&prefix[..], &input[..], "{name}"),
+            Ended::Handoff(prefix, why) => {
+                assert_eq!(&prefix[..], &input[..], "{name}");
+                assert_eq!(why, reason, "{name}");
+            }
             Ended::Closed => panic!("{name}: closed, not handed over"),
         }
     }
+}
+
+/// A zero-padded length is a length here as in hyper's server (RFC 9110:
+/// 1*DIGIT): served, not handed over (issue 49).
+#[tokio::test]
+async fn a_zero_padded_length_is_served_here() {
+    let input = b"POST /a HTTP/1.1\r\nhost: x\r\ncontent-length: 00000000000000000003\r\n\r\nabc";
+    let served = serve_here(
+        input,
+        &[],
+        respond(|_, _| Response::new(full_body(Bytes::new()))),
+    )
+    .await;
+    assert_eq!(served.seen.len(), 1);
+    assert!(served.wire.starts_with(b"HTTP/1.1 200 OK\r\n"));
+    assert!(matches!(served.ended, Ended::Closed));
 }
 
 #[tokio::test]
@@ -502,7 +552,10 @@ async fn after_served_requests_the_rest_of_the_connection_goes_to_hyper() {
     assert_eq!(served.seen.len(), 1);
     assert!(served.wire.starts_with(b"HTTP/1.1 200 OK\r\n"));
     match served.ended {
-        Ended::Handoff(prefix) => assert_eq!(&prefix[..], &second[..]),
+        Ended::Handoff(prefix, why) => {
+            assert_eq!(&prefix[..], &second[..]);
+            assert_eq!(why, Handoff::TransferEncoding);
+        }
         Ended::Closed => panic!("closed, not handed over"),
     }
 }
@@ -516,7 +569,10 @@ async fn a_message_whose_rest_is_late_goes_to_hyper() {
     let handle = |_req: Request<RequestBody>| async { unreachable!() };
     let ended = serve(&mut server, handle, &mut shutdown).await;
     match ended {
-        Ended::Handoff(prefix) => assert_eq!(&prefix[..], &head[..]),
+        Ended::Handoff(prefix, why) => {
+            assert_eq!(&prefix[..], &head[..]);
+            assert_eq!(why, Handoff::Slow);
+        }
         Ended::Closed => panic!("closed, not handed over"),
     }
 }
