@@ -12,6 +12,14 @@
 //! - [`records`]: record lookups never panic and find exactly the longest
 //!   recorded prefix of the history for that credential; the store stays
 //!   within its bounds.
+//! - [`response`]: the upstream response decoder never panics and does not
+//!   depend on how the bytes are cut into reads or frames joined; what it
+//!   forwards is framed one way (no Content-Length next to a
+//!   Transfer-Encoding, a sized body as long as its length).
+//! - [`request_head`]: the server's fast path and httparse with the wire
+//!   rules read plainly frame a request's bytes the same (served with the
+//!   same head, fields and body, waiting for more, or handed to hyper with
+//!   the bytes untouched).
 
 #![allow(dead_code, clippy::unwrap_used, clippy::expect_used)]
 
@@ -20,6 +28,8 @@ use std::time::Duration;
 use bytes::BytesMut;
 use compactor::chat::record::{Record, RecordStore};
 use compactor::request::ChatRequest;
+use compactor::server::{frame_request, Framed};
+use compactor::upstream::h1::read_response;
 use compactor::usage::hide::UsageHider;
 use compactor::usage::sse::SseScanner;
 use serde_json::value::RawValue;
@@ -205,4 +215,167 @@ pub fn records(ops: &[u8]) {
         assert!(tiny.bytes() <= 2048);
     }
     assert!(store.lookup(0, &[], hint.as_ref()).is_none());
+}
+
+/// Checks the upstream response decoder on arbitrary bytes: the first
+/// byte picks a HEAD request and joined frames, the next four where the
+/// reads end, the rest is the wire.
+pub fn response(data: &[u8]) {
+    let [flags, c1, c2, c3, c4, ..] = *data else {
+        return;
+    };
+    let wire = &data[5..];
+    let is_head = flags & 1 != 0;
+    let cuts: Vec<usize> = [c1, c2, c3, c4]
+        .iter()
+        .map(|&c| usize::from(c) + 1)
+        .collect();
+    let whole = read_response(wire, is_head, &[], false);
+    let cut = read_response(wire, is_head, &cuts, flags & 2 != 0);
+    let (Ok(whole), Ok(cut)) = (whole, cut) else {
+        return;
+    };
+    assert_eq!(whole.response().status(), cut.response().status());
+    assert_eq!(whole.response().headers(), cut.response().headers());
+    assert_eq!(whole.body, cut.body, "the body depends on the reads");
+    assert_eq!(whole.trailers, cut.trailers);
+    assert_eq!(whole.left, cut.left);
+    assert_eq!(whole.keep_alive(), cut.keep_alive());
+    let headers = whole.response().headers();
+    let te = headers.contains_key("transfer-encoding");
+    assert!(
+        !(te && headers.contains_key("content-length")),
+        "a length forwarded next to a transfer-encoding"
+    );
+    let status = whole.response().status().as_u16();
+    let bodiless = is_head || status == 204 || status == 304;
+    if bodiless {
+        assert!(whole.body.is_empty());
+    } else if let (false, Some(v)) = (te, headers.get("content-length")) {
+        let n = plain_length(v.as_bytes()).expect("a forwarded length reads");
+        assert_eq!(whole.body.len() as u64, n, "a sized body is its length");
+    }
+    let closes = headers
+        .get_all("connection")
+        .iter()
+        .any(|v| list_has(v.as_bytes(), b"close"));
+    if closes {
+        assert!(!whole.keep_alive(), "kept after a close");
+    }
+}
+
+/// A Content-Length value read plainly (RFC 9110 §8.6: 1*DIGIT, a list of
+/// one repeated value tolerated): `str::parse` of each trimmed item of
+/// digits, all equal.
+pub fn plain_length(v: &[u8]) -> Option<u64> {
+    let text = std::str::from_utf8(v).ok()?;
+    let mut length = None;
+    for item in text.split(',') {
+        let item = item.trim_matches([' ', '\t']);
+        if item.is_empty() || !item.bytes().all(|b| b.is_ascii_digit()) {
+            return None;
+        }
+        let n: u64 = item.parse().ok()?;
+        if length.is_some_and(|l| l != n) {
+            return None;
+        }
+        length = Some(n);
+    }
+    length
+}
+
+/// Whether a comma-separated value lists `token` (any case).
+fn list_has(v: &[u8], token: &[u8]) -> bool {
+    v.split(|&b| b == b',')
+        .any(|t| t.trim_ascii().eq_ignore_ascii_case(token))
+}
+
+/// The fast path's largest message and header count (server::h1).
+const MAX_MESSAGE: usize = 256 * 1024;
+const MAX_HEADERS: usize = 64;
+
+/// What the fast path should make of `input`, by httparse and the rules.
+fn expected_framing(input: &[u8]) -> Framed {
+    let hyper = |why| Framed::Hyper(why, true);
+    let mut fields = [httparse::EMPTY_HEADER; MAX_HEADERS];
+    let mut req = httparse::Request::new(&mut fields);
+    let head = match req.parse(input) {
+        Ok(httparse::Status::Complete(n)) => n,
+        Ok(httparse::Status::Partial) if input.len() < MAX_MESSAGE => return Framed::Partial,
+        Ok(httparse::Status::Partial) | Err(httparse::Error::TooManyHeaders) => {
+            return hyper("oversized")
+        }
+        Err(_) if input.starts_with(b"PRI * HTTP/2.0") => return hyper("h2"),
+        Err(_) => return hyper("malformed"),
+    };
+    if req.version != Some(1) {
+        return hyper("http10");
+    }
+    let (Some(method), Some(path)) = (req.method, req.path) else {
+        return hyper("malformed");
+    };
+    match http::Method::from_bytes(method.as_bytes()) {
+        Ok(m) if m == http::Method::CONNECT => return hyper("connect"),
+        Ok(_) => {}
+        Err(_) => return hyper("malformed"),
+    }
+    let mut length = None;
+    let mut out = Vec::new();
+    for f in req.headers.iter() {
+        if http::HeaderName::from_bytes(f.name.as_bytes()).is_err() {
+            return hyper("malformed");
+        }
+        let name = f.name.to_ascii_lowercase();
+        match name.as_str() {
+            "content-length" => match plain_length(f.value) {
+                Some(n) if length.is_none() => length = Some(n),
+                _ => return hyper("malformed"),
+            },
+            "transfer-encoding" => return hyper("transfer_encoding"),
+            "expect" => return hyper("expect"),
+            "upgrade" => return hyper("upgrade"),
+            "connection" if list_has(f.value, b"close") => return hyper("connection_close"),
+            _ => {}
+        }
+        out.push((name, f.value.to_vec()));
+    }
+    let body = length.unwrap_or(0);
+    let Some(total) = usize::try_from(body).ok().and_then(|b| b.checked_add(head)) else {
+        return hyper("oversized");
+    };
+    if total > MAX_MESSAGE {
+        return hyper("oversized");
+    }
+    if input.len() < total {
+        return Framed::Partial;
+    }
+    let (Ok(target), true) = (
+        http::Uri::try_from(path),
+        out.iter()
+            .all(|(_, v)| http::HeaderValue::from_bytes(v).is_ok()),
+    ) else {
+        return hyper("malformed");
+    };
+    Framed::Served {
+        head,
+        method: method.to_owned(),
+        target: target.to_string(),
+        fields: out,
+        body: input[head..total].to_vec(),
+    }
+}
+
+/// Checks the server's fast path against httparse and the rules read
+/// plainly: the same framing, or both leave the bytes to hyper, for the
+/// same reason.
+pub fn request_head(input: &[u8]) {
+    let mut ours = frame_request(input);
+    let mut theirs = expected_framing(input);
+    // A header map groups a name's values: compared as sets of fields.
+    for framed in [&mut ours, &mut theirs] {
+        if let Framed::Served { fields, .. } = framed {
+            fields.sort();
+        }
+    }
+    assert_eq!(ours, theirs, "{:?}", String::from_utf8_lossy(input));
 }

@@ -229,3 +229,122 @@ proptest! {
         checks::records(&ops);
     }
 }
+
+// ------------------------------------------------------------------ HTTP/1
+
+/// A header field line a response or request may carry, the framing ones
+/// and their odd spellings often.
+fn field_line() -> impl Strategy<Value = String> {
+    prop_oneof![
+        Just("content-length: 5\r\n".to_owned()),
+        Just("Content-Length: 0005\r\n".to_owned()),
+        Just("content-length: 5, 5\r\n".to_owned()),
+        Just("content-length: 3\r\n".to_owned()),
+        Just("content-length: +5\r\n".to_owned()),
+        Just("content-length: 18446744073709551616\r\n".to_owned()),
+        Just("transfer-encoding: chunked\r\n".to_owned()),
+        Just("Transfer-Encoding: gzip, chunked\r\n".to_owned()),
+        Just("transfer-encoding: gzip\r\n".to_owned()),
+        Just("connection: close, keep-alive\r\n".to_owned()),
+        Just("connection: keep-alive\r\n".to_owned()),
+        Just("Connection: Upgrade\r\n".to_owned()),
+        Just("upgrade: websocket\r\n".to_owned()),
+        Just("expect: 100-continue\r\n".to_owned()),
+        Just("te: trailers\r\n".to_owned()),
+        Just("host: x\r\n".to_owned()),
+        Just("x_under: 1\r\n".to_owned()),
+        Just("bad header\r\n".to_owned()),
+        "[a-z-]{1,8}: [ -~]{0,12}\r\n",
+    ]
+}
+
+prop_compose! {
+    /// A response: a status line, fields, and a body that may or may not
+    /// match them (chunked, sized, or cut).
+    fn response_wire()(version in prop_oneof![Just("1.1"), Just("1.0")],
+                       status in prop_oneof![Just(200u16), Just(204), Just(304), Just(100), Just(404)],
+                       fields in proptest::collection::vec(field_line(), 0..5),
+                       body in prop_oneof![
+                           Just("5\r\nhello\r\n0\r\n\r\n".to_owned()),
+                           Just("3;x=y\r\nabc\r\n0\r\nx-t: 1\r\n\r\n".to_owned()),
+                           Just("hello".to_owned()),
+                           Just("hel".to_owned()),
+                           "[ -~\r\n]{0,40}",
+                       ])
+                       -> Vec<u8> {
+        let mut wire = format!("HTTP/{version} {status} X\r\n{}\r\n{body}", fields.concat());
+        if status == 100 {
+            wire.push_str("HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok");
+        }
+        wire.into_bytes()
+    }
+}
+
+prop_compose! {
+    /// A request head (and body) the fast path or hyper serves, or one of
+    /// the odd ones it hands over.
+    fn request_wire()(method in prop_oneof![Just("GET"), Just("POST"), Just("CONNECT"), Just("OPTIONS"), Just("get")],
+                      target in prop_oneof![Just("/a?b=1"), Just("*"), Just("http://x/y"), Just("x:443"), Just("/a b")],
+                      version in prop_oneof![Just("1.1"), Just("1.0"), Just("2.0")],
+                      fields in proptest::collection::vec(field_line(), 0..5),
+                      body in "[a-z]{0,8}")
+                      -> Vec<u8> {
+        format!("{method} {target} HTTP/{version}\r\n{}\r\n{body}", fields.concat()).into_bytes()
+    }
+}
+
+proptest! {
+    #![proptest_config(config())]
+
+    #[test]
+    fn responses_decode_the_same_whatever_the_reads(wire in response_wire(),
+                                                    flags in any::<u8>(),
+                                                    cuts in any::<[u8; 4]>()) {
+        let mut data = vec![flags];
+        data.extend_from_slice(&cuts);
+        data.extend_from_slice(&wire);
+        checks::response(&data);
+    }
+
+    #[test]
+    fn the_response_decoder_takes_any_bytes(data in proptest::collection::vec(any::<u8>(), 0..600)) {
+        checks::response(&data);
+    }
+
+    #[test]
+    fn the_fast_path_frames_requests_as_httparse_and_the_rules(wire in request_wire()) {
+        checks::request_head(&wire);
+    }
+
+    #[test]
+    fn the_fast_path_takes_any_bytes(data in proptest::collection::vec(any::<u8>(), 0..600),
+                                     head in request_wire(), at in any::<prop::sample::Index>(), byte in any::<u8>()) {
+        checks::request_head(&data);
+        let mut mangled = head;
+        let i = at.index(mangled.len());
+        mangled[i] = byte;
+        checks::request_head(&mangled);
+    }
+}
+
+/// The cases the rules changed for (issue 49), as fixed inputs.
+#[test]
+fn http1_edge_cases_hold_the_checks() {
+    for wire in [
+        &b"\x00\x05\x05\x05\x05HTTP/1.1 200 OK\r\ncontent-length: 10\r\ntransfer-encoding: chunked\r\n\r\n5\r\nhello\r\n0\r\n\r\n"[..],
+        b"\x02\x01\x01\x01\x01HTTP/1.1 200 OK\r\nconnection: close, keep-alive\r\ncontent-length: 2\r\n\r\nok",
+        b"\x00\x01\x01\x01\x01HTTP/1.0 200 OK\r\ntransfer-encoding: chunked\r\ncontent-length: 5\r\n\r\n1\r\nx\r\n0\r\n\r\n",
+    ] {
+        checks::response(wire);
+    }
+    for wire in [
+        &b"POST /a HTTP/1.1\r\nhost: x\r\ncontent-length: 00000000000000000003\r\n\r\nabc"[..],
+        b"POST /a HTTP/1.1\r\ncontent-length: 3, 3\r\n\r\nabc",
+        b"GET /a HTTP/1.1\r\nconnection: keep-alive, close\r\n\r\n",
+        b"OPTIONS * HTTP/1.1\r\nhost: x\r\n\r\n",
+        b"CONNECT x:443 HTTP/1.1\r\nhost: x:443\r\n\r\n",
+        b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n",
+    ] {
+        checks::request_head(wire);
+    }
+}

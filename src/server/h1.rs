@@ -260,6 +260,66 @@ fn parse(buf: &mut BytesMut, names: &mut Vec<Field>) -> Parsed {
     }
 }
 
+/// What the fast path makes of the bytes at the front of a connection:
+/// for the fuzz targets and their property tests (`fuzz/checks.rs`), which
+/// hold it against httparse and the wire rules read plainly.
+#[doc(hidden)]
+#[derive(Debug, PartialEq, Eq)]
+pub enum Framed {
+    /// Served here: the head's and the body's lengths, and the request as
+    /// the router gets it (method, target, header fields in order, body).
+    Served {
+        head: usize,
+        method: String,
+        target: String,
+        fields: Vec<(String, Vec<u8>)>,
+        body: Vec<u8>,
+    },
+    /// Served here once more bytes come.
+    Partial,
+    /// For hyper, and why; whether the bytes were left as they came.
+    Hyper(&'static str, bool),
+}
+
+/// [`Framed`] of `input`.
+#[doc(hidden)]
+pub fn frame_request(input: &[u8]) -> Framed {
+    let mut buf = BytesMut::from(input);
+    let mut names = Vec::new();
+    match parse(&mut buf, &mut names) {
+        Parsed::Partial(_) => Framed::Partial,
+        Parsed::Hyper(why) => Framed::Hyper(why.label(), buf[..] == *input),
+        Parsed::Request(request, _) => {
+            let (parts, body) = request.into_parts();
+            let body = match body.size_hint().exact() {
+                Some(0) => Vec::new(),
+                _ => {
+                    let mut body = std::pin::pin!(body);
+                    let mut cx = Context::from_waker(std::task::Waker::noop());
+                    match body.as_mut().poll_frame(&mut cx) {
+                        Poll::Ready(Some(Ok(frame))) => {
+                            frame.into_data().map(|d| d.to_vec()).unwrap_or_default()
+                        }
+                        _ => Vec::new(),
+                    }
+                }
+            };
+            let consumed = input.len() - buf.len();
+            Framed::Served {
+                head: consumed - body.len(),
+                method: parts.method.to_string(),
+                target: parts.uri.to_string(),
+                fields: parts
+                    .headers
+                    .iter()
+                    .map(|(k, v)| (k.as_str().to_owned(), v.as_bytes().to_vec()))
+                    .collect(),
+                body,
+            }
+        }
+    }
+}
+
 /// The request, its header values slices of `head`.
 fn build(
     method: Method,

@@ -14,6 +14,8 @@ pub mod conn;
 pub mod cores;
 pub mod fdlimit;
 pub(crate) mod h1;
+#[doc(hidden)]
+pub use h1::{frame_request, Framed};
 pub mod router;
 pub mod ui;
 

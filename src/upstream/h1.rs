@@ -942,5 +942,98 @@ impl Reading {
     }
 }
 
+/// A whole response as [`read_response`] read it.
+#[doc(hidden)]
+pub struct ResponseRead {
+    pub(crate) head: Head,
+    /// The body's bytes, all frames together.
+    pub body: Vec<u8>,
+    pub trailers: Option<HeaderMap>,
+    /// Bytes read past the response's end (and never read).
+    pub left: usize,
+}
+
+impl ResponseRead {
+    /// The response head (status, version, header fields as forwarded).
+    pub fn response(&self) -> &Response<()> {
+        &self.head.response
+    }
+
+    /// Whether the connection could carry another request.
+    pub fn keep_alive(&self) -> bool {
+        self.head.keep_alive
+    }
+}
+
+/// Reads a response out of `wire` as a connection would, each read ending
+/// where `cuts` says (as the socket delivers); with `join`, each data frame
+/// joined with the data read after it, as [`Reading`] sends a body on. For
+/// the unit tests, the fuzz targets and their property tests
+/// (`fuzz/checks.rs`): the decoder on bytes, without a socket.
+#[doc(hidden)]
+pub fn read_response(
+    wire: &[u8],
+    is_head: bool,
+    cuts: &[usize],
+    join: bool,
+) -> Result<ResponseRead, Error> {
+    let mut pending = wire;
+    let mut buf = BytesMut::new();
+    let mut cuts = cuts.iter().copied();
+    let mut feed = |buf: &mut BytesMut| -> bool {
+        if pending.is_empty() {
+            return false;
+        }
+        let n = cuts.next().unwrap_or(pending.len()).clamp(1, pending.len());
+        buf.extend_from_slice(&pending[..n]);
+        pending = &pending[n..];
+        true
+    };
+    let mut head = loop {
+        if let Some(h) = parse_head(&mut buf, is_head)? {
+            break h;
+        }
+        if buf.len() > MAX_HEAD {
+            return Err(Error::Parse("response head too large"));
+        }
+        if !feed(&mut buf) {
+            return Err(Error::Incomplete);
+        }
+    };
+    let mut body = Vec::new();
+    let mut trailers = None;
+    loop {
+        match head.decoder.decode(&mut buf)? {
+            Decoded::Frame(f) => match f.into_data() {
+                Ok(d) if join => {
+                    let (d, held) = head.decoder.join(&mut buf, d);
+                    body.extend_from_slice(&d);
+                    match held {
+                        Some(Ok(f)) => trailers = f.into_trailers().ok(),
+                        Some(Err(e)) => return Err(e),
+                        None => {}
+                    }
+                }
+                Ok(d) => body.extend_from_slice(&d),
+                Err(f) => trailers = f.into_trailers().ok(),
+            },
+            Decoded::End => break,
+            Decoded::More => {
+                if !feed(&mut buf) {
+                    head.decoder.eof()?;
+                    break;
+                }
+            }
+        }
+    }
+    let left = buf.len() + pending.len();
+    Ok(ResponseRead {
+        head,
+        body,
+        trailers,
+        left,
+    })
+}
+
 #[cfg(test)]
 mod tests;

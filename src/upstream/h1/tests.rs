@@ -20,53 +20,8 @@ fn read_with(
     cuts: &[usize],
     join: bool,
 ) -> Result<(Head, Vec<u8>, Option<HeaderMap>, usize), Error> {
-    let mut pending = wire;
-    let mut buf = BytesMut::new();
-    let mut cuts = cuts.iter().copied();
-    let mut feed = |buf: &mut BytesMut| -> bool {
-        if pending.is_empty() {
-            return false;
-        }
-        let n = cuts.next().unwrap_or(pending.len()).clamp(1, pending.len());
-        buf.extend_from_slice(&pending[..n]);
-        pending = &pending[n..];
-        true
-    };
-    let mut head = loop {
-        if let Some(h) = parse_head(&mut buf, is_head)? {
-            break h;
-        }
-        if !feed(&mut buf) {
-            return Err(Error::Incomplete);
-        }
-    };
-    let mut data = Vec::new();
-    let mut trailers = None;
-    loop {
-        match head.decoder.decode(&mut buf)? {
-            Decoded::Frame(f) => match f.into_data() {
-                Ok(d) if join => {
-                    let (d, held) = head.decoder.join(&mut buf, d);
-                    data.extend_from_slice(&d);
-                    match held {
-                        Some(Ok(f)) => trailers = f.into_trailers().ok(),
-                        Some(Err(e)) => return Err(e),
-                        None => {}
-                    }
-                }
-                Ok(d) => data.extend_from_slice(&d),
-                Err(f) => trailers = f.into_trailers().ok(),
-            },
-            Decoded::End => break,
-            Decoded::More => {
-                if !feed(&mut buf) {
-                    head.decoder.eof()?;
-                    break;
-                }
-            }
-        }
-    }
-    Ok((head, data, trailers, buf.len() + pending.len()))
+    let r = read_response(wire, is_head, cuts, join)?;
+    Ok((r.head, r.body, r.trailers, r.left))
 }
 
 fn chunked(parts: &[&[u8]], trailers: &str) -> Vec<u8> {
