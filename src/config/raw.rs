@@ -304,22 +304,11 @@ impl RawConfig {
             }
         }
         let mut flag = |name: &str, slot: &mut bool| {
-            if let Some(v) = env.get(name) {
-                match v.trim().to_ascii_lowercase().as_str() {
-                    "1" | "true" | "yes" | "on" => *slot = true,
-                    "0" | "false" | "no" | "off" => *slot = false,
-                    _ => problems.push((
-                        name.to_owned(),
-                        format!("expected true or false, got {v:?}"),
-                    )),
-                }
-            }
+            env_flag(env, name, slot, &mut problems);
         };
         flag("COMPACTOR_EXPOSE_HEADERS", &mut self.headers.expose);
-        flag(
-            "COMPACTOR_UNDERSCORES_IN_HEADERS",
-            &mut self.server.underscores_in_headers,
-        );
+        let underscores = &mut self.server.underscores_in_headers;
+        flag("COMPACTOR_UNDERSCORES_IN_HEADERS", underscores);
         if problems.is_empty() {
             Ok(())
         } else {
@@ -327,6 +316,26 @@ impl RawConfig {
                 origin: origin.to_owned(),
                 problems,
             })
+        }
+    }
+}
+
+/// Sets `slot` from the boolean env variable `name`, if set; a value that
+/// is no boolean is a problem reported under its name.
+fn env_flag(
+    env: &dyn EnvSource,
+    name: &str,
+    slot: &mut bool,
+    problems: &mut Vec<(String, String)>,
+) {
+    if let Some(v) = env.get(name) {
+        match v.trim().to_ascii_lowercase().as_str() {
+            "1" | "true" | "yes" | "on" => *slot = true,
+            "0" | "false" | "no" | "off" => *slot = false,
+            _ => problems.push((
+                name.to_owned(),
+                format!("expected true or false, got {v:?}"),
+            )),
         }
     }
 }

@@ -137,53 +137,42 @@ where
     });
     let upstream = &state.upstream;
 
-    let resp = match refused(&req) {
-        Some(why) => {
-            let shape = route.api().map(crate::chat::walk::error_shape);
-            let mut resp =
-                upstream.error_reply_in(shape.unwrap_or_default(), &ProxyError::BadRequest(why));
-            // What follows such a request on its connection can not be
-            // trusted to be the next request (a tunnel's bytes, a request
-            // framed for another host): the connection ends with it.
-            resp.headers_mut()
-                .insert(header::CONNECTION, HeaderValue::from_static("close"));
+    let resp = match route {
+        // Rare: the check runs again to say why.
+        _ if refused(&req).is_some() => refusal(upstream, route, &req),
+        Route::Health => health(),
+        Route::Metrics => metrics(&state),
+        Route::Session | Route::Sessions | Route::Ui => {
+            let admin = super::admin::Admin {
+                token: state.config.admin_token.as_deref(),
+                show_content: state.config.admin_show_content,
+            };
+            let mut resp = match route {
+                Route::Session => super::admin::session_view(admin, &state.chat, &req).await,
+                Route::Sessions => super::admin::sessions_list(admin, &state.chat, &req).await,
+                _ => super::ui::serve(path, admin.token.is_some()),
+            };
+            super::admin::guard(&mut resp);
             resp
         }
-        None => match route {
-            Route::Health => health(),
-            Route::Metrics => metrics(&state),
-            Route::Session | Route::Sessions | Route::Ui => {
-                let admin = super::admin::Admin {
-                    token: state.config.admin_token.as_deref(),
-                    show_content: state.config.admin_show_content,
-                };
-                let mut resp = match route {
-                    Route::Session => super::admin::session_view(admin, &state.chat, &req).await,
-                    Route::Sessions => super::admin::sessions_list(admin, &state.chat, &req).await,
-                    _ => super::ui::serve(path, admin.token.is_some()),
-                };
-                super::admin::guard(&mut resp);
-                resp
-            }
-            Route::Admin => error_response(
-                StatusCode::NOT_FOUND,
-                "unknown compactor endpoint",
-                "invalid_request_error",
-                "not_found",
-            ),
-            Route::Chat | Route::Messages | Route::Responses | Route::Passthrough => {
-                match (limit_request(&state, req, &stats), route.api()) {
-                    (Err(e), api) => upstream.error_reply_in(
-                        api.map(crate::chat::walk::error_shape).unwrap_or_default(),
-                        &e,
-                    ),
-                    (Ok(req), Some(api)) => {
-                        crate::chat::walk::handle_api(api, &state.chat, upstream, req, &stats).await
-                    }
-                    (Ok(req), None) => upstream.forward(req, &stats).await,
+        Route::Admin => error_response(
+            StatusCode::NOT_FOUND,
+            "unknown compactor endpoint",
+            "invalid_request_error",
+            "not_found",
+        ),
+        Route::Chat | Route::Messages | Route::Responses | Route::Passthrough => {
+            match (limit_request(&state, req, &stats), route.api()) {
+                (Err(e), api) => upstream.error_reply_in(
+                    api.map(crate::chat::walk::error_shape).unwrap_or_default(),
+                    &e,
+                ),
+                (Ok(req), Some(api)) => {
+                    crate::chat::walk::handle_api(api, &state.chat, upstream, req, &stats).await
                 }
+                (Ok(req), None) => upstream.forward(req, &stats).await,
             }
-        },
+        }
     };
 
     let upstream_wait = stats.upstream_wait();
@@ -237,6 +226,23 @@ fn refused<B>(req: &Request<B>) -> Option<&'static str> {
         return crate::http1::host_problem(req.headers());
     }
     None
+}
+
+/// The 400 for a [`refused`] request, in its route's error shape.
+fn refusal<B>(
+    upstream: &crate::upstream::Upstream,
+    route: Route,
+    req: &Request<B>,
+) -> Response<ProxyBody> {
+    let why = refused(req).unwrap_or("refused");
+    let shape = route.api().map(crate::chat::walk::error_shape);
+    let mut resp = upstream.error_reply_in(shape.unwrap_or_default(), &ProxyError::BadRequest(why));
+    // What follows such a request on its connection can not be trusted to
+    // be the next request (a tunnel's bytes, a request framed for another
+    // host): the connection ends with it.
+    resp.headers_mut()
+        .insert(header::CONNECTION, HeaderValue::from_static("close"));
+    resp
 }
 
 /// Counts a request in flight until dropped: also when the client goes away
