@@ -16,7 +16,8 @@
 //! that is malformed here, HTTP/1.0, `Transfer-Encoding`, `Expect`,
 //! `Upgrade`, `CONNECT`, `Connection: close`, more than [`MAX_HEADERS`]
 //! header fields, a message over [`MAX_MESSAGE`] bytes, or one whose rest
-//! does not arrive within [`MESSAGE_WAIT`] of its first bytes.
+//! does not arrive within [`MESSAGE_WAIT`] of its first bytes. Each
+//! handoff is counted by its reason (`compactor_h1_handoffs_total`).
 //!
 //! The response is framed as hyper's server frames it, rule by rule
 //! (`hyper::proto::h1::role::Server::encode`): the status line (a

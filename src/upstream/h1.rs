@@ -24,9 +24,13 @@
 //! - 1xx interim responses are skipped (a 101 is an error: compactor never
 //!   asks for an upgrade), HEAD and 204/304 responses have no body, the
 //!   body is sized by `Transfer-Encoding: chunked` (its trailers become a
-//!   trailers frame), else `Content-Length`, else the connection's close;
+//!   trailers frame), else `Content-Length`, else the connection's close
+//!   (the rules of `crate::http1`: a `Content-Length` next to a
+//!   `Transfer-Encoding` is dropped, not forwarded; a `Transfer-Encoding`
+//!   in an HTTP/1.0 response is an error);
 //! - a connection goes back to the pool only when its response said it may
-//!   (HTTP/1.1 without `Connection: close`, HTTP/1.0 with `keep-alive`), was
+//!   (HTTP/1.1 without `Connection: close`, HTTP/1.0 with `keep-alive`;
+//!   `close` anywhere wins over any `keep-alive`), was
 //!   read to its end, and nothing followed it;
 //! - a reason phrase other than the status's canonical one is kept (as
 //!   hyper's `ReasonPhrase` extension, which hyper's server writes back);
