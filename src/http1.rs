@@ -56,7 +56,7 @@ fn digits(v: &[u8]) -> Option<u64> {
 }
 
 /// Trims SP and HTAB from both ends (a field value's optional whitespace).
-pub(crate) fn trim(mut v: &[u8]) -> &[u8] {
+fn trim(mut v: &[u8]) -> &[u8] {
     while let [b' ' | b'\t', rest @ ..] = v {
         v = rest;
     }
@@ -261,34 +261,6 @@ mod tests {
         ];
         for &(v, want) in cases {
             assert_eq!(content_length(v.as_bytes()), want, "{v:?}");
-        }
-    }
-
-    #[test]
-    fn content_length_is_hypers_rule() {
-        // hyper's server parses the request head and keeps the length it
-        // read as the body's size hint: whatever it accepts, we accept
-        // with the same length, and the other way round.
-        let values = [
-            "92",
-            "00000000000000000092",
-            "5, 5",
-            "5, 6",
-            "+3",
-            "18446744073709551616",
-            "",
-            "7 ",
-        ];
-        for v in values {
-            let head = format!("POST / HTTP/1.1\r\nhost: x\r\ncontent-length: {v}\r\n\r\n");
-            let mut fields = [httparse::EMPTY_HEADER; 4];
-            let mut req = httparse::Request::new(&mut fields);
-            let parsed = req.parse(head.as_bytes()).map(|s| s.is_complete());
-            // httparse itself refuses none of these heads.
-            assert_eq!(parsed, Ok(true), "{v:?}");
-            let mut map = HeaderMap::new();
-            map.append(header::CONTENT_LENGTH, HeaderValue::from_str(v).unwrap());
-            assert_eq!(declared_length(&map), content_length(v.as_bytes()), "{v:?}");
         }
     }
 
