@@ -1,5 +1,5 @@
 //! The file system side: the owner-only file and directory, the lock that
-//! keeps a second process out, the compaction's temporary file, renames
+//! keeps a second process out, the rewrite's temporary file, renames
 //! made durable, and a damaged file moved aside.
 
 use std::fs::{File, OpenOptions};
@@ -49,7 +49,7 @@ pub(super) fn make_dir(path: &Path) -> io::Result<()> {
 }
 
 /// Opens (or creates, 0600) the file at `path` and takes its lock. A
-/// compaction renames a new file over the path; a process that opened
+/// rewrite renames a new file over the path; a process that opened
 /// the old one just before finds, once it holds the lock, that the path
 /// names another file, and opens again.
 pub(super) fn open_locked(path: &Path) -> Result<File, OpenError> {
@@ -90,7 +90,7 @@ fn same_file(file: &File, path: &Path) -> io::Result<bool> {
     Ok(open.dev() == named.dev() && open.ino() == named.ino())
 }
 
-/// The compaction's temporary file beside `path`: `<name>.compact`.
+/// The rewrite's temporary file beside `path`: `<name>.compact`.
 pub(super) fn temp_path(path: &Path) -> PathBuf {
     let mut name = path.file_name().unwrap_or_default().to_owned();
     name.push(".compact");

@@ -25,7 +25,7 @@ use super::frame::{self, Kind, TooLong};
 pub(super) type Key = (u128, u128);
 
 /// Where in a record put's payload its last use is, to rewrite it when the
-/// record is copied by a compaction.
+/// record is copied by a rewrite.
 pub(super) const TOUCHED_AT: usize = 32;
 /// Deletes and touches are split into frames of at most this many keys, so
 /// no sweep makes a frame beyond a few MB.

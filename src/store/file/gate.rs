@@ -1,12 +1,12 @@
-//! How far the file may grow while a compaction copies it.
+//! How far the file may grow while a rewrite copies it.
 //!
-//! A compaction starts with the file at `start` and copies the live
+//! A rewrite starts with the file at `start` and copies the live
 //! entries, then what was appended meanwhile; the file may grow by the
 //! room left to its hard bound in that time. A quarter of the room is
 //! free from the start; the rest is let through in proportion to the
 //! copy's progress, so the room is never used up before the copy ends,
 //! and a write waits at most for the part of the copy that pays for it,
-//! never for the whole compaction. When the copy outpaces the writes (the
+//! never for the whole rewrite. When the copy outpaces the writes (the
 //! usual case: a record is written after a summary call of seconds), no
 //! write waits at all.
 
@@ -16,9 +16,9 @@ use std::time::Instant;
 /// What writes may do right now.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub(super) struct GateState {
-    /// A compaction is running.
-    pub(super) compacting: bool,
-    /// While compacting: the file length writes may reach.
+    /// A rewrite is running.
+    pub(super) rewriting: bool,
+    /// While rewriting: the file length writes may reach.
     pub(super) allowed_end: u64,
     /// Bumped on every change, so a waiter knows it was woken for one.
     generation: u64,
@@ -46,10 +46,10 @@ impl Gate {
         self.changed.notify_all();
     }
 
-    /// A compaction started: writes may take the file to `allowed`.
+    /// A rewrite started: writes may take the file to `allowed`.
     pub(super) fn begin(&self, allowed: u64) {
         self.set(|s| {
-            s.compacting = true;
+            s.rewriting = true;
             s.allowed_end = allowed;
         });
     }
@@ -59,9 +59,9 @@ impl Gate {
         self.set(|s| s.allowed_end = s.allowed_end.max(end));
     }
 
-    /// The compaction ended (swapped in or given up).
+    /// The rewrite ended (swapped in or given up).
     pub(super) fn end(&self) {
-        self.set(|s| s.compacting = false);
+        self.set(|s| s.rewriting = false);
     }
 
     /// Waits until the state differs from `seen`; `false` when `deadline`
@@ -82,11 +82,11 @@ impl Gate {
         true
     }
 
-    /// Waits until no compaction runs; `false` when `deadline` came first.
+    /// Waits until no rewrite runs; `false` when `deadline` came first.
     pub(super) fn wait_idle(&self, deadline: Instant) -> bool {
         loop {
             let s = self.get();
-            if !s.compacting {
+            if !s.rewriting {
                 return true;
             }
             if !self.wait(s, deadline) {
@@ -96,7 +96,7 @@ impl Gate {
     }
 }
 
-/// The allowance of a compaction that has copied `copied` of `planned`
+/// The allowance of a rewrite that has copied `copied` of `planned`
 /// bytes, started at `start` with `room` to grow.
 pub(super) fn allowance(start: u64, room: u64, copied: u64, planned: u64) -> u64 {
     let free = room / 4;

@@ -94,7 +94,7 @@ impl Index {
         HEADER_LEN as u64 + self.disk
     }
 
-    /// Changes the location of a record (after a compaction).
+    /// Changes the location of a record (after a rewrite).
     pub(super) fn relocate(&mut self, key: &Key, offset: u64) {
         if let Some(m) = self.meta.get_mut(key) {
             m.at.offset = offset;
@@ -191,14 +191,14 @@ pub(super) fn apply_sweep(index: &mut Index, plan: &SweepPlan) {
     }
 }
 
-/// Least file size a compaction aims to leave room for, so that a small
-/// bound is not compacted on every write.
+/// Least file size a rewrite aims to leave room for, so that a small
+/// bound is not rewritten on every write.
 const MIN_ROOM: u64 = 64 << 10;
 
-/// When the file is compacted, and how large it may grow.
+/// When the file is rewritten, and how large it may grow.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(super) struct Bounds {
-    /// A compaction starts once the file reaches this.
+    /// A rewrite starts once the file reaches this.
     pub(super) start: u64,
     /// No write makes the file longer than this.
     pub(super) hard: u64,
@@ -208,7 +208,7 @@ pub(super) struct Bounds {
 /// bounded by `max_bytes`: the file stays within 1.5× the bound (or 1.25×
 /// its live entries plus 64 KiB, when those alone come near: conversation
 /// states are not counted by the bound, nor a frame's own bytes). A
-/// compaction starts halfway between the live entries and that limit:
+/// rewrite starts halfway between the live entries and that limit:
 /// the other half is the room that writes made during it may take.
 pub(super) fn bounds(max_bytes: usize, live: u64) -> Bounds {
     let b = max_bytes as u64;
@@ -269,7 +269,7 @@ mod tests {
     }
 
     #[test]
-    fn bounds_leave_half_the_room_to_writes_during_a_compaction() {
+    fn bounds_leave_half_the_room_to_writes_during_a_rewrite() {
         let b = bounds(4 << 20, 4 << 20);
         assert_eq!(b.hard, 6 << 20);
         assert_eq!(b.start, 5 << 20);

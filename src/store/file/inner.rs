@@ -1,10 +1,10 @@
-//! What the calls, the compaction and the open share: the index with the
+//! What the calls, the rewrite and the open share: the index with the
 //! file it points into, the writer's end of the file, the gate.
 //!
 //! Lock order: `writer`, then `shared`; the gate's lock is taken alone.
 //! The index and the file handle are under one lock so that a reader's
 //! offset and the file it reads it from always belong together (a
-//! compaction swaps both at once).
+//! rewrite swaps both at once).
 
 use std::fs::File;
 use std::os::unix::fs::FileExt;
@@ -42,11 +42,11 @@ pub(super) struct Settings {
 /// Content-free counts of what the store did, for logs and tests.
 #[derive(Debug, Default)]
 pub(super) struct Counters {
-    /// Compactions swapped in (those at open too).
-    pub(super) compactions: AtomicU64,
-    /// Writes made while a compaction was copying.
-    pub(super) written_while_compacting: AtomicU64,
-    /// Writes that waited for a compaction's progress.
+    /// Rewrites swapped in (those at open too).
+    pub(super) rewrites: AtomicU64,
+    /// Writes made while a rewrite was copying.
+    pub(super) written_while_rewriting: AtomicU64,
+    /// Writes that waited for a rewrite's progress.
     pub(super) paced: AtomicU64,
     /// Writes refused because the file was at its bound.
     pub(super) refused: AtomicU64,
@@ -56,18 +56,18 @@ pub(super) struct Inner {
     pub(super) path: PathBuf,
     pub(super) shared: Mutex<Shared>,
     pub(super) writer: Mutex<Writer>,
-    /// The writer's end, readable without its lock (the compaction polls it).
+    /// The writer's end, readable without its lock (the rewrite polls it).
     pub(super) end: AtomicU64,
     pub(super) gate: Gate,
     pub(super) secret: u64,
     pub(super) ttl_ms: u64,
     pub(super) max_bytes: usize,
-    /// How long a write may wait for a compaction's progress (ms).
+    /// How long a write may wait for a rewrite's progress (ms).
     pub(super) write_wait_ms: AtomicU64,
     pub(super) counters: Counters,
-    /// The store was dropped: a running compaction gives up.
+    /// The store was dropped: a running rewrite gives up.
     pub(super) closing: AtomicBool,
-    /// After a failed compaction, none is tried before this.
+    /// After a failed rewrite, none is tried before this.
     pub(super) retry_at: Mutex<Option<Instant>>,
     #[cfg(test)]
     pub(super) hold: super::tests_hook::Hold,

@@ -11,8 +11,8 @@
 //! pool, never on an async worker.
 //!
 //! The file is bounded: a put first drops the least recently used
-//! records until the new one fits `max_bytes`, and a compaction rewrites
-//! the live entries into a new file while writes go on (see `compact.rs`
+//! records until the new one fits `max_bytes`, and a rewrite copies
+//! the live entries into a new file while writes go on (see `rewrite.rs`
 //! and `gate.rs`), so the file stays within 1.5× the bound, running and
 //! after a restart.
 //!
@@ -22,12 +22,11 @@
 //! `Corrupt` error and leaves the index.
 //!
 //! Files: `frame.rs` (the bytes), `entry.rs` (payloads), `index.rs`,
-//! `scan.rs` (open's read), `open.rs`, `compact.rs` (the rewrite),
+//! `scan.rs` (open's read), `open.rs`, `rewrite.rs` (the rewrite),
 //! `gate.rs` (writes paced by it), `room.rs` (every write), `calls.rs`,
 //! `disk.rs` (lock, renames, moving aside), `inner.rs` (what they share).
 
 mod calls;
-mod compact;
 mod disk;
 mod entry;
 mod frame;
@@ -35,6 +34,7 @@ mod gate;
 mod index;
 mod inner;
 mod open;
+mod rewrite;
 mod room;
 mod scan;
 #[cfg(test)]
@@ -98,7 +98,7 @@ impl FileStore {
         })
     }
 
-    /// How long a write may wait for a running compaction's progress
+    /// How long a write may wait for a running rewrite's progress
     /// before it is refused (default 200 ms; keep it under the store's
     /// call timeout).
     pub fn set_write_wait(&self, wait: Duration) {
@@ -131,9 +131,9 @@ impl FileStore {
         std::fs::metadata(&self.inner.path).map_or(0, |m| m.len())
     }
 
-    /// Whether a compaction is running.
-    pub fn compacting(&self) -> bool {
-        self.inner.gate.get().compacting
+    /// Whether a rewrite is running.
+    pub fn rewriting(&self) -> bool {
+        self.inner.gate.get().rewriting
     }
 
     /// Runs `f` on the blocking pool.
@@ -150,7 +150,7 @@ impl FileStore {
 }
 
 impl Drop for FileStore {
-    /// A running compaction gives up, and the calls in flight end, before
+    /// A running rewrite gives up, and the calls in flight end, before
     /// the store is gone: the file's lock is released when this returns,
     /// so the same file can be opened again right away.
     fn drop(&mut self) {

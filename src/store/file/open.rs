@@ -19,11 +19,11 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use super::calls;
-use super::compact;
 use super::disk::{self, OpenError};
 use super::frame::{self, Header};
 use super::index::{apply_sweep, plan_sweep, Index};
 use super::inner::{now_ms, Inner, Settings};
+use super::rewrite;
 use super::scan::{self, Scan};
 
 /// What opening came to: the store's state, and where a damaged or
@@ -63,7 +63,7 @@ fn verdict(scan: &Scan) -> Verdict {
 pub(super) fn open(path: &Path, settings: Settings) -> Result<Opened, OpenError> {
     disk::make_dir(path).map_err(OpenError::io(path, "create directory"))?;
     let file = disk::open_locked(path)?;
-    // A compaction that died with its process; the lock says none runs.
+    // A rewrite that died with its process; the lock says none runs.
     let _ = std::fs::remove_file(disk::temp_path(path));
     let len = file.metadata().map_err(OpenError::io(path, "stat"))?.len();
     let mut first = vec![0u8; usize::try_from(len.min(frame::HEADER_LEN as u64)).unwrap_or(0)];
@@ -201,9 +201,9 @@ fn settle(inner: &Arc<Inner>, rewrite: bool) -> std::io::Result<()> {
     }
     apply_sweep(&mut shared.index, &plan);
     drop(shared);
-    let r = compact::now(inner).map_err(std::io::Error::other)?;
+    let r = rewrite::now(inner).map_err(std::io::Error::other)?;
     tracing::info!(backend = "file", path = %inner.path.display(), before = end,
         after = r.after, damaged_entries = r.dropped, millis = r.millis,
-        "store file compacted at open");
+        "store file rewritten at open");
     Ok(())
 }

@@ -7,23 +7,23 @@ use std::time::Instant;
 
 use crate::store::StoreError;
 
-use super::compact;
 use super::gate::GateState;
 use super::index::{bounds, Index};
 use super::inner::{backend, Inner, Writer};
+use super::rewrite;
 
 /// Whether `len` more bytes may be appended now.
 enum Room {
     Now,
     /// After the gate changes from this.
     Later(GateState),
-    /// Not while the file is at its bound and no compaction can run.
+    /// Not while the file is at its bound and no rewrite can run.
     Never,
 }
 
 fn room(inner: &Arc<Inner>, w: &Writer, len: u64) -> Room {
     let gate = inner.gate.get();
-    if gate.compacting {
+    if gate.rewriting {
         return if w.end + len <= gate.allowed_end {
             Room::Now
         } else {
@@ -34,7 +34,7 @@ fn room(inner: &Arc<Inner>, w: &Writer, len: u64) -> Room {
     if w.end + len <= bounds(inner.max_bytes, live).hard {
         return Room::Now;
     }
-    if compact::maybe_start(inner, w, true) {
+    if rewrite::maybe_start(inner, w, true) {
         Room::Later(inner.gate.get())
     } else {
         Room::Never
@@ -49,7 +49,7 @@ fn full() -> StoreError {
 /// should the write have to wait) followed by `big` (a frame made before,
 /// off the lock), then hands `apply` the offset they start at to update
 /// the index, all under the writer's lock. A write that would take the
-/// file past its bound waits for a running compaction's progress, at most
+/// file past its bound waits for a running rewrite's progress, at most
 /// the store's write wait; then it is refused (counted, and served from
 /// memory by the caller), so the file never outgrows its bound.
 pub(super) fn append<T>(
@@ -69,14 +69,14 @@ pub(super) fn append<T>(
         let len = (small.len() + big.len()) as u64;
         let seen = match room(inner, &w, len) {
             Room::Now => {
-                let compacting = inner.gate.get().compacting;
+                let rewriting = inner.gate.get().rewriting;
                 let at = w.append(&[&small, big]).map_err(|e| backend("write", e))?;
                 inner.end.store(w.end, Ordering::Release);
                 apply(&mut inner.shared().index, made, at);
-                if compacting {
-                    bump(&inner.counters.written_while_compacting);
+                if rewriting {
+                    bump(&inner.counters.written_while_rewriting);
                 }
-                compact::maybe_start(inner, &w, false);
+                rewrite::maybe_start(inner, &w, false);
                 return Ok(());
             }
             Room::Later(seen) => seen,

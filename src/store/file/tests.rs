@@ -1,5 +1,5 @@
 //! The store's behaviour through its `Store` calls: what outlives a
-//! reopen, the bounds, the sweep, and writes going on during a compaction.
+//! reopen, the bounds, the sweep, and writes going on during a rewrite.
 
 use std::path::Path;
 use std::sync::atomic::Ordering;
@@ -22,9 +22,9 @@ fn open(path: &Path) -> FileStore {
     opened(path, Duration::from_secs(60), 1 << 20)
 }
 
-/// A store whose puts at the bound wait up to 30 s for the compaction's
+/// A store whose puts at the bound wait up to 30 s for the rewrite's
 /// progress (paced, not refused) as long as it makes some. With the
-/// default 200 ms a compaction slowed by a busy machine (the other tests,
+/// default 200 ms a rewrite slowed by a busy machine (the other tests,
 /// on two cores) refused puts in clean-clone CI runs: what the store should
 /// do then, but not what these tests measure. The tests of refusal set
 /// their own wait.
@@ -216,15 +216,15 @@ async fn the_file_stays_within_one_and_a_half_times_the_bound() {
         peak = peak.max(s.file_len());
         assert!(s.bytes() <= bound, "{} > {bound}", s.bytes());
     }
-    // Compactions run in the background: wait for the last one.
-    while s.compacting() {
+    // Rewrites run in the background: wait for the last one.
+    while s.rewriting() {
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
     let live = s.len();
     let running = s.file_len();
     let c = &s.inner.counters;
-    let (compactions, paced, refused) = (
-        c.compactions.load(Ordering::Relaxed),
+    let (rewrites, paced, refused) = (
+        c.rewrites.load(Ordering::Relaxed),
         c.paced.load(Ordering::Relaxed),
         c.refused.load(Ordering::Relaxed),
     );
@@ -233,7 +233,7 @@ async fn the_file_stays_within_one_and_a_half_times_the_bound() {
     let restarted = s.file_len();
     eprintln!(
         "bound {bound} records {n}x{kb}KiB live {live} file peak {peak} end {running} \
-         after restart {restarted} slowest put {slowest:?} compactions {compactions} \
+         after restart {restarted} slowest put {slowest:?} rewrites {rewrites} \
          paced puts {paced} refused {refused}"
     );
     let limit = bound as u64 * 3 / 2;
@@ -242,7 +242,7 @@ async fn the_file_stays_within_one_and_a_half_times_the_bound() {
         running <= limit && restarted <= limit,
         "{running} {restarted}"
     );
-    assert!(compactions > 0 && refused == 0);
+    assert!(rewrites > 0 && refused == 0);
     assert!(live > 0 && s.len() == live);
     assert!(
         s.find(1, &[0, n as u128 - 1]).await.unwrap().is_some(),
@@ -294,7 +294,7 @@ async fn last_uses_noted_in_memory_reach_the_file_at_the_sweep() {
 }
 
 /// A bound of 1 MiB (the file may reach 1.5 MiB) and records of 4 KiB: a
-/// compaction starts at about 1.25 MiB, a quarter of the room left (64
+/// rewrite starts at about 1.25 MiB, a quarter of the room left (64
 /// KiB, 15 records) is free to write before its copy progresses.
 const BOUND: usize = 1 << 20;
 
@@ -306,9 +306,9 @@ async fn filled(path: &Path) -> FileStore {
     opened(path, Duration::from_secs(3600), BOUND)
 }
 
-/// Puts records until a compaction starts (held at its first entry).
-async fn until_compacting(s: &FileStore, next: &mut u128) {
-    while !s.compacting() {
+/// Puts records until a rewrite starts (held at its first entry).
+async fn until_rewriting(s: &FileStore, next: &mut u128) {
+    while !s.rewriting() {
         s.put(1, small(*next)).await.unwrap();
         *next += 1;
     }
@@ -316,14 +316,14 @@ async fn until_compacting(s: &FileStore, next: &mut u128) {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn writes_go_on_while_a_compaction_copies() {
+async fn writes_go_on_while_a_rewrite_copies() {
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("state.log");
     let s = filled(&path).await;
     s.inner.hold.set(true);
     let mut next = 0u128;
-    until_compacting(&s, &mut next).await;
-    // The compaction is parked inside its copy: these writes can only
+    until_rewriting(&s, &mut next).await;
+    // The rewrite is parked inside its copy: these writes can only
     // succeed if none waits for it. They fit the room it left.
     let during = next;
     for _ in 0..3 {
@@ -333,15 +333,15 @@ async fn writes_go_on_while_a_compaction_copies() {
     s.put_state(9, b"state".to_vec()).await.unwrap();
     s.put_window("http://u:1", "m", 4096).await.unwrap();
     let c = &s.inner.counters;
-    assert!(s.compacting(), "still copying");
-    assert_eq!(c.written_while_compacting.load(Ordering::Relaxed), 5);
+    assert!(s.rewriting(), "still copying");
+    assert_eq!(c.written_while_rewriting.load(Ordering::Relaxed), 5);
     assert_eq!(c.paced.load(Ordering::Relaxed), 0, "no write waited");
     let before = s.file_len();
     s.inner.hold.set(false);
-    while s.compacting() {
+    while s.rewriting() {
         tokio::time::sleep(Duration::from_millis(5)).await;
     }
-    assert_eq!(c.compactions.load(Ordering::Relaxed), 1);
+    assert_eq!(c.rewrites.load(Ordering::Relaxed), 1);
     assert!(s.file_len() < before, "{} !< {before}", s.file_len());
     // What was written during the copy is in the new file, found through
     // the relocated index now and after a reopen.
@@ -374,7 +374,7 @@ async fn a_write_that_would_outrun_the_copy_waits_for_its_progress_only() {
     let s = std::sync::Arc::new(filled(&path).await);
     s.inner.hold.set(true);
     let mut next = 0u128;
-    until_compacting(&s, &mut next).await;
+    until_rewriting(&s, &mut next).await;
     // With the copy held, writes use up the room and then wait.
     let limit = index::bounds(BOUND, 0).hard;
     let writer = {
@@ -403,7 +403,7 @@ async fn a_write_refused_at_the_bound_is_an_error_and_the_file_stays_bounded() {
     s.set_write_wait(Duration::from_millis(20));
     s.inner.hold.set(true);
     let mut next = 0u128;
-    until_compacting(&s, &mut next).await;
+    until_rewriting(&s, &mut next).await;
     let limit = index::bounds(BOUND, 0).hard;
     let mut refused = false;
     for h in next..next + 40 {
@@ -438,11 +438,11 @@ async fn a_record_damaged_after_open_is_corrupt_and_leaves_the_index() {
 }
 
 #[tokio::test]
-async fn a_compaction_that_fails_leaves_writes_bounded_and_never_stuck() {
+async fn a_rewrite_that_fails_leaves_writes_bounded_and_never_stuck() {
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("state.log");
     let s = filled(&path).await;
-    // The temporary file cannot be created: every compaction fails.
+    // The temporary file cannot be created: every rewrite fails.
     std::fs::create_dir(disk::temp_path(&path)).unwrap();
     let limit = index::bounds(BOUND, 0).hard;
     let (mut refused, mut kept) = (0, None);
@@ -453,11 +453,11 @@ async fn a_compaction_that_fails_leaves_writes_bounded_and_never_stuck() {
             Err(_) => refused += 1,
         }
         assert!(s.file_len() <= limit, "{} > {limit}", s.file_len());
-        // Refused at once: no wait for a compaction that is not coming.
+        // Refused at once: no wait for a rewrite that is not coming.
         assert!(started.elapsed() < Duration::from_secs(5));
     }
-    assert!(refused > 0 && !s.compacting());
-    assert_eq!(s.inner.counters.compactions.load(Ordering::Relaxed), 0);
+    assert!(refused > 0 && !s.rewriting());
+    assert_eq!(s.inner.counters.rewrites.load(Ordering::Relaxed), 0);
     // Reads still serve what was written.
     assert!(s.find(1, &[0, kept.unwrap()]).await.unwrap().is_some());
 }
@@ -469,7 +469,7 @@ fn text_of(cred: u128, h: u128) -> String {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn every_record_reads_back_as_written_across_concurrent_compactions() {
+async fn every_record_reads_back_as_written_across_concurrent_rewrites() {
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("state.log");
     let s = std::sync::Arc::new(filled(&path).await);
@@ -498,10 +498,10 @@ async fn every_record_reads_back_as_written_across_concurrent_compactions() {
     for t in tasks {
         t.await.unwrap();
     }
-    while s.compacting() {
+    while s.rewriting() {
         tokio::time::sleep(Duration::from_millis(5)).await;
     }
-    assert!(s.inner.counters.compactions.load(Ordering::Relaxed) > 3);
+    assert!(s.inner.counters.rewrites.load(Ordering::Relaxed) > 3);
     let kept: Vec<entry::Key> = s.inner.shared().index.meta.keys().copied().collect();
     assert!(!kept.is_empty());
     for &(cred, h) in &kept {

@@ -310,13 +310,13 @@ async fn a_file_in_use_is_not_moved_aside() {
 }
 
 #[tokio::test]
-async fn a_crash_during_creation_or_compaction_leaves_nothing_to_recover() {
+async fn a_crash_during_creation_or_rewrite_leaves_nothing_to_recover() {
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("state.log");
     // Cut while its header was written.
     std::fs::write(&path, &frame::header(1)[..11]).unwrap();
     assert!(serves(&path).await.moved_aside().is_none());
-    // A compaction's temporary file left by a process that died.
+    // A rewrite's temporary file left by a process that died.
     std::fs::write(disk::temp_path(&path), b"half a copy").unwrap();
     let s = serves(&path).await;
     assert!(s.moved_aside().is_none());

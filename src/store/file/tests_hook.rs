@@ -1,11 +1,11 @@
-//! A point where a test holds a running compaction (after its first
+//! A point where a test holds a running rewrite (after its first
 //! copied entry), to show what writes do meanwhile without timing them.
 
 use std::sync::{Condvar, Mutex, PoisonError};
 
 #[derive(Debug, Default)]
 pub(super) struct Hold {
-    /// (held, parked): the test holds compactions; one is parked.
+    /// (held, parked): the test holds rewrites; one is parked.
     state: Mutex<(bool, bool)>,
     changed: Condvar,
 }
@@ -16,7 +16,7 @@ impl Hold {
         self.changed.notify_all();
     }
 
-    /// Called by the compaction: parks while held.
+    /// Called by the rewrite: parks while held.
     pub(super) fn point(&self) {
         let mut s = self.state.lock().unwrap_or_else(PoisonError::into_inner);
         while s.0 {
@@ -27,7 +27,7 @@ impl Hold {
         s.1 = false;
     }
 
-    /// Waits until a compaction is parked.
+    /// Waits until a rewrite is parked.
     pub(super) fn wait_parked(&self) {
         let mut s = self.state.lock().unwrap_or_else(PoisonError::into_inner);
         while !s.1 {

@@ -14,8 +14,8 @@
 //!
 //! The temporary file holds the live entries plus what is appended during
 //! the copy: at most the file's hard bound, so the directory holds up to
-//! twice that while a compaction runs, and one file again after it. A
-//! compaction given up (an I/O error, the store closing) removes it.
+//! twice that while a rewrite runs, and one file again after it. A
+//! rewrite given up (an I/O error, the store closing) removes it.
 
 use std::collections::HashMap;
 use std::fs::File;
@@ -43,13 +43,13 @@ const SYNC_STEP: (u64, u64) = (64 << 10, 2 << 20);
 const FINAL_TAIL: u64 = 1 << 20;
 /// Copy rounds of appended bytes before the final step takes what is left.
 const MAX_ROUNDS: u32 = 8;
-/// After a failed compaction, the next is not tried sooner.
+/// After a failed rewrite, the next is not tried sooner.
 const RETRY_AFTER: Duration = Duration::from_secs(10);
-/// A compaction that would free less than this is not worth a rewrite.
+/// A rewrite that would free less than this is not worth its I/O.
 const MIN_GARBAGE: u64 = 64 << 10;
 
 #[derive(Debug, thiserror::Error)]
-pub(super) enum CompactError {
+pub(super) enum RewriteError {
     #[error("{op}: {source}")]
     Io {
         op: &'static str,
@@ -59,8 +59,8 @@ pub(super) enum CompactError {
     Closing,
 }
 
-fn io(op: &'static str) -> impl FnOnce(std::io::Error) -> CompactError {
-    move |source| CompactError::Io { op, source }
+fn io(op: &'static str) -> impl FnOnce(std::io::Error) -> RewriteError {
+    move |source| RewriteError::Io { op, source }
 }
 
 /// A live entry by what it is keyed by.
@@ -70,7 +70,7 @@ enum Ref {
     State(u128),
 }
 
-/// What a compaction copies, taken under the writer's lock.
+/// What a rewrite copies, taken under the writer's lock.
 struct Snapshot {
     file: Arc<File>,
     /// Live entries in file order.
@@ -84,7 +84,7 @@ struct Snapshot {
     planned: u64,
 }
 
-/// What a compaction did.
+/// What a rewrite did.
 #[derive(Debug)]
 pub(super) struct Report {
     pub(super) before: u64,
@@ -108,7 +108,7 @@ struct Out {
 }
 
 impl Out {
-    fn write(&mut self, bytes: &[u8]) -> Result<u64, CompactError> {
+    fn write(&mut self, bytes: &[u8]) -> Result<u64, RewriteError> {
         let at = self.len;
         self.buf.extend_from_slice(bytes);
         self.len += bytes.len() as u64;
@@ -118,13 +118,13 @@ impl Out {
         Ok(at)
     }
 
-    fn flush(&mut self) -> Result<(), CompactError> {
+    fn flush(&mut self) -> Result<(), RewriteError> {
         self.file.write_all(&self.buf).map_err(io("write"))?;
         self.buf.clear();
         Ok(())
     }
 
-    fn sync(&mut self) -> Result<(), CompactError> {
+    fn sync(&mut self) -> Result<(), RewriteError> {
         self.flush()?;
         self.file.sync_data().map_err(io("sync"))?;
         self.synced = self.len;
@@ -132,12 +132,12 @@ impl Out {
     }
 }
 
-/// Starts a compaction on the blocking pool when the file reached its
+/// Starts a rewrite on the blocking pool when the file reached its
 /// start bound, or, with `need`, whenever it would free something (a
 /// write is waiting for room). Called under the writer's lock. `true`
-/// when a compaction runs (started here or before).
+/// when a rewrite runs (started here or before).
 pub(super) fn maybe_start(inner: &Arc<Inner>, w: &Writer, need: bool) -> bool {
-    if inner.gate.get().compacting {
+    if inner.gate.get().rewriting {
         return true;
     }
     if inner.closing.load(Ordering::Acquire)
@@ -161,24 +161,24 @@ pub(super) fn maybe_start(inner: &Arc<Inner>, w: &Writer, need: bool) -> bool {
 }
 
 /// Compacts now, in this thread (at open: nothing else runs).
-pub(super) fn now(inner: &Inner) -> Result<Report, CompactError> {
+pub(super) fn now(inner: &Inner) -> Result<Report, RewriteError> {
     let snap = snapshot(inner, &inner.writer());
     run(inner, snap)
 }
 
-/// Runs a compaction and logs what came of it.
+/// Runs a rewrite and logs what came of it.
 fn finish_run(inner: &Inner, snap: Snapshot) {
     match &run(inner, snap) {
         Ok(r) => {
             tracing::info!(backend = "file", path = %inner.path.display(), before = r.before,
                 after = r.after, damaged_entries = r.dropped, millis = r.millis,
-                "store file compacted");
+                "store file rewritten");
         }
-        Err(CompactError::Closing) => {}
+        Err(RewriteError::Closing) => {}
         Err(e) => {
             *lock(&inner.retry_at) = Some(Instant::now() + RETRY_AFTER);
             tracing::warn!(backend = "file", path = %inner.path.display(), error = %e,
-                "store compaction failed; retried in 10 s");
+                "store rewrite failed; retried in 10 s");
         }
     }
 }
@@ -211,9 +211,9 @@ fn snapshot(inner: &Inner, w: &Writer) -> Snapshot {
     }
 }
 
-fn run(inner: &Inner, snap: Snapshot) -> Result<Report, CompactError> {
+fn run(inner: &Inner, snap: Snapshot) -> Result<Report, RewriteError> {
     let started = Instant::now();
-    let swapped = rewrite(inner, &snap).map(|(after, dropped)| Report {
+    let swapped = copy_and_swap(inner, &snap).map(|(after, dropped)| Report {
         before: snap.end,
         after,
         dropped,
@@ -221,7 +221,7 @@ fn run(inner: &Inner, snap: Snapshot) -> Result<Report, CompactError> {
     });
     if swapped.is_err() {
         let _ = std::fs::remove_file(disk::temp_path(&inner.path));
-        // A swap ends the compaction under the writer's lock; a failure
+        // A swap ends the rewrite under the writer's lock; a failure
         // ends it here (no other can have started meanwhile).
         inner.gate.end();
     }
@@ -230,7 +230,7 @@ fn run(inner: &Inner, snap: Snapshot) -> Result<Report, CompactError> {
 
 /// The three steps after the snapshot; the new file's length and the
 /// entries found damaged.
-fn rewrite(inner: &Inner, snap: &Snapshot) -> Result<(u64, usize), CompactError> {
+fn copy_and_swap(inner: &Inner, snap: &Snapshot) -> Result<(u64, usize), RewriteError> {
     let mut out = Out {
         file: disk::create_temp(&inner.path).map_err(io("create"))?,
         buf: Vec::with_capacity(2 << 20),
@@ -244,9 +244,9 @@ fn rewrite(inner: &Inner, snap: &Snapshot) -> Result<(u64, usize), CompactError>
 }
 
 /// Moves the gate on after a sync of the temporary file.
-fn progress(inner: &Inner, snap: &Snapshot, out: &mut Out) -> Result<(), CompactError> {
+fn progress(inner: &Inner, snap: &Snapshot, out: &mut Out) -> Result<(), RewriteError> {
     if inner.closing.load(Ordering::Acquire) {
-        return Err(CompactError::Closing);
+        return Err(RewriteError::Closing);
     }
     if out.len - out.synced >= (snap.planned / 16).clamp(SYNC_STEP.0, SYNC_STEP.1) {
         out.sync()?;
@@ -261,7 +261,7 @@ type Moved = HashMap<Ref, (u64, u64)>;
 
 /// Writes the header, the windows and every entry of the snapshot that is
 /// still live; returns where they went and how many were damaged.
-fn copy(inner: &Inner, snap: &Snapshot, out: &mut Out) -> Result<(Moved, usize), CompactError> {
+fn copy(inner: &Inner, snap: &Snapshot, out: &mut Out) -> Result<(Moved, usize), RewriteError> {
     let mut frames = frame::header(inner.secret).to_vec();
     for (u, m, t) in &snap.windows {
         // A window's names came from a config or a URL: never 4 GiB.
@@ -281,7 +281,7 @@ fn copy(inner: &Inner, snap: &Snapshot, out: &mut Out) -> Result<(Moved, usize),
                 }
                 Err(StoreError::Corrupt) => dropped += 1,
                 Err(e) => {
-                    return Err(CompactError::Io {
+                    return Err(RewriteError::Io {
                         op: "read",
                         source: std::io::Error::other(e.to_string()),
                     })
@@ -327,7 +327,7 @@ fn copy_entry(file: &File, r: Ref, at: Loc, touched: u64) -> Result<Vec<u8>, Sto
 }
 
 /// Copies the old file's bytes `from..to` as they are.
-fn copy_raw(file: &File, from: u64, to: u64, out: &mut Out) -> Result<(), CompactError> {
+fn copy_raw(file: &File, from: u64, to: u64, out: &mut Out) -> Result<(), RewriteError> {
     let mut buf = vec![0u8; 1 << 20];
     let mut pos = from;
     while pos < to {
@@ -342,7 +342,7 @@ fn copy_raw(file: &File, from: u64, to: u64, out: &mut Out) -> Result<(), Compac
 
 /// Copies what was appended since the snapshot, in rounds, until what is
 /// left is small; returns where the copy stopped.
-fn copy_tail(inner: &Inner, snap: &Snapshot, out: &mut Out) -> Result<u64, CompactError> {
+fn copy_tail(inner: &Inner, snap: &Snapshot, out: &mut Out) -> Result<u64, RewriteError> {
     let mut from = snap.end;
     for _ in 0..MAX_ROUNDS {
         let end = inner.end.load(Ordering::Acquire);
@@ -365,7 +365,7 @@ fn swap(
     mut out: Out,
     from: u64,
     moved: &Moved,
-) -> Result<u64, CompactError> {
+) -> Result<u64, RewriteError> {
     let mut w = inner.writer();
     // The tail's place in the new file: appended bytes keep their order.
     let base = out.len - (from - snap.end);
@@ -385,7 +385,7 @@ fn swap(
     w.file = file;
     w.end = out.len;
     inner.end.store(out.len, Ordering::Release);
-    inner.counters.compactions.fetch_add(1, Ordering::Relaxed);
+    inner.counters.rewrites.fetch_add(1, Ordering::Relaxed);
     // Still under the writer's lock: the next write sees the new file's
     // bounds, not the old file's allowance.
     inner.gate.end();
