@@ -132,11 +132,10 @@ impl Out {
     }
 }
 
-/// Starts a rewrite on the blocking pool when the file reached its
-/// start bound, or, with `need`, whenever it would free something (a
-/// write is waiting for room). Called under the writer's lock. `true`
-/// when a rewrite runs (started here or before).
-pub(super) fn maybe_start(inner: &Arc<Inner>, w: &Writer, need: bool) -> bool {
+/// Starts a rewrite on the blocking pool when [`worth_starting`] says
+/// so. `need`: the length of a write that finds no room. Called under the
+/// writer's lock. `true` when a rewrite runs (started here or before).
+pub(super) fn maybe_start(inner: &Arc<Inner>, w: &Writer, need: Option<u64>) -> bool {
     if inner.gate.get().rewriting {
         return true;
     }
@@ -146,8 +145,7 @@ pub(super) fn maybe_start(inner: &Arc<Inner>, w: &Writer, need: bool) -> bool {
         return false;
     }
     let live = inner.shared().index.live();
-    let garbage = w.end.saturating_sub(live);
-    if garbage < MIN_GARBAGE || !(need || w.end >= bounds(inner.max_bytes, live).start) {
+    if !worth_starting(inner.max_bytes, live, w.end, need) {
         return false;
     }
     let snap = snapshot(inner, w);
@@ -160,7 +158,25 @@ pub(super) fn maybe_start(inner: &Arc<Inner>, w: &Writer, need: bool) -> bool {
     true
 }
 
-/// Compacts now, in this thread (at open: nothing else runs).
+/// Whether a file of `end` bytes, `live` of them live, is rewritten now.
+///
+/// Unasked, once it reaches its start bound: that is half the room to its
+/// hard bound past the live entries, at least 32 KiB of garbage, so a
+/// small bound is not rewritten on every write. A write that finds no
+/// room asks for a rewrite whenever there is garbage and reclaiming it
+/// makes room for that write (or frees a worthwhile amount anyway): a
+/// small bound's hard bound is the live entries plus 64 KiB, so waiting
+/// for [`MIN_GARBAGE`] there would refuse every write for good.
+fn worth_starting(max_bytes: usize, live: u64, end: u64, need: Option<u64>) -> bool {
+    let garbage = end.saturating_sub(live);
+    let b = bounds(max_bytes, live);
+    match need {
+        None => end >= b.start && garbage > 0,
+        Some(len) => garbage > 0 && (garbage >= MIN_GARBAGE || live + len <= b.hard),
+    }
+}
+
+/// Rewrites now, in this thread (at open: nothing else runs).
 pub(super) fn now(inner: &Inner) -> Result<Report, RewriteError> {
     let snap = snapshot(inner, &inner.writer());
     run(inner, snap)
@@ -428,5 +444,27 @@ fn relocate(index: &mut Index, end: u64, base: u64, moved: &Moved) {
                 index.remove_state(s);
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_write_without_room_asks_for_a_rewrite_whenever_garbage_makes_room() {
+        // The state issue 49 found a store wedged in, restarts included:
+        // 38 bytes under its hard bound, 65,498 bytes of garbage.
+        let (bound, live) = (200 << 10, 250_000);
+        let hard = bounds(bound, live).hard;
+        assert_eq!(hard, live + (64 << 10));
+        let end = hard - 38;
+        assert!(worth_starting(bound, live, end, Some(1000)));
+        assert!(worth_starting(bound, live, end, None), "past the start");
+        // Nothing to reclaim, or nothing that makes room: no rewrite.
+        assert!(!worth_starting(bound, live, live, Some(1000)));
+        assert!(!worth_starting(bound, live, live + 10, Some(hard)));
+        // Under the start bound, unasked: none yet.
+        assert!(!worth_starting(bound, live, live + 1000, None));
     }
 }

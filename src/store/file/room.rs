@@ -34,7 +34,7 @@ fn room(inner: &Arc<Inner>, w: &Writer, len: u64) -> Room {
     if w.end + len <= bounds(inner.max_bytes, live).hard {
         return Room::Now;
     }
-    if rewrite::maybe_start(inner, w, true) {
+    if rewrite::maybe_start(inner, w, Some(len)) {
         Room::Later(inner.gate.get())
     } else {
         Room::Never
@@ -76,7 +76,7 @@ pub(super) fn append<T>(
                 if rewriting {
                     bump(&inner.counters.written_while_rewriting);
                 }
-                rewrite::maybe_start(inner, &w, false);
+                rewrite::maybe_start(inner, &w, None);
                 return Ok(());
             }
             Room::Later(seen) => seen,

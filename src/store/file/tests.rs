@@ -523,3 +523,72 @@ async fn every_record_reads_back_as_written_across_concurrent_rewrites() {
         assert_eq!(s.get_state(cred).await.unwrap(), last);
     }
 }
+
+/// Issue 49: at a small bound the hard limit is the live entries plus 64
+/// KiB, so the garbage under it never reached the 64 KiB a rewrite waited
+/// for: every write was refused and no rewrite ever ran.
+#[tokio::test]
+async fn a_small_bound_never_refuses_writes_while_garbage_exists() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("state.log");
+    let bound = 64 << 10;
+    let s = opened(&path, Duration::from_secs(3600), bound);
+    // Unique records: each put past the bound evicts the oldest, so the
+    // live entries stay near the bound and every put leaves garbage.
+    for h in 0..400u128 {
+        s.put(1, rec(2, h, &"s".repeat(1000)))
+            .await
+            .unwrap_or_else(|e| {
+                panic!(
+                    "put {h} refused: file {} live {}: {e}",
+                    s.file_len(),
+                    s.inner.shared().index.live()
+                )
+            });
+        let live = s.inner.shared().index.live();
+        assert!(s.file_len() <= index::bounds(bound, live).hard.max(live));
+    }
+    while s.rewriting() {
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    assert!(s.inner.counters.rewrites.load(Ordering::Relaxed) > 0);
+    assert_eq!(s.inner.counters.refused.load(Ordering::Relaxed), 0);
+    assert!(s.find(1, &[0, 399]).await.unwrap().is_some());
+}
+
+/// The same wedge reached through conversation states, which the bound
+/// does not count: one state written again and again beside records that
+/// fill the bound.
+#[tokio::test]
+async fn states_beside_a_full_small_bound_never_wedge_writes() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("state.log");
+    let bound = 200 << 10;
+    let s = opened(&path, Duration::from_secs(3600), bound);
+    for h in 0..200u128 {
+        s.put(1, rec(2, h, &"r".repeat(1000))).await.unwrap();
+    }
+    // States until the hard limit is the live entries plus 64 KiB (the
+    // 1.5x bound no longer leaves more).
+    let mut session = 100u128;
+    while s.inner.shared().index.live() + (64 << 10) < bound as u64 * 3 / 2 + 4096 {
+        s.put_state(session, vec![b's'; 2000]).await.unwrap();
+        session += 1;
+    }
+    for n in 0..300usize {
+        s.put_state(7, vec![b'n'; 1000 + n % 7])
+            .await
+            .unwrap_or_else(|e| panic!("state {n} refused: file {}: {e}", s.file_len()));
+    }
+    while s.rewriting() {
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    assert!(s.inner.counters.rewrites.load(Ordering::Relaxed) > 0);
+    assert_eq!(s.inner.counters.refused.load(Ordering::Relaxed), 0);
+    drop(s);
+    let s = opened(&path, Duration::from_secs(3600), bound);
+    assert_eq!(
+        s.get_state(7).await.unwrap().map(|v| v.len()),
+        Some(1000 + 299 % 7)
+    );
+}
