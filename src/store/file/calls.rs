@@ -9,7 +9,7 @@ use crate::store::{StoreError, StoredRecord};
 
 use super::entry::{self, Key};
 use super::frame::{self, Kind};
-use super::index::{apply_sweep, evictions, plan_sweep, Loc, Meta, StateMeta};
+use super::index::{apply_sweep, evictions, plan_sweep, Loc, Meta, StateMeta, SweepPlan};
 use super::inner::{backend, now_ms, Inner};
 use super::room::append;
 
@@ -131,6 +131,23 @@ pub(super) fn sweep(inner: &Arc<Inner>) -> Result<(), StoreError> {
             (small, plan)
         },
         |index, plan, _| apply_sweep(index, &plan),
+    )
+}
+
+/// Writes a sweep already made in the index (the deletes and last uses
+/// of `plan`): applying it again changes nothing.
+pub(super) fn write_sweep(inner: &Arc<Inner>, plan: &SweepPlan) -> Result<(), StoreError> {
+    append(
+        inner,
+        &[],
+        |_| {
+            let mut small = Vec::new();
+            entry::delete_records(&mut small, &plan.gone);
+            entry::touches(&mut small, &plan.dirty);
+            entry::delete_states(&mut small, &plan.states);
+            (small, ())
+        },
+        |index, (), _| apply_sweep(index, plan),
     )
 }
 

@@ -178,8 +178,16 @@ fn keep_aside(inner: &Inner, why: &Aside) -> Result<PathBuf, OpenError> {
 }
 
 /// Drops what expired while no process ran, and rewrites the file when
-/// `rewrite` says so or garbage is more than an eighth of it.
-fn settle(inner: &Arc<Inner>, rewrite: bool) -> std::io::Result<()> {
+/// `required` says so or garbage is more than an eighth of it.
+///
+/// A rewrite only for the garbage is optional: when it fails (a full
+/// disk, most often) the file that checked whole is used as it is, the
+/// running store tries again later, and what the rewrite would have
+/// dropped is written as deletes where there is room. Failing the open
+/// instead would serve from memory for the whole life of the process. A
+/// required rewrite (the file at the path is the one kept aside) cannot be
+/// skipped: appending would change the copy kept as evidence.
+fn settle(inner: &Arc<Inner>, required: bool) -> std::io::Result<()> {
     let end = inner.writer().end;
     let mut shared = inner.shared();
     let plan = plan_sweep(&shared.index, now_ms(), inner.ttl_ms, inner.max_bytes);
@@ -195,15 +203,30 @@ fn settle(inner: &Arc<Inner>, rewrite: bool) -> std::io::Result<()> {
         )
         .sum();
     let live = index.live().saturating_sub(freed);
-    if !rewrite && end.saturating_sub(live) <= (live / 8).max(64 << 10) {
+    if !required && end.saturating_sub(live) <= (live / 8).max(64 << 10) {
         drop(shared);
         return calls::sweep(inner).map_err(std::io::Error::other);
     }
     apply_sweep(&mut shared.index, &plan);
     drop(shared);
-    let r = rewrite::now(inner).map_err(std::io::Error::other)?;
-    tracing::info!(backend = "file", path = %inner.path.display(), before = end,
-        after = r.after, damaged_entries = r.dropped, millis = r.millis,
-        "store file rewritten at open");
-    Ok(())
+    match rewrite::now(inner) {
+        Ok(r) => {
+            tracing::info!(backend = "file", path = %inner.path.display(), before = end,
+                after = r.after, damaged_entries = r.dropped, millis = r.millis,
+                "store file rewritten at open");
+            Ok(())
+        }
+        Err(e) if !required => {
+            rewrite::put_off(inner);
+            tracing::warn!(backend = "file", path = %inner.path.display(), error = %e,
+                bytes = end, live_bytes = live,
+                "store file rewrite at open failed; using the file as it is, retried later");
+            if let Err(e) = calls::write_sweep(inner, &plan) {
+                tracing::debug!(backend = "file", error = %e,
+                    "expired entries not written as deleted; dropped again at the next open");
+            }
+            Ok(())
+        }
+        Err(e) => Err(std::io::Error::other(e)),
+    }
 }

@@ -119,6 +119,13 @@ impl Out {
     }
 
     fn flush(&mut self) -> Result<(), RewriteError> {
+        #[cfg(test)]
+        if super::tests_hook::disk_full() {
+            // As a full disk does: part of the bytes land, then ENOSPC.
+            let _ = self.file.write_all(&self.buf[..self.buf.len() / 2]);
+            let full = std::io::Error::new(std::io::ErrorKind::StorageFull, "disk full (test)");
+            return Err(io("write")(full));
+        }
         self.file.write_all(&self.buf).map_err(io("write"))?;
         self.buf.clear();
         Ok(())
@@ -182,6 +189,12 @@ pub(super) fn now(inner: &Inner) -> Result<Report, RewriteError> {
     run(inner, snap)
 }
 
+/// No rewrite is tried for a while: one just failed, and what failed it
+/// (a full disk, most often) takes time to go away.
+pub(super) fn put_off(inner: &Inner) {
+    *lock(&inner.retry_at) = Some(Instant::now() + RETRY_AFTER);
+}
+
 /// Runs a rewrite and logs what came of it.
 fn finish_run(inner: &Inner, snap: Snapshot) {
     match &run(inner, snap) {
@@ -192,7 +205,7 @@ fn finish_run(inner: &Inner, snap: Snapshot) {
         }
         Err(RewriteError::Closing) => {}
         Err(e) => {
-            *lock(&inner.retry_at) = Some(Instant::now() + RETRY_AFTER);
+            put_off(inner);
             tracing::warn!(backend = "file", path = %inner.path.display(), error = %e,
                 "store rewrite failed; retried in 10 s");
         }

@@ -592,3 +592,59 @@ async fn states_beside_a_full_small_bound_never_wedge_writes() {
         Some(1000 + 299 % 7)
     );
 }
+
+/// Issue 49: a restart on a nearly full disk. The rewrite at open (only
+/// for garbage: the file checked whole) fails; the file is used as it is
+/// instead of the store being off for the life of the process. The full
+/// disk is injected (`tests_hook::set_disk_full`: the temporary file's
+/// writes fail with `StorageFull` after half their bytes), so this shows
+/// what open does with a failed rewrite, not how a file system fills.
+#[tokio::test]
+async fn a_rewrite_at_open_that_fails_leaves_the_file_in_use_and_tries_again_later() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("state.log");
+    {
+        // Four live records and about 300 KB of replaced ones: rewritten
+        // at open, not while running (under the start bound).
+        let s = opened(&path, Duration::from_secs(3600), BOUND);
+        for n in 0..150u128 {
+            s.put(1, rec(2, n % 4, &format!("{n}{}", "g".repeat(2000))))
+                .await
+                .unwrap();
+        }
+        s.put_state(3, b"kept".to_vec()).await.unwrap();
+        assert_eq!(s.inner.counters.rewrites.load(Ordering::Relaxed), 0);
+    }
+    let before = std::fs::read(&path).unwrap();
+    tests_hook::set_disk_full(true);
+    let opened_on_a_full_disk = FileStore::open(&path, Duration::from_secs(3600), BOUND);
+    tests_hook::set_disk_full(false);
+    let s = opened_on_a_full_disk.expect("the file checked whole: used as it is");
+    s.set_write_wait(Duration::from_secs(30));
+    assert!(s.moved_aside().is_none());
+    assert_eq!(std::fs::read(&path).unwrap(), before, "left as it was");
+    assert!(!disk::temp_path(&path).exists(), "the half copy removed");
+    assert_eq!(s.inner.counters.rewrites.load(Ordering::Relaxed), 0);
+    assert!(
+        inner::lock(&s.inner.retry_at).is_some(),
+        "put off, not given up"
+    );
+    for h in 0..4u128 {
+        assert!(s.find(1, &[0, h]).await.unwrap().is_some(), "{h}");
+    }
+    assert_eq!(s.get_state(3).await.unwrap().as_deref(), Some(&b"kept"[..]));
+    // Once the wait is over (cut short here), the running store rewrites
+    // the file when it reaches its start bound.
+    *inner::lock(&s.inner.retry_at) = None;
+    let mut n = 1000u128;
+    while s.inner.counters.rewrites.load(Ordering::Relaxed) == 0 {
+        s.put(1, rec(2, n % 4, &"h".repeat(2000))).await.unwrap();
+        n += 1;
+        while s.rewriting() {
+            tokio::time::sleep(Duration::from_millis(2)).await;
+        }
+        assert!(n < 2000, "no rewrite came");
+    }
+    assert!(s.file_len() < before.len() as u64);
+    assert_eq!(s.get_state(3).await.unwrap().as_deref(), Some(&b"kept"[..]));
+}

@@ -1,7 +1,23 @@
 //! A point where a test holds a running rewrite (after its first
-//! copied entry), to show what writes do meanwhile without timing them.
+//! copied entry), to show what writes do meanwhile without timing them;
+//! and a full disk for the rewrites this thread runs (the one at open).
 
+use std::cell::Cell;
 use std::sync::{Condvar, Mutex, PoisonError};
+
+thread_local! {
+    static DISK_FULL: Cell<bool> = const { Cell::new(false) };
+}
+
+/// From now on, a rewrite run by this thread finds the disk full: its
+/// temporary file's writes fail with `StorageFull` after half their bytes.
+pub(super) fn set_disk_full(full: bool) {
+    DISK_FULL.with(|d| d.set(full));
+}
+
+pub(super) fn disk_full() -> bool {
+    DISK_FULL.with(Cell::get)
+}
 
 #[derive(Debug, Default)]
 pub(super) struct Hold {
