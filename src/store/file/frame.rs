@@ -26,6 +26,9 @@ pub(super) const OVERHEAD: usize = HEAD + SUM;
 /// The first bytes of every compactor state file (a non-ASCII first byte,
 /// as PNG does, so a file mangled as text does not pass).
 const MAGIC: [u8; 8] = *b"\x89CMPLOG\n";
+/// The first bytes of a redb file: the file backend's format before this
+/// one, still recognised so that it is kept aside, not refused.
+pub(super) const REDB_MAGIC: [u8; 9] = *b"redb\x1a\x0a\xa9\x0d\x0a";
 /// The format this code writes and reads.
 const VERSION: u32 = 1;
 /// The first bytes of every frame.

@@ -43,6 +43,8 @@ mod tests;
 mod tests_damage;
 #[cfg(test)]
 mod tests_hook;
+#[cfg(test)]
+mod tests_path;
 
 use std::path::{Path, PathBuf};
 use std::sync::atomic::Ordering;

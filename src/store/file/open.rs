@@ -7,8 +7,10 @@
 //!   it; a damaged header) keeps its name as `<name>.damaged-<UTC>` and a
 //!   fresh file holding every entry that checked replaces it at the path:
 //!   logged at WARN, counted by the caller.
-//! - A file that is not a compactor state file (garbage, a redb file, a
-//!   later format) is kept aside the same way and a fresh file started.
+//! - A compactor file that cannot be used (its header damaged and no
+//!   entry that checks, a later format, the redb file of an earlier
+//!   compactor) is kept aside the same way and a fresh file started.
+//! - Any other file is someone else's: refused, left untouched.
 //!
 //! Then what expired while no process ran is dropped, and the file is
 //! rewritten when that (or earlier garbage) left it mostly garbage.
@@ -37,7 +39,12 @@ pub(super) struct Opened {
 enum Verdict {
     Clean(u64),
     Damaged(u64),
+    /// Ours, or a store compactor wrote before, but unusable: kept aside.
     Foreign(String),
+    /// Nothing says compactor wrote it: someone else's file, refused and
+    /// left untouched (moving it aside would put a fresh store where
+    /// another program's data was).
+    NotOurs(String),
 }
 
 fn new_secret() -> u64 {
@@ -55,7 +62,8 @@ fn verdict(scan: &Scan) -> Verdict {
         // Our header damaged (or its magic), but entries check: ours.
         _ if scan.frames > 0 => Verdict::Damaged(new_secret()),
         Some(Header::Damaged) => Verdict::Foreign("header damaged, no entry checks".into()),
-        _ => Verdict::Foreign("not a compactor state file".into()),
+        _ if scan.redb => Verdict::Foreign("a redb file of an earlier compactor".into()),
+        _ => Verdict::NotOurs("no compactor header and no entry that checks".into()),
     }
 }
 
@@ -64,7 +72,10 @@ pub(super) fn open(path: &Path, settings: Settings) -> Result<Opened, OpenError>
     disk::make_dir(path).map_err(OpenError::io(path, "create directory"))?;
     let file = disk::open_locked(path)?;
     // A rewrite that died with its process; the lock says none runs.
-    let _ = std::fs::remove_file(disk::temp_path(path));
+    if let Err(e) = disk::remove_stale_temp(path, &file) {
+        tracing::warn!(backend = "file", path = %path.display(), error = %e,
+            "store's temporary file name taken; rewrites fail until it is free");
+    }
     let len = file.metadata().map_err(OpenError::io(path, "stat"))?.len();
     let mut first = vec![0u8; usize::try_from(len.min(frame::HEADER_LEN as u64)).unwrap_or(0)];
     file.read_exact_at(&mut first, 0)
@@ -74,6 +85,12 @@ pub(super) fn open(path: &Path, settings: Settings) -> Result<Opened, OpenError>
     }
     let scan = scan::scan(&file, len).map_err(OpenError::io(path, "read"))?;
     let (secret, aside) = match verdict(&scan) {
+        Verdict::NotOurs(reason) => {
+            return Err(OpenError::NotOurs {
+                path: path.to_owned(),
+                reason,
+            })
+        }
         Verdict::Clean(secret) => {
             cut_torn_tail(path, &file, &scan)?;
             (secret, None)
@@ -87,6 +104,7 @@ pub(super) fn open(path: &Path, settings: Settings) -> Result<Opened, OpenError>
         ),
         Verdict::Foreign(why) => (new_secret(), Some(Aside::Foreign(why))),
     };
+    disk::own(path, &file)?;
     let (index, end) = match aside {
         Some(Aside::Foreign(_)) => (Index::default(), len),
         _ => (scan.index, scan.end),
@@ -113,6 +131,7 @@ fn fresh(path: &Path, file: File, len: u64, settings: Settings) -> Result<Opened
         tracing::info!(backend = "file", path = %path.display(), bytes = len,
             "store file was cut while it was created; starting it again");
     }
+    disk::own(path, &file)?;
     let secret = new_secret();
     file.set_len(0).map_err(OpenError::io(path, "truncate"))?;
     file.write_all_at(&frame::header(secret), 0)

@@ -242,26 +242,36 @@ fn snapshot(inner: &Inner, w: &Writer) -> Snapshot {
 
 fn run(inner: &Inner, snap: Snapshot) -> Result<Report, RewriteError> {
     let started = Instant::now();
-    let swapped = copy_and_swap(inner, &snap).map(|(after, dropped)| Report {
-        before: snap.end,
-        after,
-        dropped,
-        millis: u64::try_from(started.elapsed().as_millis()).unwrap_or(u64::MAX),
-    });
+    let swapped = match disk::create_temp(&inner.path, &snap.file) {
+        Ok(file) => {
+            let copied = copy_and_swap(inner, &snap, file);
+            if copied.is_err() {
+                // Ours: made new by this rewrite (a name not made here is
+                // never removed as if it were).
+                let _ = std::fs::remove_file(disk::temp_path(&inner.path));
+            }
+            copied
+        }
+        Err(e) => Err(io("create")(e)),
+    };
     if swapped.is_err() {
-        let _ = std::fs::remove_file(disk::temp_path(&inner.path));
         // A swap ends the rewrite under the writer's lock; a failure
         // ends it here (no other can have started meanwhile).
         inner.gate.end();
     }
-    swapped
+    swapped.map(|(after, dropped)| Report {
+        before: snap.end,
+        after,
+        dropped,
+        millis: u64::try_from(started.elapsed().as_millis()).unwrap_or(u64::MAX),
+    })
 }
 
 /// The three steps after the snapshot; the new file's length and the
 /// entries found damaged.
-fn copy_and_swap(inner: &Inner, snap: &Snapshot) -> Result<(u64, usize), RewriteError> {
+fn copy_and_swap(inner: &Inner, snap: &Snapshot, file: File) -> Result<(u64, usize), RewriteError> {
     let mut out = Out {
-        file: disk::create_temp(&inner.path).map_err(io("create"))?,
+        file,
         buf: Vec::with_capacity(2 << 20),
         len: 0,
         synced: 0,
@@ -400,7 +410,7 @@ fn swap(
     let base = out.len - (from - snap.end);
     copy_raw(&snap.file, from, w.end, &mut out)?;
     out.sync()?;
-    std::fs::rename(disk::temp_path(&inner.path), &inner.path).map_err(io("rename"))?;
+    disk::rename_temp(&inner.path, &out.file).map_err(io("rename"))?;
     if let Err(e) = disk::sync_dir(&inner.path) {
         // The rename is done; only its durability is in doubt.
         tracing::warn!(backend = "file", path = %inner.path.display(), error = %e,

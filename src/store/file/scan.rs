@@ -29,6 +29,9 @@ pub(super) struct Scan {
     pub(super) undecodable: u64,
     /// Bytes after the last good frame.
     pub(super) torn: u64,
+    /// The file starts as a redb file does (the file backend's format
+    /// before this one).
+    pub(super) redb: bool,
 }
 
 impl Scan {
@@ -118,6 +121,7 @@ pub(super) fn scan(file: &File, len: u64) -> io::Result<Scan> {
     let mut s = Scan {
         header: r.get(0, HEADER_LEN as u64)?.map(frame::read_header),
         end: HEADER_LEN as u64,
+        redb: r.get(0, frame::REDB_MAGIC.len() as u64)? == Some(&frame::REDB_MAGIC[..]),
         ..Scan::default()
     };
     let mut at = HEADER_LEN as u64;

@@ -275,16 +275,19 @@ async fn a_damaged_file_is_moved_aside_and_a_fresh_one_keeps_what_checks() {
     assert!(serves(&path).await.moved_aside().is_none());
 }
 
+/// Nothing in it says compactor wrote it: someone else's file, refused
+/// and left as it was (it used to be moved aside and replaced).
 #[tokio::test]
-async fn a_garbage_file_is_moved_aside() {
+async fn a_garbage_file_is_refused_and_left_as_it_was() {
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("state.log");
     let mut rng = XorShift(0x9E37_79B9_7F4A_7C15);
     let garbage: Vec<u8> = (0..300_000).map(|_| rng.next() as u8).collect();
     std::fs::write(&path, &garbage).unwrap();
-    let s = serves(&path).await;
-    assert_eq!(std::fs::read(s.moved_aside().unwrap()).unwrap(), garbage);
-    assert_eq!(s.len(), 1);
+    let e = FileStore::open(&path, TTL, 64 << 20).unwrap_err();
+    assert!(matches!(e, OpenError::NotOurs { .. }), "{e}");
+    assert_eq!(std::fs::read(&path).unwrap(), garbage);
+    assert_eq!(asides(dir.path()), 0);
 }
 
 #[tokio::test]
