@@ -1,7 +1,12 @@
 //! The bytes of the log: a header, then frames, nothing else.
 //!
-//! Header, 32 bytes: [`MAGIC`], the format version (u32 LE), 4 zero bytes,
-//! the keyer secret (u64 LE), and the xxh3-64 of those 24 bytes.
+//! Header, 64 bytes: two copies of the same 32, each [`MAGIC`], the format
+//! version (u32 LE), 4 zero bytes, the keyer secret (u64 LE), and the
+//! xxh3-64 of those 24 bytes. The secret hashes every credential: with
+//! one copy, one flipped bit lost it and made every record unreachable;
+//! with two, a damaged copy is told by its checksum and the other used.
+//! Format 1 (a single copy, entries from byte 32) is still read; a
+//! rewrite writes format 2.
 //!
 //! Frame: [`SYNC`], the payload length (u32 LE), the kind (u8), 3 zero
 //! bytes, a head check (u32 LE: the low half of the xxh3-64 of the 12
@@ -15,8 +20,10 @@
 
 use xxhash_rust::xxh3::xxh3_64;
 
-/// Bytes of the file header.
-pub(super) const HEADER_LEN: usize = 32;
+/// Bytes of the file header this code writes (format 2).
+pub(super) const HEADER_LEN: usize = 2 * COPY_LEN;
+/// Bytes of one copy of the header (format 1's whole header).
+const COPY_LEN: usize = 32;
 /// Bytes in front of a payload.
 pub(super) const HEAD: usize = 16;
 /// Bytes after a payload (its checksum).
@@ -29,8 +36,10 @@ const MAGIC: [u8; 8] = *b"\x89CMPLOG\n";
 /// The first bytes of a redb file: the file backend's format before this
 /// one, still recognised so that it is kept aside, not refused.
 pub(super) const REDB_MAGIC: [u8; 9] = *b"redb\x1a\x0a\xa9\x0d\x0a";
-/// The format this code writes and reads.
-const VERSION: u32 = 1;
+/// The format this code writes.
+const VERSION: u32 = 2;
+/// The format before: one copy of the header.
+const VERSION_1: u32 = 1;
 /// The first bytes of every frame.
 pub(super) const SYNC: [u8; 4] = [0xF7, b'c', b'm', b'p'];
 
@@ -73,50 +82,87 @@ pub(super) struct TooLong(pub(super) usize);
 /// What the first bytes of a file say it is.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(super) enum Header {
-    /// A compactor state file of this format, with its keyer secret.
-    Ours(u64),
+    /// A compactor state file this code reads.
+    Ours {
+        /// The keyer secret.
+        secret: u64,
+        /// Bytes of the header: where the entries start.
+        len: u64,
+        /// One copy of the header was damaged and the other one used.
+        repaired: bool,
+    },
     /// A compactor state file of a later format.
     Newer(u32),
-    /// The magic is there but the rest does not check.
+    /// The magic is there but no copy checks.
     Damaged,
     /// Not a compactor state file (or its magic is damaged).
     Foreign,
 }
 
-/// The header of a file holding `secret`.
-pub(super) fn header(secret: u64) -> [u8; HEADER_LEN] {
-    let mut h = [0u8; HEADER_LEN];
+/// One copy of the header of format `version` holding `secret`.
+fn copy(version: u32, secret: u64) -> [u8; COPY_LEN] {
+    let mut h = [0u8; COPY_LEN];
     h[..8].copy_from_slice(&MAGIC);
-    h[8..12].copy_from_slice(&VERSION.to_le_bytes());
+    h[8..12].copy_from_slice(&version.to_le_bytes());
     h[16..24].copy_from_slice(&secret.to_le_bytes());
     let sum = xxh3_64(&h[..24]);
     h[24..].copy_from_slice(&sum.to_le_bytes());
     h
 }
 
-/// Reads a header from the first bytes of a file.
+/// The header of a file holding `secret`.
+pub(super) fn header(secret: u64) -> [u8; HEADER_LEN] {
+    let one = copy(VERSION, secret);
+    let mut h = [0u8; HEADER_LEN];
+    h[..COPY_LEN].copy_from_slice(&one);
+    h[COPY_LEN..].copy_from_slice(&one);
+    h
+}
+
+/// A format 1 header, as files written before format 2 start.
+#[cfg(test)]
+pub(super) fn header_v1(secret: u64) -> [u8; COPY_LEN] {
+    copy(VERSION_1, secret)
+}
+
+/// The version and secret of a copy whose magic and checksum hold.
+fn read_copy(bytes: &[u8]) -> Option<(u32, u64)> {
+    let h = bytes.get(..COPY_LEN)?;
+    if h.get(..8)? != MAGIC || le_u64(h, 24)? != xxh3_64(h.get(..24)?) {
+        return None;
+    }
+    Some((le_u32(h, 8)?, le_u64(h, 16)?))
+}
+
+/// Reads a header from the first bytes of a file (up to [`HEADER_LEN`]).
 pub(super) fn read_header(bytes: &[u8]) -> Header {
-    let Some(h) = bytes.get(..HEADER_LEN) else {
-        return Header::Foreign;
+    let second = || bytes.get(COPY_LEN..).and_then(read_copy);
+    let ours = |secret, repaired| Header::Ours {
+        secret,
+        len: HEADER_LEN as u64,
+        repaired,
     };
-    if h.get(..8) != Some(&MAGIC[..]) {
-        return Header::Foreign;
-    }
-    let version = le_u32(h, 8);
-    if le_u64(h, 24) != Some(xxh3_64(h.get(..24).unwrap_or_default())) {
-        return Header::Damaged;
-    }
-    match (version, le_u64(h, 16)) {
-        (Some(VERSION), Some(secret)) => Header::Ours(secret),
-        (Some(v), _) if v > VERSION => Header::Newer(v),
-        _ => Header::Damaged,
+    match (read_copy(bytes), second()) {
+        (Some((VERSION_1, secret)), _) => Header::Ours {
+            secret,
+            len: COPY_LEN as u64,
+            repaired: false,
+        },
+        (Some((VERSION, secret)), b) => ours(secret, b != Some((VERSION, secret))),
+        (Some((v, _)), _) | (None, Some((v, _))) if v > VERSION => Header::Newer(v),
+        (None, Some((VERSION, secret))) => ours(secret, true),
+        _ if bytes.get(..8) == Some(&MAGIC[..]) => Header::Damaged,
+        _ => Header::Foreign,
     }
 }
 
-/// Whether `bytes` (shorter than a header) are how a header being written
-/// starts: a file cut while it was created.
+/// Whether `bytes` (the first [`HEADER_LEN`] of a file, or all of a
+/// shorter one) are how a header being written starts: a file cut while it
+/// was created, holding nothing yet. A whole format 1 header is a file.
 pub(super) fn is_header_start(bytes: &[u8]) -> bool {
-    bytes.len() < HEADER_LEN && MAGIC.starts_with(bytes.get(..8.min(bytes.len())).unwrap_or(&[]))
+    bytes.len() < HEADER_LEN
+        && MAGIC.starts_with(bytes.get(..8.min(bytes.len())).unwrap_or(&[]))
+        && !matches!(read_copy(bytes), Some((VERSION_1, _)))
 }
 
 /// Appends one frame of `kind` whose payload `fill` writes. The frame is
@@ -233,18 +279,44 @@ mod tests {
     #[test]
     fn headers_are_told_apart() {
         let h = header(42);
-        assert_eq!(read_header(&h), Header::Ours(42));
-        let mut bad = h;
-        bad[17] ^= 1;
-        assert_eq!(read_header(&bad), Header::Damaged);
-        let mut newer = h;
-        newer[8] = 2;
-        let sum = xxh3_64(&newer[..24]);
-        newer[24..].copy_from_slice(&sum.to_le_bytes());
-        assert_eq!(read_header(&newer), Header::Newer(2));
+        let ours = |repaired| Header::Ours {
+            secret: 42,
+            len: 64,
+            repaired,
+        };
+        assert_eq!(read_header(&h), ours(false));
+        let mut newer = copy(3, 42).to_vec();
+        newer.extend_from_slice(&copy(3, 42));
+        assert_eq!(read_header(&newer), Header::Newer(3));
         assert_eq!(read_header(b"redb\x1a\x0a\xa9\x0d\x0a"), Header::Foreign);
         assert_eq!(read_header(&[0; 64]), Header::Foreign);
-        assert!(is_header_start(&h[..5]) && is_header_start(&[]));
-        assert!(!is_header_start(b"redb") && !is_header_start(&h));
+        let mut both = h;
+        both[17] ^= 1;
+        both[49] ^= 1;
+        assert_eq!(read_header(&both), Header::Damaged);
+        let v1 = header_v1(42);
+        let v1_ours = Header::Ours {
+            secret: 42,
+            len: 32,
+            repaired: false,
+        };
+        assert_eq!(read_header(&v1), v1_ours);
+        assert!(is_header_start(&h[..5]) && is_header_start(&[]) && is_header_start(&h[..40]));
+        assert!(!is_header_start(b"redb") && !is_header_start(&h) && !is_header_start(&v1));
+    }
+
+    #[test]
+    fn any_one_flipped_bit_of_a_header_keeps_its_secret() {
+        let h = header(0x5EC2_E7);
+        for bit in 0..HEADER_LEN * 8 {
+            let mut bad = h;
+            bad[bit / 8] ^= 1 << (bit % 8);
+            let expect = Header::Ours {
+                secret: 0x5EC2_E7,
+                len: 64,
+                repaired: true,
+            };
+            assert_eq!(read_header(&bad), expect, "bit {bit}");
+        }
     }
 }

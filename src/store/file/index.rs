@@ -244,13 +244,13 @@ mod tests {
         i.add((1, 1), meta(2, 100, 5));
         i.add((1, 2), meta(2, 50, 6));
         i.add((1, 1), meta(3, 10, 7));
-        assert_eq!((i.bytes, i.live()), (60, 32 + 260));
+        assert_eq!((i.bytes, i.live()), (60, HEADER_LEN as u64 + 260));
         assert_eq!(i.lengths.get(&2), Some(&1));
         i.remove(&(1, 2));
         assert_eq!((i.bytes, i.lengths.len()), (10, 1));
         i.set_window("u".into(), "m".into(), 1);
         i.set_window("u".into(), "m".into(), 2);
-        assert_eq!(i.live(), 32 + 110 + window_len("u", "m"));
+        assert_eq!(i.live(), HEADER_LEN as u64 + 110 + window_len("u", "m"));
     }
 
     #[test]

@@ -56,8 +56,8 @@ fn new_secret() -> u64 {
 
 fn verdict(scan: &Scan) -> Verdict {
     match scan.header {
-        Some(Header::Ours(secret)) if scan.damaged() => Verdict::Damaged(secret),
-        Some(Header::Ours(secret)) => Verdict::Clean(secret),
+        Some(Header::Ours { secret, .. }) if scan.damaged() => Verdict::Damaged(secret),
+        Some(Header::Ours { secret, .. }) => Verdict::Clean(secret),
         Some(Header::Newer(v)) => Verdict::Foreign(format!("written by a later format ({v})")),
         // Our header damaged (or its magic), but entries check: ours.
         _ if scan.frames > 0 => Verdict::Damaged(new_secret()),
@@ -100,6 +100,7 @@ pub(super) fn open(path: &Path, settings: Settings) -> Result<Opened, OpenError>
             Some(Aside::Damaged {
                 skipped: scan.skipped,
                 undecodable: scan.undecodable,
+                secret_kept: matches!(scan.header, Some(Header::Ours { .. })),
             }),
         ),
         Verdict::Foreign(why) => (new_secret(), Some(Aside::Foreign(why))),
@@ -168,7 +169,13 @@ fn cut_torn_tail(path: &Path, file: &File, scan: &Scan) -> Result<(), OpenError>
 
 /// Why a file is kept aside.
 enum Aside {
-    Damaged { skipped: u64, undecodable: u64 },
+    Damaged {
+        skipped: u64,
+        undecodable: u64,
+        /// The keyer secret was read (else a new one hashes credentials
+        /// from now on, and no credential reaches the records kept).
+        secret_kept: bool,
+    },
     Foreign(String),
 }
 
@@ -185,9 +192,11 @@ fn keep_aside(inner: &Inner, why: &Aside) -> Result<PathBuf, OpenError> {
         Aside::Damaged {
             skipped,
             undecodable,
+            secret_kept,
         } => tracing::warn!(backend = "file", path = %path.display(),
             moved_to = %aside.display(), skipped_bytes = skipped,
             undecodable_entries = undecodable, records_kept = records, states_kept = states,
+            secret_kept = secret_kept,
             "store file damaged: moved aside, starting with a fresh one holding every entry that checks"),
         Aside::Foreign(reason) => tracing::warn!(backend = "file", path = %path.display(),
             moved_to = %aside.display(), reason = %reason,

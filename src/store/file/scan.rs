@@ -37,7 +37,12 @@ pub(super) struct Scan {
 impl Scan {
     /// Whether anything but a torn tail was wrong.
     pub(super) fn damaged(&self) -> bool {
-        self.skipped > 0 || self.undecodable > 0 || self.header == Some(Header::Damaged)
+        self.skipped > 0
+            || self.undecodable > 0
+            || matches!(
+                self.header,
+                Some(Header::Damaged | Header::Ours { repaired: true, .. })
+            )
     }
 }
 
@@ -49,6 +54,9 @@ struct Reader<'a> {
     /// File offset of `buf[0]`.
     start: u64,
 }
+
+/// Where format 1's entries start.
+const V1_HEADER_LEN: u64 = 32;
 
 /// Bytes read at once when the scan moves on.
 const CHUNK: usize = 1 << 20;
@@ -118,13 +126,22 @@ pub(super) fn scan(file: &File, len: u64) -> io::Result<Scan> {
         buf: Vec::new(),
         start: 0,
     };
+    let header = r
+        .get(0, len.min(HEADER_LEN as u64))?
+        .map(frame::read_header);
+    // Where entries start; a file without a header that checks is read
+    // from where format 1's entries started, its frames found by resync.
+    let start = match header {
+        Some(Header::Ours { len, .. }) => len,
+        _ => V1_HEADER_LEN,
+    };
     let mut s = Scan {
-        header: r.get(0, HEADER_LEN as u64)?.map(frame::read_header),
-        end: HEADER_LEN as u64,
+        header,
+        end: start,
         redb: r.get(0, frame::REDB_MAGIC.len() as u64)? == Some(&frame::REDB_MAGIC[..]),
         ..Scan::default()
     };
-    let mut at = HEADER_LEN as u64;
+    let mut at = start;
     while at < len {
         let found = match r.frame(at)? {
             Some(f) => Some((at, f)),

@@ -326,3 +326,80 @@ async fn a_crash_during_creation_or_rewrite_leaves_nothing_to_recover() {
     assert!(!disk::temp_path(&path).exists());
     assert_eq!(asides(dir.path()), 0);
 }
+
+/// Issue 49: the header holds the secret every credential is hashed
+/// with. One flipped bit anywhere in it is damage (the file kept aside)
+/// that loses nothing: the other copy's secret is kept, so every record
+/// is still reached by the same credentials.
+#[tokio::test]
+async fn a_flipped_bit_in_the_header_is_damage_that_keeps_the_secret() {
+    let dir = scratch();
+    let good = dir.path().join("good.log");
+    let w = written(&good, 12, false).await;
+    let secret = FileStore::open(&good, TTL, 64 << 20)
+        .unwrap()
+        .keyer_secret();
+    std::fs::remove_file(&good).unwrap();
+    let path = dir.path().join("case.log");
+    for bit in 0..frame::HEADER_LEN * 8 {
+        let mut damaged = w.bytes.clone();
+        damaged[bit / 8] ^= 1 << (bit % 8);
+        std::fs::write(&path, &damaged).unwrap();
+        let s = FileStore::open(&path, TTL, 64 << 20).unwrap();
+        assert_eq!(s.keyer_secret(), secret, "bit {bit}: the same secret");
+        let aside = s
+            .moved_aside()
+            .unwrap_or_else(|| panic!("bit {bit}: not seen"));
+        assert_eq!(std::fs::read(aside).unwrap(), damaged, "bit {bit}");
+        assert_eq!(s.len(), w.records.len(), "bit {bit}: every record kept");
+        drop(s);
+        let again = FileStore::open(&path, TTL, 64 << 20).unwrap();
+        assert!(again.moved_aside().is_none(), "bit {bit}: repaired");
+        assert_eq!(again.keyer_secret(), secret, "bit {bit}");
+        drop(again);
+        for e in std::fs::read_dir(dir.path()).unwrap() {
+            std::fs::remove_file(e.unwrap().path()).unwrap();
+        }
+    }
+}
+
+/// A file of format 1 (one copy of the header, entries from byte 32)
+/// opens as it is, with its secret, and is written as format 2 by its
+/// next rewrite.
+#[tokio::test]
+async fn a_file_of_the_first_format_opens_and_is_upgraded_at_its_next_rewrite() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("state.log");
+    let w = written(&path, 12, false).await;
+    let secret = 0x0123_4567_89AB_CDEF;
+    let mut v1 = frame::header_v1(secret).to_vec();
+    v1.extend_from_slice(&w.bytes[frame::HEADER_LEN..]);
+    std::fs::write(&path, &v1).unwrap();
+    let s = FileStore::open(&path, TTL, 64 << 20).unwrap();
+    assert!(s.moved_aside().is_none(), "no damage");
+    assert_eq!(s.keyer_secret(), Some(secret));
+    assert_eq!(s.len(), w.records.len());
+    assert_eq!(std::fs::read(&path).unwrap(), v1, "used as it is");
+    s.put(9, rec(2, 9, "after")).await.unwrap();
+    rewrite::now(&s.inner).unwrap();
+    drop(s);
+    let bytes = std::fs::read(&path).unwrap();
+    assert!(matches!(
+        frame::read_header(&bytes[..frame::HEADER_LEN]),
+        frame::Header::Ours {
+            secret: s,
+            len: 64,
+            repaired: false
+        } if s == secret
+    ));
+    let s = FileStore::open(&path, TTL, 64 << 20).unwrap();
+    assert!(s.moved_aside().is_none());
+    assert_eq!(s.keyer_secret(), Some(secret));
+    assert_eq!(s.len(), w.records.len() + 1);
+    assert!(s.find(9, &[0, 9]).await.unwrap().is_some());
+    // A format 1 file holding its header only is a file, not a cut one.
+    std::fs::write(&path, frame::header_v1(secret)).unwrap();
+    drop(s);
+    let s = FileStore::open(&path, TTL, 64 << 20).unwrap();
+    assert_eq!(s.keyer_secret(), Some(secret));
+}
