@@ -3,7 +3,8 @@
 //! (see [`crate::metrics::Metrics::register_store`]).
 
 use std::fmt::Write as _;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::OnceLock;
 
 /// Metric names.
 pub mod names {
@@ -19,6 +20,8 @@ pub mod names {
     pub(crate) const PEER_RECORDS_TOTAL: &str = "compactor_store_peer_records_total";
     /// Damaged store files moved aside at open.
     pub(crate) const RECOVERIES_TOTAL: &str = "compactor_store_recoveries_total";
+    /// Whether the configured store opened.
+    pub(crate) const UP: &str = "compactor_store_up";
 }
 
 /// Content-free counters of the store's calls.
@@ -36,6 +39,12 @@ pub struct StoreMetrics {
     pub(crate) peer_records: AtomicU64,
     /// Damaged store files moved aside at open (a fresh one was started).
     pub(crate) recoveries: AtomicU64,
+    /// The configured store opened: 0 while a store that could not be
+    /// opened is served by memory (visible beyond the one WARN at start).
+    pub(crate) up: AtomicBool,
+    /// The backend the configuration asked for (the series' `backend` is
+    /// the one serving).
+    pub(crate) configured: OnceLock<&'static str>,
 }
 
 impl StoreMetrics {
@@ -98,5 +107,14 @@ impl StoreMetrics {
                 c.load(Ordering::Relaxed)
             );
         }
+        let name = names::UP;
+        let configured = self.configured.get().copied().unwrap_or(backend);
+        let _ = writeln!(
+            out,
+            "# HELP {name} Whether the configured store opened (0: it could not, records are \
+             kept in memory only).\n# TYPE {name} gauge\n\
+             {name}{{backend=\"{backend}\",configured=\"{configured}\"}} {}",
+            u8::from(self.up.load(Ordering::Relaxed))
+        );
     }
 }

@@ -27,6 +27,7 @@ pub mod recover;
 pub mod redis;
 pub mod resp;
 
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -190,6 +191,27 @@ pub struct StoreHandle {
     timeout: Duration,
     /// The counters.
     pub(crate) health: Arc<StoreMetrics>,
+    /// Failed calls since the last that succeeded, writes and reads apart.
+    failing: Arc<[AtomicU64; 2]>,
+}
+
+/// What a call does, for its failures' log: a full disk or a store gone
+/// fails every write (or every call) until it is back, and one WARN per
+/// call would flood the log; one WARN when failures start, one INFO with
+/// their count when a call of the same kind succeeds again.
+#[derive(Debug, Clone, Copy)]
+enum CallKind {
+    Write = 0,
+    Read = 1,
+}
+
+impl CallKind {
+    fn of(op: &str) -> Self {
+        match op {
+            "put" | "put_window" | "put_state" | "sweep" | "lock" | "unlock" => Self::Write,
+            _ => Self::Read,
+        }
+    }
 }
 
 impl std::fmt::Debug for StoreHandle {
@@ -204,10 +226,13 @@ impl std::fmt::Debug for StoreHandle {
 impl StoreHandle {
     /// Wraps a store; calls longer than `timeout` count as failed.
     pub fn new(store: Arc<dyn Store>, timeout: Duration) -> Self {
+        let health = Arc::new(StoreMetrics::default());
+        health.up.store(true, Ordering::Relaxed);
         Self {
             store,
             timeout,
-            health: Arc::default(),
+            health,
+            failing: Arc::default(),
         }
     }
 
@@ -241,10 +266,12 @@ impl StoreHandle {
     pub async fn find(&self, cred: u128, hashes: &[u128]) -> Option<StoredRecord> {
         match tokio::time::timeout(self.timeout, self.store.find(cred, hashes)).await {
             Ok(Ok(Some(r))) => {
+                self.succeeded("find");
                 StoreMetrics::bump(&self.health.read_hits);
                 Some(r)
             }
             Ok(Ok(None)) => {
+                self.succeeded("find");
                 StoreMetrics::bump(&self.health.read_misses);
                 None
             }
@@ -257,7 +284,10 @@ impl StoreHandle {
     /// memory).
     pub async fn put(&self, cred: u128, record: StoredRecord) {
         match tokio::time::timeout(self.timeout, self.store.put(cred, record)).await {
-            Ok(Ok(())) => StoreMetrics::bump(&self.health.writes),
+            Ok(Ok(())) => {
+                self.succeeded("put");
+                StoreMetrics::bump(&self.health.writes);
+            }
             Ok(Err(e)) => {
                 self.degraded::<()>("put", &e);
             }
@@ -285,15 +315,7 @@ impl StoreHandle {
         let (upstream, model) = (upstream.to_owned(), model.to_owned());
         tokio::spawn(async move {
             let put = this.store.put_window(&upstream, &model, tokens);
-            match tokio::time::timeout(this.timeout, put).await {
-                Ok(Ok(())) => {}
-                Ok(Err(e)) => {
-                    this.degraded::<()>("put_window", &e);
-                }
-                Err(_) => {
-                    this.degraded::<()>("put_window", &StoreError::Timeout);
-                }
-            }
+            this.bounded("put_window", put).await;
         });
     }
 
@@ -348,7 +370,10 @@ impl StoreHandle {
         call: impl std::future::Future<Output = Result<T, StoreError>>,
     ) -> Option<T> {
         match tokio::time::timeout(self.timeout, call).await {
-            Ok(Ok(v)) => Some(v),
+            Ok(Ok(v)) => {
+                self.succeeded(op);
+                Some(v)
+            }
             Ok(Err(e)) => self.degraded(op, &e),
             Err(_) => self.degraded(op, &StoreError::Timeout),
         }
@@ -358,7 +383,7 @@ impl StoreHandle {
     pub async fn sweep(&self) {
         // A sweep may walk the whole store: it gets a longer budget.
         match tokio::time::timeout(self.timeout * 20, self.store.sweep()).await {
-            Ok(Ok(())) => {}
+            Ok(Ok(())) => self.succeeded("sweep"),
             Ok(Err(e)) => {
                 self.degraded::<()>("sweep", &e);
             }
@@ -368,10 +393,34 @@ impl StoreHandle {
         }
     }
 
+    /// Counts a failed call; logs it only when it starts a run of
+    /// failures of its kind (every one is counted in the metrics).
     fn degraded<T>(&self, op: &'static str, e: &StoreError) -> Option<T> {
         StoreMetrics::bump(&self.health.degraded);
-        tracing::warn!(backend = self.store.name(), op, error = %e, "store call failed; serving from memory");
+        let kind = CallKind::of(op);
+        let before = self.failing[kind as usize].fetch_add(1, Ordering::Relaxed);
+        if before == 0 {
+            tracing::warn!(backend = self.store.name(), op, error = %e,
+                "store call failed; serving from memory (further failures of its kind are \
+                 counted, not logged, until one succeeds)");
+        } else {
+            tracing::debug!(backend = self.store.name(), op, error = %e, "store call failed");
+        }
         None
+    }
+
+    /// Ends a run of failures of `op`'s kind, if one was going on.
+    fn succeeded(&self, op: &'static str) {
+        let kind = CallKind::of(op);
+        let failed = self.failing[kind as usize].swap(0, Ordering::Relaxed);
+        if failed > 0 {
+            tracing::info!(
+                backend = self.store.name(),
+                op,
+                failed_calls = failed,
+                "store calls succeed again"
+            );
+        }
     }
 }
 
@@ -380,6 +429,7 @@ impl StoreHandle {
 /// at all degrades to memory (logged): the proxy still serves.
 pub fn open(cfg: &StoreConfig) -> StoreHandle {
     let mut recovered = false;
+    let mut up = true;
     let store: Arc<dyn Store> = match &cfg.backend {
         StoreBackend::Memory => Arc::new(Memory),
         StoreBackend::File(path) => {
@@ -399,6 +449,7 @@ pub fn open(cfg: &StoreConfig) -> StoreHandle {
                 Err(e) => {
                     tracing::warn!(backend = "file", error = %e,
                         "store cannot be opened; records are kept in memory only");
+                    up = false;
                     Arc::new(Memory)
                 }
             }
@@ -411,13 +462,167 @@ pub fn open(cfg: &StoreConfig) -> StoreHandle {
             Err(e) => {
                 tracing::warn!(backend = "redis", error = %e,
                     "store cannot be opened; records are kept in memory only");
+                up = false;
                 Arc::new(Memory)
             }
         },
     };
     let handle = StoreHandle::new(store, cfg.timeout);
+    handle.health.up.store(up, Ordering::Relaxed);
+    let _ = handle.health.configured.set(match cfg.backend {
+        StoreBackend::Memory => "memory",
+        StoreBackend::File(_) => "file",
+        StoreBackend::Redis(_) => "redis",
+    });
     if recovered {
         StoreMetrics::bump(&handle.health.recoveries);
     }
     handle
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::atomic::AtomicBool;
+    use std::sync::Mutex;
+
+    /// A store whose writes fail while `full` (a full disk).
+    #[derive(Default)]
+    struct Filling {
+        full: AtomicBool,
+    }
+
+    #[async_trait::async_trait]
+    impl Store for Filling {
+        fn name(&self) -> &'static str {
+            "file"
+        }
+        fn may_have(&self, _len: usize) -> bool {
+            true
+        }
+        async fn find(&self, _: u128, _: &[u128]) -> Result<Option<StoredRecord>, StoreError> {
+            Ok(None)
+        }
+        async fn put(&self, _: u128, _: StoredRecord) -> Result<(), StoreError> {
+            if self.full.load(Ordering::Relaxed) {
+                return Err(StoreError::Backend("write: no space left on device".into()));
+            }
+            Ok(())
+        }
+        async fn sweep(&self) -> Result<(), StoreError> {
+            Ok(())
+        }
+    }
+
+    /// The log lines written while it is the default subscriber.
+    #[derive(Clone, Default)]
+    struct Lines(Arc<Mutex<Vec<u8>>>);
+
+    impl std::io::Write for Lines {
+        fn write(&mut self, b: &[u8]) -> std::io::Result<usize> {
+            self.0.lock().unwrap().extend_from_slice(b);
+            Ok(b.len())
+        }
+        fn flush(&mut self) -> std::io::Result<()> {
+            Ok(())
+        }
+    }
+
+    impl<'a> tracing_subscriber::fmt::MakeWriter<'a> for Lines {
+        type Writer = Self;
+        fn make_writer(&'a self) -> Self {
+            self.clone()
+        }
+    }
+
+    impl Lines {
+        fn take(&self) -> Vec<String> {
+            let bytes = std::mem::take(&mut *self.0.lock().unwrap());
+            String::from_utf8(bytes)
+                .unwrap()
+                .lines()
+                .map(str::to_owned)
+                .collect()
+        }
+    }
+
+    fn record() -> StoredRecord {
+        StoredRecord {
+            k: 1,
+            prefix_hash: 1,
+            replacement: vec!["x".into()],
+            original_tokens: 1,
+            replacement_tokens: 1,
+            summary_rows: None,
+        }
+    }
+
+    /// Issue 49: a full disk logged one WARN per failed write.
+    #[tokio::test]
+    async fn a_run_of_failed_writes_logs_one_warn_and_one_info_when_it_ends() {
+        let lines = Lines::default();
+        let subscriber = tracing_subscriber::fmt()
+            .with_ansi(false)
+            .without_time()
+            .with_max_level(tracing::Level::INFO)
+            .with_writer(lines.clone())
+            .finish();
+        let _default = tracing::subscriber::set_default(subscriber);
+        let store = Arc::new(Filling::default());
+        let handle = StoreHandle::new(Arc::clone(&store) as Arc<dyn Store>, Duration::from_secs(5));
+        store.full.store(true, Ordering::Relaxed);
+        for _ in 0..50 {
+            handle.put(1, record()).await;
+        }
+        // Reads go on meanwhile: they neither end the run nor log.
+        assert!(handle.find(1, &[1]).await.is_none());
+        let during = lines.take();
+        assert_eq!(during.len(), 1, "{during:#?}");
+        assert!(during[0].contains("WARN") && during[0].contains("no space left"));
+        store.full.store(false, Ordering::Relaxed);
+        handle.put(1, record()).await;
+        handle.put(1, record()).await;
+        let after = lines.take();
+        assert_eq!(after.len(), 1, "{after:#?}");
+        assert!(after[0].contains("INFO") && after[0].contains("failed_calls=50"));
+        assert_eq!(handle.health.degraded.load(Ordering::Relaxed), 50);
+        // A second run is logged again.
+        store.full.store(true, Ordering::Relaxed);
+        handle.put(1, record()).await;
+        handle.put(1, record()).await;
+        assert_eq!(lines.take().len(), 1);
+    }
+
+    /// A store that could not be opened was one WARN at start, then
+    /// indistinguishable from the memory backend in the metrics.
+    #[test]
+    fn a_store_that_could_not_open_is_down_in_the_metrics() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("state.log");
+        // Any store that cannot be opened: here a link, refused.
+        std::os::unix::fs::symlink(dir.path().join("elsewhere"), &path).unwrap();
+        let cfg = StoreConfig {
+            backend: StoreBackend::File(path),
+            ..StoreConfig::default()
+        };
+        let handle = open(&cfg);
+        assert_eq!(handle.name(), "memory");
+        let text = handle.health.render(handle.name());
+        assert!(
+            text.contains("# TYPE compactor_store_up gauge\n")
+                && text.contains("compactor_store_up{backend=\"memory\",configured=\"file\"} 0"),
+            "{text}"
+        );
+        let ok = open(&StoreConfig {
+            backend: StoreBackend::File(dir.path().join("good.log")),
+            ..StoreConfig::default()
+        });
+        let text = ok.health.render(ok.name());
+        assert!(
+            text.contains("compactor_store_up{backend=\"file\",configured=\"file\"} 1"),
+            "{text}"
+        );
+        let memory = open(&StoreConfig::default()).health.render("memory");
+        assert!(memory.contains("compactor_store_up{backend=\"memory\",configured=\"memory\"} 1"));
+    }
 }
