@@ -307,12 +307,12 @@ mod tests {
 
     #[test]
     fn any_one_flipped_bit_of_a_header_keeps_its_secret() {
-        let h = header(0x5EC2_E7);
+        let h = header(0x005E_C2E7);
         for bit in 0..HEADER_LEN * 8 {
             let mut bad = h;
             bad[bit / 8] ^= 1 << (bit % 8);
             let expect = Header::Ours {
-                secret: 0x5EC2_E7,
+                secret: 0x005E_C2E7,
                 len: 64,
                 repaired: true,
             };
