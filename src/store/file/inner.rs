@@ -9,8 +9,8 @@
 use std::fs::File;
 use std::os::unix::fs::FileExt;
 use std::path::PathBuf;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use crate::store::StoreError;
@@ -50,6 +50,10 @@ pub(super) struct Counters {
     pub(super) paced: AtomicU64,
     /// Writes refused because the file was at its bound.
     pub(super) refused: AtomicU64,
+    /// `fdatasync` calls made for writes (a group's writes share one).
+    pub(super) syncs: AtomicU64,
+    /// Write calls refused because as many were already queued.
+    pub(super) queue_full: AtomicU64,
 }
 
 pub(super) struct Inner {
@@ -59,6 +63,9 @@ pub(super) struct Inner {
     /// The writer's end, readable without its lock (the rewrite polls it).
     pub(super) end: AtomicU64,
     pub(super) gate: Gate,
+    pub(super) syncs: Syncs,
+    /// Write calls admitted and not yet done (see `FileStore::admit`).
+    pub(super) queued: AtomicUsize,
     pub(super) secret: u64,
     pub(super) ttl_ms: u64,
     pub(super) max_bytes: usize,
@@ -106,6 +113,8 @@ impl Inner {
             writer: Mutex::new(Writer { file, end }),
             end: AtomicU64::new(end),
             gate: Gate::default(),
+            syncs: Syncs::default(),
+            queued: AtomicUsize::new(0),
             secret,
             ttl_ms: settings.ttl_ms,
             max_bytes: settings.max_bytes.max(1),
@@ -145,10 +154,11 @@ impl Inner {
 }
 
 impl Writer {
-    /// Appends `parts` at the end and makes them durable; the end moves
-    /// only once they are. A failed write is cut off again, so the file
-    /// never holds half an entry that a later one would follow.
-    pub(super) fn append(&mut self, parts: &[&[u8]]) -> std::io::Result<u64> {
+    /// Writes `parts` at the end, not yet durable ([`Inner::durable`] makes
+    /// them so, one sync for every write that queued meanwhile). A failed
+    /// write is cut off again, so the file never holds half an entry that
+    /// a later one would follow.
+    pub(super) fn write(&mut self, parts: &[&[u8]]) -> std::io::Result<u64> {
         let at = self.end;
         let mut pos = at;
         let written = parts.iter().try_for_each(|p| {
@@ -156,12 +166,99 @@ impl Writer {
             pos += p.len() as u64;
             Ok(())
         });
-        if let Err(e) = written.and_then(|()| self.file.sync_data()) {
+        if let Err(e) = written {
             // Best effort: the scan at the next open cuts a torn tail too.
             let _ = self.file.set_len(at);
             return Err(e);
         }
         self.end = pos;
         Ok(at)
+    }
+}
+
+/// Group commit: how far each file is durable.
+///
+/// A write appends under the writer's lock and then waits, without it,
+/// for a sync that covers its end: the first waiter syncs for all the
+/// writes made by then, the others wait for that one sync. Under load
+/// that is one `fdatasync` for a group instead of one per write, each
+/// behind the writer's lock.
+#[derive(Debug, Default)]
+pub(super) struct Syncs {
+    state: Mutex<SyncState>,
+    done: Condvar,
+}
+
+#[derive(Debug, Default)]
+struct SyncState {
+    /// Bumped when a rewrite swaps a new file in (synced whole).
+    file: u64,
+    /// The file's bytes below this are durable.
+    synced: u64,
+    /// A sync covering the bytes below this failed.
+    failed: u64,
+    /// A sync is running.
+    running: bool,
+}
+
+impl Syncs {
+    /// The file the writes go to now (called under the writer's lock).
+    pub(super) fn file(&self) -> u64 {
+        lock(&self.state).file
+    }
+
+    /// A rewrite swapped in a file durable up to `end` (under the writer's
+    /// lock): every write waiting on the old file is in it.
+    pub(super) fn swapped(&self, end: u64) {
+        let mut s = lock(&self.state);
+        s.file += 1;
+        s.synced = end;
+        s.failed = 0;
+        self.done.notify_all();
+    }
+}
+
+impl Inner {
+    /// Returns once the bytes below `end` of the writes' file `gen` (the
+    /// handle `file`) are durable: synced by this call or by another's.
+    pub(super) fn durable(&self, gen: u64, end: u64, file: &File) -> std::io::Result<()> {
+        let mut s = lock(&self.syncs.state);
+        loop {
+            if s.file != gen || s.synced >= end {
+                return Ok(());
+            }
+            if s.failed >= end {
+                return Err(std::io::Error::other("sync of the store file failed"));
+            }
+            if s.running {
+                s = self
+                    .syncs
+                    .done
+                    .wait(s)
+                    .unwrap_or_else(std::sync::PoisonError::into_inner);
+                continue;
+            }
+            s.running = true;
+            // Every write made by now is covered: they all wrote before
+            // they published their end.
+            let target = self.end.load(Ordering::Acquire).max(end);
+            drop(s);
+            #[cfg(test)]
+            self.hold.sync_delay();
+            let synced = file.sync_data();
+            self.counters.syncs.fetch_add(1, Ordering::Relaxed);
+            s = lock(&self.syncs.state);
+            s.running = false;
+            if s.file == gen {
+                match &synced {
+                    Ok(()) => s.synced = s.synced.max(target),
+                    Err(_) => s.failed = s.failed.max(target),
+                }
+            }
+            self.syncs.done.notify_all();
+            if let Err(e) = synced {
+                return Err(e);
+            }
+        }
     }
 }

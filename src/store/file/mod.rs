@@ -138,6 +138,33 @@ impl FileStore {
         self.inner.gate.get().rewriting
     }
 
+    /// Runs the write `f` on the blocking pool, unless [`MAX_QUEUED`]
+    /// writes are already waiting there: then it is refused at once (the
+    /// caller keeps the record in memory). A disk slower than the writes
+    /// would otherwise hold a blocking thread for each of them, every one
+    /// still to run long after its caller's timeout gave up on it.
+    async fn write<F>(&self, f: F) -> Result<(), StoreError>
+    where
+        F: FnOnce(&Arc<Inner>) -> Result<(), StoreError> + Send + 'static,
+    {
+        let queued = self.inner.queued.fetch_add(1, Ordering::AcqRel);
+        let slot = Slot(Arc::clone(&self.inner));
+        if queued >= MAX_QUEUED {
+            self.inner
+                .counters
+                .queue_full
+                .fetch_add(1, Ordering::Relaxed);
+            return Err(StoreError::Backend(format!(
+                "{MAX_QUEUED} writes already queued for the store file; the record stays in memory"
+            )));
+        }
+        self.blocking(move |inner| {
+            let _slot = slot;
+            f(inner)
+        })
+        .await
+    }
+
     /// Runs `f` on the blocking pool.
     async fn blocking<T, F>(&self, f: F) -> Result<T, StoreError>
     where
@@ -148,6 +175,20 @@ impl FileStore {
         tokio::task::spawn_blocking(move || f(&inner))
             .await
             .map_err(|e| inner::backend("task", e))?
+    }
+}
+
+/// Writes that may wait for the disk at once; more are refused. With
+/// group commit a sync takes every write queued, so this is about how
+/// many a sync may take, not how many run.
+const MAX_QUEUED: usize = 32;
+
+/// One admitted write, until it is done (or dropped unrun).
+struct Slot(Arc<Inner>);
+
+impl Drop for Slot {
+    fn drop(&mut self) {
+        self.0.queued.fetch_sub(1, Ordering::AcqRel);
     }
 }
 
@@ -201,7 +242,7 @@ impl Store for FileStore {
     }
 
     async fn put(&self, cred: u128, record: StoredRecord) -> Result<(), StoreError> {
-        self.blocking(move |inner| calls::put(inner, cred, &record))
+        self.write(move |inner| calls::put(inner, cred, &record))
             .await
     }
 
@@ -211,12 +252,12 @@ impl Store for FileStore {
 
     async fn put_window(&self, upstream: &str, model: &str, tokens: u64) -> Result<(), StoreError> {
         let (u, m) = (upstream.to_owned(), model.to_owned());
-        self.blocking(move |inner| calls::put_window(inner, &u, &m, tokens))
+        self.write(move |inner| calls::put_window(inner, &u, &m, tokens))
             .await
     }
 
     async fn sweep(&self) -> Result<(), StoreError> {
-        self.blocking(calls::sweep).await
+        self.write(calls::sweep).await
     }
 
     async fn get_state(&self, session: u128) -> Result<Option<Vec<u8>>, StoreError> {
@@ -225,7 +266,7 @@ impl Store for FileStore {
     }
 
     async fn put_state(&self, session: u128, state: Vec<u8>) -> Result<(), StoreError> {
-        self.blocking(move |inner| calls::put_state(inner, session, &state))
+        self.write(move |inner| calls::put_state(inner, session, &state))
             .await
     }
 }

@@ -423,6 +423,7 @@ fn swap(
     drop(shared);
     w.file = file;
     w.end = out.len;
+    inner.syncs.swapped(out.len);
     inner.end.store(out.len, Ordering::Release);
     inner.counters.rewrites.fetch_add(1, Ordering::Relaxed);
     // Still under the writer's lock: the next write sees the new file's

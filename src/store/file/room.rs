@@ -1,5 +1,6 @@
 //! Every write goes through [`append`]: under the writer's lock, within the
-//! file's bound, durable before the index changes.
+//! file's bound, durable before the call returns (one sync for the writes
+//! that queued behind one another: see `inner::Syncs`).
 
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
@@ -70,14 +71,21 @@ pub(super) fn append<T>(
         let seen = match room(inner, &w, len) {
             Room::Now => {
                 let rewriting = inner.gate.get().rewriting;
-                let at = w.append(&[&small, big]).map_err(|e| backend("write", e))?;
+                let at = w.write(&[&small, big]).map_err(|e| backend("write", e))?;
                 inner.end.store(w.end, Ordering::Release);
+                // In the index before it is durable, so that a rewrite
+                // swapping files before the sync relocates it too; a
+                // reader finding it meanwhile reads a checked frame.
                 apply(&mut inner.shared().index, made, at);
                 if rewriting {
                     bump(&inner.counters.written_while_rewriting);
                 }
                 rewrite::maybe_start(inner, &w, None);
-                return Ok(());
+                let (gen, end, file) = (inner.syncs.file(), w.end, Arc::clone(&w.file));
+                drop(w);
+                return inner
+                    .durable(gen, end, &file)
+                    .map_err(|e| backend("sync", e));
             }
             Room::Later(seen) => seen,
             Room::Never => {

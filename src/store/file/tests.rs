@@ -648,3 +648,77 @@ async fn a_rewrite_at_open_that_fails_leaves_the_file_in_use_and_tries_again_lat
     assert!(s.file_len() < before.len() as u64);
     assert_eq!(s.get_state(3).await.unwrap().as_deref(), Some(&b"kept"[..]));
 }
+
+/// Issue 49: every write was an `fdatasync` under the writer's lock, so
+/// writes faster than the disk queued one sync each. Now the writes that
+/// queue while a sync runs share the next one.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn writes_queued_behind_a_sync_share_the_next_one() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("state.log");
+    let s = std::sync::Arc::new(open(&path));
+    let syncs = || s.inner.counters.syncs.load(Ordering::Relaxed);
+    // Alone, each write is its own sync.
+    for h in 0..4u128 {
+        s.put(1, rec(2, h, "alone")).await.unwrap();
+    }
+    assert_eq!(syncs(), 4);
+    s.inner.hold.set_slow_sync(50);
+    let tasks: Vec<_> = (0..24u128)
+        .map(|h| {
+            let s = std::sync::Arc::clone(&s);
+            tokio::spawn(async move { s.put(2, rec(2, h, &format!("together {h}"))).await })
+        })
+        .collect();
+    for t in tasks {
+        t.await.unwrap().unwrap();
+    }
+    let grouped = syncs() - 4;
+    assert!(grouped < 24 / 2, "{grouped} syncs for 24 writes");
+    s.inner.hold.set_slow_sync(0);
+    let s = std::sync::Arc::into_inner(s).unwrap();
+    drop(s);
+    let s = open(&path);
+    for h in 0..24u128 {
+        let r = s.find(2, &[0, h]).await.unwrap().unwrap();
+        assert_eq!(r.replacement, vec![format!("together {h}")]);
+    }
+}
+
+/// Writes beyond what may queue for a slow disk are refused at once (the
+/// record stays in memory) instead of each holding a blocking thread.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn writes_beyond_the_queue_are_refused_at_once() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("state.log");
+    let s = std::sync::Arc::new(open(&path));
+    s.inner.hold.set_slow_sync(300);
+    let tasks: Vec<_> = (0..100u128)
+        .map(|h| {
+            let s = std::sync::Arc::clone(&s);
+            tokio::spawn(async move {
+                let started = std::time::Instant::now();
+                let r = s.put(1, rec(2, h, "x")).await;
+                (h, r.is_ok(), started.elapsed())
+            })
+        })
+        .collect();
+    let mut kept = Vec::new();
+    let mut refused = 0;
+    for t in tasks {
+        let (h, ok, took) = t.await.unwrap();
+        if ok {
+            kept.push(h);
+        } else {
+            refused += 1;
+            assert!(took < Duration::from_millis(250), "refused after {took:?}");
+        }
+    }
+    assert!(refused > 0 && !kept.is_empty(), "{refused} refused");
+    assert_eq!(s.inner.counters.queue_full.load(Ordering::Relaxed), refused);
+    assert_eq!(s.inner.queued.load(Ordering::Relaxed), 0);
+    s.inner.hold.set_slow_sync(0);
+    for h in kept {
+        assert!(s.find(1, &[0, h]).await.unwrap().is_some());
+    }
+}

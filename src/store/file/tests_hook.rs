@@ -24,9 +24,25 @@ pub(super) struct Hold {
     /// (held, parked): the test holds rewrites; one is parked.
     state: Mutex<(bool, bool)>,
     changed: Condvar,
+    /// How long every write's sync takes (ms): a slow disk.
+    slow_sync: std::sync::atomic::AtomicU64,
 }
 
 impl Hold {
+    /// Makes every sync of a write take `ms` longer.
+    pub(super) fn set_slow_sync(&self, ms: u64) {
+        self.slow_sync
+            .store(ms, std::sync::atomic::Ordering::Relaxed);
+    }
+
+    /// Called before a write's sync.
+    pub(super) fn sync_delay(&self) {
+        let ms = self.slow_sync.load(std::sync::atomic::Ordering::Relaxed);
+        if ms > 0 {
+            std::thread::sleep(std::time::Duration::from_millis(ms));
+        }
+    }
+
     pub(super) fn set(&self, held: bool) {
         self.state.lock().unwrap_or_else(PoisonError::into_inner).0 = held;
         self.changed.notify_all();
