@@ -256,9 +256,7 @@ impl Inner {
                 }
             }
             self.syncs.done.notify_all();
-            if let Err(e) = synced {
-                return Err(e);
-            }
+            synced?;
         }
     }
 }
