@@ -54,6 +54,8 @@ pub(super) struct Counters {
     pub(super) syncs: AtomicU64,
     /// Write calls refused because as many were already queued.
     pub(super) queue_full: AtomicU64,
+    /// Write calls not made: their caller gave up while they were queued.
+    pub(super) abandoned: AtomicU64,
 }
 
 pub(super) struct Inner {

@@ -47,7 +47,7 @@ mod tests_hook;
 mod tests_path;
 
 use std::path::{Path, PathBuf};
-use std::sync::atomic::Ordering;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -158,11 +158,26 @@ impl FileStore {
                 "{MAX_QUEUED} writes already queued for the store file; the record stays in memory"
             )));
         }
-        self.blocking(move |inner| {
-            let _slot = slot;
-            f(inner)
-        })
-        .await
+        // Dropped with this call (its caller's timeout): a write not yet
+        // started is not made. One already running is finished: its
+        // entry is whole and the index knows it.
+        let gave_up = Arc::new(AtomicBool::new(false));
+        let mut given_up = GivenUp {
+            flag: Arc::clone(&gave_up),
+            armed: true,
+        };
+        let done = self
+            .blocking(move |inner| {
+                let _slot = slot;
+                if gave_up.load(Ordering::Acquire) {
+                    inner.counters.abandoned.fetch_add(1, Ordering::Relaxed);
+                    return Err(StoreError::Timeout);
+                }
+                f(inner)
+            })
+            .await;
+        given_up.armed = false;
+        done
     }
 
     /// Runs `f` on the blocking pool.
@@ -185,6 +200,20 @@ const MAX_QUEUED: usize = 32;
 
 /// One admitted write, until it is done (or dropped unrun).
 struct Slot(Arc<Inner>);
+
+/// Sets `flag` when the call it belongs to is dropped before it ended.
+struct GivenUp {
+    flag: Arc<AtomicBool>,
+    armed: bool,
+}
+
+impl Drop for GivenUp {
+    fn drop(&mut self) {
+        if self.armed {
+            self.flag.store(true, Ordering::Release);
+        }
+    }
+}
 
 impl Drop for Slot {
     fn drop(&mut self) {

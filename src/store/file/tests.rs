@@ -722,3 +722,37 @@ async fn writes_beyond_the_queue_are_refused_at_once() {
         assert!(s.find(1, &[0, h]).await.unwrap().is_some());
     }
 }
+
+/// A write whose caller's timeout gave up on it while it was queued for
+/// a blocking thread is not made when its turn comes (it used to run
+/// anyway, long after, holding a thread and a sync).
+#[test]
+fn a_queued_write_its_caller_gave_up_on_is_not_made() {
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .max_blocking_threads(1)
+        .enable_all()
+        .build()
+        .unwrap();
+    rt.block_on(async {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("state.log");
+        let s = std::sync::Arc::new(open(&path));
+        s.inner.hold.set_slow_sync(300);
+        // Takes the one blocking thread for the length of its sync.
+        let first = {
+            let s = std::sync::Arc::clone(&s);
+            tokio::spawn(async move { s.put(1, rec(2, 1, "first")).await })
+        };
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        let late = tokio::time::timeout(Duration::from_millis(20), s.put(1, rec(2, 2, "late")));
+        assert!(late.await.is_err(), "timed out while queued");
+        first.await.unwrap().unwrap();
+        s.inner.hold.set_slow_sync(0);
+        // Its turn has come and gone: a later call runs after it.
+        s.put(1, rec(2, 3, "after")).await.unwrap();
+        assert!(s.find(1, &[0, 2]).await.unwrap().is_none(), "not made");
+        assert_eq!(s.inner.counters.abandoned.load(Ordering::Relaxed), 1);
+        assert!(s.find(1, &[0, 3]).await.unwrap().is_some());
+        assert_eq!(s.inner.queued.load(Ordering::Relaxed), 0);
+    });
+}
