@@ -160,11 +160,12 @@ struct Change {
     reused: usize,
     /// Rough tokens added minus those dropped (overhead included).
     net: i64,
-    /// The larger of the rough tokens added and those dropped (plus any
-    /// overhead change): the part the count does not vouch for. Not their
-    /// sum: a rewritten message is mostly its old text again, priced by the
-    /// same ratio, so the errors of pricing what left and what came back
-    /// cancel rather than add.
+    /// The part the count does not vouch for, in rough tokens: each message
+    /// after the shared prefix that stands where a counted one stood costs
+    /// the difference of their sizes (a rewritten message is mostly its old
+    /// text again, priced by the same ratio: the errors of pricing what left
+    /// and what came back cancel rather than add); the messages beyond the
+    /// shorter of the two, and any overhead change, cost their whole size.
     moved: u64,
 }
 
@@ -179,13 +180,17 @@ fn changed_since(obs: &Observation, sent: &SentRequest) -> Option<Change> {
     if k == 0 {
         return None;
     }
-    let dropped: u64 = before.rough[k..].iter().sum();
-    let added: u64 = sent.rough[k..].iter().sum();
+    let (old, new) = (&before.rough[k..], &sent.rough[k..]);
+    let dropped: u64 = old.iter().sum();
+    let added: u64 = new.iter().sum();
+    let aligned = old.len().min(new.len());
+    let rewritten: u64 = old.iter().zip(new).map(|(a, b)| a.abs_diff(*b)).sum();
+    let beyond: u64 = old[aligned..].iter().chain(&new[aligned..]).sum();
     let overhead = sent.overhead as i64 - before.overhead as i64;
     Some(Change {
         reused: k,
         net: added as i64 - dropped as i64 + overhead,
-        moved: added.max(dropped) + overhead.unsigned_abs(),
+        moved: rewritten + beyond + overhead.unsigned_abs(),
     })
 }
 
@@ -501,17 +506,30 @@ mod tests {
         let e2 = c.estimate(&t2, message_hashes(&t2), 0, len_est);
         let dropped = 800;
         let added = 700 + 6 + 10;
+        // The rewritten message costs its change in size (100), the answer
+        // and the new ask their whole size (16).
         assert_eq!(
             e2.basis,
             Basis::Incremental {
                 reused: 2,
-                uncounted: 2 * dropped
+                uncounted: 2 * (100 + 16)
             }
         );
         assert_eq!(e2.tokens, e1.tokens * 2 + 2 * added - 2 * dropped);
         // The whole-request ratio gives the same figure here; what differs
-        // is that only 1,600 of its 9,450 tokens are uncertain.
+        // is that only 232 of its 9,450 tokens are uncertain.
         assert_eq!(e2.tokens, 9_450);
+        // A message that is longer now than the one it replaces costs the
+        // difference too, and one dropped from the end its whole size.
+        let t3 = msgs(&[&system, "first ask", &"log ".repeat(180)]);
+        let e3 = c.estimate(&t3, message_hashes(&t3), 0, len_est);
+        assert_eq!(
+            e3.basis,
+            Basis::Incremental {
+                reused: 2,
+                uncounted: 2 * 80
+            }
+        );
     }
 
     #[test]
