@@ -148,8 +148,6 @@ class UpstreamTap:
 
 
 def _handler(tap: UpstreamTap):
-    up = urllib.parse.urlsplit(tap.upstream)
-
     class Handler(BaseHTTPRequestHandler):
         protocol_version = "HTTP/1.1"
 
@@ -213,6 +211,8 @@ def _handler(tap: UpstreamTap):
             self.wfile.flush()
 
         def _relay(self, body: bytes, ex: Exchange) -> None:
+            # Read per request: a test may point the tap at another upstream between requests.
+            up = urllib.parse.urlsplit(tap.upstream)
             conn = http.client.HTTPConnection(up.hostname, up.port, timeout=900)
             headers = {k: v for k, v in self.headers.items() if k.lower() not in HOP_BY_HOP | {"host", "content-length"}}
             conn.request(self.command, up.path.rstrip("/") + self.path, body=body or None, headers=headers)
