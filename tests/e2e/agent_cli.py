@@ -48,6 +48,7 @@ HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
 NPM_BIN = HERE / "agents" / "node_modules" / ".bin"
 HERMES_BIN = Path(os.environ.get("HERMES_BIN", REPO / ".venv-hermes" / "bin" / "hermes"))
+AIDER_BIN = Path(os.environ.get("AIDER_BIN", REPO / ".venv-aider" / "bin" / "aider"))
 MODEL = "gemma-3-270m"
 # Dummies: nothing real is ever needed (the upstream is local) and none is read from the host.
 ANTHROPIC_KEY = "sk-ant-e2e-dummy"
@@ -57,6 +58,19 @@ VERSIONS = {
     "codex": "0.169.0",
     "pi": "0.73.1",
     "hermes-agent": "0.19.0",
+    "opencode": "1.18.33",
+    "continue": "1.5.47",
+    "qwen-code": "0.24.4",
+    "qwen-code-anthropic": "0.24.4",
+    "qwen-code-responses": "0.24.4",
+    "kilo": "7.7.7",
+    "aider": "0.86.2",
+}
+# The API each agent speaks in this suite's configuration.
+APIS = {
+    "claude-code": "messages", "codex": "responses", "pi": "chat", "hermes-agent": "chat",
+    "opencode": "chat", "continue": "chat", "qwen-code": "chat", "qwen-code-anthropic": "messages",
+    "qwen-code-responses": "responses", "kilo": "chat", "aider": "chat",
 }
 TURN_TIMEOUT_S = float(os.environ.get("E2E_AGENT_TURN_TIMEOUT_S", "1200"))
 
@@ -110,6 +124,8 @@ class Session:
     root: Path
     tools: bool = True
     turns: list[Turn] = field(default_factory=list)
+    # Longest turn; the agents against a mock upstream need far less than a CPU model does.
+    timeout_s: float = TURN_TIMEOUT_S
 
     @property
     def home(self) -> Path:
@@ -147,13 +163,13 @@ class Session:
         try:
             proc = subprocess.run(
                 argv, cwd=self.project, env=self.env(), stdin=subprocess.DEVNULL,
-                capture_output=True, text=True, timeout=TURN_TIMEOUT_S,
+                capture_output=True, text=True, timeout=self.timeout_s,
             )
             turn = Turn(index, argv, proc.returncode, proc.stdout, proc.stderr, time.monotonic() - started)
         except subprocess.TimeoutExpired as e:
             out = e.stdout.decode(errors="replace") if isinstance(e.stdout, bytes) else (e.stdout or "")
             err = e.stderr.decode(errors="replace") if isinstance(e.stderr, bytes) else (e.stderr or "")
-            turn = Turn(index, argv, -9, out, err + f"\n<timeout after {TURN_TIMEOUT_S:.0f}s>",
+            turn = Turn(index, argv, -9, out, err + f"\n<timeout after {self.timeout_s:.0f}s>",
                         time.monotonic() - started)
         self.turns.append(turn)
         return turn
@@ -167,7 +183,7 @@ class Session:
 
 def missing_binary(agent: str) -> str | None:
     """Why ``agent`` cannot run here, or None."""
-    path = HERMES_BIN if agent == "hermes-agent" else NPM_BIN / BINARY[agent]
+    path = {"hermes-agent": HERMES_BIN, "aider": AIDER_BIN}.get(agent, NPM_BIN / BINARY[agent])
     if not path.exists():
         return f"{agent} not installed at {path}: run `bash scripts/setup_e2e.sh`"
     return None
@@ -328,10 +344,173 @@ def _hermes_argv(s: Session, turn: int, prompt: str) -> list[str]:
     return argv
 
 
-SETUP = {"claude-code": _claude_setup, "codex": _codex_setup, "pi": _pi_setup, "hermes-agent": _hermes_setup}
-ENV = {"claude-code": _claude_env, "codex": _codex_env, "pi": _pi_env, "hermes-agent": _hermes_env}
-ARGV = {"claude-code": _claude_argv, "codex": _codex_argv, "pi": _pi_argv, "hermes-agent": _hermes_argv}
-BINARY = {"claude-code": "claude", "codex": "codex", "pi": "pi", "hermes-agent": "hermes"}
+# ---------------------------------------------------------------- opencode and Kilo CLI (its fork)
+
+# Both read an `@ai-sdk/openai-compatible` provider from their JSON config; `*_PURE` keeps them
+# from installing their plugin package from npm at run time, `enabled_providers` from fetching
+# the model lists of their built-in providers.
+def _opencode_config(s: Session) -> dict:
+    return {
+        "provider": {"compactor": {
+            "npm": "@ai-sdk/openai-compatible",
+            "name": "compactor",
+            "options": {"baseURL": f"{s.base_url}/v1", "apiKey": OPENAI_KEY},
+            "models": {MODEL: {"name": MODEL, "limit": {"context": 1_000_000, "output": 256}}},
+        }},
+        "enabled_providers": ["compactor"],
+        "model": f"compactor/{MODEL}",
+        "small_model": f"compactor/{MODEL}",
+        "autoupdate": False,
+        "share": "disabled",
+    }
+
+
+def _opencode_setup(s: Session) -> None:
+    conf = s.home / ".config" / "opencode"
+    conf.mkdir(parents=True, exist_ok=True)
+    (conf / "opencode.json").write_text(json.dumps(_opencode_config(s), indent=2))
+
+
+def _opencode_family_env(prefix: str, config: Path) -> dict[str, str]:
+    # Its own compaction and pruning of old tool outputs off: what keeps the conversation
+    # inside the window is compactor.
+    flags = ["DISABLE_AUTOUPDATE", "DISABLE_MODELS_FETCH", "DISABLE_LSP_DOWNLOAD", "DISABLE_SHARE",
+             "DISABLE_AUTOCOMPACT", "DISABLE_PRUNE", "DISABLE_DEFAULT_PLUGINS", "DISABLE_CLAUDE_CODE", "PURE"]
+    return {"OPENAI_API_KEY": OPENAI_KEY, f"{prefix}_CONFIG": str(config), **{f"{prefix}_{f}": "1" for f in flags}}
+
+
+def _opencode_env(s: Session) -> dict[str, str]:
+    return _opencode_family_env("OPENCODE", s.home / ".config" / "opencode" / "opencode.json")
+
+
+def _opencode_argv(s: Session, turn: int, prompt: str) -> list[str]:
+    argv = [str(NPM_BIN / BINARY[s.agent]), "run", "-m", f"compactor/{MODEL}"]
+    if turn > 0:
+        argv.append("-c")
+    return argv + [prompt]
+
+
+def _kilo_setup(s: Session) -> None:
+    conf = s.home / ".config" / "kilo"
+    conf.mkdir(parents=True, exist_ok=True)
+    (conf / "kilo.json").write_text(json.dumps(_opencode_config(s), indent=2))
+
+
+def _kilo_env(s: Session) -> dict[str, str]:
+    return {
+        **_opencode_family_env("KILO", s.home / ".config" / "kilo" / "kilo.json"),
+        "KILO_TELEMETRY_LEVEL": "off",
+        "KILO_DISABLE_SESSION_INGEST": "1",
+        "KILO_DISABLE_PRESENCE": "1",
+        "KILO_DISABLE_CODEBASE_INDEXING": "1",
+    }
+
+
+# ---------------------------------------------------------------- Continue CLI
+
+def _continue_setup(s: Session) -> None:
+    conf = s.home / ".continue"
+    conf.mkdir(parents=True, exist_ok=True)
+    (conf / "config.yaml").write_text(
+        "name: e2e\nversion: 1.0.0\nschema: v1\nmodels:\n"
+        f"  - name: {MODEL}\n    provider: openai\n    model: {MODEL}\n"
+        f"    apiBase: {s.base_url}/v1\n    apiKey: {OPENAI_KEY}\n    roles: [chat]\n"
+    )
+
+
+def _continue_env(s: Session) -> dict[str, str]:
+    # Headless (-p) runs never check for updates.
+    return {"CONTINUE_GLOBAL_DIR": str(s.home / ".continue"), "CONTINUE_CLI_ENABLE_TELEMETRY": "0",
+            "CONTINUE_METRICS_ENABLED": "0"}
+
+
+def _continue_argv(s: Session, turn: int, prompt: str) -> list[str]:
+    argv = [str(NPM_BIN / "cn"), "--config", str(s.home / ".continue" / "config.yaml"), "-p"]
+    if turn > 0:
+        argv.append("--resume")
+    return argv + [prompt]
+
+
+# ---------------------------------------------------------------- qwen-code
+
+QWEN_AUTH = {"qwen-code": "openai", "qwen-code-anthropic": "anthropic", "qwen-code-responses": "openai-responses"}
+
+
+def _qwen_setup(s: Session) -> None:
+    conf = s.home / ".qwen"
+    conf.mkdir(parents=True, exist_ok=True)
+    (conf / "settings.json").write_text(json.dumps({
+        "privacy": {"usageStatisticsEnabled": False},
+        "telemetry": {"enabled": False},
+        "general": {"enableAutoUpdate": False},
+        # Its background memory/skill subagents off: one request per turn.
+        "memory": {"enableManagedAutoMemory": False, "enableManagedAutoDream": False, "enableAutoSkill": False},
+        # A window it never compacts in itself (what keeps the conversation inside the real
+        # window is compactor), one attempt per request.
+        "model": {"generationConfig": {"maxRetries": 0, "contextWindowSize": 1_000_000}},
+    }, indent=2))
+
+
+def _qwen_env(s: Session) -> dict[str, str]:
+    return {
+        "QWEN_TELEMETRY_ENABLED": "0",
+        "QWEN_USAGE_STATISTICS_ENABLED": "0",
+        "OPENAI_API_KEY": OPENAI_KEY,
+        "OPENAI_BASE_URL": f"{s.base_url}/v1",
+        "OPENAI_MODEL": MODEL,
+        "ANTHROPIC_API_KEY": ANTHROPIC_KEY,
+        "ANTHROPIC_BASE_URL": s.base_url,
+        "ANTHROPIC_MODEL": MODEL,
+    }
+
+
+def _qwen_argv(s: Session, turn: int, prompt: str) -> list[str]:
+    argv = [str(NPM_BIN / "qwen"), "--auth-type", QWEN_AUTH[s.agent], "-m", MODEL]
+    if turn > 0:
+        argv.append("-c")
+    return argv + [prompt]
+
+
+# ---------------------------------------------------------------- aider
+
+def _aider_setup(s: Session) -> None:
+    # Its model-metadata cache, fresh and empty: otherwise it downloads litellm's price list.
+    caches = s.home / ".aider" / "caches"
+    caches.mkdir(parents=True, exist_ok=True)
+    (caches / "model_prices_and_context_window.json").write_text("{}")
+
+
+def _aider_env(s: Session) -> dict[str, str]:
+    return {"OPENAI_API_BASE": f"{s.base_url}/v1", "OPENAI_API_KEY": OPENAI_KEY,
+            "LITELLM_LOCAL_MODEL_COST_MAP": "True"}
+
+
+def _aider_argv(s: Session, turn: int, prompt: str) -> list[str]:
+    # No git (no repo map, no commits), no analytics or update checks; its own chat-history
+    # summarising off (a limit it never reaches); later turns restore the chat history file.
+    argv = [str(AIDER_BIN), "--model", f"openai/{MODEL}", "--yes-always", "--no-git", "--analytics-disable",
+            "--no-check-update", "--no-show-release-notes", "--no-show-model-warnings", "--no-pretty",
+            "--max-chat-history-tokens", "1000000"]
+    if turn > 0:
+        argv.append("--restore-chat-history")
+    return argv + ["--message", prompt]
+
+
+SETUP = {"claude-code": _claude_setup, "codex": _codex_setup, "pi": _pi_setup, "hermes-agent": _hermes_setup,
+         "opencode": _opencode_setup, "continue": _continue_setup, "qwen-code": _qwen_setup,
+         "qwen-code-anthropic": _qwen_setup, "qwen-code-responses": _qwen_setup, "kilo": _kilo_setup,
+         "aider": _aider_setup}
+ENV = {"claude-code": _claude_env, "codex": _codex_env, "pi": _pi_env, "hermes-agent": _hermes_env,
+       "opencode": _opencode_env, "continue": _continue_env, "qwen-code": _qwen_env,
+       "qwen-code-anthropic": _qwen_env, "qwen-code-responses": _qwen_env, "kilo": _kilo_env,
+       "aider": _aider_env}
+ARGV = {"claude-code": _claude_argv, "codex": _codex_argv, "pi": _pi_argv, "hermes-agent": _hermes_argv,
+        "opencode": _opencode_argv, "continue": _continue_argv, "qwen-code": _qwen_argv,
+        "qwen-code-anthropic": _qwen_argv, "qwen-code-responses": _qwen_argv, "kilo": _opencode_argv,
+        "aider": _aider_argv}
+BINARY = {"claude-code": "claude", "codex": "codex", "pi": "pi", "hermes-agent": "hermes",
+          "opencode": "opencode", "continue": "cn", "qwen-code": "qwen", "qwen-code-anthropic": "qwen",
+          "qwen-code-responses": "qwen", "kilo": "kilo", "aider": "aider"}
 AGENTS = list(SETUP)
 
 
