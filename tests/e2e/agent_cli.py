@@ -403,6 +403,7 @@ def _kilo_env(s: Session) -> dict[str, str]:
         "KILO_DISABLE_SESSION_INGEST": "1",
         "KILO_DISABLE_PRESENCE": "1",
         "KILO_DISABLE_CODEBASE_INDEXING": "1",
+        "KILO_NO_DAEMON": "1",
     }
 
 
@@ -493,7 +494,12 @@ def _aider_argv(s: Session, turn: int, prompt: str) -> list[str]:
             "--max-chat-history-tokens", "1000000"]
     if turn > 0:
         argv.append("--restore-chat-history")
-    return argv + ["--message", prompt]
+    # From a file: aider writes its own command line into the chat history it restores, so a
+    # prompt passed with --message would come back as a second copy on every later turn.
+    message = s.root / "tmp" / f"aider-turn{turn + 1}.txt"
+    message.parent.mkdir(parents=True, exist_ok=True)
+    message.write_text(prompt)
+    return argv + ["--message-file", str(message)]
 
 
 SETUP = {"claude-code": _claude_setup, "codex": _codex_setup, "pi": _pi_setup, "hermes-agent": _hermes_setup,

@@ -20,7 +20,8 @@ cache and a harness can measure what compaction costs:
   conversation. A conversation is keyed by its system text (top-level
   ``system`` / ``instructions``, else its first ``system`` / ``developer``
   message), as if llama.cpp had a slot per conversation; a compactor summary
-  call (one user message starting with compactor's summariser preamble) is
+  call (its last message a user message with compactor's summariser preamble
+  at a line start: alone, or after the conversation for an in-context summary) is
   compared with the request received just before it, and does not replace
   the conversation's cached prompt.
 * **Window**: with ``n_ctx`` set, a prompt of ``n_ctx`` tokens or more is
@@ -39,6 +40,7 @@ Every request is recorded (:class:`Counted`) in arrival order.
 from __future__ import annotations
 
 import json
+import re
 import threading
 import time
 from dataclasses import dataclass, field
@@ -149,14 +151,19 @@ def common_prefix(a: str, b: str) -> int:
     return lo
 
 
+SUMMARY_ASK = re.compile(r"(?:^|\n)\s*(?:" + "|".join(map(re.escape, SUMMARY_PREFIXES)) + ")")
+
+
 def is_summary_call(req: Any) -> bool:
-    """compactor's own summariser call: one user message starting with its preamble."""
+    """compactor's own summariser call: its last message a user message with the summariser's
+    preamble at the start of a line (alone; or after the conversation itself, an in-context
+    summary, whose ask compactor merges into the conversation's last user message)."""
     if not isinstance(req, dict):
         return False
     items = conversation_items(req)
-    if len(items) != 1 or not isinstance(items[0], dict) or items[0].get("role") != "user":
+    if not items or not isinstance(items[-1], dict) or items[-1].get("role") != "user":
         return False
-    return _content(items[0].get("content")).startswith(SUMMARY_PREFIXES)
+    return bool(SUMMARY_ASK.search(_content(items[-1].get("content"))))
 
 
 # ---------------------------------------------------------------- the server
