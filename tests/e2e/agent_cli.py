@@ -19,7 +19,12 @@ conversation" command:
   provider in ``models.json``);
 * hermes-agent: ``hermes chat -Q -q PROMPT``, then the same with
   ``--continue`` (a ``custom`` provider; its own compression on, ``-t todo``,
-  ``context_length: 65536``).
+  ``context_length: 65536``);
+* the agents of ``test_agents_shipped.py`` and ``agent_costs.py``: opencode
+  and Kilo (``run``, then ``run -c``), Continue (``cn -p``, then
+  ``--resume``), qwen-code on each of its three APIs (``qwen PROMPT``, then
+  ``-c``), aider (``--message-file``, then ``--restore-chat-history``); see
+  the README for each one's settings.
 
 ``tools=False`` runs the agent with as few tools as its CLI allows
 (Claude Code ``--tools ""``, pi ``--no-tools``, Codex with its optional tool

@@ -31,11 +31,13 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-from agent_cli import AGENTS, VERSIONS, Session, missing_binary  # noqa: E402
+from agent_cli import VERSIONS, Session, missing_binary  # noqa: E402
 from agent_mock import start_agent_mock  # noqa: E402
 
 OUT = HERE.parent / "fixtures" / "agents"
 TURNS = 3
+# The agents whose requests tests/fixtures/agents holds (any agent of agent_cli.py can be named).
+CAPTURED = ["claude-code", "codex", "pi", "hermes-agent"]
 CHAT_PATHS = ("/v1/messages", "/v1/responses", "/v1/chat/completions")
 DROP_HEADERS = {"host", "content-length", "connection", "accept-encoding"}
 HOME = "/home/user"
@@ -119,7 +121,7 @@ def capture(agent: str) -> list[Path]:
 
 
 def main(argv: list[str]) -> int:
-    for agent in argv or AGENTS:
+    for agent in argv or CAPTURED:
         for path in capture(agent):
             print(path.relative_to(HERE.parents[1]), path.stat().st_size)
     return 0
