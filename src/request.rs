@@ -291,6 +291,18 @@ fn offset_in(outer: &[u8], inner: &str) -> Option<Range<usize>> {
 }
 
 impl ChatRequest {
+    /// A request of nothing, made without an allocation: what stands in
+    /// for a request moved elsewhere to be freed.
+    pub(crate) fn empty() -> Self {
+        Self {
+            original: Bytes::new(),
+            top: Members(Vec::new()),
+            messages: Vec::new(),
+            messages_replaced: false,
+            list_key: "messages",
+        }
+    }
+
     /// Parses `bytes` (the whole request body) in one pass. Cheap: only the
     /// top level and the boundaries of each message are parsed.
     pub fn parse(bytes: impl Into<Bytes>) -> Result<Self, ParseError> {

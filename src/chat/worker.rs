@@ -84,11 +84,36 @@ pub(super) async fn decode(
     joined(decoded).unwrap_or(Err(DecodeError::Unsupported("request")))
 }
 
-/// Lets go of a job: a large body's decoded request (millions of small
-/// allocations) is freed on the blocking pool, not on an async worker.
+/// Lets go of a job (its `Drop` frees a large body's decoded request on
+/// the blocking pool).
 pub(super) fn release(job: Box<Job>) {
-    if job.body_len >= LARGE_BODY_BYTES {
-        tokio::task::spawn_blocking(move || drop(job));
+    drop(job);
+}
+
+impl Drop for Job {
+    /// A large body's decoded request (hundreds of thousands of engine
+    /// messages, the codec's tables: millions of small allocations, and
+    /// its decode moved into the codec's memo) is freed on the blocking
+    /// pool wherever the job is let go: once its response is under way
+    /// ([`release`]), but also on an early return (the upstream refused
+    /// the connection) or with a request future dropped mid-wait (the
+    /// client left). Freed inline, it held the async worker that dropped
+    /// it, and every connection that worker serves, for as long.
+    fn drop(&mut self) {
+        if self.body_len >= LARGE_BODY_BYTES {
+            free_off_runtime(std::mem::replace(&mut self.creq, ApiRequest::empty()));
+        }
+    }
+}
+
+/// Drops `value` on the blocking pool when there is a runtime to hand it
+/// to, else here.
+fn free_off_runtime<T: Send + 'static>(value: T) {
+    #[cfg(test)]
+    tests::HANDED_OFF.set(tests::HANDED_OFF.get() + 1);
+    match tokio::runtime::Handle::try_current() {
+        Ok(rt) => drop(rt.spawn_blocking(move || drop(value))),
+        Err(_) => drop(value),
     }
 }
 
@@ -251,10 +276,17 @@ impl Drop for BodyGuard {
 static TRIM_DUE: AtomicBool = AtomicBool::new(false);
 
 /// Trims (see [`trim`]) when a large preparation ran since the last call;
-/// run periodically (the session sweep).
+/// run periodically (the session sweep, on an async worker): on the
+/// blocking pool when there is one. `malloc_trim` walks every arena under
+/// its lock and hands back each free page of a heap that large bodies
+/// grew to hundreds of MB, while the blocking pool may be allocating in
+/// the same arenas.
 pub fn trim_if_due() {
     if TRIM_DUE.swap(false, Ordering::Relaxed) {
-        trim();
+        match tokio::runtime::Handle::try_current() {
+            Ok(rt) => drop(rt.spawn_blocking(trim)),
+            Err(_) => trim(),
+        }
     }
 }
 
@@ -274,3 +306,83 @@ pub fn trim() {
 /// Other allocators return memory on their own.
 #[cfg(not(all(target_os = "linux", target_env = "gnu")))]
 pub(crate) fn trim() {}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used)]
+mod tests {
+    use std::cell::Cell;
+    use std::sync::mpsc;
+    use std::thread::ThreadId;
+
+    use crate::session::key::SessionKey;
+
+    use super::*;
+
+    thread_local! {
+        /// Values this thread handed to [`free_off_runtime`].
+        pub(super) static HANDED_OFF: Cell<usize> = const { Cell::new(0) };
+    }
+
+    /// Tells which thread dropped it.
+    struct Witness(mpsc::Sender<ThreadId>);
+
+    impl Drop for Witness {
+        fn drop(&mut self) {
+            let _ = self.0.send(std::thread::current().id());
+        }
+    }
+
+    fn current_thread() -> tokio::runtime::Runtime {
+        tokio::runtime::Builder::new_current_thread()
+            .build()
+            .unwrap()
+    }
+
+    #[test]
+    fn a_value_freed_off_the_runtime_is_dropped_on_another_thread() {
+        let (tx, rx) = mpsc::channel();
+        current_thread().block_on(async { free_off_runtime(Witness(tx)) });
+        let dropped_on = rx.recv_timeout(Duration::from_secs(30)).unwrap();
+        assert_ne!(dropped_on, std::thread::current().id());
+        // Without a runtime there is no pool: dropped here.
+        let (tx, rx) = mpsc::channel();
+        free_off_runtime(Witness(tx));
+        assert_eq!(rx.try_recv().unwrap(), std::thread::current().id());
+    }
+
+    fn job(body_len: usize) -> Box<Job> {
+        let config = crate::config::Config::default();
+        let metrics = Arc::new(crate::metrics::Metrics::default());
+        let chat =
+            Arc::new(super::super::ChatState::from_config(&config, Arc::clone(&metrics)).unwrap());
+        let upstream = Arc::new(Upstream::new(&config, metrics).unwrap());
+        let key = SessionKey::from_u128(7);
+        let entry = chat.sessions.get_or_create(key, Conversation::default);
+        let body = r#"{"model":"m","input":[{"role":"user","content":"hi"}]}"#;
+        Box::new(Job {
+            chat,
+            upstream,
+            entry,
+            client_headers: Arc::new(HeaderMap::new()),
+            credential_query: None,
+            creq: ApiRequest::parse(Api::Responses, body).unwrap(),
+            key: (key, 0),
+            id_kind: "test",
+            overflow: None,
+            body_len,
+        })
+    }
+
+    #[test]
+    fn a_large_bodys_job_frees_its_request_off_the_runtime_wherever_dropped() {
+        let rt = current_thread();
+        let _in = rt.enter();
+        for (len, handed) in [(LARGE_BODY_BYTES - 1, 0), (LARGE_BODY_BYTES, 1)] {
+            let before = HANDED_OFF.get();
+            // Dropped as an early return or a cancelled request drops it,
+            // not through `release`.
+            drop(job(len));
+            assert_eq!(HANDED_OFF.get() - before, handed, "body of {len} bytes");
+        }
+    }
+}

@@ -507,6 +507,20 @@ pub fn decodes() -> u64 {
 }
 
 impl ApiRequest {
+    /// A chat request of nothing, made without an allocation, with nothing
+    /// to keep when dropped: what stands in for a request moved elsewhere
+    /// to be freed (`chat::worker`).
+    pub(crate) fn empty() -> Self {
+        Self {
+            api: Api::Chat,
+            creq: ChatRequest::empty(),
+            engine: Vec::new(),
+            raw: Vec::new(),
+            map: WireMap::default(),
+            keep: None,
+        }
+    }
+
     /// Parses and decodes one request body.
     pub fn parse(api: Api, bytes: impl Into<Bytes>) -> Result<Self, DecodeError> {
         Self::parse_with(api, bytes, None)
