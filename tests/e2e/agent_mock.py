@@ -154,6 +154,30 @@ def chat_reply(req: dict, size: int) -> tuple[str, bytes]:
     return "text/event-stream", _sse(events)
 
 
+def read_body(handler: BaseHTTPRequestHandler) -> bytes:
+    """A request's body, chunked or sized (the e2e upstreams' one reader)."""
+    if handler.headers.get("Transfer-Encoding", "").lower() == "chunked":
+        out = bytearray()
+        while size := int(handler.rfile.readline().split(b";")[0].strip() or b"0", 16):
+            out += handler.rfile.read(size)
+            handler.rfile.readline()
+        while handler.rfile.readline() not in (b"\r\n", b"\n", b""):
+            pass
+        return bytes(out)
+    return handler.rfile.read(int(handler.headers.get("Content-Length") or 0))
+
+
+def send_reply(handler: BaseHTTPRequestHandler, status: int, ctype: str, data: bytes) -> None:
+    """One whole response with its length (no body for HEAD)."""
+    handler.send_response_only(status)
+    handler.send_header("Content-Type", ctype)
+    handler.send_header("Content-Length", str(len(data)))
+    handler.end_headers()
+    if handler.command != "HEAD":
+        handler.wfile.write(data)
+    handler.wfile.flush()
+
+
 def _handler(mock: AgentMock):
     class Handler(BaseHTTPRequestHandler):
         protocol_version = "HTTP/1.1"
@@ -162,23 +186,10 @@ def _handler(mock: AgentMock):
             pass
 
         def _read(self) -> bytes:
-            if self.headers.get("Transfer-Encoding", "").lower() == "chunked":
-                out = bytearray()
-                while size := int(self.rfile.readline().split(b";")[0].strip() or b"0", 16):
-                    out += self.rfile.read(size)
-                    self.rfile.readline()
-                while self.rfile.readline() not in (b"\r\n", b"\n", b""):
-                    pass
-                return bytes(out)
-            return self.rfile.read(int(self.headers.get("Content-Length") or 0))
+            return read_body(self)
 
         def _send(self, status: int, ctype: str, data: bytes) -> None:
-            self.send_response_only(status)
-            self.send_header("Content-Type", ctype)
-            self.send_header("Content-Length", str(len(data)))
-            self.end_headers()
-            self.wfile.write(data)
-            self.wfile.flush()
+            send_reply(self, status, ctype, data)
 
         def _handle(self) -> None:
             body = self._read()

@@ -47,7 +47,7 @@ from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
-from agent_mock import MODEL, REPLY, _dumps, anthropic_reply, chat_reply, responses_reply
+from agent_mock import MODEL, REPLY, _dumps, anthropic_reply, chat_reply, read_body, responses_reply, send_reply
 
 CHARS_PER_TOKEN = 4
 SUMMARY_PREFIXES = ("You are a summarization agent", "You are a conversation summarization assistant")
@@ -301,24 +301,10 @@ def _handler(up: CountingUpstream):
             pass
 
         def _read(self) -> bytes:
-            if self.headers.get("Transfer-Encoding", "").lower() == "chunked":
-                out = bytearray()
-                while size := int(self.rfile.readline().split(b";")[0].strip() or b"0", 16):
-                    out += self.rfile.read(size)
-                    self.rfile.readline()
-                while self.rfile.readline() not in (b"\r\n", b"\n", b""):
-                    pass
-                return bytes(out)
-            return self.rfile.read(int(self.headers.get("Content-Length") or 0))
+            return read_body(self)
 
         def _send(self, status: int, ctype: str, data: bytes) -> None:
-            self.send_response_only(status)
-            self.send_header("Content-Type", ctype)
-            self.send_header("Content-Length", str(len(data)))
-            self.end_headers()
-            if self.command != "HEAD":
-                self.wfile.write(data)
-            self.wfile.flush()
+            send_reply(self, status, ctype, data)
 
         def _handle(self) -> None:
             body = self._read()

@@ -23,6 +23,8 @@ from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
+from agent_mock import read_body
+
 CONVERSATION_PATHS = ("/chat/completions", "/v1/messages", "/v1/responses")
 HOP_BY_HOP = {
     "connection", "keep-alive", "proxy-connection", "te", "trailer", "transfer-encoding", "upgrade",
@@ -155,15 +157,7 @@ def _handler(tap: UpstreamTap):
             pass
 
         def _body(self) -> bytes:
-            if self.headers.get("Transfer-Encoding", "").lower() == "chunked":
-                out = bytearray()
-                while size := int(self.rfile.readline().split(b";")[0].strip() or b"0", 16):
-                    out += self.rfile.read(size)
-                    self.rfile.readline()
-                while self.rfile.readline() not in (b"\r\n", b"\n", b""):
-                    pass
-                return bytes(out)
-            return self.rfile.read(int(self.headers.get("Content-Length") or 0))
+            return read_body(self)
 
         def _forward(self) -> None:
             body = self._body()
