@@ -1,7 +1,8 @@
 //! Errors compactor itself produces, and the single place that turns them
 //! into responses in the client's API's error shape: OpenAI's
-//! (`{"error":{"message","type","code"}}`) or, on Anthropic's Messages
-//! route, Anthropic's (`{"type":"error","error":{"type","message"}}`).
+//! (`{"error":{"message","type","code"}}`), on Anthropic's Messages
+//! route Anthropic's (`{"type":"error","error":{"type","message"}}`), on
+//! Ollama's `/api/chat` Ollama's (`{"error":"message"}`).
 //!
 //! Upstream error responses are never built here: they pass through untouched.
 
@@ -74,6 +75,8 @@ pub(crate) enum ErrorShape {
     OpenAi,
     /// `{"type": "error", "error": {"type", "message"}}` (Messages).
     Anthropic,
+    /// `{"error": "message"}` (Ollama's `/api/chat`).
+    Ollama,
 }
 
 impl ProxyError {
@@ -160,6 +163,10 @@ impl ProxyError {
             ErrorShape::Anthropic => json_response(
                 self.status(),
                 &anthropic_error(self.anthropic_type(), &self.to_string()),
+            ),
+            ErrorShape::Ollama => json_response(
+                self.status(),
+                &serde_json::json!({ "error": self.to_string() }).to_string(),
             ),
         };
         if matches!(self, ProxyError::Overloaded(_)) {
@@ -284,5 +291,14 @@ mod tests {
             assert_eq!(v["error"]["message"], err.to_string());
             assert!(v["error"].get("code").is_none());
         }
+    }
+
+    #[tokio::test]
+    async fn ollama_clients_get_ollamas_error_shape() {
+        let err = ProxyError::FirstByteTimeout(2);
+        let resp = err.to_response_in(ErrorShape::Ollama);
+        assert_eq!(resp.status().as_u16(), 504);
+        let v = json_of(resp).await;
+        assert_eq!(v, serde_json::json!({ "error": err.to_string() }));
     }
 }

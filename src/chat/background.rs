@@ -48,6 +48,8 @@ use super::ChatState;
 /// What the engine needs of one turn, owned by the background task.
 struct Snapshot {
     api: crate::codec::Api,
+    /// Ollama's `options.num_ctx` of the turn.
+    num_ctx: Option<u64>,
     original: Vec<Box<RawValue>>,
     client_hashes: Vec<u128>,
     outgoing: Vec<Box<RawValue>>,
@@ -191,6 +193,7 @@ fn spawn(
     };
     let snap = Snapshot {
         api: c.api,
+        num_ctx: c.num_ctx,
         original: h.original.to_vec(),
         client_hashes: h.client_hashes.to_vec(),
         outgoing: base.outgoing.to_vec(),
@@ -324,6 +327,7 @@ impl Job {
         )
         .with_credential_query(s.credential_query.as_deref())
         .speaking(s.api)
+        .loading(s.num_ctx)
         .learning(&self.firm_retries);
         let mut result = if micro {
             micro_ahead(&mut comp, &values, &summariser).await
@@ -472,7 +476,7 @@ pub(super) async fn turn(
     conv.stats.compactions += 1;
     conv.stats.fallback_compactions += u64::from(c.fallback_used);
     conv.stats.tokens_saved += saved;
-    conv.stats.overflow_retries += u64::from(d.force);
+    conv.stats.overflow_retries += u64::from(d.force && t.weight.overflow);
     conv.stats.summary_calls += c.summary_calls;
     conv.inspect.note = Some(CompactionNote {
         summariser_ms: c.summariser_ms,

@@ -76,18 +76,7 @@ pub(super) async fn compact_if_due(
         w.max_out.map(|m| scale.to_rough(m)),
     );
     let no_room = measure_fixed_part(&mut comp.trigger, h, w, (est_rough, noted));
-    let d = decide(
-        &mut comp.trigger,
-        Sizes {
-            est_real: w.est_tokens,
-            margin: w.est_margin,
-            est_rough,
-            max_out: w.max_out,
-            window: w.window,
-        },
-        w.overflow,
-        micro_due,
-    );
+    let d = judge(&mut comp.trigger, w, est_rough, micro_due);
     conv.no_room_noted |= no_room;
     // The awaits below are boxed: a claim and an engine pass run on few
     // turns, a background turn only when configured. Inline, their state
@@ -231,6 +220,7 @@ async fn compact_now(
     )
     .with_credential_query(c.client.query)
     .speaking(c.api)
+    .loading(c.num_ctx)
     .learning(&chat.firm_retries);
     let summariser = match c.api {
         Api::Chat if cfg.summary_in_context => summariser.after(InContext {
@@ -244,7 +234,7 @@ async fn compact_now(
     };
     // After an overflow the upstream's refusal is proof the messages do
     // not fit, whatever the estimate says the last resort can reach.
-    let fit = if w.overflow {
+    let fit = if w.overflow || w.truncated {
         Fit::Insist
     } else {
         Fit::IfReachable
@@ -296,6 +286,24 @@ impl PassStats {
     }
 }
 
+/// The trigger's decision for the turn weighing `w`. A silent truncation
+/// is an overflow the upstream did not report: the conversation is
+/// compacted now, as after an overflow error.
+fn judge(trigger: &mut Trigger, w: &Weight, est_rough: u64, micro_due: bool) -> Decision {
+    let sizes = Sizes {
+        est_real: w.est_tokens,
+        margin: w.est_margin,
+        est_rough,
+        max_out: w.max_out,
+        window: w.window,
+    };
+    let mut d = decide(trigger, sizes, w.overflow || w.truncated, micro_due);
+    if w.truncated && !w.overflow {
+        d.reason = "truncated";
+    }
+    d
+}
+
 /// Books a finished engine pass: conversation stats, metrics and the log
 /// line; a committed compaction also becomes a record. Synchronous: the
 /// pass itself (the summariser's I/O) is over.
@@ -321,7 +329,7 @@ fn book_pass(
             conv.stats.compactions += 1;
             conv.stats.fallback_compactions += u64::from(result.fallback_used);
             conv.stats.tokens_saved += saved;
-            conv.stats.overflow_retries += u64::from(p.force);
+            conv.stats.overflow_retries += u64::from(p.force && w.overflow);
             chat.metrics
                 .chat
                 .compaction(result.label, saved, summariser_took);

@@ -9,7 +9,7 @@ use crate::compaction::tokens;
 use crate::compaction::trigger::{Trigger, TriggerSnapshot, WindowSource};
 use crate::compaction::Compressor;
 use crate::request::ChainCache;
-use crate::session::calibration::{Calibration, EngineScale, SentRequest};
+use crate::session::calibration::{Calibration, Cut, EngineScale, SentRequest};
 use crate::usage::UsageReport;
 
 use super::record::Record;
@@ -17,7 +17,21 @@ use super::record::Record;
 /// A response's usage, posted by the response tap when the body ends and
 /// applied under the conversation lock by the next request (or the admin
 /// view). The tap runs inside `poll_frame` and must not wait for the lock.
-pub(crate) type Inbox = Arc<Mutex<Vec<(Arc<SentRequest>, UsageReport)>>>;
+pub(crate) type Inbox = Arc<Mutex<Vec<Posted>>>;
+
+/// One response's usage and the request it answered.
+pub(crate) type Posted = (Arc<SentRequest>, UsageReport);
+
+/// A reply whose prompt the upstream cut silently (see [`Cut`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Truncation {
+    /// compactor's estimate of what it sent, real tokens.
+    pub(crate) estimated: u64,
+    /// What the upstream counted.
+    pub(crate) counted: u64,
+    /// How the count showed it.
+    pub(crate) cut: Cut,
+}
 
 /// Content-free counters shown by the admin endpoint.
 #[derive(Debug, Default, Clone, serde::Serialize)]
@@ -39,6 +53,8 @@ pub(crate) struct ConvStats {
     /// Summary calls made by engine passes on the request path (committed
     /// or not).
     pub(crate) summary_calls: u64,
+    /// Replies whose prompt the upstream truncated silently.
+    pub(crate) truncations: u64,
 }
 
 /// One conversation's state; lives behind the session's async lock.
@@ -79,6 +95,18 @@ pub(crate) struct Conversation {
     /// The "no room under the trigger" warning was logged (once per
     /// conversation).
     pub(crate) no_room_noted: bool,
+    /// The silent-truncation warning was logged (once per conversation).
+    pub(crate) truncation_noted: bool,
+    /// A reply was truncated since the last request: the next one is
+    /// compacted whatever its estimate says.
+    pub(crate) truncated: bool,
+    /// Truncations found and not yet counted in the metrics and log (the
+    /// admin view drains the inbox too).
+    pub(crate) unreported: Vec<Truncation>,
+    /// The last request's window was the default standing in while Ollama
+    /// loads the model: usage waits for the next request, which learns the
+    /// window it is judged against.
+    pub(crate) window_loading: bool,
     /// The inspector's figures of the last turns and compactions.
     pub(crate) inspect: super::inspect::TurnLog,
     /// The session key as the response header's value, built on the
@@ -104,6 +132,10 @@ impl Default for Conversation {
             state_written: None,
             restored_trigger: None,
             no_room_noted: false,
+            truncation_noted: false,
+            truncated: false,
+            unreported: Vec::new(),
+            window_loading: false,
             inspect: super::inspect::TurnLog::default(),
             session_value: None,
         }
@@ -186,11 +218,32 @@ impl Conversation {
         self.session_value.clone()
     }
 
-    /// Applies usage posted by finished responses: the calibration learns
-    /// from the real figures and hands the trigger the same usage in the
-    /// engine's rough units.
+    /// Applies usage posted by finished responses, judged against the
+    /// window of the conversation's last request (the admin view's drain).
     pub(crate) fn drain_inbox(&mut self) {
-        let posted = std::mem::take(&mut *crate::sync::lock(&self.inbox));
+        // Judged against a window about to be learned, a truncation would
+        // be taken for a calibration point.
+        if self.window_loading {
+            return;
+        }
+        let posted = self.take_posted();
+        self.apply_posted(posted, self.real_window);
+    }
+
+    /// Usage posted by finished responses, taken out of the inbox.
+    pub(crate) fn take_posted(&self) -> Vec<Posted> {
+        std::mem::take(&mut *crate::sync::lock(&self.inbox))
+    }
+
+    /// Applies `posted`: the calibration learns from the real figures and
+    /// hands the trigger the same usage in the engine's rough units, except
+    /// from a reply the upstream truncated (judged against `window`), which
+    /// is kept in [`Self::unreported`] instead and makes the next request
+    /// compact. Returns the most a truncating upstream was seen to hold
+    /// when that is less than `window`: the window it really has.
+    pub(crate) fn apply_posted(&mut self, posted: Vec<Posted>, window: Option<u64>) -> Option<u64> {
+        let mut cut = Vec::new();
+        let mut held: Option<u64> = None;
         for (sent, report) in posted {
             let Some(usage) = report.effective() else {
                 continue;
@@ -198,12 +251,28 @@ impl Conversation {
             if let Some(prompt) = usage.prompt_tokens {
                 let id = super::inspect::sent_id(sent.hashes.len(), sent.hashes.last().copied());
                 self.inspect.usage(id, prompt, usage.cached_tokens);
+                if let Some(c) = self.calibration.cut(&sent, prompt, window) {
+                    if let Cut::Shrank { held: h } = c {
+                        let below = window.is_none_or(|w| h < w);
+                        held = held.max(Some(h).filter(|_| below));
+                    }
+                    cut.push(Truncation {
+                        estimated: sent.estimated_tokens,
+                        counted: prompt,
+                        cut: c,
+                    });
+                    continue;
+                }
             }
             let engine_usage = self.calibration.learn(sent, usage);
             if let Some(comp) = self.compressor.as_mut() {
                 comp.trigger.update_from_response(&engine_usage);
             }
         }
+        self.stats.truncations += cut.len() as u64;
+        self.truncated |= !cut.is_empty();
+        self.unreported.extend(cut);
+        held
     }
 
     /// Rough estimate of the `tools` array, cached by its raw bytes.

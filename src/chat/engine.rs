@@ -39,6 +39,9 @@ pub(super) struct Turn<'a> {
 /// its credentials.
 pub(super) struct Caller<'a> {
     pub(super) api: Api,
+    /// Ollama's `options.num_ctx` (the window the request loads the model
+    /// with), asked with the summary too.
+    pub(super) num_ctx: Option<u64>,
     pub(super) model: &'a str,
     pub(super) client: super::Client<'a>,
     /// The request's `tools` as the client sent them (a summary asked after
@@ -83,6 +86,8 @@ pub(super) struct Weight {
     pub(super) overflow: bool,
     /// The prompt size the upstream counted in that overflow, if it said.
     pub(super) overflow_counted: Option<u64>,
+    /// The upstream cut the conversation's last reply's prompt silently.
+    pub(super) truncated: bool,
 }
 
 /// What a booked pass leaves the request with.

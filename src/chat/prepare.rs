@@ -9,11 +9,12 @@ use bytes::Bytes;
 use serde_json::value::RawValue;
 
 use crate::codec::ApiRequest;
-use crate::session::calibration::{Basis, Estimate, SentRequest};
+use crate::session::calibration::{Basis, Cut, Estimate, SentRequest};
 use crate::session::key::SessionKey;
 use crate::session::store::Entry;
 use crate::upstream::Upstream;
 use crate::usage::inject::{plan_usage, UsagePlan};
+use crate::window::cache::WindowSource;
 use crate::window::overflow::Overflow;
 
 use super::compact::compact_if_due;
@@ -109,10 +110,26 @@ pub(super) async fn prepare(
     let mut guard = entry.lock().await;
     let conv: &mut Conversation = &mut guard;
     super::persist::load(chat, conv, key).await;
-    conv.drain_inbox();
+    let posted = conv.take_posted();
+    if !posted.is_empty() {
+        // A model Ollama loads on its first request has a window now.
+        chat.windows.answered(&chat.upstream_label, &model);
+    }
+    let asked = creq.requested_window();
+    let (mut window, loading) =
+        resolve_window(chat, upstream, client, &model, overflow, asked).await;
+    conv.window_loading = loading;
+    if let Some(held) = conv.apply_posted(posted, Some(window)) {
+        // A silent truncation below the window believed: what the upstream
+        // held is the window it has (the request's own num_ctx aside).
+        if asked.is_none() {
+            chat.windows.learn_limit(&chat.upstream_label, &model, held);
+            window = held;
+        }
+    }
+    report_truncations(chat, conv, creq.api().label(), key, window);
     conv.note_model(&model);
     conv.stats.requests += u64::from(overflow.is_none());
-    let window = resolve_window(chat, upstream, client, &model, overflow).await;
 
     // Moved out, not copied: the history is the bulk of the body, and the
     // original bytes still go upstream unless `with_messages` runs below.
@@ -140,6 +157,7 @@ pub(super) async fn prepare(
     let turn = Box::new(Turn {
         caller: Caller {
             api: creq.api(),
+            num_ctx: asked,
             model: &model,
             client,
             tools: creq.get_raw("tools"),
@@ -162,6 +180,7 @@ pub(super) async fn prepare(
             tools_rough: overhead,
             overflow: overflow.is_some(),
             overflow_counted: overflow.and_then(|o| o.prompt_tokens.or(o.requested)),
+            truncated: std::mem::take(&mut conv.truncated),
         },
     });
     match compact_if_due(chat, upstream, conv, &turn).await {
@@ -351,17 +370,24 @@ fn real_tools_tokens(conv: &Conversation, rough: u64) -> u64 {
     }
 }
 
-/// The context window for `model`: learned from the overflow first when
-/// there is one, then looked up (or discovered once) in the window cache.
+/// The context window for `model`: the one the request itself sets
+/// (Ollama's `options.num_ctx`, what Ollama loads the model with), else
+/// learned from the overflow first when there is one, then looked up (or
+/// discovered once) in the window cache; and whether it is the default
+/// standing in while Ollama loads the model ([`WindowSource::Loading`]).
 async fn resolve_window(
     chat: &ChatState,
     upstream: &Upstream,
     client: Client<'_>,
     model: &str,
     overflow: Option<&Overflow>,
-) -> u64 {
+    asked: Option<u64>,
+) -> (u64, bool) {
     if let Some(of) = overflow {
         chat.learn_window(model, of);
+    }
+    if let Some(n) = asked {
+        return (n, false);
     }
     let discovery = Discovery {
         upstream,
@@ -369,10 +395,39 @@ async fn resolve_window(
         credential_query: client.query,
         timeout: DISCOVERY_TIMEOUT,
     };
-    chat.windows
+    let r = chat
+        .windows
         .resolve(&chat.upstream_label, model, &discovery)
-        .await
-        .tokens
+        .await;
+    (r.tokens, r.source == WindowSource::Loading)
+}
+
+/// Counts the truncations the conversation found since the last request
+/// and warns of them, once per conversation (content-free).
+fn report_truncations(
+    chat: &ChatState,
+    conv: &mut Conversation,
+    api: &'static str,
+    key: SessionKey,
+    window: u64,
+) {
+    let found = std::mem::take(&mut conv.unreported);
+    for t in found {
+        chat.metrics.chat.truncation(api);
+        if !conv.truncation_noted {
+            conv.truncation_noted = true;
+            tracing::warn!(
+                session = %key,
+                api,
+                estimated_prompt = t.estimated,
+                counted_prompt = t.counted,
+                window,
+                shrank = matches!(t.cut, Cut::Shrank { .. }),
+                "the upstream cut a prompt over its window silently: its count is not calibrated on, \
+                 and the conversation is compacted before its next request (warned once per conversation)"
+            );
+        }
+    }
 }
 
 /// Step 1: substitutes the longest recorded compaction of this history.

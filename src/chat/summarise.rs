@@ -133,6 +133,9 @@ pub(crate) struct HttpSummariser<'a> {
     context: Option<InContext<'a>>,
     /// Calls asked after the conversation.
     in_context_calls: AtomicU64,
+    /// Ollama: the conversation's `options.num_ctx`, sent again, so the
+    /// summary call does not make Ollama load the model at another size.
+    num_ctx: Option<u64>,
 }
 
 /// Per (summary target, model): whether the firmer-length retry of a
@@ -222,7 +225,15 @@ impl<'a> HttpSummariser<'a> {
             credential_query: None,
             context: None,
             in_context_calls: AtomicU64::new(0),
+            num_ctx: None,
         }
+    }
+
+    /// On Ollama's chat: the window the conversation's requests load the
+    /// model with (`options.num_ctx`), asked with the summary too.
+    pub(crate) fn loading(mut self, num_ctx: Option<u64>) -> Self {
+        self.num_ctx = num_ctx;
+        self
     }
 
     /// Asks summaries after `context` when a request carries an in-context
@@ -301,7 +312,7 @@ impl<'a> HttpSummariser<'a> {
     fn body(&self, req: &SummaryRequest) -> Value {
         let model = req.model.as_deref().unwrap_or(&self.main_model);
         let mut body = match self.api {
-            Api::Chat | Api::Messages => json!({
+            Api::Chat | Api::Messages | Api::Ollama => json!({
                 "model": model,
                 "messages": [{"role": "user", "content": req.prompt}],
                 "stream": false,
@@ -314,9 +325,11 @@ impl<'a> HttpSummariser<'a> {
             }),
         };
         let max_tokens = self.reply_cap(req);
+        if self.api == Api::Ollama {
+            return self.ollama_options(body, max_tokens, req.temperature);
+        }
         let max_key = match self.api {
-            Api::Chat => "max_tokens",
-            Api::Messages => "max_tokens",
+            Api::Chat | Api::Messages | Api::Ollama => "max_tokens",
             Api::Responses => "max_output_tokens",
         };
         let max_tokens = match self.api {
@@ -328,6 +341,25 @@ impl<'a> HttpSummariser<'a> {
         }
         if let Some(t) = req.temperature {
             body["temperature"] = json!(t);
+        }
+        body
+    }
+
+    /// Ollama takes the reply cap and temperature in `options`, with the
+    /// conversation's `num_ctx`.
+    fn ollama_options(&self, mut body: Value, cap: Option<u32>, temperature: Option<f32>) -> Value {
+        let mut options = serde_json::Map::new();
+        if let Some(n) = self.num_ctx {
+            options.insert("num_ctx".to_owned(), json!(n));
+        }
+        if let Some(m) = cap {
+            options.insert("num_predict".to_owned(), json!(m));
+        }
+        if let Some(t) = temperature {
+            options.insert("temperature".to_owned(), json!(t));
+        }
+        if !options.is_empty() {
+            body["options"] = Value::Object(options);
         }
         body
     }
@@ -349,6 +381,7 @@ impl<'a> HttpSummariser<'a> {
                     Api::Chat => "/v1/chat/completions",
                     Api::Messages => "/v1/messages",
                     Api::Responses => "/v1/responses",
+                    Api::Ollama => "/api/chat",
                 },
                 self.credential_query.as_deref(),
                 self.headers.clone(),
@@ -381,6 +414,7 @@ impl<'a> HttpSummariser<'a> {
             Api::Chat => parse_reply(&body),
             Api::Messages => parse_messages_reply(&body),
             Api::Responses => parse_responses_reply(&body),
+            Api::Ollama => parse_ollama_reply(&body),
         }
     }
 }
@@ -611,6 +645,31 @@ pub(crate) fn parse_messages_reply(body: &[u8]) -> Result<SummaryReply, SummaryE
         finish_reason: finish_reason.map(str::to_owned),
         refusal: None,
         reasoning: (!thinking.is_empty()).then(|| thinking.concat()),
+    })
+}
+
+/// An Ollama `/api/chat` reply as a [`SummaryReply`]: `message.content`,
+/// `done_reason: "length"` for a reply cut at `num_predict`.
+pub(crate) fn parse_ollama_reply(body: &[u8]) -> Result<SummaryReply, SummaryError> {
+    let v: Value = serde_json::from_slice(body)
+        .map_err(|e| decode_error(&format!("summary response is not JSON: {e}")))?;
+    let message = v
+        .get("message")
+        .filter(|m| m.is_object())
+        .ok_or_else(|| decode_error("summary response has no message"))?;
+    let finish_reason = match v.get("done_reason").and_then(Value::as_str) {
+        Some("length") => "length",
+        _ => "stop",
+    };
+    Ok(SummaryReply {
+        content: message.get("content").cloned(),
+        finish_reason: Some(finish_reason.to_owned()),
+        refusal: None,
+        reasoning: message
+            .get("thinking")
+            .and_then(Value::as_str)
+            .filter(|s| !s.is_empty())
+            .map(str::to_owned),
     })
 }
 

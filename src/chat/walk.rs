@@ -41,6 +41,7 @@ const MAX_ERROR_PEEK: usize = 256 << 10;
 pub(crate) fn error_shape(api: Api) -> ErrorShape {
     match api {
         Api::Messages => ErrorShape::Anthropic,
+        Api::Ollama => ErrorShape::Ollama,
         Api::Chat | Api::Responses => ErrorShape::OpenAi,
     }
 }

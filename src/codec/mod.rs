@@ -7,6 +7,8 @@
 //! - [`responses`]: `POST /v1/responses` without server-side state
 //!   (`instructions`, `input` items, `function_call` / `function_call_output`
 //!   pairs).
+//! - [`ollama`]: Ollama's `POST /api/chat` (`images`, `thinking`, tool
+//!   calls with object arguments and no ids).
 //!
 //! Byte preservation: decoding remembers which wire messages each engine
 //! message came from ([`WireMap`]). Encoding walks what is to be sent and
@@ -19,6 +21,7 @@
 
 pub(crate) mod anthropic;
 mod memo;
+pub(crate) mod ollama;
 pub(crate) mod responses;
 mod tools;
 
@@ -42,6 +45,8 @@ pub enum Api {
     Messages,
     /// OpenAI `POST /v1/responses`.
     Responses,
+    /// Ollama `POST /api/chat`.
+    Ollama,
 }
 
 impl Api {
@@ -51,13 +56,14 @@ impl Api {
             Api::Chat => "chat",
             Api::Messages => "messages",
             Api::Responses => "responses",
+            Api::Ollama => "ollama",
         }
     }
 
     /// The body member holding the conversation.
     fn list_key(self) -> &'static str {
         match self {
-            Api::Chat | Api::Messages => "messages",
+            Api::Chat | Api::Messages | Api::Ollama => "messages",
             Api::Responses => "input",
         }
     }
@@ -65,7 +71,7 @@ impl Api {
     /// The body member holding the system prompt, outside the list.
     fn system_key(self) -> Option<&'static str> {
         match self {
-            Api::Chat => None,
+            Api::Chat | Api::Ollama => None,
             Api::Messages => Some("system"),
             Api::Responses => Some("instructions"),
         }
@@ -545,6 +551,7 @@ impl ApiRequest {
             Api::Chat => (wire, WireMap::default(), None),
             Api::Messages => anthropic::decode(&creq, wire, map)?,
             Api::Responses => responses::decode(&creq, wire, map)?,
+            Api::Ollama => ollama::decode(&creq, wire, map)?,
         };
         // Hashed once here for the session key's opening memo and the
         // conversation's chain cache, which both match messages by it; a
@@ -627,7 +634,8 @@ impl ApiRequest {
     pub(crate) fn chat_tools(&self) -> Option<std::borrow::Cow<'_, RawValue>> {
         let raw = self.get_raw("tools")?;
         match self.api {
-            Api::Chat => Some(std::borrow::Cow::Borrowed(raw)),
+            // Ollama's tools are chat completions' own.
+            Api::Chat | Api::Ollama => Some(std::borrow::Cow::Borrowed(raw)),
             api => tools::chat_tools(api, raw).map(std::borrow::Cow::Owned),
         }
     }
@@ -637,20 +645,54 @@ impl ApiRequest {
         self.creq.model()
     }
 
-    /// `stream == true`.
+    /// Whether the reply streams: `stream == true`, or on Ollama's chat,
+    /// where streaming is the default, anything but `stream == false`.
     pub(crate) fn stream(&self) -> bool {
-        self.creq.stream()
+        match self.api {
+            Api::Ollama => self
+                .get_raw("stream")
+                .is_none_or(|r| r.get().trim() != "false"),
+            _ => self.creq.stream(),
+        }
     }
 
-    /// The output reservation in this API's own field.
+    /// The output reservation in this API's own field (Ollama:
+    /// `options.num_predict`, when it is a positive count).
     pub(crate) fn max_output_tokens(&self) -> Option<u64> {
         let key = match self.api {
             Api::Chat => return self.creq.max_output_tokens(),
+            Api::Ollama => return self.option("num_predict"),
             Api::Messages => "max_tokens",
             Api::Responses => "max_output_tokens",
         };
         self.get_raw(key)
             .and_then(|r| serde_json::from_str::<u64>(r.get()).ok())
+    }
+
+    /// The context window the request itself sets: Ollama's
+    /// `options.num_ctx`, which Ollama loads the model with (its
+    /// OpenAI-compatible routes ignore it).
+    pub(crate) fn requested_window(&self) -> Option<u64> {
+        match self.api {
+            Api::Ollama => self.option("num_ctx"),
+            _ => None,
+        }
+    }
+
+    /// A positive count in Ollama's `options`.
+    fn option(&self, key: &str) -> Option<u64> {
+        #[derive(serde::Deserialize)]
+        struct Options {
+            num_ctx: Option<f64>,
+            num_predict: Option<f64>,
+        }
+        let o: Options = serde_json::from_str(self.get_raw("options")?.get()).ok()?;
+        let n = match key {
+            "num_ctx" => o.num_ctx,
+            _ => o.num_predict,
+        };
+        // -1 (no limit) and -2 (fill the context) reserve nothing certain.
+        n.filter(|n| *n >= 1.0 && n.is_finite()).map(|n| n as u64)
     }
 
     /// A session id the body carries: `session_id` (chat), Claude Code's
@@ -659,14 +701,14 @@ impl ApiRequest {
         match self.api {
             Api::Chat => self.creq.session_id(),
             Api::Messages => anthropic::metadata_session(self.get_raw("metadata")?),
-            Api::Responses => None,
+            Api::Responses | Api::Ollama => None,
         }
     }
 
     /// Body `prompt_cache_key` (chat and Responses).
     pub(crate) fn prompt_cache_key(&self) -> Option<String> {
         match self.api {
-            Api::Messages => None,
+            Api::Messages | Api::Ollama => None,
             _ => self.creq.prompt_cache_key(),
         }
     }
@@ -688,6 +730,11 @@ impl ApiRequest {
             }
             Api::Messages => anthropic::encode(&self.map, &outgoing),
             Api::Responses => responses::encode(&self.map, &outgoing),
+            Api::Ollama => {
+                let wire = ollama::encode(&self.map, &outgoing);
+                self.creq.with_messages(wire);
+                return;
+            }
         };
         if let (Some(raw), Some(key)) = (system, self.api.system_key()) {
             self.creq.set_member(key, raw);

@@ -51,7 +51,7 @@ fn push_tool(api: Api, tool: Value, out: &mut Vec<Value>) {
     };
     let schema_key = match api {
         Api::Messages => "input_schema",
-        Api::Chat | Api::Responses => "parameters",
+        Api::Chat | Api::Responses | Api::Ollama => "parameters",
     };
     let parameters = match o.remove(schema_key) {
         Some(p @ Value::Object(_)) => p,

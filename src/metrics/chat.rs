@@ -36,6 +36,8 @@ pub mod names {
     pub(crate) const UNMAPPED_TOTAL: &str = "compactor_unmapped_requests_total";
     /// Conversation bodies parsed and decoded, by where the work ran.
     pub(crate) const DECODES_TOTAL: &str = "compactor_request_decodes_total";
+    /// Replies whose prompt the upstream cut silently, by API.
+    pub(crate) const TRUNCATIONS_TOTAL: &str = "compactor_truncations_total";
 }
 
 /// Where a request body was parsed and decoded.
@@ -75,6 +77,7 @@ pub(crate) struct ChatMetrics {
     /// Time compaction turns waited for a pre-compaction.
     pub(crate) precompaction_wait: Histogram,
     unmapped: Mutex<BTreeMap<UnmappedKey, u64>>,
+    truncations: Mutex<BTreeMap<&'static str, u64>>,
 }
 
 impl Default for ChatMetrics {
@@ -90,6 +93,7 @@ impl Default for ChatMetrics {
             precompactions: Mutex::default(),
             precompaction_wait: Histogram::new(UPSTREAM_BUCKETS),
             unmapped: Mutex::default(),
+            truncations: Mutex::default(),
         }
     }
 }
@@ -127,6 +131,11 @@ impl ChatMetrics {
     /// could not map it.
     pub(crate) fn unmapped(&self, key: UnmappedKey) {
         *crate::sync::lock(&self.unmapped).entry(key).or_default() += 1;
+    }
+
+    /// One reply whose prompt the upstream truncated silently, by API.
+    pub(crate) fn truncation(&self, api: &'static str) {
+        bump(&self.truncations, api);
     }
 
     /// One overflow retry.
@@ -211,6 +220,15 @@ impl ChatMetrics {
             let _ = writeln!(out, "{name}{{event=\"{k}\"}} {v}");
         }
         self.render_unmapped(&mut out);
+        let name = names::TRUNCATIONS_TOTAL;
+        let _ = writeln!(
+            out,
+            "# HELP {name} Replies whose prompt the upstream truncated silently, by API."
+        );
+        let _ = writeln!(out, "# TYPE {name} counter");
+        for (k, v) in read(&self.truncations) {
+            let _ = writeln!(out, "{name}{{api=\"{k}\"}} {v}");
+        }
         for (name, help, v) in [
             (
                 names::TOKENS_SAVED_TOTAL,

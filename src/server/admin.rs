@@ -226,6 +226,7 @@ fn row(key: &SessionKey, conv: &mut Conversation) -> Map<String, Value> {
         "fallback_compactions": s.fallback_compactions,
         "summary_calls": s.summary_calls,
         "overflow_retries": s.overflow_retries,
+        "truncations": s.truncations,
         "aborted": s.aborted,
         "tokens_saved": real(s.tokens_saved),
     });

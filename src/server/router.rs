@@ -28,6 +28,9 @@ pub const CHAT_COMPLETIONS_PATH: &str = "/v1/chat/completions";
 pub const MESSAGES_PATH: &str = "/v1/messages";
 /// OpenAI Responses, intercepted for compaction.
 pub const RESPONSES_PATH: &str = "/v1/responses";
+/// Ollama's native chat, intercepted for compaction (the rest of `/api/`
+/// is forwarded untouched).
+pub const OLLAMA_CHAT_PATH: &str = "/api/chat";
 /// Prefix of compactor's own endpoints (never forwarded).
 pub const ADMIN_PREFIX: &str = "/_compactor/";
 
@@ -52,6 +55,8 @@ pub enum Route {
     Messages,
     /// `POST /v1/responses`.
     Responses,
+    /// `POST /api/chat` (Ollama).
+    Ollama,
     /// Everything else: forwarded untouched.
     Passthrough,
 }
@@ -76,6 +81,7 @@ impl Route {
             CHAT_COMPLETIONS_PATH => Route::Chat,
             MESSAGES_PATH => Route::Messages,
             RESPONSES_PATH => Route::Responses,
+            OLLAMA_CHAT_PATH => Route::Ollama,
             _ => Route::Passthrough,
         }
     }
@@ -86,6 +92,7 @@ impl Route {
             Route::Chat => Some(Api::Chat),
             Route::Messages => Some(Api::Messages),
             Route::Responses => Some(Api::Responses),
+            Route::Ollama => Some(Api::Ollama),
             _ => None,
         }
     }
@@ -102,6 +109,7 @@ impl Route {
             Route::Chat => "chat",
             Route::Messages => "messages",
             Route::Responses => "responses",
+            Route::Ollama => "ollama",
             Route::Passthrough => "passthrough",
         }
     }
@@ -161,7 +169,7 @@ where
             "invalid_request_error",
             "not_found",
         ),
-        Route::Chat | Route::Messages | Route::Responses | Route::Passthrough => {
+        Route::Chat | Route::Messages | Route::Responses | Route::Ollama | Route::Passthrough => {
             match (limit_request(&state, req, &stats), route.api()) {
                 (Err(e), api) => upstream.error_reply_in(
                     api.map(crate::chat::walk::error_shape).unwrap_or_default(),
@@ -331,6 +339,7 @@ mod tests {
             Route::Chat,
             Route::Messages,
             Route::Responses,
+            Route::Ollama,
             Route::Passthrough,
         ];
         for r in every {
@@ -345,6 +354,7 @@ mod tests {
                 | Route::Chat
                 | Route::Messages
                 | Route::Responses
+                | Route::Ollama
                 | Route::Passthrough => {}
             }
             let l = r.label();
@@ -394,6 +404,12 @@ mod tests {
             Route::Passthrough
         );
         assert_eq!(Route::of(&Method::POST, "/v1/responses"), Route::Responses);
+        assert_eq!(Route::of(&Method::POST, "/api/chat"), Route::Ollama);
+        // The rest of Ollama's API is forwarded untouched.
+        for path in ["/api/generate", "/api/embed", "/api/pull", "/api/chat/x"] {
+            assert_eq!(Route::of(&Method::POST, path), Route::Passthrough);
+        }
+        assert_eq!(Route::of(&Method::GET, "/api/chat"), Route::Passthrough);
         assert_eq!(
             Route::of(&Method::GET, "/v1/responses/resp_1"),
             Route::Passthrough

@@ -55,6 +55,26 @@ impl SentRequest {
     }
 }
 
+/// How a reply's prompt count shows that the upstream cut the prompt it
+/// was sent, silently (Ollama drops the oldest messages of a prompt over
+/// its loaded window and answers 200; LM Studio's overflow policies do the
+/// same). Such a count is no calibration point: taken as one, it teaches
+/// that tokens got cheaper, and every truncation makes the next estimate
+/// smaller still.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Cut {
+    /// compactor's estimate of what it sent is over the window, and the
+    /// upstream counted no more than the window.
+    OverWindow,
+    /// The request extends the last one counted, yet counted fewer tokens:
+    /// the upstream holds at most `held`, whatever window compactor
+    /// believed.
+    Shrank {
+        /// The last count before the cut: what the upstream did hold.
+        held: u64,
+    },
+}
+
 /// How an estimate was made.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Basis {
@@ -341,6 +361,33 @@ impl Calibration {
         }
     }
 
+    /// Whether `real_prompt`, reported for `sent`, is a count of a prompt
+    /// the upstream cut (judged before it is learned from, against
+    /// `window` and the last count). A shrink within a fiftieth (at least
+    /// 32 tokens) is a template's or tokenizer's noise, not a cut.
+    pub(crate) fn cut(
+        &self,
+        sent: &SentRequest,
+        real_prompt: u64,
+        window: Option<u64>,
+    ) -> Option<Cut> {
+        if real_prompt == 0 {
+            return None;
+        }
+        if window.is_some_and(|w| w > 0 && sent.estimated_tokens > w && real_prompt <= w) {
+            return Some(Cut::OverWindow);
+        }
+        let obs = self.last.as_ref()?;
+        let before = &obs.sent.hashes;
+        let extends = !before.is_empty()
+            && sent.hashes.len() > before.len()
+            && common_prefix_len(before, &sent.hashes) == before.len();
+        let slack = (obs.real_prompt / 50).max(32);
+        (extends && real_prompt + slack < obs.real_prompt).then_some(Cut::Shrank {
+            held: obs.real_prompt,
+        })
+    }
+
     /// Records the real `prompt_tokens` reported for `sent`. Readings of 0
     /// are ignored (some upstreams report 0 on a cache hit).
     pub fn observe(&mut self, sent: Arc<SentRequest>, real_prompt: u64) {
@@ -486,6 +533,35 @@ mod tests {
         let e3 = c.estimate(&t3, message_hashes(&t3), 0, len_est);
         assert_eq!(e3.basis, Basis::Ratio);
         assert_eq!(e3.tokens, 36); // 1.5 × 24
+    }
+
+    #[test]
+    fn a_count_the_upstream_cut_is_told_from_one_it_did_not() {
+        let mut c = Calibration::new();
+        let long = "x".repeat(4_000);
+        let t1 = msgs(&[&long, &long]); // 8,000 rough
+        let e1 = c.estimate(&t1, message_hashes(&t1), 0, len_est);
+        // Over a 4,096 window by the estimate, counted within it: cut.
+        assert_eq!(c.cut(&e1.sent, 4_000, Some(4_096)), Some(Cut::OverWindow));
+        // Counted over the window, or a window the estimate fits: no cut.
+        assert_eq!(c.cut(&e1.sent, 8_100, Some(4_096)), None);
+        assert_eq!(c.cut(&e1.sent, 4_000, Some(16_384)), None);
+        assert_eq!(c.cut(&e1.sent, 0, Some(4_096)), None);
+        c.observe(e1.sent.clone(), 8_000);
+        // The next request extends it and counts far fewer: cut, whatever
+        // the window; a few tokens fewer is a template's noise.
+        let t2 = msgs(&[&long, &long, "more"]);
+        let e2 = c.estimate(&t2, message_hashes(&t2), 0, len_est);
+        assert_eq!(
+            c.cut(&e2.sent, 4_000, None),
+            Some(Cut::Shrank { held: 8_000 })
+        );
+        assert_eq!(c.cut(&e2.sent, 7_990, None), None);
+        // A request that does not extend it (a compacted one) may count
+        // fewer.
+        let t3 = msgs(&["summary", "more"]);
+        let e3 = c.estimate(&t3, message_hashes(&t3), 0, len_est);
+        assert_eq!(c.cut(&e3.sent, 10, None), None);
     }
 
     /// qwen-code and aider rewrite their previous user message every turn

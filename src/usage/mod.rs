@@ -99,21 +99,24 @@ pub enum BodyKind {
     Sse,
     /// A single JSON document (non-streaming response or error body).
     Json,
+    /// `application/x-ndjson`: one JSON object a line (Ollama's streams,
+    /// the last object with `done: true` and the counts).
+    Ndjson,
 }
 
 impl BodyKind {
-    /// From a `Content-Type` value; anything not an event stream is treated
-    /// as JSON (parse failures are harmless).
+    /// From a `Content-Type` value; anything not an event stream or NDJSON
+    /// is treated as JSON (parse failures are harmless).
     pub fn from_content_type(ct: Option<&str>) -> Self {
+        let starts = |v: &str, p: &str| {
+            v.trim_start()
+                .as_bytes()
+                .get(..p.len())
+                .is_some_and(|h| h.eq_ignore_ascii_case(p.as_bytes()))
+        };
         match ct {
-            Some(v)
-                if v.trim_start()
-                    .as_bytes()
-                    .get(..17)
-                    .is_some_and(|p| p.eq_ignore_ascii_case(b"text/event-stream")) =>
-            {
-                Self::Sse
-            }
+            Some(v) if starts(v, "text/event-stream") => Self::Sse,
+            Some(v) if starts(v, "application/x-ndjson") => Self::Ndjson,
             _ => Self::Json,
         }
     }
@@ -139,12 +142,15 @@ pub(crate) const MAX_JSON_BYTES: usize = 8 << 20;
 pub struct UsageExtractor {
     kind: BodyKind,
     scanner: SseScanner,
+    /// The JSON body, or the NDJSON line not ended yet.
     json: Vec<u8>,
     json_oversized: bool,
     report: UsageReport,
     start: StreamStart,
     bytes: u64,
     parse_failures: u64,
+    /// NDJSON lines skipped for their size.
+    lines_skipped: u64,
 }
 
 #[derive(Deserialize, Default)]
@@ -165,6 +171,11 @@ struct ChunkLite<'a> {
     /// Responses `response.completed` carries its usage in `response`.
     #[serde(default, borrow)]
     response: Option<&'a RawValue>,
+    /// Ollama's `/api/chat` and `/api/generate` count at the top level.
+    #[serde(default, borrow)]
+    prompt_eval_count: Option<&'a RawValue>,
+    #[serde(default, borrow)]
+    eval_count: Option<&'a RawValue>,
 }
 
 impl<'a> ChunkLite<'a> {
@@ -194,6 +205,8 @@ impl<'a> ChunkLite<'a> {
                 "type" => (4, &mut c.kind),
                 "message" => (5, &mut c.message),
                 "response" => (6, &mut c.response),
+                "prompt_eval_count" => (7, &mut c.prompt_eval_count),
+                "eval_count" => (8, &mut c.eval_count),
                 _ => return Some(()),
             };
             first_time(&mut seen, bit)?;
@@ -481,6 +494,9 @@ fn choices_have_content(raw: &RawValue) -> bool {
 /// Finds `"usage"`.
 pub(crate) static USAGE_KEY: LazyLock<Finder<'static>> =
     LazyLock::new(|| Finder::new(b"\"usage\""));
+/// Finds `"prompt_eval_count"` (Ollama's counts).
+static PROMPT_EVAL_KEY: LazyLock<Finder<'static>> =
+    LazyLock::new(|| Finder::new(b"\"prompt_eval_count\""));
 /// Finds `"timings"`.
 static TIMINGS_KEY: LazyLock<Finder<'static>> = LazyLock::new(|| Finder::new(b"\"timings\""));
 
@@ -595,6 +611,7 @@ impl UsageExtractor {
             start: StreamStart::Undecided,
             bytes: 0,
             parse_failures: 0,
+            lines_skipped: 0,
         }
     }
 
@@ -639,6 +656,7 @@ impl UsageExtractor {
                     !undecided_only || *start == StreamStart::Undecided
                 });
             }
+            BodyKind::Ndjson => self.feed_lines(data),
             BodyKind::Json => {
                 if self.json_oversized {
                     return;
@@ -653,10 +671,64 @@ impl UsageExtractor {
         }
     }
 
+    /// NDJSON: each whole line read as one chunk; a line longer than an
+    /// SSE event may be is skipped (counted), not buffered.
+    fn feed_lines(&mut self, mut data: &[u8]) {
+        while let Some(nl) = memchr::memchr(b'\n', data) {
+            let (line, rest) = (&data[..nl], &data[nl + 1..]);
+            if self.json.is_empty() && !self.json_oversized {
+                self.on_line(line);
+            } else {
+                self.buffer_line(line);
+                let whole = std::mem::take(&mut self.json);
+                if !std::mem::take(&mut self.json_oversized) {
+                    self.on_line(&whole);
+                }
+                self.json = whole;
+                self.json.clear();
+            }
+            data = rest;
+        }
+        self.buffer_line(data);
+    }
+
+    fn buffer_line(&mut self, part: &[u8]) {
+        if self.json_oversized {
+            return;
+        }
+        if self.json.len() + part.len() > sse::MAX_EVENT_BYTES {
+            self.json_oversized = true;
+            self.lines_skipped += 1;
+            self.json = Vec::new();
+        } else {
+            self.json.extend_from_slice(part);
+        }
+    }
+
+    /// One NDJSON line: once the start is decided, only a line that counts
+    /// (`prompt_eval_count`, Ollama's last) is parsed.
+    fn on_line(&mut self, line: &[u8]) {
+        let line = line.trim_ascii();
+        let undecided = self.start == StreamStart::Undecided;
+        if line.is_empty() || (!undecided && PROMPT_EVAL_KEY.find(line).is_none()) {
+            return;
+        }
+        match ChunkLite::read(line) {
+            Ok(c) => apply_chunk(&c, line, &mut self.report, &mut self.start, true),
+            Err(_) => self.parse_failures += 1,
+        }
+    }
+
     /// Ends the body: parses a JSON body, or flushes an SSE event left
-    /// without its blank line.
+    /// without its blank line (an NDJSON line without its line feed).
     pub fn finish(&mut self) {
         match self.kind {
+            BodyKind::Ndjson => {
+                let last = std::mem::take(&mut self.json);
+                if !self.json_oversized {
+                    self.on_line(&last);
+                }
+            }
             BodyKind::Sse => {
                 let Self {
                     scanner,
@@ -702,7 +774,11 @@ impl UsageExtractor {
 
     /// Events skipped for exceeding the size cap.
     pub(crate) fn oversized(&self) -> u64 {
-        self.scanner.skipped() + u64::from(self.json_oversized)
+        let json = match self.kind {
+            BodyKind::Ndjson => self.lines_skipped,
+            _ => u64::from(self.json_oversized),
+        };
+        self.scanner.skipped() + json
     }
 }
 
@@ -749,6 +825,14 @@ fn apply_chunk(
     };
     if let Some(u) = c.usage.or_else(nested).and_then(parse_usage) {
         report.usage = Some(merge_usage(report.usage, u));
+    } else if let Some(prompt) = c.prompt_eval_count.and_then(|r| json_count(r.get())) {
+        let completion = c.eval_count.and_then(|r| json_count(r.get()));
+        report.usage = Some(Usage {
+            prompt_tokens: Some(prompt),
+            completion_tokens: completion,
+            total_tokens: completion.map(|e| prompt.saturating_add(e)),
+            cached_tokens: None,
+        });
     }
     if let Some(t) = c.timings.and_then(parse_timings) {
         report.timings = Some(t);

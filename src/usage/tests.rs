@@ -880,3 +880,52 @@ fn the_usage_skim_reads_the_common_shapes_itself() {
         assert!(skimmed.is_some());
     }
 }
+
+/// An Ollama `/api/chat` stream: NDJSON lines, the counts on the last.
+const OLLAMA_STREAM: &[u8] = b"{\"model\":\"llama3.2\",\"created_at\":\"2026-12-07T10:00:00Z\",\"message\":{\"role\":\"assistant\",\"content\":\"The\"},\"done\":false}\n\
+{\"model\":\"llama3.2\",\"created_at\":\"2026-12-07T10:00:00Z\",\"message\":{\"role\":\"assistant\",\"content\":\" sky\"},\"done\":false}\n\
+{\"model\":\"llama3.2\",\"created_at\":\"2026-12-07T10:00:01Z\",\"message\":{\"role\":\"assistant\",\"content\":\"\"},\"done_reason\":\"stop\",\"done\":true,\"total_duration\":4883583458,\"load_duration\":1334875,\"prompt_eval_count\":26,\"prompt_eval_duration\":342546000,\"eval_count\":282,\"eval_duration\":4535599000}\n";
+
+#[test]
+fn ollama_ndjson_counts_from_the_last_line_however_it_is_split() {
+    assert_eq!(
+        BodyKind::from_content_type(Some("application/x-ndjson")),
+        BodyKind::Ndjson
+    );
+    for n in [1, 7, 64, OLLAMA_STREAM.len()] {
+        let e = extract(BodyKind::Ndjson, &split_every(OLLAMA_STREAM, n));
+        let u = e.report().usage.unwrap();
+        assert_eq!(u.prompt_tokens, Some(26), "split {n}");
+        assert_eq!(u.completion_tokens, Some(282));
+        assert_eq!(u.total_tokens, Some(308));
+        assert_eq!(*e.start(), StreamStart::Content);
+        assert_eq!(e.parse_failures(), 0);
+    }
+    // The last line without its line feed still counts.
+    let cut = &OLLAMA_STREAM[..OLLAMA_STREAM.len() - 1];
+    let e = extract(BodyKind::Ndjson, &[cut]);
+    assert_eq!(e.report().prompt_tokens(), Some((26, PromptSource::Usage)));
+}
+
+#[test]
+fn ollama_json_reply_and_error_line() {
+    let body = br#"{"model":"llama3.2","message":{"role":"assistant","content":"Hi"},"done":true,"prompt_eval_count":169,"eval_count":18}"#;
+    let e = extract(BodyKind::Json, &[body]);
+    assert_eq!(e.report().prompt_tokens(), Some((169, PromptSource::Usage)));
+    // An error before any content is the stream's start.
+    let e = extract(BodyKind::Ndjson, &[b"{\"error\":\"model is loading\"}\n"]);
+    assert!(matches!(e.start(), StreamStart::Error(_)));
+    assert_eq!(e.report().usage, None);
+}
+
+#[test]
+fn an_ndjson_line_over_the_cap_is_skipped_not_buffered() {
+    let mut big = b"{\"message\":{\"content\":\"".to_vec();
+    big.extend(std::iter::repeat_n(b'x', sse::MAX_EVENT_BYTES + 10));
+    big.extend_from_slice(b"\"},\"done\":false}\n");
+    big.extend_from_slice(OLLAMA_STREAM);
+    let e = extract(BodyKind::Ndjson, &split_every(&big, 4096));
+    assert_eq!(e.oversized(), 1);
+    // The lines after it are read as before.
+    assert_eq!(e.report().prompt_tokens(), Some((26, PromptSource::Usage)));
+}

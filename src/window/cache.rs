@@ -5,7 +5,9 @@
 //! a discovered upper bound such as OpenRouter's model-level
 //! `context_length`, and follows a llama.cpp restart with another `-c`) →
 //! discovery (run once on first need; a miss is remembered for a
-//! negative-cache TTL) → the configured default.
+//! negative-cache TTL, except a model Ollama has not loaded yet, asked
+//! again once it has answered: [`WindowCache::answered`]) → the configured
+//! default.
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -15,7 +17,7 @@ use std::time::Duration;
 use dashmap::DashMap;
 use tokio::time::Instant;
 
-use super::discover::{discover, Discovered, DiscoverySource, UpstreamGet};
+use super::discover::{discover, Discovered, DiscoverySource, Miss, UpstreamGet};
 use super::overflow::{Overflow, OverflowKind};
 
 /// Where a resolved window came from.
@@ -29,6 +31,9 @@ pub(crate) enum WindowSource {
     Discovered(DiscoverySource),
     /// The configured default.
     Default,
+    /// The configured default while Ollama loads the model: its window is
+    /// asked for again once the model has answered.
+    Loading,
 }
 
 /// A resolved window.
@@ -69,7 +74,17 @@ impl Default for WindowConfig {
 enum Discovery {
     NotTried,
     Found(Discovered),
-    Missing { retry_at: Instant },
+    Missing {
+        retry_at: Instant,
+    },
+    /// Ollama has not loaded the model: asked again after its first answer.
+    NotLoaded {
+        retry_at: Instant,
+    },
+    /// The model answered since it was found not loaded: probe once more
+    /// (a second miss waits for the TTL, so a name `/api/ps` never lists
+    /// is not probed on every request).
+    Recheck,
 }
 
 #[derive(Debug)]
@@ -171,16 +186,17 @@ impl WindowCache {
         let mut state = slot.discovery.lock().await;
         let now = Instant::now();
         let run = match *state {
-            Discovery::NotTried => true,
-            Discovery::Missing { retry_at } => now >= retry_at,
+            Discovery::NotTried | Discovery::Recheck => true,
+            Discovery::Missing { retry_at } | Discovery::NotLoaded { retry_at } => now >= retry_at,
             Discovery::Found(_) => false,
         };
         if run {
+            let recheck = matches!(*state, Discovery::Recheck);
+            let retry_at = Instant::now() + self.cfg.negative_ttl;
             *state = match discover(up, model).await {
-                Some(d) => Discovery::Found(d),
-                None => Discovery::Missing {
-                    retry_at: Instant::now() + self.cfg.negative_ttl,
-                },
+                Ok(d) => Discovery::Found(d),
+                Err(Miss::NotLoaded) if !recheck => Discovery::NotLoaded { retry_at },
+                Err(_) => Discovery::Missing { retry_at },
             };
         }
         let found = *state;
@@ -193,6 +209,10 @@ impl WindowCache {
             Discovery::Found(d) => Resolved {
                 tokens: d.window,
                 source: WindowSource::Discovered(d.source),
+            },
+            Discovery::NotLoaded { .. } | Discovery::Recheck => Resolved {
+                source: WindowSource::Loading,
+                ..self.default_window()
             },
             _ => self.default_window(),
         }
@@ -220,6 +240,24 @@ impl WindowCache {
                 source: WindowSource::Discovered(d.source),
             },
             _ => self.default_window(),
+        }
+    }
+
+    /// The upstream answered a request for `model`: a model Ollama had not
+    /// loaded is loaded now, at the window its requests will get, so the
+    /// next resolve asks `/api/ps` again instead of using the default until
+    /// the TTL ends. Never waits: a probe running right now decides.
+    pub(crate) fn answered(&self, upstream: &str, model: &str) {
+        let Some(slot) = slot_key(upstream, model, |key| {
+            self.slots.get(key).map(|s| Arc::clone(s.value()))
+        }) else {
+            return;
+        };
+        let state = slot.discovery.try_lock();
+        if let Ok(mut state) = state {
+            if matches!(*state, Discovery::NotLoaded { .. }) {
+                *state = Discovery::Recheck;
+            }
         }
     }
 
@@ -431,5 +469,49 @@ mod tests {
             assert_eq!(t.await.unwrap(), 4096);
         }
         assert_eq!(up.asked(), vec!["/props"]);
+    }
+
+    fn ollama_ps(loaded: &[(&str, u64)]) -> FakeUpstream {
+        let models: Vec<_> = loaded
+            .iter()
+            .map(|(name, n)| json!({"name": name, "model": name, "context_length": n}))
+            .collect();
+        FakeUpstream::with(&[("/api/ps", json!({ "models": models }))])
+    }
+
+    #[tokio::test]
+    async fn a_model_ollama_loads_on_its_first_request_is_asked_again_after_it() {
+        let c = cache(&[]);
+        // The first request: Ollama has nothing loaded.
+        let before = ollama_ps(&[]);
+        let r = c.resolve("u", "llama3.2", &before).await;
+        assert_eq!((r.tokens, r.source), (4000, WindowSource::Loading));
+        // Loaded by that request, but nothing has answered yet: no probe.
+        let after = ollama_ps(&[("llama3.2:latest", 4096)]);
+        assert_eq!(c.resolve("u", "llama3.2", &after).await.tokens, 4000);
+        assert!(after.asked().is_empty());
+        // It answered: the next request asks `/api/ps` once more.
+        c.answered("u", "llama3.2");
+        let r = c.resolve("u", "llama3.2", &after).await;
+        assert_eq!(r.tokens, 4096);
+        assert_eq!(
+            r.source,
+            WindowSource::Discovered(DiscoverySource::OllamaPs)
+        );
+        assert!(after.asked().contains(&"/api/ps".to_owned()));
+    }
+
+    #[tokio::test]
+    async fn a_name_ollama_never_lists_is_rechecked_once_not_per_answer() {
+        let c = cache(&[]);
+        let up = ollama_ps(&[("other:latest", 8192)]);
+        assert_eq!(c.resolve("u", "m", &up).await.tokens, 4000);
+        c.answered("u", "m");
+        assert_eq!(c.resolve("u", "m", &up).await.tokens, 4000);
+        let probes = up.asked().len();
+        // Missed again after an answer: the TTL decides from now on.
+        c.answered("u", "m");
+        assert_eq!(c.resolve("u", "m", &up).await.tokens, 4000);
+        assert_eq!(up.asked().len(), probes);
     }
 }

@@ -13,7 +13,9 @@
 //!    `meta.n_ctx_train` is the training maximum, not the runtime window,
 //!    and is ignored.
 //! 3. Ollama `GET /api/ps`: `context_length` of the loaded model (the
-//!    allocated window, which Ollama silently truncates to).
+//!    allocated window, which Ollama silently truncates to). A model not
+//!    listed is not loaded yet ([`Miss::NotLoaded`]): the window cache asks
+//!    again once the model has answered.
 
 use serde_json::Value;
 
@@ -164,19 +166,36 @@ fn from_ollama_ps(ps: &Value, model: &str) -> Option<Discovered> {
     })
 }
 
-/// Runs the probes for `model`; `None` when no source answers.
-pub(crate) async fn discover(up: &dyn UpstreamGet, model: &str) -> Option<Discovered> {
+/// Why no probe found the window.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Miss {
+    /// No source answered for the model.
+    Unknown,
+    /// Ollama answered `/api/ps` without the model: it is not loaded yet,
+    /// and Ollama loads it on the first request to it, at a window no
+    /// probe can see before then (`/api/show` gives the model's maximum,
+    /// which Ollama does not allocate unless asked).
+    NotLoaded,
+}
+
+/// Runs the probes for `model`.
+pub(crate) async fn discover(up: &dyn UpstreamGet, model: &str) -> Result<Discovered, Miss> {
     if let Some(d) = from_props(up, model).await {
-        return Some(d);
+        return Ok(d);
     }
     for path in ["/v1/models", "/models"] {
         if let Some(d) = get(up, path).await.and_then(|l| from_model_list(&l, model)) {
-            return Some(d);
+            return Ok(d);
         }
     }
-    get(up, "/api/ps")
-        .await
-        .and_then(|ps| from_ollama_ps(&ps, model))
+    let Some(ps) = get(up, "/api/ps").await else {
+        return Err(Miss::Unknown);
+    };
+    match from_ollama_ps(&ps, model) {
+        Some(d) => Ok(d),
+        None if ps.get("models").is_some_and(Value::is_array) => Err(Miss::NotLoaded),
+        None => Err(Miss::Unknown),
+    }
 }
 
 #[cfg(test)]
@@ -276,7 +295,7 @@ pub(crate) mod tests {
     #[tokio::test]
     async fn llamacpp_training_context_is_not_a_window() {
         let up = FakeUpstream::with(&[("/v1/models", llamacpp_models())]);
-        assert_eq!(discover(&up, "x").await, None);
+        assert_eq!(discover(&up, "x").await, Err(Miss::Unknown));
     }
 
     #[tokio::test]
@@ -303,7 +322,7 @@ pub(crate) mod tests {
         );
         assert_eq!(discover(&up, "other").await.unwrap().window, 32768);
         // With several models, an unknown name finds nothing.
-        assert_eq!(discover(&up, "nope").await, None);
+        assert_eq!(discover(&up, "nope").await, Err(Miss::Unknown));
     }
 
     #[tokio::test]
@@ -348,8 +367,8 @@ pub(crate) mod tests {
             }
         );
         assert_eq!(discover(&up, "gemma3:latest").await.unwrap().window, 4096);
-        // Not loaded: nothing known yet.
-        assert_eq!(discover(&up, "qwen3:8b").await, None);
+        // Not loaded: nothing known yet, and said so.
+        assert_eq!(discover(&up, "qwen3:8b").await, Err(Miss::NotLoaded));
     }
 
     #[tokio::test]
@@ -358,11 +377,12 @@ pub(crate) mod tests {
             fail: true,
             ..FakeUpstream::default()
         };
-        assert_eq!(discover(&up, "m").await, None);
+        assert_eq!(discover(&up, "m").await, Err(Miss::Unknown));
         let up = FakeUpstream::with(&[
             ("/props", json!({"error":"nope"})),
             ("/v1/models", json!({"data":"x"})),
+            ("/api/ps", json!({"error":"nope"})),
         ]);
-        assert_eq!(discover(&up, "m").await, None);
+        assert_eq!(discover(&up, "m").await, Err(Miss::Unknown));
     }
 }

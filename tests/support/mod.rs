@@ -14,6 +14,7 @@
 
 pub mod apis;
 pub mod chat;
+pub mod ollama;
 pub mod redis;
 
 use std::collections::HashMap;
