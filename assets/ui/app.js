@@ -209,6 +209,7 @@
     figure(dl, "Summary calls", fmt(v.summary_calls));
     figure(dl, "Tokens saved", fmt(v.tokens_saved));
     figure(dl, "Overflow retries", fmt(v.overflow_retries));
+    figure(dl, "Silent truncations", fmt(v.truncations));
     figure(dl, "Prefix stable", pct(v.prefix_stable_share));
     figure(dl, "Upstream cache hits", fmt(v.cache_hit_turns) + " of " + fmt(v.usage_reports) + " turns");
     figure(dl, "Cached tokens (all turns)", fmt(v.cached_tokens));
