@@ -87,20 +87,22 @@ def deploy_log(turn: int, chars: int = TURN_CHARS) -> str:
     return "\n".join(lines)[:chars]
 
 
-def turn_text(turn: int, turns: int, word: str) -> str:
-    """What the user sends at ``turn`` (0-based)."""
+def turn_text(turn: int, turns: int, word: str, paste_tokens: int = 0) -> str:
+    """What the user sends at ``turn`` (0-based); with ``paste_tokens``, the middle turn pastes a
+    log of that many tokens instead of ~400."""
     if turn == turns - 1:
         return "That was the last run. What is the deploy key?"
     head = f"{fact(word)}\nKeep it for later.\n" if turn == 0 else ""
     ask = (f"Before the next run: what is the weather in {CITIES[turn % len(CITIES)]}?"
            if turn % WEATHER_EVERY == WEATHER_EVERY - 1 else "Is this run healthy?")
-    return f"{head}Here is the deploy log of run {turn + 1}:\n{deploy_log(turn)}\n\n{ask}"
+    chars = paste_tokens * 4 if paste_tokens and turn == turns // 2 else TURN_CHARS
+    return f"{head}Here is the deploy log of run {turn + 1}:\n{deploy_log(turn, chars)}\n\n{ask}"
 
 
-def scenario(turns: int = TURNS, word: str = "cobalt") -> dict:
+def scenario(turns: int = TURNS, word: str = "cobalt", paste_tokens: int = 0) -> dict:
     """The conversation as data (what the JavaScript driver receives too)."""
     return {"model": MODEL, "system": SYSTEM, "tools": TOOLS,
-            "turns": [turn_text(i, turns, word) for i in range(turns)]}
+            "turns": [turn_text(i, turns, word, paste_tokens) for i in range(turns)]}
 
 
 def tool_result(name: str, args: Any) -> str:
@@ -285,7 +287,7 @@ def figures(route: str, stream: bool, up: OllamaUpstream, sent: list[Sent], word
 
 
 def run(route: str, stream: bool, turns: int, word: str, num_ctx: int = DEFAULT_NUM_CTX,
-        binary: Path | None = None, workdir: Path | None = None) -> Row:
+        binary: Path | None = None, workdir: Path | None = None, paste_tokens: int = 0) -> Row:
     up = start_ollama_upstream(num_ctx=num_ctx)
     proc = None
     try:
@@ -293,7 +295,7 @@ def run(route: str, stream: bool, turns: int, word: str, num_ctx: int = DEFAULT_
         if binary is not None:
             proc = start_compactor(binary, up.url, workdir or Path(tempfile.mkdtemp(prefix="ollama-costs-")))
             host = proc.url
-        sent = play(host, scenario(turns, word), stream)
+        sent = play(host, scenario(turns, word, paste_tokens), stream)
         return figures(route, stream, up, sent, word, turns)
     finally:
         if proc is not None:
@@ -322,12 +324,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--turns", type=int, default=TURNS)
     ap.add_argument("--num-ctx", type=int, default=DEFAULT_NUM_CTX)
     ap.add_argument("--word", help="the deploy key (default: a random word)")
+    ap.add_argument("--paste-tokens", type=int, default=0, metavar="N",
+                    help="the middle turn pastes a log of N tokens (a paste over the window: Ollama's token cut)")
     ap.add_argument("--json", type=Path, help="write the rows here")
     args = ap.parse_args(argv)
     word = args.word or random.SystemRandom().choice(WORDS)
     rows = []
     for stream in (False, True):
-        rows.append(run("direct", stream, args.turns, word, args.num_ctx))
+        rows.append(run("direct", stream, args.turns, word, args.num_ctx, paste_tokens=args.paste_tokens))
     if args.through_compactor:
         if not args.through_compactor.is_file():
             print(f"compactor binary not found at {args.through_compactor}", file=sys.stderr)
@@ -335,8 +339,9 @@ def main(argv: list[str] | None = None) -> int:
         for stream in (False, True):
             with tempfile.TemporaryDirectory(prefix="ollama-costs-") as tmp:
                 rows.append(run("compactor", stream, args.turns, word, args.num_ctx,
-                                args.through_compactor.resolve(), Path(tmp)))
-    print(f"{args.turns} turns, num_ctx {args.num_ctx}, deploy key {word!r}, Ollama-like upstream "
+                                args.through_compactor.resolve(), Path(tmp), args.paste_tokens))
+    paste = f", turn {args.turns // 2 + 1} pastes {args.paste_tokens} tokens" if args.paste_tokens else ""
+    print(f"{args.turns} turns, num_ctx {args.num_ctx}{paste}, deploy key {word!r}, Ollama-like upstream "
           f"(tests/e2e/ollama_upstream.py), ollama Python client\n")
     print(HEADER)
     for r in rows:
