@@ -317,3 +317,41 @@ async fn compactors_own_errors_on_api_chat_are_in_ollamas_shape() {
     let v: Value = serde_json::from_slice(&body).unwrap();
     assert!(v["error"].is_string(), "{v}");
 }
+
+#[tokio::test]
+async fn a_count_that_stays_put_while_turns_are_added_is_a_truncation() {
+    // Ollama drops the fewest old messages that make the prompt fit: turn
+    // after turn its count sits just under 4,096 while ~400 tokens were
+    // added. Nothing tells compactor the window.
+    let mock = OllamaMock::start(OllamaSettings {
+        ps: false,
+        ..OllamaSettings::default()
+    })
+    .await;
+    let proxy = start_proxy(&mock.url(), &config("default_context_length = 16384\n")).await;
+    let mut chat = Chat::new(400);
+    let mut cut_at = None;
+    let mut key = String::new();
+    for i in 1..=30 {
+        chat.ask(i);
+        let (headers, reply) = send(&proxy.url(), chat.body("")).await;
+        key = session_of(&headers);
+        chat.answer(&reply);
+        let seen = mock.last();
+        match cut_at {
+            None if seen.dropped > 0 => cut_at = Some(i),
+            None => {}
+            Some(at) => {
+                // The turn after the first cut is compacted, within the window.
+                assert_eq!(i, at + 1);
+                assert_eq!(action(&headers), "compacted");
+                assert_eq!(seen.dropped, 0);
+                break;
+            }
+        }
+    }
+    assert!(cut_at.is_some(), "the mock never truncated");
+    let (_, view) = admin_view(&proxy.url(), TOKEN, &key).await;
+    assert_eq!(view["truncations"], 1, "{view}");
+    assert!(view["window"].as_u64().unwrap() <= 4096, "{view}");
+}

@@ -252,7 +252,7 @@ impl Conversation {
                 let id = super::inspect::sent_id(sent.hashes.len(), sent.hashes.last().copied());
                 self.inspect.usage(id, prompt, usage.cached_tokens);
                 if let Some(c) = self.calibration.cut(&sent, prompt, window) {
-                    if let Cut::Shrank { held: h } = c {
+                    if let Cut::FellShort { held: h } = c {
                         let below = window.is_none_or(|w| h < w);
                         held = held.max(Some(h).filter(|_| below));
                     }

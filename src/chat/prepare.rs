@@ -422,7 +422,7 @@ fn report_truncations(
                 estimated_prompt = t.estimated,
                 counted_prompt = t.counted,
                 window,
-                shrank = matches!(t.cut, Cut::Shrank { .. }),
+                fell_short = matches!(t.cut, Cut::FellShort { .. }),
                 "the upstream cut a prompt over its window silently: its count is not calibrated on, \
                  and the conversation is compacted before its next request (warned once per conversation)"
             );

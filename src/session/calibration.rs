@@ -66,11 +66,14 @@ pub(crate) enum Cut {
     /// compactor's estimate of what it sent is over the window, and the
     /// upstream counted no more than the window.
     OverWindow,
-    /// The request extends the last one counted, yet counted fewer tokens:
-    /// the upstream holds at most `held`, whatever window compactor
-    /// believed.
-    Shrank {
-        /// The last count before the cut: what the upstream did hold.
+    /// The request extends the last one counted, yet the count grew by
+    /// less than half of what the calibrated estimate says was added (or
+    /// fell): the upstream holds at most `held`, whatever window compactor
+    /// believed. Ollama drops the fewest old messages that make a prompt
+    /// fit, so turn after turn its count stays just under its window while
+    /// each turn adds hundreds of tokens.
+    FellShort {
+        /// The most the upstream was seen to hold: the window it has.
         held: u64,
     },
 }
@@ -363,8 +366,10 @@ impl Calibration {
 
     /// Whether `real_prompt`, reported for `sent`, is a count of a prompt
     /// the upstream cut (judged before it is learned from, against
-    /// `window` and the last count). A shrink within a fiftieth (at least
-    /// 32 tokens) is a template's or tokenizer's noise, not a cut.
+    /// `window` and the last count). Falling short within a fiftieth of the
+    /// last count (at least 32 tokens) is a template's or tokenizer's
+    /// noise, not a cut; so is a count that grew by half of the estimate
+    /// of what was added or more (a calibrated estimate is not off by 2×).
     pub(crate) fn cut(
         &self,
         sent: &SentRequest,
@@ -382,9 +387,11 @@ impl Calibration {
         let extends = !before.is_empty()
             && sent.hashes.len() > before.len()
             && common_prefix_len(before, &sent.hashes) == before.len();
+        let added = sent.estimated_tokens.saturating_sub(obs.real_prompt);
         let slack = (obs.real_prompt / 50).max(32);
-        (extends && real_prompt + slack < obs.real_prompt).then_some(Cut::Shrank {
-            held: obs.real_prompt,
+        let short = real_prompt + slack < obs.real_prompt + added / 2;
+        (extends && short).then_some(Cut::FellShort {
+            held: obs.real_prompt.max(real_prompt),
         })
     }
 
@@ -554,9 +561,21 @@ mod tests {
         let e2 = c.estimate(&t2, message_hashes(&t2), 0, len_est);
         assert_eq!(
             c.cut(&e2.sent, 4_000, None),
-            Some(Cut::Shrank { held: 8_000 })
+            Some(Cut::FellShort { held: 8_000 })
         );
         assert_eq!(c.cut(&e2.sent, 7_990, None), None);
+        // A turn of ~1,000 tokens added and the count barely moved: the
+        // upstream dropped what it could not hold (Ollama turn by turn).
+        let turn = "t".repeat(1_000);
+        let t4 = msgs(&[&long, &long, &turn]);
+        let e4 = c.estimate(&t4, message_hashes(&t4), 0, len_est);
+        assert_eq!(e4.tokens, 9_000);
+        assert_eq!(
+            c.cut(&e4.sent, 8_010, None),
+            Some(Cut::FellShort { held: 8_010 })
+        );
+        // Half of it counted or more: an estimate off, not a cut.
+        assert_eq!(c.cut(&e4.sent, 8_600, None), None);
         // A request that does not extend it (a compacted one) may count
         // fewer.
         let t3 = msgs(&["summary", "more"]);

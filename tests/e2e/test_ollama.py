@@ -486,10 +486,7 @@ def _turn_openai(client, messages: list[dict], stream: bool, heads: list) -> tup
 
 
 @pytest.mark.parametrize("api,stream", [("chat", False), ("chat", True), ("openai", False), ("openai", True)])
-@pytest.mark.parametrize("outgrown", ["by-a-paste", pytest.param("turn-by-turn", marks=pytest.mark.xfail(
-    strict=True, reason="compactor defect: a silent truncation is seen only when the count drops below the "
-    "last one (Calibration::cut, Cut::Shrank); here each count stays just under 4,096 while ~420 tokens were "
-    "added, the estimate learns the cut counts, and none of the 24 truncated requests of 30 turns is seen"))])
+@pytest.mark.parametrize("outgrown", ["by-a-paste", "turn-by-turn"])
 def test_silent_truncation_is_detected_then_avoided(compactor, api, stream, outgrown):
     """The window cannot be discovered (no /api/ps) and the default is four times too big: compactor
     lets the conversation outgrow Ollama's 4096, which truncates silently. It must notice, once.
