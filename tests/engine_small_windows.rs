@@ -148,3 +148,49 @@ fn verbose_summariser_still_fits_a_2048_window() {
         "{after} + {max_tokens} > {window}"
     );
 }
+
+/// At 4,096 tokens the summary body is held to ~1,600 characters; the
+/// quote of the user's newest compacted ask (here a pasted log) took all
+/// of it, and the clip cut away everything the summariser wrote.
+#[test]
+fn a_pasted_ask_leaves_room_for_what_the_summariser_wrote() {
+    let window = 4_096;
+    let mut c = compressor_reserving("llama", window, 256, |_| {});
+    let threshold = c.trigger_mut().threshold_tokens();
+    let paste =
+        "2026-12-07 10:00:01 deploy step passed, artefact uploaded to the bucket; ".repeat(30);
+    let mut msgs = vec![msg("system", "You are a release assistant. Be brief.")];
+    let mut i = 0;
+    while estimate_request_tokens_rough(&msgs, None) < threshold * 3 / 2 {
+        msgs.push(msg("user", &format!("run {i}: {paste}")));
+        msgs.push(msg("assistant", &format!("Run {i} passed.")));
+        i += 1;
+    }
+    msgs.push(msg("user", "which key did I give you?"));
+    let done: String = (0..8)
+        .map(|k| {
+            format!("{k}. Checked run {k}'s deploy log: every step passed, artefact uploaded.\n")
+        })
+        .collect();
+    let s = Stub::ok(&format!(
+        "## Historical Task Snapshot\nx\n\n## Key Facts\nFACT: the deploy key is cobalt.\n\n## Completed Actions\n{done}"
+    ));
+    let res = block_on(c.compress(
+        &msgs,
+        &s,
+        CompressOptions {
+            force: true,
+            ..Default::default()
+        },
+    ));
+    assert_eq!(res.outcome(), Outcome::Compacted);
+    let summary: String = res
+        .messages()
+        .iter()
+        .map(content_str)
+        .filter(|t| t.contains("Historical Task Snapshot"))
+        .collect();
+    assert!(summary.contains("deploy key is cobalt"), "{summary}");
+    // The ask is still quoted, shorter.
+    assert!(summary.contains("User asked"), "{summary}");
+}

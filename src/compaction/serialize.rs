@@ -700,15 +700,12 @@ pub(crate) fn py_quote(s: &str) -> String {
     }
 }
 
-fn grounded_lines(g: Grounding<'_>) -> String {
+fn grounded_lines(g: Grounding<'_>, quote_cap: usize) -> String {
     match g {
         Grounding::UserAsk(text) => {
             let t = collapse_ws(&redact_secrets(text));
-            let t = if char_count(&t) > TASK_SNAPSHOT_MAX_CHARS {
-                format!(
-                    "{}...",
-                    &t[..byte_at_char(&t, TASK_SNAPSHOT_MAX_CHARS.saturating_sub(3))]
-                )
+            let t = if char_count(&t) > quote_cap {
+                format!("{}...", &t[..byte_at_char(&t, quote_cap.saturating_sub(3))])
             } else {
                 t
             };
@@ -738,7 +735,7 @@ fn is_snapshot_heading(line: &str) -> bool {
 /// from the newest real user text (the summariser is never trusted to write
 /// the anchor), see [`ground_task_snapshot_with`]. `None` means the
 /// compacted turns hold no real user row.
-// Only the ported tests use it: the pipeline grounds with `ground_task_snapshot_with`.
+// Only the ported tests use it: the pipeline grounds with `ground_task_snapshot_capped`.
 #[cfg(test)]
 pub(super) fn ground_task_snapshot(body: &str, last_user_text: Option<&str>) -> String {
     ground_task_snapshot_with(
@@ -753,7 +750,22 @@ pub(super) fn ground_task_snapshot(body: &str, last_user_text: Option<&str>) -> 
 /// stay at line start, so re-grounding is stable). A body without the
 /// section gets it prepended. Headings inside fenced code are ignored.
 /// With [`Grounding::NoUserInWindow`] an existing section is kept as written.
+// The pipeline sizes the quote (`ground_task_snapshot_capped`); the ported
+// tests use the reference's cap.
+#[cfg(test)]
 pub(crate) fn ground_task_snapshot_with(body: &str, g: Grounding<'_>) -> String {
+    ground_task_snapshot_capped(body, g, TASK_SNAPSHOT_MAX_CHARS)
+}
+
+/// Grounds the task snapshot (see `ground_task_snapshot_with`), the
+/// user's ask quoted in at most
+/// `quote_cap` characters (a small window's summary budget is not spent
+/// on the quote alone).
+pub(crate) fn ground_task_snapshot_capped(
+    body: &str,
+    g: Grounding<'_>,
+    quote_cap: usize,
+) -> String {
     // (heading line or None for the preamble, section lines)
     let mut sections: Vec<(Option<&str>, Vec<&str>)> = vec![(None, Vec::new())];
     let mut in_fence = false;
@@ -771,7 +783,10 @@ pub(crate) fn ground_task_snapshot_with(body: &str, g: Grounding<'_>) -> String 
         .iter()
         .position(|(h, _)| h.is_some_and(is_snapshot_heading));
     let Some(first_snapshot) = first_snapshot else {
-        let section = format!("{HISTORICAL_TASK_HEADING}\n{}", grounded_lines(g));
+        let section = format!(
+            "{HISTORICAL_TASK_HEADING}\n{}",
+            grounded_lines(g, quote_cap)
+        );
         return format!("{section}\n\n{}", body.trim_start());
     };
     let mut out = String::with_capacity(body.len() + 512);
@@ -794,7 +809,7 @@ pub(crate) fn ground_task_snapshot_with(body: &str, g: Grounding<'_>) -> String 
                 if g == Grounding::NoUserInWindow {
                     out.push_str(text);
                 } else {
-                    out.push_str(&grounded_lines(g));
+                    out.push_str(&grounded_lines(g, quote_cap));
                 }
                 out.push_str("\n\n");
             }

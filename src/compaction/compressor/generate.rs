@@ -5,7 +5,7 @@
 
 use serde_json::Value;
 
-use super::clip::{clip_summary_for_window, max_summary_body_chars};
+use super::clip::{clip_summary_for_window, max_summary_body_chars, STRICT_SUMMARY_WINDOW};
 use super::failure::worst;
 use super::summary_call::{SummaryAttempt, SummaryCall};
 use super::Compressor;
@@ -58,9 +58,22 @@ fn in_context_ask(parts: &PromptParts<'_>, kept_after: Option<usize>) -> Option<
     })
 }
 
+/// Share of a strictly budgeted summary body (small windows) the quote of
+/// the user's ask may take: at 4,096 tokens the whole ~1,600-character
+/// budget went to a 1,400-character quote of a pasted log, and the clip
+/// cut away everything the summariser wrote (a fact stated in turn 1
+/// among it).
+const SNAPSHOT_SHARE_DIVISOR: usize = 4;
+
 /// `body` with its task snapshot grounded in the newest real user ask of
-/// `turns` (or the note that there is none).
-fn ground(body: &str, turns: &[Value], no_user_turns: bool) -> String {
+/// `turns` (or the note that there is none), the ask quoted in at most a
+/// quarter of `max_body_chars` when the window holds the body to it.
+fn ground(
+    body: &str,
+    turns: &[Value],
+    no_user_turns: bool,
+    max_body_chars: Option<usize>,
+) -> String {
     let ask = turns
         .iter()
         .rev()
@@ -71,7 +84,10 @@ fn ground(body: &str, turns: &[Value], no_user_turns: bool) -> String {
         (None, true) => serialize::Grounding::NoUserInSession,
         (None, false) => serialize::Grounding::NoUserInWindow,
     };
-    serialize::ground_task_snapshot_with(body, grounding)
+    let cap = max_body_chars.map_or(serialize::TASK_SNAPSHOT_MAX_CHARS, |m| {
+        (m / SNAPSHOT_SHARE_DIVISOR).clamp(120, serialize::TASK_SNAPSHOT_MAX_CHARS)
+    });
+    serialize::ground_task_snapshot_capped(body, grounding, cap)
 }
 
 impl Compressor {
@@ -253,7 +269,10 @@ impl Compressor {
             return out;
         };
         let window = self.trigger.context_length();
-        let body = clip_summary_for_window(ground(&body, turns, no_user_turns), target, window);
+        let strict =
+            (window < STRICT_SUMMARY_WINDOW).then(|| max_summary_body_chars(target, window));
+        let grounded = ground(&body, turns, no_user_turns, strict);
+        let body = clip_summary_for_window(grounded, target, window);
         let body = user_messages::render(&body, &said);
         out.summary = Some(markers::normalize_summary_prefix_with(
             markers::summary_prefix_for(window),
