@@ -1,6 +1,7 @@
 //! What to send for one request, decided under the conversation lock, in
-//! named steps: substitute the recorded prefix → estimate → decide →
-//! compact → build the body.
+//! six steps, each a function taking the parts it needs: load (state,
+//! window, posted usage) → substitute the recorded prefix → size up →
+//! decide and compact → record the turn → build the body.
 
 use std::borrow::Cow;
 use std::sync::Arc;
@@ -88,12 +89,32 @@ struct Outgoing<'a> {
     record: Option<Arc<Record>>,
 }
 
-/// Decides what to send, under the conversation lock. `overflow` is set on
-/// the retry after an upstream overflow error: learn the window and force a
+/// What every step reads of the request, and never changes.
+#[derive(Clone, Copy)]
+struct Ask<'a> {
+    model: &'a str,
+    client: Client<'a>,
+    key: SessionKey,
+    cred: u128,
+    /// Set on the retry after an upstream overflow error.
+    overflow: Option<&'a Overflow>,
+    /// The window the request sets itself (Ollama's `options.num_ctx`).
+    num_ctx: Option<u64>,
+}
+
+/// What the request weighs before anything is compacted.
+#[derive(Clone, Copy)]
+struct Sizing {
+    /// Rough estimate of the tools (part of the fixed cost).
+    overhead: u64,
+    window: u64,
+    max_out: Option<u64>,
+}
+
+/// Decides what to send, under the conversation lock: load → substitute →
+/// size up → decide and compact → record → build. `overflow` is set on the
+/// retry after an upstream overflow error: learn the window and force a
 /// compaction.
-// The named steps in order, each a call; the inspector's turn record adds
-// the few lines that gather what it needs from them.
-#[allow(clippy::too_many_lines)]
 pub(super) async fn prepare(
     chat: &ChatState,
     upstream: &Arc<Upstream>,
@@ -107,65 +128,128 @@ pub(super) async fn prepare(
     creq.rewind();
     // Owned: the request is edited below while the model is still used.
     let model = creq.model().map(Cow::into_owned).unwrap_or_default();
+    let ask = Ask {
+        model: &model,
+        client,
+        key,
+        cred,
+        overflow,
+        num_ctx: creq.requested_window(),
+    };
     let mut guard = entry.lock().await;
     let conv: &mut Conversation = &mut guard;
-    super::persist::load(chat, conv, key).await;
-    let posted = conv.take_posted();
-    if !posted.is_empty() {
-        // A model Ollama loads on its first request has a window now.
-        chat.windows.answered(&chat.upstream_label, &model);
-    }
-    let asked = creq.requested_window();
-    let (mut window, loading) =
-        resolve_window(chat, upstream, client, &model, overflow, asked).await;
-    conv.window_loading = loading;
-    if let Some(held) = conv.apply_posted(posted, Some(window)) {
-        // A silent truncation below the window believed: what the upstream
-        // held is the window it has (the request's own num_ctx aside).
-        if asked.is_none() {
-            chat.windows.learn_limit(&chat.upstream_label, &model, held);
-            window = held;
-        }
-    }
-    report_truncations(chat, conv, creq.api().label(), key, window);
-    conv.note_model(&model);
-    conv.stats.requests += u64::from(overflow.is_none());
-
+    let window = load(chat, upstream, conv, creq, &ask).await;
     // Moved out, not copied: the history is the bulk of the body, and the
     // original bytes still go upstream unless `with_messages` runs below.
     // Put back once the body is built, for a retry.
     let original: Vec<Box<RawValue>> = creq.take_messages();
     let raw = (creq.raw_hashes(), creq.canonical());
     let mut out = substitute(chat, conv, cred, &original, raw).await;
-    // A reply cap the window cannot hold is no reservation the upstream
-    // makes: no request with it could be answered otherwise (Claude Code
-    // asks for 32,000 in front of an 8k llama.cpp, which caps the reply at
-    // what is left). Counted, it made every request "not fit" and compact.
-    let max_out = creq.max_output_tokens().filter(|&m| m < window);
-    let overhead = conv.tools_overhead(creq.get_raw("tools"));
-    let sizing = (overhead, window, max_out);
-    let (mut est, margin) = size_up(chat, upstream, client, conv, creq, &out, sizing).await;
+    let sizing = sizing(conv, creq, window);
+    let sized = size_up(chat, upstream, client, conv, creq, &out, sizing).await;
+    let before = (out.messages.len(), sized.0.tokens);
+    let (action, est) = decide_and_compact(
+        chat,
+        upstream,
+        conv,
+        creq,
+        &ask,
+        (&original, &mut out),
+        (sized, sizing),
+    )
+    .await;
+    let seen = Inspected {
+        labels: (creq.api().label(), ask.model, id_kind),
+        window,
+        rows: (before.0, out.messages.len()),
+        est_before: before.1,
+        substituted: out.record.is_some() && action != Action::Compacted,
+        overflow_retry: overflow.is_some(),
+    };
+    record(chat, conv, &ask, &seen, &est, action);
+    let mut prepared = build(creq, conv, out, est, action);
+    if chat.expose_headers {
+        prepared.session_value = conv.session_value(key);
+    }
+    creq.restore_messages(original);
+    prepared
+}
 
-    // A recorded prefix is a substitution, not a compaction: the action
-    // stays `passthrough` and `x-compactor-replaced` says how many of the
-    // client's messages the recorded replacement stood for.
-    let mut action = Action::Passthrough;
-    let (rows_before, est_before) = (out.messages.len(), est.tokens);
+/// Step 1: the conversation's state (from the store once), the window, and
+/// the usage responses posted since the last request, judged against it.
+async fn load(
+    chat: &ChatState,
+    upstream: &Upstream,
+    conv: &mut Conversation,
+    creq: &ApiRequest,
+    ask: &Ask<'_>,
+) -> u64 {
+    super::persist::load(chat, conv, ask.key).await;
+    let posted = conv.take_posted();
+    if !posted.is_empty() {
+        // A model Ollama loads on its first request has a window now.
+        chat.windows.answered(&chat.upstream_label, ask.model);
+    }
+    let (mut window, loading) = resolve_window(chat, upstream, ask).await;
+    conv.window_loading = loading;
+    if let Some(held) = conv.apply_posted(posted, Some(window)) {
+        // A silent truncation below the window believed: what the upstream
+        // held is the window it has (the request's own num_ctx aside).
+        if ask.num_ctx.is_none() {
+            chat.windows
+                .learn_limit(&chat.upstream_label, ask.model, held);
+            window = held;
+        }
+    }
+    report_truncations(chat, conv, creq.api().label(), ask.key, window);
+    conv.note_model(ask.model);
+    conv.stats.requests += u64::from(ask.overflow.is_none());
+    window
+}
+
+/// What the request weighs against `window` besides its messages.
+fn sizing(conv: &mut Conversation, creq: &ApiRequest, window: u64) -> Sizing {
+    Sizing {
+        overhead: conv.tools_overhead(creq.get_raw("tools")),
+        window,
+        // A reply cap the window cannot hold is no reservation the upstream
+        // makes: no request with it could be answered otherwise (Claude Code
+        // asks for 32,000 in front of an 8k llama.cpp, which caps the reply
+        // at what is left). Counted, it made every request "not fit" and
+        // compact.
+        max_out: creq.max_output_tokens().filter(|&m| m < window),
+    }
+}
+
+/// Step 4: the trigger's decision and the compaction it asks for (or a
+/// recorded one another replica made), folded into `out`; the action
+/// and the estimate of what is now sent. A recorded prefix is a
+/// substitution, not a compaction: the action stays `passthrough` and
+/// `x-compactor-replaced` says how many client messages it stood for.
+async fn decide_and_compact(
+    chat: &ChatState,
+    upstream: &Arc<Upstream>,
+    conv: &mut Conversation,
+    creq: &ApiRequest,
+    ask: &Ask<'_>,
+    (original, out): (&[Box<RawValue>], &mut Outgoing<'_>),
+    ((est, margin), sizing): ((Estimate, u64), Sizing),
+) -> (Action, Estimate) {
     // On the heap: inline, the turn (224 bytes) is held across the await
     // below and takes the boxed preparation past the allocator's per-thread
     // cache (1,032 bytes), into its slow path, once a request.
     let turn = Box::new(Turn {
         caller: Caller {
             api: creq.api(),
-            num_ctx: asked,
-            model: &model,
-            client,
+            num_ctx: ask.num_ctx,
+            model: ask.model,
+            client: ask.client,
             tools: creq.get_raw("tools"),
         },
         history: History {
-            key,
-            cred,
-            original: &original,
+            key: ask.key,
+            cred: ask.cred,
+            original,
             client_hashes: &out.client_hashes,
             outgoing: &out.messages,
             outgoing_rough: &est.sent.rough,
@@ -174,64 +258,53 @@ pub(super) async fn prepare(
         weight: Weight {
             est_tokens: est.tokens,
             est_margin: margin,
-            max_out,
-            window,
-            tools_tokens: real_tools_tokens(conv, overhead),
-            tools_rough: overhead,
-            overflow: overflow.is_some(),
-            overflow_counted: overflow.and_then(|o| o.prompt_tokens.or(o.requested)),
+            max_out: sizing.max_out,
+            window: sizing.window,
+            tools_tokens: real_tools_tokens(conv, sizing.overhead),
+            tools_rough: sizing.overhead,
+            overflow: ask.overflow.is_some(),
+            overflow_counted: ask.overflow.and_then(|o| o.prompt_tokens.or(o.requested)),
             truncated: std::mem::take(&mut conv.truncated),
         },
     });
-    match compact_if_due(chat, upstream, conv, &turn).await {
-        Booked::Compacted(messages, record) => {
-            if record.is_some() {
-                out.record = record;
-            }
-            out.messages = Cow::Owned(messages);
-            out.changed = true;
-            action = Action::Compacted;
-            est = reestimate(conv, &out.messages, overhead);
-        }
-        Booked::Substituted(messages, record) => {
-            out.record = Some(record);
-            out.messages = Cow::Owned(messages);
-            out.changed = true;
-            est = reestimate(conv, &out.messages, overhead);
-        }
-        Booked::Aborted => action = Action::Aborted,
-        Booked::Nothing => {}
-    }
-    conv.last_action = action.as_str();
-    let substituted = out.record.is_some() && action != Action::Compacted;
-    let (rows, overflow_retry) = ((rows_before, out.messages.len()), overflow.is_some());
-    let labels = (creq.api().label(), model.as_str(), id_kind);
-    let seen = Inspected {
-        labels,
-        window,
-        rows,
-        est_before,
-        substituted,
-        overflow_retry,
+    let booked = compact_if_due(chat, upstream, conv, &turn).await;
+    drop(turn);
+    let (messages, record, action) = match booked {
+        Booked::Compacted(messages, record) => (messages, record, Action::Compacted),
+        Booked::Substituted(messages, record) => (messages, Some(record), Action::Passthrough),
+        Booked::Aborted => return (Action::Aborted, est),
+        Booked::Nothing => return (Action::Passthrough, est),
     };
-    record_turn(chat, conv, &seen, &est, action);
-    super::persist::save(chat, conv, key);
+    if record.is_some() {
+        out.record = record;
+    }
+    out.messages = Cow::Owned(messages);
+    out.changed = true;
+    (action, reestimate(conv, &out.messages, sizing.overhead))
+}
+
+/// Step 5: the turn in the inspector's ring, the conversation's state to
+/// the store (written behind), the debug line.
+fn record(
+    chat: &ChatState,
+    conv: &mut Conversation,
+    ask: &Ask<'_>,
+    seen: &Inspected<'_>,
+    est: &Estimate,
+    action: Action,
+) {
+    conv.last_action = action.as_str();
+    record_turn(chat, conv, seen, est, action);
+    super::persist::save(chat, conv, ask.key);
     tracing::debug!(
-        session = %key,
+        session = %ask.key,
         action = action.as_str(),
-        messages = out.messages.len(),
+        messages = seen.rows.1,
         estimated_prompt = est.tokens,
         basis = ?est.basis,
-        max_out,
-        window,
+        window = seen.window,
         "chat request prepared"
     );
-    let mut prepared = build(creq, conv, out, est, action);
-    if chat.expose_headers {
-        prepared.session_value = conv.session_value(key);
-    }
-    creq.restore_messages(original);
-    prepared
 }
 
 /// What the inspector's turn record needs besides the estimate.
@@ -276,7 +349,7 @@ fn record_turn(
         .record(&figures, super::inspect::now_ms(), chat.turn_history);
 }
 
-/// The request's estimate and how far it may be short: calibrated, a
+/// Step 3: the request's estimate and how far it may be short: calibrated, a
 /// conversation's first request near the window counted by the upstream's
 /// tokenizer, and so is any request within a tenth of the window's edge,
 /// where the margin alone would decide whether it fits.
@@ -287,8 +360,13 @@ async fn size_up(
     conv: &mut Conversation,
     creq: &ApiRequest,
     out: &Outgoing<'_>,
-    (overhead, window, max_out): (u64, u64, Option<u64>),
+    sizing: Sizing,
 ) -> (Estimate, u64) {
+    let Sizing {
+        overhead,
+        window,
+        max_out,
+    } = sizing;
     let mut est = estimate(conv, out, overhead, creq.rough());
     // The counts are boxed: they run on a conversation's first turns and
     // near the window's edge, and their state (an upstream call) inline
@@ -375,29 +453,22 @@ fn real_tools_tokens(conv: &Conversation, rough: u64) -> u64 {
 /// learned from the overflow first when there is one, then looked up (or
 /// discovered once) in the window cache; and whether it is the default
 /// standing in while Ollama loads the model ([`WindowSource::Loading`]).
-async fn resolve_window(
-    chat: &ChatState,
-    upstream: &Upstream,
-    client: Client<'_>,
-    model: &str,
-    overflow: Option<&Overflow>,
-    asked: Option<u64>,
-) -> (u64, bool) {
-    if let Some(of) = overflow {
-        chat.learn_window(model, of);
+async fn resolve_window(chat: &ChatState, upstream: &Upstream, ask: &Ask<'_>) -> (u64, bool) {
+    if let Some(of) = ask.overflow {
+        chat.learn_window(ask.model, of);
     }
-    if let Some(n) = asked {
+    if let Some(n) = ask.num_ctx {
         return (n, false);
     }
     let discovery = Discovery {
         upstream,
-        client_headers: client.headers,
-        credential_query: client.query,
+        client_headers: ask.client.headers,
+        credential_query: ask.client.query,
         timeout: DISCOVERY_TIMEOUT,
     };
     let r = chat
         .windows
-        .resolve(&chat.upstream_label, model, &discovery)
+        .resolve(&chat.upstream_label, ask.model, &discovery)
         .await;
     (r.tokens, r.source == WindowSource::Loading)
 }
@@ -430,7 +501,7 @@ fn report_truncations(
     }
 }
 
-/// Step 1: substitutes the longest recorded compaction of this history.
+/// Step 2: substitutes the longest recorded compaction of this history.
 async fn substitute<'a>(
     chat: &ChatState,
     conv: &mut Conversation,
@@ -460,7 +531,7 @@ async fn substitute<'a>(
     }
 }
 
-/// Step 2: estimates what would be sent (calibrated by real usage).
+/// Step 3's estimate of what would be sent (calibrated by real usage).
 /// `decoded` holds the decode's own estimate of each client message, when
 /// the codec made them.
 fn estimate(
@@ -485,7 +556,7 @@ fn estimate(
         .estimate_indexed(&out.messages, sent_hashes, overhead, rough)
 }
 
-/// Step 5: the body to send; re-serialised only when the messages changed
+/// Step 6: the body to send; re-serialised only when the messages changed
 /// (the usage plan may still add `stream_options`).
 fn build(
     creq: &mut ApiRequest,
