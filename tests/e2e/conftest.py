@@ -242,8 +242,49 @@ class Compactor:
         return openai_client(self.url, **kw)
 
     def stop(self) -> int | None:
+        if self.proc.poll() is None:
+            _tally_fast_path(self.url)
         _stop(self.proc)
         return self.proc.returncode
+
+
+# What compactor's HTTP/1.1 fast path handed to hyper's server over the whole run, by reason
+# (compactor_h1_handoffs_total), next to the requests served: read from each compactor the
+# `compactor` fixture started, just before it stops, and printed at the end of the session
+# (and written to target/e2e-handoffs.json).
+FAST_PATH: dict[str, float] = {"requests": 0.0}
+
+
+def _tally_fast_path(url: str) -> None:
+    try:
+        status, body = http_get(url + "/_compactor/metrics", timeout=2.0)
+    except OSError:
+        return
+    if status != 200:
+        return
+    FAST_PATH["compactors"] = FAST_PATH.get("compactors", 0.0) + 1
+    for line in body.decode(errors="replace").splitlines():
+        name, _, value = line.rpartition(" ")
+        try:
+            n = float(value)
+        except ValueError:
+            continue
+        if name.startswith("compactor_h1_handoffs_total{"):
+            reason = name.split('reason="', 1)[-1].split('"', 1)[0]
+            FAST_PATH[reason] = FAST_PATH.get(reason, 0.0) + n
+        elif name.startswith("compactor_requests_total{"):
+            FAST_PATH["requests"] += n
+
+
+def pytest_terminal_summary(terminalreporter) -> None:
+    if FAST_PATH.get("compactors"):
+        counts = {k: int(v) for k, v in sorted(FAST_PATH.items())}
+        terminalreporter.write_line(f"compactor fast path over this run (hand-offs to hyper by reason): {counts}")
+        try:
+            (REPO / "target").mkdir(exist_ok=True)
+            (REPO / "target" / "e2e-handoffs.json").write_text(json.dumps(counts, indent=1) + "\n")
+        except OSError:
+            pass
 
 
 StartCompactor = Callable[..., Compactor]
