@@ -227,7 +227,10 @@ async fn compact_now(
             messages: h.outgoing,
             rough: h.outgoing_rough,
             tools: c.tools,
-            room: w.window as i64 - (w.est_tokens + w.est_margin) as i64,
+            // No margin: what the ask follows was counted by the upstream
+            // (the previous request, or the most of it), and what the
+            // estimate may miss of the new messages is not sent with it.
+            room: w.window as i64 - w.est_tokens as i64,
             scale: conv_scale,
         }),
         _ => summariser,

@@ -68,8 +68,9 @@ pub(crate) struct InContext<'a> {
     pub(crate) rough: &'a [u64],
     /// The request's `tools`.
     pub(crate) tools: Option<&'a RawValue>,
-    /// Real tokens the window leaves after the whole request and its
-    /// margin, negative when the request is over it (the messages kept
+    /// Real tokens the window leaves after the whole request (its
+    /// estimate, no margin: what the ask follows was counted by the
+    /// upstream), negative when the request is over it (the messages kept
     /// after the summary are not sent with the ask: their room is the
     /// ask's too).
     pub(crate) room: i64,
@@ -452,6 +453,10 @@ impl Summariser for HttpSummariser<'_> {
 /// A chat completion body asking `ask` after the conversation of `ctx`
 /// (see [`InContext`]), when the ask and a reply of `cap` tokens fit the
 /// room its window leaves.
+/// What the ask and its reply are counted at against the room: the
+/// upstream counted what they follow, not them.
+const ASK_SLACK: f64 = 1.1;
+
 fn ask_after(
     ctx: &InContext<'_>,
     ask: &InContextAsk,
@@ -461,10 +466,20 @@ fn ask_after(
 ) -> Option<String> {
     let shown = ctx.messages.len().checked_sub(ask.keep_last)?;
     let not_sent: u64 = ctx.rough.get(shown..).map_or(0, |r| r.iter().sum());
-    let need = (estimate_text_tokens(&ask.prompt) + u64::from(cap)) as f64 - not_sent as f64;
-    if need * ctx.scale > ctx.room as f64 {
+    // The reply the room leaves after the ask (rough units, as the cap is
+    // counted with them), a tenth kept back for what the estimates of the
+    // ask and the reply may miss: the cap, or less down to the ask's
+    // minimum.
+    let fits = ((ctx.room as f64 / ctx.scale + not_sent as f64) / ASK_SLACK
+        - estimate_text_tokens(&ask.prompt) as f64)
+        .floor();
+    let cap = if f64::from(cap) <= fits {
+        cap
+    } else if fits >= f64::from(ask.min_reply) {
+        fits as u32
+    } else {
         return None;
-    }
+    };
     let ask = ask.prompt.as_str();
     let (last, before) = ctx.messages[..shown].split_last()?;
     let mut out = String::with_capacity(
@@ -734,10 +749,12 @@ mod tests {
         serde_json::value::to_raw_value(&v).unwrap()
     }
 
+    /// An ask whose cap is never lowered.
     fn ask(prompt: &str, keep_last: usize) -> InContextAsk {
         InContextAsk {
             prompt: prompt.to_owned(),
             keep_last,
+            min_reply: u32::MAX,
         }
     }
 
@@ -806,17 +823,50 @@ mod tests {
         // The ask and its reply must fit the room, which the messages kept
         // after the summary (not sent with the ask) add to, at the scale.
         assert!(body_of(&ctx, &ask("S", 0), 1_001).is_none());
-        assert!(body_of(&ctx, &ask("S", 1), 1_250).is_some());
+        assert!(body_of(&ctx, &ask("S", 1), 1_150).is_some());
+        assert!(body_of(&ctx, &ask("S", 1), 1_200).is_none());
         let dense = InContext { scale: 2.0, ..ctx };
         assert!(body_of(&dense, &ask("S", 0), 600).is_none());
         assert!(body_of(&dense, &ask("S", 0), 400).is_some());
         // A request over its window: the kept messages must make room for
         // the ask, the reply and the overshoot.
         let over = InContext { room: -200, ..ctx };
-        assert!(body_of(&over, &ask("S", 1), 99).is_some());
-        assert!(body_of(&over, &ask("S", 1), 120).is_none());
+        assert!(body_of(&over, &ask("S", 1), 80).is_some());
+        assert!(body_of(&over, &ask("S", 1), 95).is_none());
         // Nothing before the kept messages: nothing to ask after.
         assert!(body_of(&ctx, &ask("S", 5), 10).is_none());
+    }
+
+    /// A conversation at its window's edge leaves the ask less than its
+    /// cap: the cap is lowered to what fits, down to the ask's minimum.
+    #[test]
+    fn an_ask_lowers_its_cap_to_fit_down_to_its_minimum() {
+        let messages = vec![
+            raw(json!({"role": "user", "content": "the log"})),
+            raw(json!({"role": "assistant", "content": "read it"})),
+            raw(json!({"role": "user", "content": "now this"})),
+        ];
+        let ctx = InContext {
+            messages: &messages,
+            rough: &[100, 10, 300],
+            tools: None,
+            room: -100,
+            scale: 1.0,
+        };
+        // 300 kept after the summary, 100 over the window, an ask of ~1:
+        // 180 left for the reply (a tenth kept back).
+        let lowered = InContextAsk {
+            min_reply: 150,
+            ..ask("S", 1)
+        };
+        let body = body_of(&ctx, &lowered, 1_000).unwrap();
+        assert_eq!(body["max_tokens"], 180);
+        assert_eq!(body_of(&ctx, &lowered, 120).unwrap()["max_tokens"], 120);
+        let strict = InContextAsk {
+            min_reply: 250,
+            ..ask("S", 1)
+        };
+        assert!(body_of(&ctx, &strict, 1_000).is_none());
     }
 
     #[test]

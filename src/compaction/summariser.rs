@@ -71,6 +71,11 @@ pub struct InContextAsk {
     /// the ask follows the messages before them, which a prompt cache holds
     /// from the conversation's earlier requests.
     pub keep_last: usize,
+    /// The smallest reply cap the ask may go with (the summary's target
+    /// and a quarter): the conversation it follows fills the window, so
+    /// a cap that leaves the ask no room is lowered to what fits, down to
+    /// this, rather than losing the cache to a prompt of its own.
+    pub min_reply: u32,
 }
 
 /// What the summariser answered.

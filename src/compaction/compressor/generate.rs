@@ -49,8 +49,10 @@ pub(super) struct SummaryState {
 /// prompt holds the whole middle (a chunk summarises only part of it).
 fn in_context_ask(parts: &PromptParts<'_>, kept_after: Option<usize>) -> Option<InContextAsk> {
     let keep_last = kept_after.filter(|_| parts.chunk.is_none())?;
+    let target = u32::try_from(parts.target_tokens).unwrap_or(u32::MAX);
     Some(InContextAsk {
         keep_last,
+        min_reply: target.saturating_add(target / 4),
         prompt: build_in_context_prompt(&PromptParts {
             turns: "",
             ..parts.clone()
