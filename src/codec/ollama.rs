@@ -358,6 +358,16 @@ mod tests {
             .collect()
     }
 
+    /// The body `r` sends with the engine's `rows`.
+    fn sent(r: &mut ApiRequest, rows: &[Value]) -> Value {
+        let out = rows
+            .iter()
+            .map(|v| serde_json::value::to_raw_value(v).unwrap())
+            .collect();
+        r.with_messages(out);
+        serde_json::from_slice(&r.to_bytes()).unwrap()
+    }
+
     #[test]
     fn ollama_messages_become_chat_rows_with_their_pairs() {
         let r = ApiRequest::parse(Api::Ollama, CHAT.as_bytes().to_vec()).unwrap();
@@ -416,12 +426,7 @@ mod tests {
         rows[1] = json!({"role":"user","content":"SUMMARY"});
         rows[4]["content"] = json!("[pruned]");
         rows[2]["tool_calls"][1]["function"]["arguments"] = json!("{}");
-        let out = rows
-            .iter()
-            .map(|v| serde_json::value::to_raw_value(v).unwrap())
-            .collect();
-        r.with_messages(out);
-        let body: Value = serde_json::from_slice(&r.to_bytes()).unwrap();
+        let body = sent(&mut r, &rows);
         let msgs = body["messages"].as_array().unwrap();
         assert_eq!(msgs[1], json!({"role":"user","content":"SUMMARY"}));
         assert_eq!(
@@ -446,12 +451,7 @@ mod tests {
         let mut rows = values(&r);
         r.take_messages();
         rows[1]["content"][0]["text"] = json!("shorter");
-        let out = rows
-            .iter()
-            .map(|v| serde_json::value::to_raw_value(v).unwrap())
-            .collect();
-        r.with_messages(out);
-        let body: Value = serde_json::from_slice(&r.to_bytes()).unwrap();
+        let body = sent(&mut r, &rows);
         assert_eq!(
             body["messages"][1],
             json!({"role":"user","content":"shorter","images":["iVBORw0KGgo="]})

@@ -123,17 +123,19 @@ def compactor_bin() -> Path:
     return Path(os.environ.get("COMPACTOR_BIN", REPO / "target" / "debug" / "compactor"))
 
 
-def start_compactor(upstream: str, workdir: Path) -> Process:
+def start_compactor(upstream: str, workdir: Path, binary: Path | None = None,
+                    env: dict[str, str] | None = None) -> Process:
+    """The pytest fixture's equivalent: a free port, its own store file, healthy before it returns."""
     workdir.mkdir(parents=True, exist_ok=True)
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    env = {**os.environ, "RUST_LOG": os.environ.get("RUST_LOG", "info"),
-           "COMPACTOR_LISTEN": f"127.0.0.1:{port}", "COMPACTOR_UPSTREAM": upstream,
-           "COMPACTOR_STORE_PATH": str(workdir / "state.log")}
+    full = {**os.environ, "RUST_LOG": os.environ.get("RUST_LOG", "info"),
+            "COMPACTOR_LISTEN": f"127.0.0.1:{port}", "COMPACTOR_UPSTREAM": upstream,
+            "COMPACTOR_STORE_PATH": str(workdir / "state.log"), **(env or {})}
     log_path = workdir / "stderr.log"
     with log_path.open("ab") as log:
-        proc = subprocess.Popen([str(compactor_bin())], cwd=workdir, env=env, stdin=subprocess.DEVNULL,
+        proc = subprocess.Popen([str(binary or compactor_bin())], cwd=workdir, env=full, stdin=subprocess.DEVNULL,
                                 stdout=log, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 30

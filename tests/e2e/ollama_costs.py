@@ -28,15 +28,9 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
-import os
 import random
-import signal
-import socket
-import subprocess
 import sys
 import tempfile
-import time
-import urllib.request
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -44,6 +38,7 @@ from typing import Any
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
+from agent_costs import start_compactor  # noqa: E402
 from ollama_upstream import DEFAULT_NUM_CTX, OllamaUpstream, start_ollama_upstream  # noqa: E402
 
 REPO = HERE.parents[1]
@@ -174,55 +169,6 @@ def play(host: str, scene: dict, stream: bool, options: dict | None = None,
     return out
 
 
-# ---------------------------------------------------------------- compactor outside pytest
-
-@dataclass
-class Process:
-    proc: subprocess.Popen
-    url: str
-    log_path: Path
-
-    def log(self) -> str:
-        try:
-            return self.log_path.read_text(errors="replace")
-        except OSError:
-            return ""
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(timeout=10)
-
-
-def start_compactor(binary: Path, upstream: str, workdir: Path, env: dict[str, str] | None = None) -> Process:
-    """The pytest fixture's equivalent: a free port, its own store file, healthy before it returns."""
-    workdir.mkdir(parents=True, exist_ok=True)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    full = {**os.environ, "RUST_LOG": os.environ.get("RUST_LOG", "info"),
-            "COMPACTOR_LISTEN": f"127.0.0.1:{port}", "COMPACTOR_UPSTREAM": upstream,
-            "COMPACTOR_STORE_PATH": str(workdir / "state.log"), **(env or {})}
-    log_path = workdir / "stderr.log"
-    with log_path.open("ab") as log:
-        proc = subprocess.Popen([str(binary)], cwd=workdir, env=full, stdin=subprocess.DEVNULL,
-                                stdout=log, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline and proc.poll() is None:
-        try:
-            with urllib.request.urlopen(url + "/_compactor/health", timeout=1) as r:
-                if r.status == 200:
-                    return Process(proc, url, log_path)
-        except OSError:
-            time.sleep(0.05)
-    raise RuntimeError(f"compactor did not start:\n{log_path.read_text(errors='replace')[-2000:]}")
-
-
 # ---------------------------------------------------------------- the figures
 
 @dataclass
@@ -293,7 +239,7 @@ def run(route: str, stream: bool, turns: int, word: str, num_ctx: int = DEFAULT_
     try:
         host = up.url
         if binary is not None:
-            proc = start_compactor(binary, up.url, workdir or Path(tempfile.mkdtemp(prefix="ollama-costs-")))
+            proc = start_compactor(up.url, workdir or Path(tempfile.mkdtemp(prefix="ollama-costs-")), binary)
             host = proc.url
         sent = play(host, scenario(turns, word, paste_tokens), stream)
         return figures(route, stream, up, sent, word, turns)
