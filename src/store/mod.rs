@@ -155,7 +155,9 @@ pub trait Store: Send + Sync {
     }
 
     /// Stores a conversation's state (replacing the previous one); it
-    /// expires after the idle TTL like a record.
+    /// expires after the idle TTL like a record, and a store may drop it
+    /// sooner to keep its byte bound (the file store does: a state is a
+    /// cache, its loss a conversation's calibration starting afresh).
     async fn put_state(&self, _session: u128, _state: Vec<u8>) -> Result<(), StoreError> {
         Ok(())
     }

@@ -7,9 +7,10 @@ use std::sync::Arc;
 
 use crate::store::{StoreError, StoredRecord};
 
-use super::entry::{self, Key};
+use super::entry::{self, window_len, Key};
+use super::evict::{apply_sweep, lru, plan_sweep, split, Limits, SweepPlan};
 use super::frame::{self, Kind};
-use super::index::{apply_sweep, evictions, plan_sweep, Loc, Meta, StateMeta, SweepPlan};
+use super::index::{Index, Loc, Meta, Ref, StateMeta, Usage};
 use super::inner::{backend, now_ms, Inner};
 use super::room::append;
 
@@ -54,8 +55,7 @@ pub(super) fn read_record(
     let mut shared = inner.shared();
     match decoded {
         Ok(rec) => {
-            if let Some(m) = shared.index.meta.get_mut(&key) {
-                m.touched = now_ms();
+            if let Some(m) = shared.index.set_touched(&key, now_ms()) {
                 m.dirty = true;
             }
             Ok(rec)
@@ -72,8 +72,26 @@ pub(super) fn read_record(
     }
 }
 
-/// Stores a record after dropping the least recently used ones it needs
-/// room from (in the same write).
+/// The deletes of the entries that go so that `add` fits the bound
+/// (`keep`: the entry the write replaces), and what they are.
+fn make_room(
+    inner: &Inner,
+    index: &Index,
+    add: Usage,
+    keep: Option<Ref>,
+) -> (Vec<u8>, (Vec<Ref>, u64)) {
+    let mut gone = Vec::new();
+    lru(index, &Limits::new(inner.max_bytes), add, keep, &mut gone);
+    let (records, states) = split(&gone);
+    let mut small = Vec::new();
+    entry::delete_records(&mut small, &records);
+    entry::delete_states(&mut small, &states);
+    let before = small.len() as u64;
+    (small, (gone, before))
+}
+
+/// Stores a record after dropping the least recently used records and
+/// states it needs room from (in the same write).
 pub(super) fn put(inner: &Arc<Inner>, cred: u128, record: &StoredRecord) -> Result<(), StoreError> {
     let size = record.size();
     if size > inner.max_bytes {
@@ -85,19 +103,14 @@ pub(super) fn put(inner: &Arc<Inner>, cred: u128, record: &StoredRecord) -> Resu
     entry::put_record(&mut frame, cred, now, record).map_err(|e| backend("encode", e))?;
     let len = frame.len() as u64;
     let k = record.k;
+    let add = Usage::record(size, len);
     append(
         inner,
         &frame,
-        |index| {
-            let gone = evictions(index, key, size, inner.max_bytes);
-            let mut small = Vec::new();
-            entry::delete_records(&mut small, &gone);
-            let before = small.len() as u64;
-            (small, (gone, before))
-        },
+        |index| make_room(inner, index, add, Some(Ref::Record(key))),
         |index, (gone, before), at| {
-            for old in &gone {
-                index.remove(old);
+            for old in gone {
+                index.drop_entry(old);
             }
             let at = Loc {
                 offset: at + before,
@@ -115,7 +128,7 @@ pub(super) fn put(inner: &Arc<Inner>, cred: u128, record: &StoredRecord) -> Resu
     )
 }
 
-/// Drops expired records and states and the least recently used records
+/// Drops expired records and states and the least recently used ones
 /// over the bound, and writes the last uses noted since the last sweep.
 pub(super) fn sweep(inner: &Arc<Inner>) -> Result<(), StoreError> {
     let now = now_ms();
@@ -151,6 +164,8 @@ pub(super) fn write_sweep(inner: &Arc<Inner>, plan: &SweepPlan) -> Result<(), St
     )
 }
 
+/// Stores a learned window; a new one first drops the least recently used
+/// records and states it needs room from.
 pub(super) fn put_window(
     inner: &Arc<Inner>,
     upstream: &str,
@@ -159,12 +174,27 @@ pub(super) fn put_window(
 ) -> Result<(), StoreError> {
     let mut frame = Vec::new();
     entry::window(&mut frame, upstream, model, tokens).map_err(|e| backend("encode", e))?;
-    let (u, m) = (upstream.to_owned(), model.to_owned());
+    let key = (upstream.to_owned(), model.to_owned());
+    let add = Usage::window(window_len(upstream, model));
+    let (u, m) = key.clone();
     append(
         inner,
         &frame,
-        |_| (Vec::new(), ()),
-        |index, (), _| index.set_window(u, m, tokens),
+        |index| {
+            let known = index.windows.contains_key(&key);
+            make_room(
+                inner,
+                index,
+                if known { Usage::default() } else { add },
+                None,
+            )
+        },
+        |index, (gone, _), _| {
+            for old in gone {
+                index.drop_entry(old);
+            }
+            index.set_window(u, m, tokens);
+        },
     )
 }
 
@@ -200,18 +230,49 @@ pub(super) fn get_state(inner: &Inner, session: u128) -> Result<Option<Vec<u8>>,
     state.map(Some)
 }
 
+/// Stores a conversation's state after dropping the oldest states beyond
+/// their share of the bound, then the least recently used records and
+/// states it needs room from (in the same write). A state larger than
+/// that share is not kept, nor the one it replaces.
 pub(super) fn put_state(inner: &Arc<Inner>, session: u128, state: &[u8]) -> Result<(), StoreError> {
     let now = now_ms();
     let mut frame = Vec::with_capacity(state.len() + 64);
     entry::put_state(&mut frame, session, now, state).map_err(|e| backend("encode", e))?;
     let len = frame.len() as u64;
+    if len > Limits::new(inner.max_bytes).states {
+        return delete_state(inner, session);
+    }
     append(
         inner,
         &frame,
-        |_| (Vec::new(), ()),
-        |index, (), offset| {
-            let at = Loc { offset, len };
+        |index| make_room(inner, index, Usage::state(len), Some(Ref::State(session))),
+        |index, (gone, before), at| {
+            for old in gone {
+                index.drop_entry(old);
+            }
+            let at = Loc {
+                offset: at + before,
+                len,
+            };
             index.put_state(session, StateMeta { written: now, at });
+        },
+    )
+}
+
+/// Deletes a conversation's state, if there is one.
+fn delete_state(inner: &Arc<Inner>, session: u128) -> Result<(), StoreError> {
+    append(
+        inner,
+        &[],
+        |index| {
+            let mut small = Vec::new();
+            if index.states.contains_key(&session) {
+                entry::delete_states(&mut small, &[session]);
+            }
+            (small, ())
+        },
+        |index, (), _| {
+            index.remove_state(session);
         },
     )
 }

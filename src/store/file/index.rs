@@ -1,8 +1,9 @@
 //! The in-memory index of the log: where each live entry is, and what the
 //! decisions that read no record need (lengths for `may_have`, sizes and
-//! last uses for eviction and expiry). Rebuilt by the scan at open.
+//! last uses for eviction and expiry, the bytes the bound counts).
+//! Rebuilt by the scan at open.
 
-use std::collections::{BTreeMap, HashMap, HashSet};
+use std::collections::{BTreeMap, BTreeSet, HashMap};
 
 use super::entry::{window_len, Key};
 use super::frame::HEADER_LEN;
@@ -20,7 +21,8 @@ pub(super) struct Meta {
     pub(super) k: usize,
     /// [`crate::store::StoredRecord::size`]: what the byte bound counts.
     pub(super) size: usize,
-    /// Last use, unix ms.
+    /// Last use, unix ms (changed through [`Index::set_touched`], which
+    /// keeps the records' age order).
     pub(super) touched: u64,
     /// Used since its last use was written.
     pub(super) dirty: bool,
@@ -34,6 +36,66 @@ pub(super) struct StateMeta {
     pub(super) at: Loc,
 }
 
+/// A live entry the bound or the TTL may drop, by what it is keyed by.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub(super) enum Ref {
+    Record(Key),
+    State(u128),
+}
+
+/// Bytes in each measure the bound judges (see `evict.rs`).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub(super) struct Usage {
+    /// Records by their size, states and windows by their frames.
+    pub(super) counted: u64,
+    /// States' frames.
+    pub(super) states: u64,
+    /// Frames in the file (and, for a whole index, its header).
+    pub(super) live: u64,
+}
+
+impl Usage {
+    pub(super) fn record(size: usize, frame: u64) -> Self {
+        Self {
+            counted: size as u64,
+            states: 0,
+            live: frame,
+        }
+    }
+
+    pub(super) fn state(frame: u64) -> Self {
+        Self {
+            counted: frame,
+            states: frame,
+            live: frame,
+        }
+    }
+
+    pub(super) fn window(frame: u64) -> Self {
+        Self {
+            counted: frame,
+            states: 0,
+            live: frame,
+        }
+    }
+
+    pub(super) fn plus(self, o: Self) -> Self {
+        Self {
+            counted: self.counted.saturating_add(o.counted),
+            states: self.states.saturating_add(o.states),
+            live: self.live.saturating_add(o.live),
+        }
+    }
+
+    pub(super) fn minus(self, o: Self) -> Self {
+        Self {
+            counted: self.counted.saturating_sub(o.counted),
+            states: self.states.saturating_sub(o.states),
+            live: self.live.saturating_sub(o.live),
+        }
+    }
+}
+
 #[derive(Debug, Default)]
 pub(super) struct Index {
     pub(super) meta: HashMap<Key, Meta>,
@@ -42,8 +104,16 @@ pub(super) struct Index {
     pub(super) windows: BTreeMap<(String, String), u64>,
     /// Records per prefix length.
     pub(super) lengths: BTreeMap<usize, usize>,
-    /// Bytes the records hold (the byte bound's measure).
+    /// Bytes the records hold (by [`crate::store::StoredRecord::size`]).
     pub(super) bytes: usize,
+    /// Records least recently used first: (last use, key).
+    record_ages: BTreeSet<(u64, Key)>,
+    /// States oldest first: (written, session).
+    state_ages: BTreeSet<(u64, u128)>,
+    /// Bytes the states' frames take.
+    states_bytes: u64,
+    /// Bytes the windows' frames take.
+    windows_bytes: u64,
     /// Bytes the live frames take in the file.
     disk: u64,
 }
@@ -54,13 +124,24 @@ impl Index {
         *self.lengths.entry(m.k).or_insert(0) += 1;
         self.bytes += m.size;
         self.disk += m.at.len;
+        self.record_ages.insert((m.touched, key));
         self.meta.insert(key, m);
+    }
+
+    /// Sets a record's last use; its meta, to note more.
+    pub(super) fn set_touched(&mut self, key: &Key, at: u64) -> Option<&mut Meta> {
+        let m = self.meta.get_mut(key)?;
+        self.record_ages.remove(&(m.touched, *key));
+        self.record_ages.insert((at, *key));
+        m.touched = at;
+        Some(m)
     }
 
     pub(super) fn remove(&mut self, key: &Key) -> Option<Meta> {
         let old = self.meta.remove(key)?;
         self.bytes = self.bytes.saturating_sub(old.size);
         self.disk = self.disk.saturating_sub(old.at.len);
+        self.record_ages.remove(&(old.touched, *key));
         if let Some(n) = self.lengths.get_mut(&old.k) {
             *n -= 1;
             if *n == 0 {
@@ -73,12 +154,16 @@ impl Index {
     pub(super) fn put_state(&mut self, session: u128, s: StateMeta) {
         self.remove_state(session);
         self.disk += s.at.len;
+        self.states_bytes += s.at.len;
+        self.state_ages.insert((s.written, session));
         self.states.insert(session, s);
     }
 
     pub(super) fn remove_state(&mut self, session: u128) -> Option<StateMeta> {
         let old = self.states.remove(&session)?;
         self.disk = self.disk.saturating_sub(old.at.len);
+        self.states_bytes = self.states_bytes.saturating_sub(old.at.len);
+        self.state_ages.remove(&(old.written, session));
         Some(old)
     }
 
@@ -86,6 +171,19 @@ impl Index {
         let len = window_len(&upstream, &model);
         if self.windows.insert((upstream, model), tokens).is_none() {
             self.disk += len;
+            self.windows_bytes += len;
+        }
+    }
+
+    /// Drops a record or a state.
+    pub(super) fn drop_entry(&mut self, r: Ref) {
+        match r {
+            Ref::Record(key) => {
+                self.remove(&key);
+            }
+            Ref::State(session) => {
+                self.remove_state(session);
+            }
         }
     }
 
@@ -100,100 +198,44 @@ impl Index {
             m.at.offset = offset;
         }
     }
-}
 
-/// The least recently used records that go so that `size` more bytes
-/// under `key` fit `max_bytes` (`key` itself is replaced, not evicted).
-pub(super) fn evictions(index: &Index, key: Key, size: usize, max_bytes: usize) -> Vec<Key> {
-    let replaced = index.meta.get(&key).map_or(0, |m| m.size);
-    let mut bytes = index.bytes - replaced.min(index.bytes);
-    if bytes + size <= max_bytes {
-        return Vec::new();
-    }
-    let mut by_age: Vec<(u64, Key)> = index
-        .meta
-        .iter()
-        .filter(|(k, _)| **k != key)
-        .map(|(k, m)| (m.touched, *k))
-        .collect();
-    by_age.sort_unstable();
-    let mut gone = Vec::new();
-    for (_, old) in by_age {
-        if bytes + size <= max_bytes {
-            break;
-        }
-        bytes = bytes.saturating_sub(index.meta.get(&old).map_or(0, |m| m.size));
-        gone.push(old);
-    }
-    gone
-}
-
-/// What one sweep removes and writes.
-#[derive(Debug, Default)]
-pub(super) struct SweepPlan {
-    /// Records dropped (expired, or over the byte bound).
-    pub(super) gone: Vec<Key>,
-    /// Last uses to write.
-    pub(super) dirty: Vec<(Key, u64)>,
-    /// Conversation states expired.
-    pub(super) states: Vec<u128>,
-}
-
-/// What a sweep at `now` drops (expired first, then the least recently
-/// used while over the byte bound) and which last uses it writes. Reads
-/// the index only: [`apply_sweep`] changes it once the plan is written.
-pub(super) fn plan_sweep(index: &Index, now: u64, ttl_ms: u64, max_bytes: usize) -> SweepPlan {
-    let expired = |at: u64| now.saturating_sub(at) > ttl_ms;
-    let mut by_age: Vec<(u64, Key)> = index.meta.iter().map(|(k, m)| (m.touched, *k)).collect();
-    by_age.sort_unstable();
-    let mut bytes = index.bytes;
-    let mut gone = Vec::new();
-    for (touched, key) in by_age {
-        if !expired(touched) && bytes <= max_bytes {
-            break;
-        }
-        bytes = bytes.saturating_sub(index.meta.get(&key).map_or(0, |m| m.size));
-        gone.push(key);
-    }
-    let dropped: HashSet<&Key> = gone.iter().collect();
-    let dirty = index
-        .meta
-        .iter()
-        .filter(|(k, m)| m.dirty && !dropped.contains(k))
-        .map(|(k, m)| (*k, m.touched))
-        .collect();
-    let states = index
-        .states
-        .iter()
-        .filter(|(_, s)| expired(s.written))
-        .map(|(k, _)| *k)
-        .collect();
-    SweepPlan {
-        gone,
-        dirty,
-        states,
-    }
-}
-
-/// Applies a written sweep plan to the index.
-pub(super) fn apply_sweep(index: &mut Index, plan: &SweepPlan) {
-    for key in &plan.gone {
-        index.remove(key);
-    }
-    for (key, at) in &plan.dirty {
-        // A use after the plan was made stays dirty for the next sweep.
-        if let Some(m) = index.meta.get_mut(key).filter(|m| m.touched == *at) {
-            m.dirty = false;
+    /// What the live entries take in each measure of the bound.
+    pub(super) fn usage(&self) -> Usage {
+        Usage {
+            counted: self.bytes as u64 + self.states_bytes + self.windows_bytes,
+            states: self.states_bytes,
+            live: self.live(),
         }
     }
-    for s in &plan.states {
-        index.remove_state(*s);
+
+    /// The records, least recently used first: (last use, key).
+    pub(super) fn records_by_age(&self) -> impl Iterator<Item = (u64, Key)> + '_ {
+        self.record_ages.iter().copied()
+    }
+
+    /// The states, oldest first: (written, session).
+    pub(super) fn states_by_age(&self) -> impl Iterator<Item = (u64, u128)> + '_ {
+        self.state_ages.iter().copied()
+    }
+
+    /// What one live entry takes (nothing: not live).
+    pub(super) fn cost(&self, r: Ref) -> Usage {
+        match r {
+            Ref::Record(key) => self
+                .meta
+                .get(&key)
+                .map_or(Usage::default(), |m| Usage::record(m.size, m.at.len)),
+            Ref::State(s) => self
+                .states
+                .get(&s)
+                .map_or(Usage::default(), |m| Usage::state(m.at.len)),
+        }
     }
 }
 
 /// Least file size a rewrite aims to leave room for, so that a small
 /// bound is not rewritten on every write.
-const MIN_ROOM: u64 = 64 << 10;
+pub(super) const MIN_ROOM: u64 = 64 << 10;
 
 /// When the file is rewritten, and how large it may grow.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -204,12 +246,13 @@ pub(super) struct Bounds {
     pub(super) hard: u64,
 }
 
-/// The bounds of a file whose live entries take `live` bytes, the records
-/// bounded by `max_bytes`: the file stays within 1.5× the bound (or 1.25×
-/// its live entries plus 64 KiB, when those alone come near: conversation
-/// states are not counted by the bound, nor a frame's own bytes). A
-/// rewrite starts halfway between the live entries and that limit:
-/// the other half is the room that writes made during it may take.
+/// The bounds of a file whose live entries take `live` bytes, everything
+/// it keeps bounded by `max_bytes`: the file stays within 1.5× the bound
+/// (or 1.25× its live entries, at least 64 KiB more, when those come
+/// near: `evict.rs` keeps them within 1.2× the bound, so that happens only
+/// under a bound of about 128 KiB). A rewrite starts halfway between the
+/// live entries and that limit: the other half is the room that writes
+/// made during it may take.
 pub(super) fn bounds(max_bytes: usize, live: u64) -> Bounds {
     let b = max_bytes as u64;
     let hard = b
@@ -251,21 +294,6 @@ mod tests {
         i.set_window("u".into(), "m".into(), 1);
         i.set_window("u".into(), "m".into(), 2);
         assert_eq!(i.live(), HEADER_LEN as u64 + 110 + window_len("u", "m"));
-    }
-
-    #[test]
-    fn a_sweep_plan_drops_expired_then_oldest_over_the_bound() {
-        let mut i = Index::default();
-        i.add((1, 1), meta(1, 100, 10));
-        i.add((1, 2), meta(1, 100, 500));
-        i.add((1, 3), meta(1, 100, 900));
-        i.meta.get_mut(&(1, 3)).unwrap().dirty = true;
-        let plan = plan_sweep(&i, 1000, 600, 100);
-        assert_eq!(plan.gone, vec![(1, 1), (1, 2)]);
-        assert_eq!(plan.dirty, vec![((1, 3), 900)]);
-        apply_sweep(&mut i, &plan);
-        assert_eq!((i.meta.len(), i.bytes), (1, 100));
-        assert!(!i.meta[&(1, 3)].dirty);
     }
 
     #[test]

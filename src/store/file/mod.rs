@@ -3,18 +3,22 @@
 //!
 //! Every change is an entry appended at the end and made durable
 //! (`sync_data`) before the call returns: a record put (with the deletes
-//! of the records it evicts), the last uses noted since the last sweep, a
+//! of the records and states it evicts), the last uses noted since the last sweep, a
 //! learned window, a conversation state, deletes. The index (rebuilt by a
 //! scan at open) says where each live entry is, so [`Store::may_have`],
 //! [`Store::touch`] and a sweep read nothing, and a read is one positioned
 //! read whose checksum is checked. All file I/O runs on tokio's blocking
 //! pool, never on an async worker.
 //!
-//! The file is bounded: a put first drops the least recently used
-//! records until the new one fits `max_bytes`, and a rewrite copies
-//! the live entries into a new file while writes go on (see `rewrite.rs`
-//! and `gate.rs`), so the file stays within 1.5× the bound, running and
-//! after a restart.
+//! The file is bounded, everything it keeps counted: records by their
+//! size, conversation states and learned windows by their bytes in the
+//! file. A put first drops the least recently used records and states
+//! until the new entry fits `max_bytes`, states taking at most a quarter
+//! of it (the policy and why: `evict.rs`), and a rewrite copies the live
+//! entries into a new file while writes go on (see `rewrite.rs` and
+//! `gate.rs`), so the file stays within 1.5× the bound, running and after
+//! a restart (under a bound of about 128 KiB, within its live entries
+//! plus 64 KiB).
 //!
 //! Nothing in a file can make a call or the open panic: a file that is
 //! damaged or not ours is moved aside and a fresh one started with every
@@ -22,13 +26,15 @@
 //! `Corrupt` error and leaves the index.
 //!
 //! Files: `frame.rs` (the bytes), `entry.rs` (payloads), `index.rs`,
-//! `scan.rs` (open's read), `open.rs`, `rewrite.rs` (the rewrite),
-//! `gate.rs` (writes paced by it), `room.rs` (every write), `calls.rs`,
-//! `disk.rs` (lock, renames, moving aside), `inner.rs` (what they share).
+//! `evict.rs` (what the bound drops), `scan.rs` (open's read), `open.rs`,
+//! `rewrite.rs` (the rewrite), `gate.rs` (writes paced by it), `room.rs`
+//! (every write), `calls.rs`, `disk.rs` (lock, renames, moving aside),
+//! `inner.rs` (what they share).
 
 mod calls;
 mod disk;
 mod entry;
+mod evict;
 mod frame;
 mod gate;
 mod index;
@@ -39,6 +45,8 @@ mod room;
 mod scan;
 #[cfg(test)]
 mod tests;
+#[cfg(test)]
+mod tests_bound;
 #[cfg(test)]
 mod tests_damage;
 #[cfg(test)]
@@ -255,8 +263,11 @@ impl Store for FileStore {
     }
 
     fn touch(&self, cred: u128, prefix_hash: u128) {
-        if let Some(m) = self.inner.shared().index.meta.get_mut(&(cred, prefix_hash)) {
-            m.touched = inner::now_ms();
+        let mut shared = self.inner.shared();
+        if let Some(m) = shared
+            .index
+            .set_touched(&(cred, prefix_hash), inner::now_ms())
+        {
             m.dirty = true;
         }
     }

@@ -22,8 +22,9 @@ use std::sync::Arc;
 
 use super::calls;
 use super::disk::{self, OpenError};
+use super::evict::{apply_sweep, plan_sweep};
 use super::frame::{self, Header};
-use super::index::{apply_sweep, plan_sweep, Index};
+use super::index::Index;
 use super::inner::{now_ms, Inner, Settings};
 use super::rewrite;
 use super::scan::{self, Scan};

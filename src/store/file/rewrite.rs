@@ -31,7 +31,7 @@ use super::disk;
 use super::entry::{self, Key, TOUCHED_AT};
 use super::frame::{self, Kind};
 use super::gate::allowance;
-use super::index::{bounds, Index, Loc};
+use super::index::{bounds, Index, Loc, Ref};
 use super::inner::{lock, Inner, Writer};
 
 /// The temporary file is synced (and the gate moved on) every sixteenth
@@ -61,13 +61,6 @@ pub(super) enum RewriteError {
 
 fn io(op: &'static str) -> impl FnOnce(std::io::Error) -> RewriteError {
     move |source| RewriteError::Io { op, source }
-}
-
-/// A live entry by what it is keyed by.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-enum Ref {
-    Record(Key),
-    State(u128),
 }
 
 /// What a rewrite copies, taken under the writer's lock.

@@ -196,8 +196,8 @@ fn apply(index: &mut Index, e: Entry, at: Loc) {
         }
         Entry::Touches(uses) => {
             for (k, when) in uses {
-                if let Some(m) = index.meta.get_mut(&k) {
-                    m.touched = m.touched.max(when);
+                if let Some(at) = index.meta.get(&k).map(|m| m.touched.max(when)) {
+                    index.set_touched(&k, at);
                 }
             }
         }

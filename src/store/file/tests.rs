@@ -28,7 +28,7 @@ fn open(path: &Path) -> FileStore {
 /// on two cores) refused puts in clean-clone CI runs: what the store should
 /// do then, but not what these tests measure. The tests of refusal set
 /// their own wait.
-fn opened(path: &Path, ttl: Duration, bound: usize) -> FileStore {
+pub(super) fn opened(path: &Path, ttl: Duration, bound: usize) -> FileStore {
     let s = FileStore::open(path, ttl, bound).unwrap();
     s.set_write_wait(Duration::from_secs(30));
     s
@@ -557,8 +557,9 @@ async fn a_small_bound_never_refuses_writes_while_garbage_exists() {
 }
 
 /// The same wedge reached through conversation states, which the bound
-/// does not count: one state written again and again beside records that
-/// fill the bound.
+/// did not count then (the hard limit became the live entries plus 64
+/// KiB); now they count and take at most their share of it: one state
+/// written again and again beside records and states that fill the bound.
 #[tokio::test]
 async fn states_beside_a_full_small_bound_never_wedge_writes() {
     let dir = tempfile::tempdir().unwrap();
@@ -568,13 +569,12 @@ async fn states_beside_a_full_small_bound_never_wedge_writes() {
     for h in 0..200u128 {
         s.put(1, rec(2, h, &"r".repeat(1000))).await.unwrap();
     }
-    // States until the hard limit is the live entries plus 64 KiB (the
-    // 1.5x bound no longer leaves more).
-    let mut session = 100u128;
-    while s.inner.shared().index.live() + (64 << 10) < bound as u64 * 3 / 2 + 4096 {
+    // States far beyond their share: the oldest make room.
+    for session in 100..400u128 {
         s.put_state(session, vec![b's'; 2000]).await.unwrap();
-        session += 1;
     }
+    let limits = evict::Limits::new(bound);
+    assert!(s.inner.shared().index.usage().states <= limits.states);
     for n in 0..300usize {
         s.put_state(7, vec![b'n'; 1000 + n % 7])
             .await
