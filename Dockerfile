@@ -5,10 +5,13 @@ FROM rust:1.95-slim-bookworm AS build
 WORKDIR /src
 # Dependencies first, so source edits do not re-fetch crates. Cargo reads
 # every target the manifest names before it fetches: the benches it lists
-# come along (scripts/check_dockerfile.py runs these steps in the tests).
+# come along, and so does every member of the workspace (the engine crate's
+# manifest; scripts/check_dockerfile.py runs these steps in the tests).
 COPY Cargo.toml Cargo.lock ./
+COPY crates/compactor-engine/Cargo.toml ./crates/compactor-engine/
 COPY benches ./benches
-RUN mkdir -p src && echo 'fn main() {}' > src/main.rs && touch src/lib.rs \
+RUN mkdir -p src crates/compactor-engine/src && echo 'fn main() {}' > src/main.rs \
+    && touch src/lib.rs crates/compactor-engine/src/lib.rs \
     && cargo fetch --locked
 COPY . .
 # `--build-arg PGO=1`: the profile-guided build of scripts/build_pgo.sh (an

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # THE one command that runs every test of the repository (CI runs it through .ci/run):
-#   rustfmt check, the layer check (no import circle in src/, no import up scripts/layers.txt), clippy (warnings are errors), cargo tests, docker-compose config check,
+#   rustfmt check, the layer check (no import circle in src/ or the engine crate, no import up scripts/layers.txt), clippy (warnings are errors),
+#   cargo tests of the workspace (the proxy and crates/compactor-engine) and the engine's doc example, docker-compose config check,
 #   the Dockerfile's dependency layer run without docker (scripts/check_dockerfile.py),
 #   then the end-to-end suite against a real llama.cpp server (tests/e2e, pytest).
 # Stops at the first failing step and ends with a one-line summary.
@@ -68,8 +69,9 @@ e2e() {
 
 step fmt cargo fmt --all -- --check
 step layers bash scripts/check_layers.sh
-step clippy cargo clippy --all-targets -- -D warnings
-step cargo-test cargo test --all-targets
+step clippy cargo clippy --workspace --all-targets -- -D warnings
+step cargo-test cargo test --workspace --all-targets
+step doc-test cargo test --workspace --doc
 if [[ -f docker-compose.yml ]]; then
     step compose compose_check
 fi

@@ -14,8 +14,9 @@
 //! - [`telemetry`] and [`config`].
 //! - Support: [`session`] (keys, the session store, calibration),
 //!   [`store`] (what outlives a process), [`metrics`].
-//! - Leaves: `window`, [`compaction`] (the engine: deterministic, no I/O;
-//!   async only at the `Summariser` trait, its one edge), [`codec`] (each API's request mapped onto the engine's
+//! - Leaves: `window`, [`compaction`] (the engine, its own crate
+//!   `compactor-engine` in `crates/`: deterministic, no I/O; async only at
+//!   the `Summariser` trait, its one edge), [`codec`] (each API's request mapped onto the engine's
 //!   conversation and back), [`request`], `skim` (a validating skim of a
 //!   JSON object's members), `error`, `http1` (the HTTP/1 wire rules both
 //!   directions share), [`sync`], `civil`.

@@ -14,9 +14,9 @@ use support::chat::*;
 const TOKEN: &str = "admin-secret";
 const AUTH: (&str, &str) = ("authorization", "Bearer user-key");
 const SESSION: (&str, &str) = ("x-session-id", "s1");
-/// Wording of the summary message (src/compaction/markers.rs).
+/// Wording of the summary message (crates/compactor-engine/src/markers.rs).
 const HANDOFF: &str = "[COMPACTOR CONTEXT HANDOFF";
-/// Wording of the deterministic fallback (src/compaction/fallback.rs).
+/// Wording of the deterministic fallback (crates/compactor-engine/src/fallback.rs).
 const FALLBACK_NOTICE: &str = "Summary generation was unavailable";
 
 fn config(extra: &str) -> String {

@@ -3,7 +3,7 @@
 //! proxy's suffix bookkeeping. The rules that need the compressor's private
 //! state or one of its steps (blank echoes, the user-turn guarantee, abort
 //! rollback, structural no-ops) are unit tests in the crate
-//! (`src/compaction/compressor/tests.rs`, `compressor/cut/tests.rs`,
+//! (`crates/compactor-engine/src/compressor/tests.rs`, `compressor/cut/tests.rs`,
 //! `assemble/tests.rs`).
 
 // Test helpers panic on bad fixtures: that is a failed test, as in a #[test].

@@ -3,7 +3,7 @@
 //! `Strategy::Micro`; summary metadata rows are rows classified as
 //! summaries; telemetry lines are the returned `MicroTelemetry` record. The
 //! tests that read or set the micro state are unit tests in the crate
-//! (`src/compaction/compressor/micro/tests.rs`).
+//! (`crates/compactor-engine/src/compressor/micro/tests.rs`).
 
 // Test helpers panic on bad fixtures: that is a failed test, as in a #[test].
 #![allow(clippy::unwrap_used, clippy::expect_used)]

@@ -3,7 +3,7 @@
 //! `CompressResult::summary_index`; per-call figures are read from the
 //! returned `CompressResult`. The tests that call one of the compressor's
 //! steps or set its private state are unit tests in the crate
-//! (`src/compaction/compressor/tests.rs` and the leaf modules' `tests.rs`).
+//! (`crates/compactor-engine/src/compressor/tests.rs` and the leaf modules' `tests.rs`).
 
 // Test helpers panic on bad fixtures: that is a failed test, as in a #[test].
 #![allow(clippy::unwrap_used, clippy::expect_used)]

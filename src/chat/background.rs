@@ -323,7 +323,7 @@ impl Job {
                 s.model.clone(),
             ),
             &s.headers,
-            comp.trigger.summariser_budgets().into(),
+            comp.trigger_mut().summariser_budgets().into(),
         )
         .with_credential_query(s.credential_query.as_deref())
         .speaking(s.api)
@@ -387,23 +387,20 @@ async fn micro_ahead(
     summariser: &HttpSummariser<'_>,
 ) -> CompactionDone {
     let r = comp.micro_compact_ahead(values, summariser).await;
-    let absorbed = r
-        .micro
-        .as_ref()
-        .is_some_and(|m| m.outcome == MicroOutcome::Absorbed);
+    let absorbed = r.micro_outcome() == Some(MicroOutcome::Absorbed);
     CompactionDone {
         label: r.label(),
-        messages: r.messages,
         outcome: if absorbed {
-            r.outcome
+            r.outcome()
         } else {
             Outcome::Rejected
         },
-        fallback_used: r.fallback_used,
-        feasibility_skip: r.feasibility_skip,
-        tokens_before: r.tokens_before,
-        tokens_after: r.tokens_after,
-        kept_suffix: r.kept_suffix,
+        fallback_used: r.fallback_used(),
+        feasibility_skip: r.feasibility_skip(),
+        tokens_before: r.tokens_before(),
+        tokens_after: r.tokens_after(),
+        kept_suffix: r.kept_suffix(),
+        messages: r.into_messages(),
     }
 }
 

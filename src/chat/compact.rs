@@ -75,8 +75,8 @@ pub(super) async fn compact_if_due(
         engine_window,
         w.max_out.map(|m| scale.to_rough(m)),
     );
-    let no_room = measure_fixed_part(&mut comp.trigger, h, w, (est_rough, noted));
-    let d = judge(&mut comp.trigger, w, est_rough, micro_due);
+    let no_room = measure_fixed_part(comp.trigger_mut(), h, w, (est_rough, noted));
+    let d = judge(comp.trigger_mut(), w, est_rough, micro_due);
     conv.no_room_noted |= no_room;
     // The awaits below are boxed: a claim and an engine pass run on few
     // turns, a background turn only when configured. Inline, their state
@@ -216,7 +216,7 @@ async fn compact_now(
             c.model.to_owned(),
         ),
         c.client.headers,
-        comp.trigger.summariser_budgets().into(),
+        comp.trigger_mut().summariser_budgets().into(),
     )
     .with_credential_query(c.client.query)
     .speaking(c.api)
@@ -245,7 +245,7 @@ async fn compact_now(
     let last_resort = LastResort {
         window: fit_budget(&values, w),
         fit,
-        settle: settle_mark(&mut comp.trigger, w.tools_rough),
+        settle: settle_mark(comp.trigger_mut(), w.tools_rough),
     };
     let started = Instant::now();
     let mut result = run_engine(
@@ -263,7 +263,7 @@ async fn compact_now(
     // The batch trigger's deferral and strike rules judge batch
     // compactions only; a micro pass is routine.
     if result.outcome == Outcome::Compacted && !d.micro_pass {
-        comp.trigger.record_completed_compaction(
+        comp.trigger_mut().record_completed_compaction(
             result.fallback_used,
             result.feasibility_skip,
             result.tokens_after,

@@ -175,15 +175,15 @@ impl Conversation {
             Compressor::new(Arc::clone(cfg), trigger)
         });
         if let Some(snap) = self.restored_trigger.take() {
-            comp.trigger.restore(snap);
+            comp.trigger_mut().restore(snap);
         }
         // A model switch resets the trigger's state (another model, another
         // window and tokenizer). Window and output reservation go in separately:
         // they move with the calibration scale and the client's max_tokens,
         // which must not wipe the deferral and strike state.
-        comp.trigger.update_model(model, None, base_url, None);
-        comp.trigger.set_max_tokens(max_tokens);
-        comp.trigger.set_context_length(window);
+        comp.trigger_mut().update_model(model, None, base_url, None);
+        comp.trigger_mut().set_max_tokens(max_tokens);
+        comp.trigger_mut().set_context_length(window);
         comp
     }
 
@@ -194,7 +194,7 @@ impl Conversation {
         if self
             .compressor
             .as_ref()
-            .is_some_and(|c| c.trigger.model() != model)
+            .is_some_and(|c| c.trigger().model() != model)
         {
             self.calibration.reset();
         }
@@ -266,7 +266,7 @@ impl Conversation {
             }
             let engine_usage = self.calibration.learn(sent, usage);
             if let Some(comp) = self.compressor.as_mut() {
-                comp.trigger.update_from_response(&engine_usage);
+                comp.trigger_mut().update_from_response(&engine_usage);
             }
         }
         self.stats.truncations += cut.len() as u64;

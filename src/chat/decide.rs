@@ -244,7 +244,7 @@ mod tests {
     fn deferral_holds_unless_the_request_cannot_fit() {
         let th = threshold();
         let mut t = trigger();
-        t.awaiting_real_usage_after_compression = true;
+        t.set_awaiting_real_usage(true);
         assert!(!decide(&mut t, sizes(th), false, false).wanted);
         // Estimate plus its margin over the window: compacted anyway.
         let d = decide(&mut t, sizes(WINDOW - WINDOW / 20), false, false);

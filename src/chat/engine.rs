@@ -146,13 +146,13 @@ pub(super) async fn run_engine(
     };
     CompactionDone {
         label: r.label(),
-        messages: r.messages,
-        outcome: r.outcome,
-        fallback_used: r.fallback_used,
-        feasibility_skip: r.feasibility_skip,
-        tokens_before: r.tokens_before,
-        tokens_after: r.tokens_after,
-        kept_suffix: r.kept_suffix,
+        outcome: r.outcome(),
+        fallback_used: r.fallback_used(),
+        feasibility_skip: r.feasibility_skip(),
+        tokens_before: r.tokens_before(),
+        tokens_after: r.tokens_after(),
+        kept_suffix: r.kept_suffix(),
+        messages: r.into_messages(),
     }
 }
 

@@ -36,7 +36,7 @@ fn snapshot(conv: &Conversation) -> Persisted {
         trigger: conv
             .compressor
             .as_ref()
-            .map(|c| c.trigger.snapshot())
+            .map(|c| c.trigger().snapshot())
             .or_else(|| conv.restored_trigger.clone()),
     }
 }
@@ -59,7 +59,7 @@ pub(super) async fn load(chat: &ChatState, conv: &mut Conversation, key: Session
     };
     conv.calibration.restore(&p.calibration);
     match (conv.compressor.as_mut(), p.trigger.clone()) {
-        (Some(comp), Some(snap)) => comp.trigger.restore(snap),
+        (Some(comp), Some(snap)) => comp.trigger_mut().restore(snap),
         (None, snap) => conv.restored_trigger = snap,
         (Some(_), None) => {}
     }

@@ -334,7 +334,7 @@ fn record_turn(
         est: est.tokens,
         window: t.window,
         trigger: conv.compressor.as_ref().and_then(|c| {
-            let rough = c.trigger.cached_threshold_tokens()?;
+            let rough = c.trigger().cached_threshold_tokens()?;
             Some((rough as f64 * scale).round() as u64)
         }),
         sent: &est.sent.hashes,

@@ -903,7 +903,7 @@ mod tests {
         .unwrap();
         assert_eq!(cut.finish_reason.as_deref(), Some("length"));
         let e = parse_messages_reply(br#"{"type":"error"}"#).unwrap_err();
-        assert_eq!(e.origin, SummaryErrorKind::Decode);
+        assert_eq!(e.origin(), SummaryErrorKind::Decode);
     }
 
     #[test]
@@ -936,9 +936,9 @@ mod tests {
     #[test]
     fn html_error_page_is_a_decode_error() {
         let e = parse_reply(b"<html>502 Bad Gateway</html>").unwrap_err();
-        assert_eq!(e.origin, SummaryErrorKind::Decode);
+        assert_eq!(e.origin(), SummaryErrorKind::Decode);
         let e = parse_reply(br#"{"object":"list"}"#).unwrap_err();
-        assert_eq!(e.origin, SummaryErrorKind::Decode);
+        assert_eq!(e.origin(), SummaryErrorKind::Decode);
     }
 
     #[test]

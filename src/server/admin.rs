@@ -192,7 +192,7 @@ fn with_busy(mut view: Value, busy: bool) -> Value {
 /// count is the newest the upstream reported.
 fn row(key: &SessionKey, conv: &mut Conversation) -> Map<String, Value> {
     conv.drain_inbox();
-    let trigger = conv.compressor.as_ref().map(|c| c.trigger.status());
+    let trigger = conv.compressor.as_ref().map(|c| c.trigger().status());
     // The engine works in rough units; show real tokens at the top level.
     let scale = conv.engine_scale().factor();
     let real = |rough: u64| (rough as f64 * scale).round() as u64;
@@ -240,7 +240,7 @@ fn row(key: &SessionKey, conv: &mut Conversation) -> Map<String, Value> {
 /// compactions, and (only with `show_content`) what its record holds.
 fn render(key: &SessionKey, conv: &mut Conversation, show_content: bool) -> Value {
     let mut o = row(key, conv);
-    let trigger = conv.compressor.as_ref().map(|c| c.trigger.status());
+    let trigger = conv.compressor.as_ref().map(|c| c.trigger().status());
     let calibration = conv.calibration.snapshot();
     let record = conv.record();
     let summary = record.as_ref().map(|r| {

@@ -1,6 +1,7 @@
 //! Shared helpers for the engine's integration tests: the scripted
-//! summariser and compressor builders the crate's unit tests use too (one
-//! file, `src/compaction/test_support.rs`), and what only these suites need.
+//! summariser and compressor builders the engine's unit tests use too (one
+//! file, `crates/compactor-engine/src/test_support.rs`), and what only
+//! these suites need.
 #![allow(dead_code)]
 
 use compactor::compaction::{
@@ -9,7 +10,7 @@ use compactor::compaction::{
 };
 use std::sync::Arc;
 
-#[path = "../../src/compaction/test_support.rs"]
+#[path = "../../crates/compactor-engine/src/test_support.rs"]
 mod shared;
 pub use shared::*;
 

@@ -35,9 +35,9 @@ use tokio::sync::mpsc;
 
 type MockBody = UnsyncBoxBody<Bytes, Infallible>;
 
-/// How the summariser prompt starts (src/compaction/serialize.rs PREAMBLE).
+/// How the summariser prompt starts (crates/compactor-engine/src/serialize.rs PREAMBLE).
 pub const SUMMARY_PROMPT_START: &str = "You are a summarization agent";
-/// How micro-compaction prompts start (src/compaction/compressor/micro.rs).
+/// How micro-compaction prompts start (crates/compactor-engine/src/compressor/micro.rs).
 /// How a summary asked after the conversation opens.
 pub const IN_CONTEXT_PROMPT_START: &str = "You are a summarization agent now.";
 pub const MICRO_PROMPT_START: &str = "You are a conversation summarization assistant";
