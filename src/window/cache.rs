@@ -111,13 +111,18 @@ impl WindowCache {
         }
     }
 
+    /// The slot of (`upstream`, `model`) when one was made.
+    fn existing(&self, upstream: &str, model: &str) -> Option<Arc<Slot>> {
+        slot_key(upstream, model, |key| {
+            self.slots.get(key).map(|s| Arc::clone(s.value()))
+        })
+    }
+
     fn slot(&self, upstream: &str, model: &str) -> Arc<Slot> {
         // Looked up under a read lock with a key built in a reused buffer:
         // every request resolves its window, and an owned key and the map's
         // write lock for each cost more than the rest of the lookup.
-        let found = slot_key(upstream, model, |key| {
-            self.slots.get(key).map(|s| Arc::clone(s.value()))
-        });
+        let found = self.existing(upstream, model);
         if let Some(slot) = found {
             return slot;
         }
@@ -226,9 +231,7 @@ impl WindowCache {
         if let Some(r) = self.config_window(model) {
             return r;
         }
-        let Some(slot) = slot_key(upstream, model, |key| {
-            self.slots.get(key).map(|s| Arc::clone(s.value()))
-        }) else {
+        let Some(slot) = self.existing(upstream, model) else {
             return self.default_window();
         };
         if let Some(r) = Self::learned(&slot) {
@@ -248,9 +251,7 @@ impl WindowCache {
     /// next resolve asks `/api/ps` again instead of using the default until
     /// the TTL ends. Never waits: a probe running right now decides.
     pub(crate) fn answered(&self, upstream: &str, model: &str) {
-        let Some(slot) = slot_key(upstream, model, |key| {
-            self.slots.get(key).map(|s| Arc::clone(s.value()))
-        }) else {
+        let Some(slot) = self.existing(upstream, model) else {
             return;
         };
         let state = slot.discovery.try_lock();

@@ -206,21 +206,9 @@ pub(super) fn apply_sweep(index: &mut Index, plan: &SweepPlan) {
 
 #[cfg(test)]
 mod tests {
+    use super::super::index::tests::meta;
     use super::super::index::{Loc, Meta, StateMeta};
     use super::*;
-
-    fn meta(k: usize, size: usize, touched: u64) -> Meta {
-        Meta {
-            k,
-            size,
-            touched,
-            dirty: false,
-            at: Loc {
-                offset: 32,
-                len: size as u64 + 100,
-            },
-        }
-    }
 
     fn record(i: &mut Index, h: u128, size: usize, touched: u64) {
         i.add((1, h), meta(1, size, touched));

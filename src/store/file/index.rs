@@ -265,10 +265,11 @@ pub(super) fn bounds(max_bytes: usize, live: u64) -> Bounds {
 }
 
 #[cfg(test)]
-mod tests {
+pub(super) mod tests {
     use super::*;
 
-    fn meta(k: usize, size: usize, touched: u64) -> Meta {
+    /// A record's index entry of `size` bytes, last used at `touched`.
+    pub(in crate::store::file) fn meta(k: usize, size: usize, touched: u64) -> Meta {
         Meta {
             k,
             size,
